@@ -1,0 +1,5 @@
+"""Sparse (selected-token) attention reference with mergeable base-2 LSE partials."""
+
+from qsaserve.ops.qsa_attention.reference import merge_attention_partials, sparse_attention_reference
+
+__all__ = ["merge_attention_partials", "sparse_attention_reference"]

@@ -1,0 +1,81 @@
+"""Plain-PyTorch sparse (selected-token) GQA attention with mergeable partial results.
+
+Each query row attends only to the cache rows listed for it (the QSA indexer's selection, or a
+shard of it under decode-context parallelism). Outputs are fp32 with a base-2 log-sum-exp so that
+partials over disjoint token shards merge exactly with :func:`merge_attention_partials`.
+A row with nothing selected yields ``out = 0`` and ``lse = -inf`` (never NaN).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["sparse_attention_reference", "merge_attention_partials"]
+
+_LOG2E = 1.0 / math.log(2.0)
+
+
+def sparse_attention_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    token_indices: torch.Tensor,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of each query over its selected cache rows.
+
+    ``q`` ``[Tq, Hq, D]``; ``k_cache`` ``[N, Hkv, D]``, ``v_cache`` ``[N, Hkv, Dv]`` (any slot
+    layout: ``token_indices`` are row ids into them); ``token_indices`` ``[Tq, M]`` int, ``-1`` =
+    unused. ``Hq % Hkv == 0``; query head ``h`` reads KV head ``h // (Hq // Hkv)``.
+    ``scale`` defaults to ``D ** -0.5``.
+
+    Returns ``out`` ``[Tq, Hq, Dv]`` fp32 and ``lse`` ``[Tq, Hq]`` fp32 in base 2
+    (``log2 sum_j exp(s_j)`` with ``s_j = scale * q.k_j``).
+    """
+    Tq, Hq, D = q.shape
+    Hkv = k_cache.shape[1]
+    if Hq % Hkv != 0:
+        raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
+    scale = D**-0.5 if scale is None else scale
+    valid = token_indices >= 0
+    rows = token_indices.clamp_min(0).long()
+    # Gather then zero unselected rows so garbage (e.g. NaN in null slots) cannot leak via 0 * NaN.
+    k = k_cache[rows].float().masked_fill(~valid[..., None, None], 0.0)  # [Tq, M, Hkv, D]
+    v = v_cache[rows].float().masked_fill(~valid[..., None, None], 0.0)
+    group = Hq // Hkv
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
+    s = torch.einsum("thd,tmhd->thm", q.float(), k) * scale  # [Tq, Hq, M]
+    s = s.masked_fill(~valid[:, None, :], float("-inf"))
+    m = s.amax(dim=-1, keepdim=True)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(s - m_safe)  # exp(-inf) = 0 for unselected slots
+    denom = p.sum(dim=-1, keepdim=True)
+    out = torch.einsum("thm,tmhd->thd", p, v) / denom.clamp_min(torch.finfo(torch.float32).tiny)
+    lse = (m_safe + torch.log(denom)).squeeze(-1) * _LOG2E  # log(0) = -inf when nothing selected
+    return out, lse
+
+
+def merge_attention_partials(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial attentions over disjoint token sets.
+
+    ``outs`` ``[S, ..., Dv]`` and base-2 ``lses`` ``[S, ...]`` (a sequence of tensors is stacked).
+    Shards with ``lse = -inf`` contribute nothing; if every shard is empty the result is
+    ``out = 0``, ``lse = -inf``. Returns fp32 ``(out, lse)``.
+    """
+    if not isinstance(outs, torch.Tensor):
+        outs = torch.stack(list(outs))
+    if not isinstance(lses, torch.Tensor):
+        lses = torch.stack(list(lses))
+    outs, lses = outs.float(), lses.float()
+    m = lses.amax(dim=0, keepdim=True)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp2(lses - m_safe)  # 0 for empty shards
+    total = w.sum(dim=0)
+    # Zero the outputs of empty shards explicitly: their weight is 0 but 0 * NaN would survive.
+    contrib = torch.where((w > 0)[..., None], outs, torch.zeros_like(outs)) * w[..., None]
+    out = contrib.sum(dim=0) / total.clamp_min(torch.finfo(torch.float32).tiny)[..., None]
+    lse = m_safe.squeeze(0) + torch.log2(total)
+    return out, lse
