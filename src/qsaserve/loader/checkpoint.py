@@ -1,0 +1,102 @@
+"""Checkpoint dispatcher: resolve a `model` argument and open it as GGUF or an HF safetensors directory.
+
+Sibling modules import `ModelLoadError` from here, so this module imports them lazily
+(inside functions) to keep the import graph acyclic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+logger = logging.getLogger("qsaserve")
+
+
+class ModelLoadError(ValueError):
+    """A model could not be resolved or loaded; the message names the offending parameter."""
+
+
+class WeightSource(Protocol):
+    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def weight_names(self) -> list[str]: ...
+
+
+@dataclass
+class Checkpoint:
+    path: str
+    format: str  # "gguf" | "safetensors"
+    hf_config: dict
+    tokenizer: "PreTrainedTokenizerFast"
+    identity: str
+    _source: WeightSource = field(repr=False, compare=False, default=None)
+
+    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF parameter name, tensor in `dtype`), one tensor materialised at a time."""
+        return self._source.weights(dtype)
+
+    def weight_names(self) -> list[str]:
+        return self._source.weight_names()
+
+
+def compute_identity(hf_config: dict, parts: list[tuple[str, Any]]) -> str:
+    """sha256 over the canonical config JSON, then each (label, bytes-or-jsonable) part, length-prefixed.
+
+    Length prefixes keep concatenations unambiguous, so different inputs cannot collide by shifting
+    bytes between neighbouring parts.
+    """
+    digest = hashlib.sha256()
+
+    def feed(data: bytes) -> None:
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+
+    feed(json.dumps(hf_config, sort_keys=True, separators=(",", ":"), default=str).encode())
+    for label, value in parts:
+        feed(label.encode())
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            value = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+        feed(bytes(value))
+    return digest.hexdigest()
+
+
+def resolve_model(model: str | None, *, progress: bool = True) -> str:
+    """None -> the default model's path (fetched if needed); a local path -> validated absolute path."""
+    if model is None:
+        from .default_model import ensure_default_model
+
+        return ensure_default_model(progress=progress)
+    if not isinstance(model, (str, os.PathLike)) or not str(model).strip():
+        raise ModelLoadError(f"model: expected a path to a GGUF file or an HF model directory, got {model!r}")
+    path = os.path.abspath(os.path.expanduser(os.fspath(model)))
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model: no such file or directory: {path}")
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ModelLoadError(f"model: directory {path} has no config.json (expected a Hugging Face model directory)")
+    elif not os.path.isfile(path):
+        raise ModelLoadError(f"model: not a regular file or directory: {path}")
+    elif not os.access(path, os.R_OK):
+        raise ModelLoadError(f"model: file is not readable: {path}")
+    return path
+
+
+def load_checkpoint(path: str, *, progress: bool = True) -> Checkpoint:
+    """Open a GGUF file or an HF safetensors directory (validated via `resolve_model`)."""
+    path = resolve_model(path, progress=progress)
+    if os.path.isdir(path):
+        from .safetensors_loader import load_safetensors_checkpoint
+
+        return load_safetensors_checkpoint(path)
+    from .gguf_loader import load_gguf_checkpoint
+
+    return load_gguf_checkpoint(path)
