@@ -1,0 +1,322 @@
+"""Plain-PyTorch building blocks of the Qwen4Exp text model (CPU reference path).
+
+Pure functions over explicit weights and state. Parameter arguments are named after the
+transformers parameters (``model.language_model.layers.{i}.<prefix>.<name>``); the
+``*_forward`` helpers take a mapping whose keys are the HF names relative to the sub-module
+(e.g. ``{"q_proj.weight": ..., "q_norm.weight": ...}`` for ``self_attn``).
+
+Norm conventions (see docs/qwen4exp.md):
+* ``Qwen4ExpTextRMSNorm`` weights are 1-centred: ``y = norm(x) * (1 + w)`` (hc_norm, PLE norms,
+  q_norm/k_norm, indexer q_layernorm/k_layernorm). Grouped variants normalise each
+  ``hidden_size`` slice of the ``hc_count * hidden_size`` stream vector separately.
+* ``linear_attn.norm`` (gated RMSNorm of the GDN output) is *not* 1-centred: ``y = w * norm(x) * act(z)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from qsaserve.ops.gdn.reference import (
+    causal_conv1d_reference,
+    gdn_chunk_reference,
+    gdn_recurrent_reference,
+)
+from qsaserve.ops.qsa_attention.reference import sparse_attention_reference
+from qsaserve.ops.qsa_indexer.reference import (
+    apply_partial_rope,
+    indexer_project,
+    qsa_select_reference,
+    rms_norm_one_centred,
+    rope_cos_sin,
+)
+
+__all__ = [
+    "rms_norm",
+    "gated_rms_norm",
+    "hc_expand",
+    "hc_gated_residual",
+    "hc_inject",
+    "moe_router",
+    "moe_experts",
+    "dense_mlp",
+    "sparse_moe_block",
+    "qsa_attention_qkv",
+    "qsa_attention_output",
+    "qsa_attention_forward",
+    "gdn_layer_forward",
+]
+
+
+def _act(name: str):
+    if name in ("silu", "swish"):
+        return F.silu
+    if name == "sigmoid":
+        return torch.sigmoid
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+# --------------------------------------------------------------------------- norms
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int | None = None) -> torch.Tensor:
+    """1-centred (grouped) RMSNorm: fp32 ``norm(x) * (1 + weight)``, cast back to ``x.dtype``.
+
+    With ``group_size`` each consecutive ``group_size`` features get their own RMS (the weight
+    still spans the full last dim), as ``Qwen4ExpTextRMSNorm(dim, group_size=hidden_size)``.
+    """
+    if group_size is None:
+        return rms_norm_one_centred(x, weight, eps)
+    xf = x.float().unflatten(-1, (-1, group_size))
+    out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+    return (out * (1.0 + weight.float())).to(x.dtype)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str = "silu"
+) -> torch.Tensor:
+    """GDN output norm (``Qwen4ExpTextRMSNormGated``), per head over the last dim.
+
+    ``weight * norm(x)`` (plain weight, norm in fp32 then cast to the input dtype) times
+    ``act(gate)`` in fp32; ``activation`` is ``config.output_gate_type or config.hidden_act``.
+    """
+    dtype = x.dtype
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return ((weight * normed) * _act(activation)(gate.float())).to(dtype)
+
+
+# --------------------------------------------------------------------------- hyper-connections
+
+
+def hc_expand(embeddings: torch.Tensor, hc_count: int) -> torch.Tensor:
+    """Initial residual: the token embedding copied into every stream, ``[..., hc_count * H]``."""
+    return embeddings.repeat(*([1] * (embeddings.dim() - 1)), hc_count)
+
+
+def hc_gated_residual(
+    hyper: torch.Tensor,
+    hc_norm_weight: torch.Tensor,
+    input_mix_weight_down: torch.Tensor,
+    input_mix_weight_up: torch.Tensor,
+    block_inject_weight: torch.Tensor | None,
+    hc_count: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``Qwen4ExpTextGatedResidual``: collapse ``hc_count`` streams into one block input.
+
+    ``hyper`` ``[..., hc_count * H]``. Returns the mixed input ``[..., H]`` and (unless
+    ``block_inject_weight`` is None, as in the final ``hyper_connection_mixer``) the per-stream
+    injection weights ``[..., hc_count]`` for :func:`hc_inject`::
+
+        xn  = grouped_rms_norm(hyper)                       # 1-centred hc_norm, groups of H
+        mix = sigmoid(up(silu(down(xn) / hc)))              # [..., hc, H]
+        out = mean_over_streams(mix * xn)                   # [..., H]
+        inj = 2 * sigmoid(block_inject(xn) / hc)            # [..., hc]
+    """
+    H = hyper.shape[-1] // hc_count
+    xn = rms_norm(hyper, hc_norm_weight, eps, group_size=H)
+    mix = F.silu(F.linear(xn, input_mix_weight_down) / hc_count)
+    mix = torch.sigmoid(F.linear(mix, input_mix_weight_up)).unflatten(-1, (hc_count, H))
+    mixed = (mix * xn.unflatten(-1, (hc_count, H))).mean(dim=-2)
+    if block_inject_weight is None:
+        return mixed, None
+    inject = 2 * torch.sigmoid(F.linear(xn, block_inject_weight) / hc_count)
+    return mixed, inject
+
+
+def hc_inject(hyper: torch.Tensor, block_out: torch.Tensor, injection_weights: torch.Tensor) -> torch.Tensor:
+    """Residual update: stream ``s`` += ``injection_weights[..., s] * block_out`` (un-normalised ``hyper``)."""
+    return hyper + (block_out.unsqueeze(-2) * injection_weights.unsqueeze(-1)).flatten(-2)
+
+
+# --------------------------------------------------------------------------- MoE
+
+
+def moe_router(
+    x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax (fp32) over ``mlp.gate.weight`` logits, top-k, optional renormalisation.
+
+    ``x`` ``[N, H]``. Returns ``(logits [N, E], weights [N, k] in logits dtype, indices [N, k])``.
+    """
+    logits = F.linear(x, gate_weight)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    top_w, top_i = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    return logits, top_w.to(logits.dtype), top_i
+
+
+def moe_experts(
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """Routed experts. ``gate_up_proj`` ``[E, 2I, H]`` (rows ``:I`` gate, ``I:`` up), ``down_proj`` ``[E, H, I]``.
+
+    ``out[n] = sum_j weights[n, j] * down_e(act(gate_e x) * up_e x)`` with ``e = indices[n, j]``.
+    """
+    act = _act(activation)
+    out = torch.zeros_like(x)
+    for e in indices.unique().tolist():
+        tok, slot = torch.where(indices == e)
+        gate, up = F.linear(x[tok], gate_up_proj[e]).chunk(2, dim=-1)
+        y = F.linear(act(gate) * up, down_proj[e]) * weights[tok, slot, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
+
+
+def dense_mlp(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
+              activation: str = "silu") -> torch.Tensor:
+    """SwiGLU MLP (the shared expert): ``down(act(gate x) * up x)``."""
+    return F.linear(_act(activation)(F.linear(x, gate_proj)) * F.linear(x, up_proj), down_proj)
+
+
+def sparse_moe_block(
+    x: torch.Tensor, p: Mapping[str, torch.Tensor], top_k: int, norm_topk_prob: bool, activation: str = "silu"
+) -> torch.Tensor:
+    """``Qwen4ExpTextSparseMoeBlock``; ``p`` keys relative to ``layers.{i}.mlp.``.
+
+    routed experts + ``sigmoid(shared_expert_gate x) * shared_expert(x)``; ``x`` ``[..., H]``.
+    """
+    shape = x.shape
+    flat = x.reshape(-1, shape[-1])
+    _, w, idx = moe_router(flat, p["gate.weight"], top_k, norm_topk_prob)
+    routed = moe_experts(flat, idx, w, p["experts.gate_up_proj"], p["experts.down_proj"], activation)
+    shared = dense_mlp(
+        flat,
+        p["shared_expert.gate_proj.weight"],
+        p["shared_expert.up_proj.weight"],
+        p["shared_expert.down_proj.weight"],
+        activation,
+    )
+    shared = torch.sigmoid(F.linear(flat, p["shared_expert_gate.weight"])) * shared
+    return (routed + shared).reshape(shape)
+
+
+# --------------------------------------------------------------------------- QSA attention
+
+
+def qsa_attention_qkv(
+    hidden: torch.Tensor,
+    q_proj_weight: torch.Tensor,
+    k_proj_weight: torch.Tensor,
+    v_proj_weight: torch.Tensor,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    head_dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gated-attention projections for ``hidden`` ``[T, H]`` at RoPE tables ``cos``/``sin`` ``[T, rot]``.
+
+    ``q_proj`` emits, per query head, ``head_dim`` query features followed by ``head_dim`` gate
+    features (interleaved per head, not two halves). q/k get a 1-centred per-head RMSNorm, then
+    partial RoPE on their first ``rot`` dims. Returns ``q [T, Hq, D]``, ``gate [T, Hq*D]``,
+    ``k [T, Hkv, D]``, ``v [T, Hkv, D]`` (k, v are what the KV cache stores).
+    """
+    T = hidden.shape[0]
+    qg = F.linear(hidden, q_proj_weight).view(T, -1, 2 * head_dim)
+    q, gate = qg[..., :head_dim], qg[..., head_dim:].reshape(T, -1)
+    k = F.linear(hidden, k_proj_weight).view(T, -1, head_dim)
+    v = F.linear(hidden, v_proj_weight).view(T, -1, head_dim)
+    q = rms_norm(q, q_norm_weight, eps)
+    k = rms_norm(k, k_norm_weight, eps)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return apply_partial_rope(q, c, s), gate, apply_partial_rope(k, c, s), v
+
+
+def qsa_attention_output(attn: torch.Tensor, gate: torch.Tensor, o_proj_weight: torch.Tensor) -> torch.Tensor:
+    """``o_proj(attn * sigmoid(gate))``; ``attn`` ``[T, Hq, D]``, ``gate`` ``[T, Hq*D]``."""
+    return F.linear(attn.reshape(attn.shape[0], -1).to(gate.dtype) * torch.sigmoid(gate), o_proj_weight)
+
+
+def qsa_attention_forward(
+    hidden: torch.Tensor,
+    p: Mapping[str, torch.Tensor],
+    cfg,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    raw_key_cache: torch.Tensor,
+    inv_freq: torch.Tensor,
+    tie_break: str = "torch",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One QSA layer (``self_attn``) for a chunk of one request, continuing from its caches.
+
+    ``hidden`` ``[T, H]`` (mixed hyper-connection input), ``positions`` ``[T]`` consecutive and
+    equal to the number of cached tokens onwards; caches ``[N, Hkv, D]``, ``[N, Hkv, D]``,
+    ``[N, indexer_head_dim]`` for positions ``0..N-1``. ``p`` keys relative to ``self_attn.``;
+    ``cfg`` is a Qwen4Exp text config. Returns ``(out [T, H], k_cache, v_cache, raw_key_cache)``
+    extended by this chunk.
+    """
+    eps = cfg.rms_norm_eps
+    cos, sin = rope_cos_sin(positions, inv_freq, hidden.dtype)
+    q, gate, k, v = qsa_attention_qkv(
+        hidden, p["q_proj.weight"], p["k_proj.weight"], p["v_proj.weight"], p["q_norm.weight"],
+        p["k_norm.weight"], cfg.head_dim, cos, sin, eps,
+    )
+    iq, raw = indexer_project(
+        hidden, p["indexer.index_qk_proj.weight"], p["indexer.q_layernorm.weight"], cfg.indexer_n_heads,
+        cfg.indexer_head_dim, cos, sin, eps,
+    )
+    k_cache = torch.cat([k_cache, k.to(k_cache.dtype)])
+    v_cache = torch.cat([v_cache, v.to(v_cache.dtype)])
+    raw_key_cache = torch.cat([raw_key_cache, raw.to(raw_key_cache.dtype)])
+    idx, _ = qsa_select_reference(
+        iq, raw_key_cache, positions, p["indexer.k_layernorm.weight"], inv_freq, cfg.indexer_compress_ratio,
+        cfg.indexer_budget, eps, tie_break,
+    )
+    attn, _ = sparse_attention_reference(q, k_cache, v_cache, idx, scale=cfg.head_dim**-0.5)
+    return qsa_attention_output(attn, gate, p["o_proj.weight"]), k_cache, v_cache, raw_key_cache
+
+
+# --------------------------------------------------------------------------- Gated DeltaNet layer
+
+
+def gdn_layer_forward(
+    hidden: torch.Tensor,
+    p: Mapping[str, torch.Tensor],
+    cfg,
+    conv_state: torch.Tensor | None = None,
+    recurrent_state: torch.Tensor | None = None,
+    mode: str = "chunk",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``Qwen4ExpTextGatedDeltaNet`` for a chunk continuing from explicit state.
+
+    ``hidden`` ``[B, T, H]``; ``p`` keys relative to ``linear_attn.``; ``conv_state``
+    ``[B, conv_dim, K-1]`` with ``conv_dim = 2*Hk*Dk + Hv*Dv`` (channel order q | k | v, as
+    ``in_proj_qkv``); ``recurrent_state`` ``[B, Hv, Dk, Dv]`` fp32. ``None`` = fresh request.
+    ``mode`` picks the chunked or token-recurrent kernel (same math).
+    Returns ``(out [B, T, H], new_conv_state, new_recurrent_state)``.
+    """
+    B, T, _ = hidden.shape
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    Dk, Dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    mixed = F.linear(hidden, p["in_proj_qkv.weight"])  # [B, T, conv_dim]
+    z = F.linear(hidden, p["in_proj_z.weight"]).view(B, T, Hv, Dv)
+    b = F.linear(hidden, p["in_proj_b.weight"])
+    a = F.linear(hidden, p["in_proj_a.weight"])
+    conv_out, new_conv = causal_conv1d_reference(
+        mixed.transpose(1, 2), p["conv1d.weight"], p.get("conv1d.bias"), conv_state, activation=cfg.hidden_act
+    )
+    conv_out = conv_out.transpose(1, 2)
+    q, k, v = torch.split(conv_out, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+    q, k, v = q.reshape(B, T, Hk, Dk), k.reshape(B, T, Hk, Dk), v.reshape(B, T, Hv, Dv)
+    beta = torch.sigmoid(b)
+    # Decay in fp32 (exp(A_log) may overflow half precision).
+    g = -p["A_log"].float().exp() * F.softplus(a.float() + p["dt_bias"])
+    kernel = gdn_chunk_reference if mode == "chunk" else gdn_recurrent_reference
+    o, new_rec = kernel(
+        q, k, v, g, beta, initial_state=recurrent_state, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    act = cfg.output_gate_type or cfg.hidden_act
+    o = gated_rms_norm(o, z, p["norm.weight"], cfg.rms_norm_eps, act).reshape(B, T, Hv * Dv)
+    return F.linear(o, p["out_proj.weight"]), new_conv, new_rec
