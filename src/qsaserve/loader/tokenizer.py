@@ -134,6 +134,7 @@ def build_gguf_tokenizer(meta: Mapping[str, Any]):
     if kind == "gpt2":
         merges = [_split_merge(m, vocab) for m in (merges_raw or [])]
         pre = meta.get("tokenizer.ggml.pre")
+        # No unk in the model: byte-level BPE covers every input; `unk_token` only names it for the wrapper.
         tok = Tokenizer(models.BPE(
             vocab=vocab, merges=merges, dropout=None, fuse_unk=False, byte_fallback=False,
             # llama.cpp (and Llama 3's tokenizer.json) take a whole pre-token straight from the vocabulary.
@@ -144,8 +145,6 @@ def build_gguf_tokenizer(meta: Mapping[str, Any]):
             tok.normalizer = normalizer
         tok.decoder = decoders.ByteLevel()
         add_bos = bool(add_bos) if add_bos is not None else False
-        # Byte-level BPE never needs an unknown token; GGUFs often point it at a real token.
-        unk_token = None
     elif kind == "llama":
         scores = meta.get("tokenizer.ggml.scores")
         if merges_raw:
