@@ -1,0 +1,131 @@
+"""Command line: `qsaserve generate|chat ...`. Engine flags mirror vLLM's names."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import MISSING, fields
+
+from qsaserve.config import EngineConfig
+from qsaserve.errors import InvalidRequestError
+
+_HELP = {
+    "model": "GGUF file or Hugging Face directory; default: SmolLM2-135M-Instruct (GGUF), fetched on first use",
+    "dtype": "weights/activation dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, float16",
+    "device": "auto, cpu, cuda or cuda:N",
+    "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
+    "block_size": "tokens per KV-cache page (power of two)",
+    "enable_prefix_caching": "reuse KV pages of identical prompt prefixes",
+    "max_num_batched_tokens": "per-step token budget shared by prefill chunks and decodes (default 2048 CPU / 8192 GPU)",
+    "max_num_seqs": "most sequences running at once",
+    "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
+    "kv_cache_memory": "KV cache size in bytes (overrides gpu_memory_utilization; default 1 GiB on CPU)",
+    "seed": "seed of the engine's random generator (requests may carry their own seed)",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+    group = parser.add_argument_group("engine")
+    for f in fields(EngineConfig):
+        if f.name == "model" and not with_model:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not MISSING else None
+        if isinstance(default, bool):
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP[f.name])
+        else:
+            kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
+            group.add_argument(flag, type=kind, default=default, help=f"{_HELP[f.name]} (default: {default})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+
+
+def _sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+
+
+def _make_llm(args):
+    from qsaserve.entrypoints.llm import LLM
+
+    config = engine_config_from_args(args)
+    return LLM(**{k: v for k, v in config.__dict__.items()})
+
+
+def _params(args):
+    from qsaserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+    )
+
+
+def cmd_generate(args) -> int:
+    llm = _make_llm(args)
+    out = llm.generate([args.prompt], _params(args), use_tqdm=False)[0]
+    print(args.prompt + out.outputs[0].text)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    llm = _make_llm(args)
+    params = _params(args)
+    messages: list[dict] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    turns = [args.message] if args.message else None
+    while True:
+        if turns is not None:
+            if not turns:
+                return 0
+            user = turns.pop(0)
+        else:
+            try:
+                user = input("user> ")
+            except EOFError:
+                return 0
+            if user.strip() in ("", "/exit", "/quit"):
+                return 0
+        messages.append({"role": "user", "content": user})
+        reply = llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+        print(f"assistant> {reply}", flush=True)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qsaserve", description="qsaserve: serve and run LLMs")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print it")
+    gen.add_argument("prompt")
+    add_engine_args(gen)
+    _sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat with the model's chat template (interactive, or one --message)")
+    chat.add_argument("--message", help="one user message; without it, read turns from stdin")
+    chat.add_argument("--system", help="system prompt")
+    add_engine_args(chat)
+    _sampling_args(chat)
+    chat.set_defaults(func=cmd_chat, max_tokens=256)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.func(args)
+    except InvalidRequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

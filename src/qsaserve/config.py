@@ -1,0 +1,77 @@
+"""Engine configuration: one validated dataclass; every field is also a CLI flag (see cli.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from qsaserve.errors import InvalidRequestError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
+    device: str = "auto"  # auto: cuda if available else cpu
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16  # tokens per KV-cache page
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int | None = None  # per-step token budget; None: 2048 on CPU, 8192 on GPU
+    max_num_seqs: int = 256
+    gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + activations + KV
+    kv_cache_memory: int | None = None  # bytes of KV cache; None: 1 GiB on CPU, from gpu_memory_utilization on GPU
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", *_DTYPES):
+            raise InvalidRequestError("dtype", f"must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise InvalidRequestError("device", f"must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise InvalidRequestError("device", "CUDA was requested but no CUDA device is available")
+        _check_int("block_size", self.block_size, 1)
+        if self.block_size & (self.block_size - 1):
+            raise InvalidRequestError("block_size", f"must be a power of two, got {self.block_size}")
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1)
+        if self.max_num_batched_tokens is not None:
+            _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidRequestError(
+                "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization!r}"
+            )
+        if self.kv_cache_memory is not None:
+            _check_int("kv_cache_memory", self.kv_cache_memory, 1)
+        _check_int("seed", self.seed, None)
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    @property
+    def token_budget(self) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 8192 if self.torch_device.type == "cuda" else 2048
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+
+def _check_int(name: str, value, minimum: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequestError(name, f"must be an integer, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise InvalidRequestError(name, f"must be >= {minimum}, got {value}")

@@ -1,0 +1,166 @@
+"""Block manager: owns the KV-cache pages, with prefix caching.
+
+A full block is identified by a hash chained over every token before it (hash of the parent
+block's hash + this block's token ids), so equal hashes mean equal prefixes. Freed blocks that
+hold a hash stay in the free list as cached blocks; a new prefix can revive them until they are
+evicted, least recently freed first. Block 0 is the null block: never allocated, used as padding
+in block tables so kernels always index valid memory.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from qsaserve.engine.sequence import Sequence
+
+NULL_BLOCK = 0
+
+
+def chain_hash(parent: int | None, token_ids: list[int]) -> int:
+    h = xxhash.xxh3_64()
+    h.update((parent if parent is not None else 0).to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set once the block is full and its KV is computed
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of which served from cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        if num_blocks < 2:
+            raise ValueError(f"the KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Insertion order = eviction order (LRU): the first entry is reused first.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.block_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its full computed blocks
+        self.stats = PrefixCacheStats()
+
+    # ---- capacity ----
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks) - 1  # usable, without the null block
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache ----
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of seq. At least one token is left to compute,
+        since the last position's logits are needed."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []
+        hits: list[int] = []
+        parent = None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            h = chain_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            block_id = self.hash_to_block.get(h)
+            if block_id is None:
+                break
+            hits.append(block_id)
+            parent = h
+        return hits
+
+    def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
+        self.stats.queries += num_prompt_tokens
+        self.stats.hits += num_hit_tokens
+
+    # ---- allocation ----
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
+        """Grow seq's block table to cover num_computed_tokens (+ cached prefix) + num_new_tokens.
+        Returns False, changing nothing, when the free pool is too small."""
+        num_revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        have = len(seq.block_table) + len(cached_blocks)
+        total = seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
+        need = max(0, self.blocks_needed(total) - have)
+        if need + num_revived > self.num_free_blocks:
+            return False
+        if cached_blocks:
+            hashes = self.block_hashes.setdefault(seq.seq_id, [])
+            for b in cached_blocks:
+                block = self.blocks[b]
+                if block.ref_count == 0:
+                    del self.free[b]
+                block.ref_count += 1
+                seq.block_table.append(b)
+                hashes.append(block.hash)
+            seq.num_computed_tokens += len(cached_blocks) * self.block_size
+        for _ in range(need):
+            seq.block_table.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None:  # evict its cached content
+            if self.hash_to_block.get(block.hash) == block_id:
+                del self.hash_to_block[block.hash]
+            block.hash = None
+        block.ref_count = 1
+        return block_id
+
+    def cache_computed_blocks(self, seq: Sequence) -> None:
+        """Register seq's newly completed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self.block_hashes.setdefault(seq.seq_id, [])
+        num_full = seq.num_computed_tokens // self.block_size
+        for i in range(len(hashes), num_full):
+            parent = hashes[-1] if hashes else None
+            h = chain_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            hashes.append(h)
+            block = self.blocks[seq.block_table[i]]
+            if block.hash is None:
+                block.hash = h
+                # First writer wins; a duplicate block with equal content is simply not shared.
+                self.hash_to_block.setdefault(h, block.block_id)
+
+    def free_seq(self, seq: Sequence, cacheable: bool = True) -> None:
+        """Release seq's blocks. Tail blocks are queued for eviction before head blocks, since
+        a shared prefix is worth more than one request's tail. cacheable=False (e.g. a request
+        whose logits went non-finite) drops the blocks' hashes so they are never reused."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if not cacheable and block.hash is not None and block.ref_count == 0:
+                if self.hash_to_block.get(block.hash) == block_id:
+                    del self.hash_to_block[block.hash]
+                block.hash = None
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        self.block_hashes.pop(seq.seq_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        for block_id in self.free:
+            self.blocks[block_id].hash = None
+        self.hash_to_block = {h: b for h, b in self.hash_to_block.items() if self.blocks[b].ref_count > 0}

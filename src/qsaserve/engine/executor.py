@@ -1,0 +1,34 @@
+"""Executor: what the engine calls to run a step on every worker rank.
+
+The engine only sees this interface, so single-process and multi-rank (tensor / decode-context
+parallel) execution are interchangeable. Rank 0 always runs in the engine's process and is the
+one whose logits come back.
+"""
+from __future__ import annotations
+
+import torch
+
+from qsaserve.config import EngineConfig
+from qsaserve.engine.batch import BatchInput
+from qsaserve.engine.model_runner import ModelRunner
+
+
+class InProcessExecutor:
+    """A single rank, running in the engine's own process."""
+
+    def __init__(self, config: EngineConfig, checkpoint, max_model_len: int):
+        self.runner = ModelRunner(config, checkpoint, max_model_len)
+        self.kv_spec = self.runner.kv_spec
+        self.num_kv_blocks = self.kv_spec.num_blocks_for(self.runner.kv_cache_budget_bytes())
+        if self.num_kv_blocks >= 2:
+            self.runner.init_kv_cache(self.num_kv_blocks)
+
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    def execute(self, batch: BatchInput) -> torch.Tensor:
+        return self.runner.execute(batch)
+
+    def shutdown(self) -> None:
+        self.runner.bind_kv_cache([])

@@ -1,0 +1,302 @@
+"""LLMEngine: requests in, RequestOutputs out, one scheduler step at a time.
+
+It validates and tokenizes requests, asks the scheduler what to run, has the executor run it,
+samples on rank 0's logits, detokenizes, applies stop conditions and frees finished requests.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from qsaserve.config import EngineConfig
+from qsaserve.engine.batch import LogitsPlan, build_batch
+from qsaserve.engine.block_manager import BlockManager
+from qsaserve.engine.detokenizer import detokenize_incrementally
+from qsaserve.engine.executor import InProcessExecutor
+from qsaserve.engine.sampler import SampledToken, prompt_logprobs_for, sample
+from qsaserve.engine.scheduler import Scheduler, SchedulerOutput
+from qsaserve.engine.sequence import Sequence
+from qsaserve.errors import InvalidRequestError
+from qsaserve.loader.checkpoint import load_checkpoint, resolve_model
+from qsaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from qsaserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("qsaserve")
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, *, progress: bool = True):
+        self.config = config
+        path = resolve_model(config.model, progress=progress)
+        checkpoint = load_checkpoint(path, progress=progress)
+        self.checkpoint = checkpoint
+        self.tokenizer = checkpoint.tokenizer
+        hf = checkpoint.hf_config
+        self.vocab_size = hf["vocab_size"]
+        model_max = hf.get("max_position_embeddings") or 2048
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise InvalidRequestError(
+                "max_model_len", f"{config.max_model_len} exceeds the model's max_position_embeddings ({model_max})"
+            )
+        self.max_model_len = config.max_model_len or model_max
+        self.eos_token_ids = _eos_ids(hf, self.tokenizer)
+
+        self.executor = InProcessExecutor(config, checkpoint, self.max_model_len)
+        spec = self.executor.kv_spec
+        usable_blocks = self.executor.num_kv_blocks - 1  # minus the null block
+        per_request = -(-self.max_model_len // config.block_size)
+        if usable_blocks < per_request:
+            raise InvalidRequestError(
+                "kv_cache_memory",
+                f"the KV cache holds {max(usable_blocks, 0) * config.block_size} tokens "
+                f"({spec.bytes_per_token} bytes/token), less than one max_model_len={self.max_model_len} request; "
+                "raise kv_cache_memory / gpu_memory_utilization or lower max_model_len",
+            )
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s), %.1f concurrent max-length requests",
+            usable_blocks, config.block_size, usable_blocks * config.block_size,
+            self.executor.num_kv_blocks * spec.bytes_per_block / 2**20, str(spec.dtype).removeprefix("torch."),
+            usable_blocks / per_request,
+        )
+        self.block_manager = BlockManager(self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.token_budget)
+        self.generator = torch.Generator(device=self.executor.device).manual_seed(config.seed)
+        self.requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "errors": 0}
+
+    # ---- requests ----
+    def add_request(
+        self, request_id: str, prompt: str | dict | list[int], params: SamplingParams | None = None
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._validate(token_ids, params)
+        seqs = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            gen = torch.Generator(device=self.executor.device).manual_seed(seed) if seed is not None else None
+            seq = Sequence(next(self._seq_ids), request_id, i, token_ids, params, gen)
+            seqs.append(seq)
+        self.requests[request_id] = _Request(request_id, text, token_ids, params, seqs, time.monotonic())
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.stats["prompt_tokens"] += len(token_ids)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt", "must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                    raise InvalidRequestError("prompt_token_ids", "must be a list of integers")
+                return prompt.get("prompt"), list(ids)
+            if "prompt" in prompt:
+                return self._tokenize(prompt["prompt"])
+            raise InvalidRequestError("prompt", "a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError("prompt", f"must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prompt", "must contain at least one token")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError("prompt_token_ids", f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        n = len(token_ids)
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                "prompt", f"the prompt has {n} tokens; max_model_len is {self.max_model_len} (room for one output token needed)"
+            )
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens",
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds max_model_len {self.max_model_len}",
+            )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+        return self._make_output(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ----
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduler step; returns an output for every request that made progress."""
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        batch, plan = build_batch(sched.chunks, self.config.block_size)
+        logits = self.executor.execute(batch)
+        touched: dict[str, _Request] = {}
+
+        errored = self._record_prompt_logprobs(logits, plan)
+        num_sampled = len(plan.sample_seqs)
+        sampled = sample(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator) if num_sampled else []
+        errored |= {seq.seq_id for seq, tok in zip(plan.sample_seqs, sampled) if not tok.finite}
+        self._advance(sched, errored)
+        now = time.monotonic()
+        for seq, tok in zip(plan.sample_seqs, sampled):
+            if seq.is_finished:
+                continue
+            if seq.seq_id in errored:
+                seq.finish_reason = "error"
+                self.scheduler.finish(seq, cacheable=False)
+                self.stats["errors"] += 1
+                logger.error("request %s: non-finite logits; ended with finish_reason=error", seq.request_id)
+            else:
+                self._append_token(seq, tok, now)
+            touched[seq.request_id] = self.requests[seq.request_id]
+        for seq, _, _ in plan.prompt_logprob_spans:
+            touched.setdefault(seq.request_id, self.requests[seq.request_id])
+        outputs = []
+        for req in touched.values():
+            outputs.append(self._make_output(req))
+            if all(s.is_finished for s in req.seqs):
+                del self.requests[req.request_id]
+                self.stats["finished"] += 1
+        return outputs
+
+    def _advance(self, sched: SchedulerOutput, errored: set[int]) -> None:
+        for chunk in sched.chunks:
+            chunk.seq.num_computed_tokens += chunk.num_new_tokens
+            if chunk.seq.seq_id not in errored:
+                self.block_manager.cache_computed_blocks(chunk.seq)
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, plan: LogitsPlan) -> set[int]:
+        errored: set[int] = set()
+        row = len(plan.sample_seqs)
+        for seq, first, count in plan.prompt_logprob_spans:
+            rows = logits[row : row + count]
+            row += count
+            if not bool(torch.isfinite(rows).all()):
+                errored.add(seq.seq_id)
+                continue
+            if not seq.prompt_logprobs:
+                seq.prompt_logprobs.append(None)  # the first prompt token has no context
+            targets = seq.token_ids[first + 1 : first + 1 + count]
+            for target, (lp, rank, top) in zip(targets, prompt_logprobs_for(rows, targets, seq.params.prompt_logprobs)):
+                seq.prompt_logprobs.append(self._logprob_dict(target, lp, rank, top))
+        return errored
+
+    def _logprob_dict(self, token: int, logprob: float, rank: int, top: list[tuple[int, float]]) -> dict[int, Logprob]:
+        entries = {tid: Logprob(lp, r + 1, self._decode_token(tid)) for r, (tid, lp) in enumerate(top)}
+        entries[token] = Logprob(logprob, rank, self._decode_token(token))
+        return entries
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _append_token(self, seq: Sequence, tok: SampledToken, now: float) -> None:
+        seq.token_ids.append(tok.token_id)
+        self.stats["generation_tokens"] += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        if tok.logprob is not None:
+            seq.cumulative_logprob += tok.logprob
+            seq.logprobs.append(self._logprob_dict(tok.token_id, tok.logprob, tok.rank, tok.top))
+        p = seq.params
+        is_stop_token = tok.token_id in (p.stop_token_ids or ())
+        is_eos = tok.token_id in self.eos_token_ids and not p.ignore_eos
+        min_ok = seq.num_output_tokens >= p.min_tokens
+        if (is_stop_token or is_eos) and min_ok:
+            if p.include_stop_str_in_output and is_stop_token:
+                detokenize_incrementally(self.tokenizer, seq)
+            seq.finish_reason, seq.stop_reason = "stop", (tok.token_id if is_stop_token else None)
+        else:
+            old_len = len(seq.output_text)
+            detokenize_incrementally(self.tokenizer, seq)
+            if p.stop_strings and min_ok and self._check_stop_strings(seq, old_len):
+                pass
+            elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+                seq.finish_reason = "length"
+            elif seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq)
+
+    def _check_stop_strings(self, seq: Sequence, old_len: int) -> bool:
+        for stop in seq.params.stop_strings:
+            # Only text that could overlap the new characters needs searching.
+            idx = seq.output_text.find(stop, max(0, old_len - len(stop) + 1))
+            if idx != -1:
+                end = idx + len(stop) if seq.params.include_stop_str_in_output else idx
+                seq.output_text = seq.output_text[:end]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return True
+        return False
+
+    def _make_output(self, req: _Request) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=s.index,
+                text=s.output_text,
+                token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob if req.params.logprobs is not None else None,
+                logprobs=list(s.logprobs) if req.params.logprobs is not None else None,
+                finish_reason=s.finish_reason,
+                stop_reason=s.stop_reason,
+            )
+            for s in req.seqs
+        ]
+        first = req.seqs[0]
+        prompt_lps = list(first.prompt_logprobs) if req.params.prompt_logprobs is not None else None
+        finished = all(s.finish_reason is not None for s in req.seqs)
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time,
+            first_token_time=min((s.first_token_time for s in req.seqs if s.first_token_time), default=None),
+            finished_time=time.monotonic() if finished else None,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt=req.prompt,
+            prompt_token_ids=req.prompt_token_ids,
+            prompt_logprobs=prompt_lps,
+            outputs=outputs,
+            finished=finished,
+            metrics=metrics,
+            num_cached_tokens=first.num_cached_tokens,
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _eos_ids(hf_config: dict, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    eos = hf_config.get("eos_token_id")
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, list):
+        ids.update(eos)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

@@ -1,0 +1,125 @@
+"""Model runner: owns one rank's model weights and KV cache, and runs one step's forward pass.
+
+It turns a BatchInput into device tensors, runs the model and returns the logits rows the
+engine asked for. Sampling stays in the engine (rank 0), so other ranks need no request state.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from qsaserve.cache.kv_cache import KVCacheSpec, allocate_kv_cache
+from qsaserve.config import EngineConfig
+from qsaserve.engine.batch import BatchInput
+from qsaserve.layers.attention import AttentionMetadata
+from qsaserve.models.registry import build_model
+
+logger = logging.getLogger("qsaserve")
+
+# Default KV budget on CPU, where there is no device memory to measure.
+CPU_KV_CACHE_BYTES = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, checkpoint, max_model_len: int):
+        self.config = config
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.max_model_len = max_model_len
+        torch.manual_seed(config.seed)
+        with torch.device(self.device), _default_dtype(self.dtype):
+            model = build_model(checkpoint.hf_config, max_model_len)
+        model.load_weights(checkpoint.weights(self.dtype))
+        self.model = model.eval()
+        self.attention_layers = model.attention_layers()
+        first = self.attention_layers[0]
+        self.kv_spec = KVCacheSpec(
+            num_layers=len(self.attention_layers),
+            num_kv_heads=first.num_kv_heads,
+            head_dim=first.head_dim,
+            dtype=self.dtype,
+            block_size=config.block_size,
+        )
+        self.kv_caches: list[torch.Tensor] = []
+
+    def kv_cache_budget_bytes(self) -> int:
+        """Bytes the KV cache may take: the explicit budget, else the GPU's free share after a
+        profiling forward pass at the largest step size."""
+        if self.config.kv_cache_memory is not None:
+            return self.config.kv_cache_memory
+        if self.device.type != "cuda":
+            return CPU_KV_CACHE_BYTES
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        free, total = torch.cuda.mem_get_info(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - peak - max(non_torch, 0)
+        if budget <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization: {self.config.gpu_memory_utilization} leaves no room for the KV cache "
+                f"(weights+activations peak {peak / 2**30:.2f} GiB of {total / 2**30:.2f} GiB)"
+            )
+        return budget
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        n = min(self.config.token_budget, self.max_model_len)
+        blocks = -(-n // self.config.block_size)
+        scratch = allocate_kv_cache(self.kv_spec, blocks + 1, self.device)
+        self.bind_kv_cache(scratch)
+        batch = BatchInput(
+            input_ids=[0] * n,
+            positions=list(range(n)),
+            slot_mapping=[self.config.block_size + i for i in range(n)],
+            query_lens=[n],
+            seq_lens=[n],
+            block_tables=[list(range(1, blocks + 1))],
+            logits_indices=list(range(min(n, 256))),
+        )
+        self.execute(batch)
+        self.bind_kv_cache([])
+        del scratch
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.bind_kv_cache(allocate_kv_cache(self.kv_spec, num_blocks, self.device))
+
+    def bind_kv_cache(self, caches: list[torch.Tensor]) -> None:
+        self.kv_caches = caches
+        for i, layer in enumerate(self.attention_layers):
+            layer.kv_cache = caches[i] if caches else None
+
+    @torch.inference_mode()
+    def execute(self, batch: BatchInput) -> torch.Tensor:
+        dev = self.device
+        max_blocks = max(len(t) for t in batch.block_tables)
+        tables = [t + [0] * (max_blocks - len(t)) for t in batch.block_tables]
+        cu = [0]
+        for n in batch.query_lens:
+            cu.append(cu[-1] + n)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=dev),
+            cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=dev),
+            query_lens=batch.query_lens,
+            seq_lens_list=batch.seq_lens,
+        )
+        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)
+        hidden = self.model(input_ids, positions, meta)
+        rows = torch.tensor(batch.logits_indices, dtype=torch.long, device=dev)
+        return self.model.compute_logits(hidden[rows])
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,0 +1,114 @@
+"""Scheduler: continuous batching with chunked prefill under a per-step token budget.
+
+Each step it first advances running sequences (decodes and unfinished prefill chunks), in
+arrival order, then admits waiting ones while the token budget, max_num_seqs and free KV
+blocks allow. Prefill and decode share one budget, so a long prompt is split into chunks and
+never stalls decodes. When blocks run out, the newest running sequence is preempted by
+recompute: its blocks are freed and it goes back to the front of the queue; since sampled
+tokens are kept (and seeded generators are not rewound), its output does not change.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from qsaserve.engine.block_manager import BlockManager
+from qsaserve.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+
+    @property
+    def completes_known_tokens(self) -> bool:
+        """True when this chunk reaches the last known token, so a new token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, token_budget: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.token_budget = token_budget
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.token_budget
+        scheduled: set[int] = set()
+
+        # 1. Running sequences, oldest first; preempt from the newest end when blocks run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.block_manager.allocate(seq, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(seq, num_new))
+                scheduled.add(seq.seq_id)
+                budget -= num_new
+                i += 1
+                continue
+            break  # seq itself was preempted
+
+        # 2. Waiting sequences, unless this step already had to preempt (no room to grow).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(seq) if seq.num_computed_tokens == 0 else []
+            num_new = min(seq.num_tokens - seq.num_computed_tokens - len(cached) * self.block_manager.block_size, budget)
+            if not self.block_manager.allocate(seq, num_new, cached):
+                break
+            if seq.num_preemptions == 0 and seq.num_output_tokens == 0:
+                seq.num_cached_tokens = len(cached) * self.block_manager.block_size
+                self.block_manager.record_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.chunks.append(ScheduledChunk(seq, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free_seq(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, cacheable: bool = True) -> None:
+        """Remove a finished or aborted sequence and free its blocks."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free_seq(seq, cacheable=cacheable)
+        seq.status = SequenceStatus.FINISHED

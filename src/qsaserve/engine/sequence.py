@@ -1,0 +1,78 @@
+"""Sequence: the engine-side state of one generated completion (a request with n > 1 has n of them)."""
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from qsaserve.outputs import PositionLogprobs
+from qsaserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+    ):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index  # position among the request's n completions
+        self.params = params
+        self.generator = generator  # per-request RNG (seeded requests); None: the engine's RNG
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+
+        # Cache state, owned by the block manager and the scheduler.
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache on first schedule
+        self.num_preemptions = 0
+
+        # Output state, owned by the engine.
+        self.output_text = ""
+        self.cumulative_logprob = 0.0
+        self.logprobs: list[PositionLogprobs] = []
+        self.prompt_logprobs: list[PositionLogprobs | None] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.detok_prefix_offset = 0
+        self.detok_read_offset = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        # Computed once per request (by its first completion), until every prompt token has one.
+        return self.index == 0 and self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def __repr__(self) -> str:
+        return f"Sequence(id={self.seq_id}, req={self.request_id}, tokens={self.num_tokens}, computed={self.num_computed_tokens})"

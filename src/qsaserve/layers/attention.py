@@ -1,0 +1,45 @@
+"""Attention layer and the per-step metadata the model runner hands to every attention layer.
+
+The layer writes this step's K/V into the paged cache, then attends over each sequence's
+whole context. Which implementation runs is the backend's business (torch reference on CPU,
+Triton kernels on GPU); models only see this module.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from qsaserve.ops.attention.reference import paged_attention_reference, write_kv_reference
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with the null block
+    seq_lens: torch.Tensor  # [B] int32: context length after this step
+    cu_query_lens: torch.Tensor  # [B+1] int32
+    query_lens: list[int]  # host copies, for the reference backend and planning
+    seq_lens_list: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.kv_cache: torch.Tensor | None = None  # bound by the model runner after allocation
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq*D], k/v: [T, Hkv*D] -> [T, Hq*D]."""
+        t = q.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        write_kv_reference(k, v, self.kv_cache, meta.slot_mapping)
+        out = paged_attention_reference(q, self.kv_cache, meta.block_tables, meta.query_lens, meta.seq_lens_list, self.scale)
+        return out.reshape(t, self.num_heads * self.head_dim)

@@ -1,0 +1,47 @@
+"""Rotary position embedding (rotate-half layout, as in HF Llama/Qwen), with llama3 and linear scaling."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
+    # float32 throughout, as HF computes it, so positions far out round the same way.
+    inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind in (None, "default"):
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    raise ValueError(f"rope_scaling: unsupported rope_type {kind!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, rotary_dim: int, max_positions: int, base: float, scaling: dict | None = None):
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        inv_freq = rope_inv_freq(rotary_dim, base, scaling)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq.float())
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H, D]; rotates the first rotary_dim channels of every head."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        rot, rest = x[..., : self.rotary_dim].float(), x[..., self.rotary_dim :]
+        x1, x2 = rot.chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        return torch.cat((rotated, rest), dim=-1) if rest.numel() else rotated

@@ -1,0 +1,177 @@
+"""Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3): GQA, RoPE, RMSNorm, SwiGLU, optional
+q/k norm (Qwen3) and qkv bias (Qwen2), tied or separate LM head. Plain PyTorch over the
+engine's paged Attention layer. Weights use HF names; q/k/v and gate/up are fused on load."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qsaserve.layers.attention import Attention, AttentionMetadata
+from qsaserve.layers.rmsnorm import RMSNorm
+from qsaserve.layers.rotary import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> "LlamaConfig":
+        heads = cfg["num_attention_heads"]
+        model_type = cfg.get("model_type", "llama")
+        rope_params = cfg.get("rope_parameters") or {}
+        rope_scaling = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type", "default") != "default" else None)
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=cfg.get("rope_theta", rope_params.get("rope_theta", 10000.0)),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            qk_norm=model_type == "qwen3",
+        )
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, c: LlamaConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.q_size = c.num_attention_heads * c.head_dim
+        self.kv_size = c.num_key_value_heads * c.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.rotary = rotary
+        self.attn = Attention(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q), self.rotary(positions, k)
+        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, c: LlamaConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = LlamaAttention(c, rotary)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = LlamaMLP(c)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, c: LlamaConfig, max_positions: int):
+        super().__init__()
+        self.config = c
+        rotary = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling)
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, rotary) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # ---- weights ----
+    _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            parts = name.split(".")
+            fused = self._FUSED.get(parts[-2]) if len(parts) >= 2 else None
+            if fused is not None:
+                parts[-2] = fused[0]
+                target = ".".join(parts)
+                param = params[target]
+                sizes = self._fused_sizes(fused[0])
+                offset = sum(sizes[: fused[1]])
+                param.data[offset : offset + sizes[fused[1]]].copy_(tensor)
+                loaded.add(f"{target}#{fused[1]}")
+                continue
+            if name not in params:
+                raise ValueError(f"model: checkpoint tensor {name!r} has no place in {type(self).__name__}")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"model: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        expected = set()
+        for pname in params:
+            base = pname.split(".")[-2] if "." in pname else ""
+            if base in ("qkv_proj", "gate_up_proj") and pname.endswith("weight"):
+                n = 3 if base == "qkv_proj" else 2
+                expected.update(f"{pname}#{i}" for i in range(n))
+            elif base == "qkv_proj" and pname.endswith("bias"):
+                expected.update(f"{pname}#{i}" for i in range(3))
+            else:
+                expected.add(pname)
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"model: checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def _fused_sizes(self, fused_name: str) -> list[int]:
+        c = self.config
+        if fused_name == "qkv_proj":
+            return [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.num_key_value_heads * c.head_dim]
+        return [c.intermediate_size, c.intermediate_size]

@@ -1,0 +1,16 @@
+"""Maps a checkpoint's model_type to the model class that serves it."""
+from __future__ import annotations
+
+from torch import nn
+
+from qsaserve.errors import InvalidRequestError
+from qsaserve.models.llama import LlamaConfig, LlamaForCausalLM
+
+_LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "smollm")
+
+
+def build_model(hf_config: dict, max_positions: int) -> nn.Module:
+    model_type = hf_config.get("model_type", "")
+    if model_type in _LLAMA_FAMILY:
+        return LlamaForCausalLM(LlamaConfig.from_hf(hf_config), max_positions)
+    raise InvalidRequestError("model", f"unsupported model_type {model_type!r}; supported: {', '.join(_LLAMA_FAMILY)}")
