@@ -184,7 +184,9 @@ def _open_reader(path: str):
     try:
         return _reader_class()(path)
     except Exception as exc:  # the reader surfaces struct/numpy/enum errors raw on malformed files
-        raise ModelLoadError(f"model: corrupt GGUF file {path}: {type(exc).__name__}: {exc}") from exc
+        raise ModelLoadError(
+            f"model: corrupt GGUF file {path}: truncated or malformed header/tensor table "
+            f"({type(exc).__name__}: {exc})") from exc
 
 
 def _validate_tensors(path: str, reader) -> None:
