@@ -256,6 +256,13 @@ def test_identity_is_stable_and_tracks_content(tmp_path):
     assert id_a == load_checkpoint(a).identity
     assert len(id_a) == 64 and int(id_a, 16) >= 0
     assert load_checkpoint(b).identity != id_a
+    # Identical header, different tensor bytes.
+    g3 = dict(g)
+    g3["blk.0.ffn_up.weight"] = (g["blk.0.ffn_up.weight"][0] + 1.0, g["blk.0.ffn_up.weight"][1])
+    os.makedirs(tmp_path / "third")
+    c = write_gguf(tmp_path / "third" / "a.gguf", "llama", g3)
+    assert open(c, "rb").read(4096) == open(a, "rb").read(4096) and os.path.getsize(c) == os.path.getsize(a)
+    assert load_checkpoint(c).identity != id_a
 
 
 # ---------------------------------------------------------------- tokenizers vs transformers' GGUF tokenizer

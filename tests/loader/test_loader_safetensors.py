@@ -34,10 +34,10 @@ def _tiny_tokenizer():
     })
 
 
-def _save_tiny_llama(directory, *, tied=True, max_shard_size=None):
+def _save_tiny_llama(directory, *, tied=True, max_shard_size=None, seed=0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     tokenizer = _tiny_tokenizer()
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -89,6 +89,9 @@ def test_identity(tmp_path):
     a1, a2 = load_checkpoint(str(tmp_path / "a")).identity, load_checkpoint(str(tmp_path / "a")).identity
     assert a1 == a2 and len(a1) == 64
     assert load_checkpoint(str(tmp_path / "b")).identity != a1
+    # Same architecture, file names and sizes, different weights (a "fine-tune"): the data sample tells them apart.
+    _save_tiny_llama(tmp_path / "c" / "a", seed=1)
+    assert load_checkpoint(str(tmp_path / "c" / "a")).identity != a1
     cfg = json.loads((tmp_path / "a" / "config.json").read_text())
     cfg["rms_norm_eps"] = 1e-5
     (tmp_path / "a" / "config.json").write_text(json.dumps(cfg))

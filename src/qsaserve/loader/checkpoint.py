@@ -36,7 +36,7 @@ class Checkpoint:
     path: str
     format: str  # "gguf" | "safetensors"
     hf_config: dict
-    tokenizer: "PreTrainedTokenizerFast"
+    tokenizer: "PreTrainedTokenizerFast" = field(repr=False)
     identity: str
     _source: WeightSource = field(repr=False, compare=False, default=None)
 
@@ -66,6 +66,29 @@ def compute_identity(hf_config: dict, parts: list[tuple[str, Any]]) -> str:
         if not isinstance(value, (bytes, bytearray, memoryview)):
             value = json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
         feed(bytes(value))
+    return digest.hexdigest()
+
+
+_SAMPLE_CHUNK = 64 * 1024
+_SAMPLE_COUNT = 8
+
+
+def sample_digest(path: str, start: int, end: int) -> str:
+    """sha256 of a few evenly spaced 64 KiB chunks of [start, end) of a file.
+
+    Headers alone cannot tell two fine-tunes of one architecture apart (same shapes, offsets and sizes);
+    sampling the data does, for ~0.5 MiB of reads instead of hashing gigabytes."""
+    digest = hashlib.sha256()
+    span = max(0, end - start)
+    with open(path, "rb") as fh:
+        if span <= _SAMPLE_CHUNK * _SAMPLE_COUNT:
+            fh.seek(start)
+            digest.update(fh.read(span))
+        else:
+            step = (span - _SAMPLE_CHUNK) // (_SAMPLE_COUNT - 1)
+            for i in range(_SAMPLE_COUNT):
+                fh.seek(start + i * step)
+                digest.update(fh.read(_SAMPLE_CHUNK))
     return digest.hexdigest()
 
 

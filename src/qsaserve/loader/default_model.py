@@ -97,7 +97,10 @@ def _cached_file_ok(path: Path) -> bool:
         logger.warning("cached default model %s has sha256 %s, expected %s; re-fetching", path, digest, GGUF_SHA256)
         _remove(path, _marker_path(path))
         return False
-    _write_marker(path)
+    try:
+        _write_marker(path)
+    except OSError as exc:  # a read-only cache still serves the verified file
+        logger.debug("cannot write verification marker for %s: %s", path, exc)
     return True
 
 

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
-from .checkpoint import Checkpoint, ModelLoadError, compute_identity
+from .checkpoint import Checkpoint, ModelLoadError, compute_identity, sample_digest
 
 logger = logging.getLogger("qsaserve")
 
@@ -306,11 +306,13 @@ def load_gguf_checkpoint(path: str) -> Checkpoint:
     config = _hf_config(path, meta, tensor_names)
     tokenizer = build_gguf_tokenizer(meta)
 
-    # The whole header (metadata incl. tokenizer, tensor infos) ends where tensor data starts.
-    header = reader.data[: reader.data_offset].tobytes()
+    size = os.path.getsize(path)
+    tensor_info = [[t.name, int(t.tensor_type), [int(d) for d in t.shape.tolist()], int(t.data_offset)]
+                   for t in reader.tensors]
     identity = compute_identity(config, [
-        ("gguf", {"name": os.path.basename(path), "size": os.path.getsize(path)}),
-        ("gguf-header", header),
+        ("gguf", {"name": os.path.basename(path), "size": size}),
+        ("gguf-tensor-info", tensor_info),
+        ("gguf-data-sample", sample_digest(path, int(reader.data_offset), size)),
     ])
     source = GGUFWeights(path, reader, meta["general.architecture"], config["num_attention_heads"],
                          config["num_key_value_heads"])

@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from .checkpoint import Checkpoint, ModelLoadError, compute_identity
+from .checkpoint import Checkpoint, ModelLoadError, compute_identity, sample_digest
 
 logger = logging.getLogger("qsaserve")
 
@@ -123,8 +123,10 @@ def load_safetensors_checkpoint(directory: str) -> Checkpoint:
         path = os.path.join(directory, f)
         raw, header = read_safetensors_header(path)
         headers[f] = header
-        parts.append((f"file:{f}", {"name": f, "size": os.path.getsize(path)}))
+        size = os.path.getsize(path)
+        parts.append((f"file:{f}", {"name": f, "size": size}))
         parts.append((f"header:{f}", raw))
+        parts.append((f"data-sample:{f}", sample_digest(path, 8 + len(raw), size)))
     identity = compute_identity(config, parts)
     tokenizer = load_hf_tokenizer(directory)
     source = SafetensorsWeights(directory, files, headers)
