@@ -9,3 +9,17 @@ def smollm2_gguf_path() -> str:
     from qsaserve.loader import resolve_model
 
     return resolve_model(None, progress=False)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf_path):
+    """transformers' own float32 load of the default GGUF: the oracle for the real model (~20 s, once)."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_gguf_path), gguf_file=os.path.basename(smollm2_gguf_path), dtype=torch.float32
+    )
+    return model.eval()

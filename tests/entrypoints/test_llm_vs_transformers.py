@@ -21,15 +21,8 @@ LOGPROB_TOL = 2e-3
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_gguf_path):
-    from transformers import AutoModelForCausalLM
-
-    import os
-
-    model = AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_gguf_path), gguf_file=os.path.basename(smollm2_gguf_path), dtype=torch.float32
-    )
-    return model.eval()
+def hf_model(hf_smollm2):
+    return hf_smollm2
 
 
 @pytest.fixture(scope="module")

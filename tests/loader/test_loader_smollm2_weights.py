@@ -1,6 +1,5 @@
 """The default SmolLM2 GGUF: our weights and config equal transformers' own GGUF loading."""
 
-import os
 
 import pytest
 import torch
@@ -14,11 +13,8 @@ def checkpoint(smollm2_gguf_path) -> Checkpoint:
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm2_gguf_path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(smollm2_gguf_path), gguf_file=os.path.basename(smollm2_gguf_path), dtype=torch.float32)
+def hf_model(hf_smollm2):
+    return hf_smollm2
 
 
 def test_every_tensor_equals_transformers(checkpoint, hf_model):

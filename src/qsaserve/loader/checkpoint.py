@@ -15,14 +15,20 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import torch
 
+from qsaserve.errors import InvalidRequestError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
 logger = logging.getLogger("qsaserve")
 
 
-class ModelLoadError(ValueError):
-    """A model could not be resolved or loaded; the message names the offending parameter."""
+class ModelLoadError(InvalidRequestError):
+    """A model could not be resolved or loaded. Messages start with "model: "."""
+
+    def __init__(self, message: str):
+        ValueError.__init__(self, message)
+        self.param = "model"
 
 
 class WeightSource(Protocol):

@@ -35,18 +35,33 @@ def paged_attention_reference(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, Hq, D] (sequences concatenated); seq_lens[i] counts sequence i's context
-    including its query_lens[i] new tokens, which are its last ones. Returns [T, Hq, D]."""
-    num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
-    out = torch.empty_like(q)
-    start = 0
-    for i, (n, length) in enumerate(zip(query_lens, seq_lens)):
-        qi = q[start : start + n].float().transpose(0, 1)  # [Hq, n, D]
-        k, v = gather_context(kv_cache, block_tables[i], length)
-        k = k.float().transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0)
-        v = v.float().transpose(0, 1).repeat_interleave(num_heads // num_kv_heads, dim=0)
-        # Query j sits at position length - n + j and sees keys 0..that position.
-        mask = torch.arange(length, device=q.device)[None, :] <= torch.arange(length - n, length, device=q.device)[:, None]
-        o = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask, scale=scale)
-        out[start : start + n] = o.transpose(0, 1).to(q.dtype)
-        start += n
-    return out
+    including its query_lens[i] new tokens, which are its last ones. Returns [T, Hq, D].
+
+    All sequences go through one padded SDPA call. Key rows past a sequence's length are
+    zeroed, not just masked: a page's stale or padding bytes may decode to NaN, and a masked
+    NaN still poisons P@V (0 * NaN = NaN)."""
+    dev = q.device
+    num_seqs, n_max, l_max = len(query_lens), max(query_lens), max(seq_lens)
+    block_size = kv_cache.shape[2]
+    q_lens = torch.tensor(query_lens, device=dev)
+    s_lens = torch.tensor(seq_lens, device=dev)
+    tables = block_tables[:, : -(-l_max // block_size)].long()
+    k = kv_cache[0][tables].flatten(1, 2)[:, :l_max].float()  # [B, L, Hkv, D]
+    v = kv_cache[1][tables].flatten(1, 2)[:, :l_max].float()
+    key_pos = torch.arange(l_max, device=dev)
+    valid = key_pos[None, :] < s_lens[:, None]  # [B, L]
+    k = torch.where(valid[:, :, None, None], k, 0.0)
+    v = torch.where(valid[:, :, None, None], v, 0.0)
+
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=dev), q_lens)
+    starts = torch.cumsum(q_lens, 0) - q_lens
+    row_of_token = torch.arange(q.shape[0], device=dev) - starts[seq_of_token]
+    q_pad = q.new_zeros((num_seqs, n_max) + q.shape[1:], dtype=torch.float32)
+    q_pad[seq_of_token, row_of_token] = q.float()
+    # Query row j of sequence i sits at position seq_len - query_len + j.
+    q_pos = (s_lens - q_lens)[:, None] + torch.arange(n_max, device=dev)[None, :]
+    mask = (key_pos[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]  # [B, n, L]
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=scale, enable_gqa=True
+    )  # [B, Hq, n, D]
+    return out.transpose(1, 2)[seq_of_token, row_of_token].to(q.dtype)
