@@ -52,6 +52,8 @@ def test_matches_dense_oracle_and_ignores_garbage_rows():
     k[N - 5:] = float("nan")  # never-selected rows (e.g. null slots) must not leak
     v[N - 5:] = float("nan")
     out, lse = sparse_attention_reference(q, k, v, idx, scale=0.2)
+    blocked = sparse_attention_reference(q, k, v, idx, scale=0.2, query_block=4)
+    assert torch.equal(blocked[0], out) and torch.equal(blocked[1], lse)
     exp_out, exp_lse = _dense_oracle(q, k, v, idx, 0.2)
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
     torch.testing.assert_close(out, exp_out.float(), atol=ATOL, rtol=ATOL)

@@ -23,6 +23,7 @@ def sparse_attention_reference(
     v_cache: torch.Tensor,
     token_indices: torch.Tensor,
     scale: float | None = None,
+    query_block: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query over its selected cache rows.
 
@@ -32,13 +33,21 @@ def sparse_attention_reference(
     ``scale`` defaults to ``D ** -0.5``.
 
     Returns ``out`` ``[Tq, Hq, Dv]`` fp32 and ``lse`` ``[Tq, Hq]`` fp32 in base 2
-    (``log2 sum_j exp(s_j)`` with ``s_j = scale * q.k_j``).
+    (``log2 sum_j exp(s_j)`` with ``s_j = scale * q.k_j``). Queries are processed
+    ``query_block`` at a time to bound the gathered K/V copy.
     """
     Tq, Hq, D = q.shape
     Hkv = k_cache.shape[1]
     if Hq % Hkv != 0:
         raise ValueError(f"Hq={Hq} must be a multiple of Hkv={Hkv}")
     scale = D**-0.5 if scale is None else scale
+    if Tq > query_block:
+        parts = [
+            sparse_attention_reference(q[i: i + query_block], k_cache, v_cache, token_indices[i: i + query_block],
+                                       scale, query_block)
+            for i in range(0, Tq, query_block)
+        ]
+        return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
     valid = token_indices >= 0
     rows = token_indices.clamp_min(0).long()
     # Gather then zero unselected rows so garbage (e.g. NaN in null slots) cannot leak via 0 * NaN.
