@@ -53,7 +53,8 @@ def _hf_selection(cfg, mod, x):
 
 
 def _ours(cfg, mod, x_row, positions, raw_cache=None, tie_break="torch"):
-    inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_parameters["partial_rotary_factor"], cfg.rope_parameters["rope_theta"])
+    rope = cfg.rope_parameters
+    inv_freq = rope_inv_freq(cfg.head_dim, rope["partial_rotary_factor"], rope["rope_theta"])
     cos, sin = rope_cos_sin(positions, inv_freq)
     q, raw = indexer_project(x_row, mod.index_qk_proj.weight, mod.q_layernorm.weight, cfg.indexer_n_heads,
                              cfg.indexer_head_dim, cos, sin, EPS)
