@@ -13,6 +13,11 @@ from torch import nn
 
 from qsaserve.ops.attention.reference import paged_attention_reference, write_kv_reference
 
+try:  # Triton kernels for CUDA tensors; CPU-only installs keep the reference
+    from qsaserve.ops.attention import triton_paged as _triton
+except ImportError:
+    _triton = None
+
 
 @dataclass
 class AttentionMetadata:
@@ -40,6 +45,10 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        write_kv_reference(k, v, self.kv_cache, meta.slot_mapping)
-        out = paged_attention_reference(q, self.kv_cache, meta.block_tables, meta.query_lens, meta.seq_lens_list, self.scale)
+        if _triton is not None and q.is_cuda:
+            _triton.write_kv(k, v, self.kv_cache, meta.slot_mapping)
+            out = _triton.paged_attention(q, self.kv_cache, meta, self.scale)
+        else:
+            write_kv_reference(k, v, self.kv_cache, meta.slot_mapping)
+            out = paged_attention_reference(q, self.kv_cache, meta.block_tables, meta.query_lens, meta.seq_lens_list, self.scale)
         return out.reshape(t, self.num_heads * self.head_dim)

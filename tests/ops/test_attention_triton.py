@@ -1,0 +1,266 @@
+"""Triton paged attention vs the torch reference (GPU), plus CPU checks of import and planning.
+
+Tolerance: the kernels take bf16/fp16 operands with fp32 accumulation and round P to the input
+dtype before P@V, so we compare to the fp32 reference by relative Frobenius error
+(bf16 < 1.5e-2, fp16 < 3e-3) and elementwise (atol = rtol = 4e-2 bf16, 8e-3 fp16).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+
+import pytest
+import torch
+
+from qsaserve.layers.attention import Attention, AttentionMetadata
+from qsaserve.ops.attention.reference import paged_attention_reference, write_kv_reference
+
+TOL = {torch.bfloat16: (1.5e-2, 4e-2), torch.float16: (3e-3, 8e-3), torch.float32: (1e-3, 5e-3)}
+
+
+def make_case(specs, hq, hkv, d, page, dtype, device, seed=0, poison=None, extra_blocks=3):
+    """specs: [(query_len, seq_len)]. Returns (q, k_new, v_new, kv_cache, meta): the cache holds
+    every context token except the new ones (k_new/v_new, to be written). Unused cache space,
+    null block 0 included, holds `poison` (NaN) or random garbage."""
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    nblk = [-(-s // page) for _, s in specs]
+    num_blocks = 1 + sum(nblk) + extra_blocks
+    shape = (2, num_blocks, page, hkv, d)
+    if poison is None:
+        cache = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    else:
+        cache = torch.full(shape, poison, dtype=dtype)
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)
+    max_blocks = max(nblk) + 2  # trailing null-block padding
+    tables = torch.zeros(len(specs), max_blocks, dtype=torch.int32)
+    slots_old, slots_new, k_old, v_old = [], [], [], []
+    for i, (ql, sl) in enumerate(specs):
+        blocks = [ids.pop() for _ in range(nblk[i])]
+        tables[i, : nblk[i]] = torch.tensor(blocks, dtype=torch.int32)
+        slots = [blocks[p // page] * page + p % page for p in range(sl)]
+        slots_old += slots[: sl - ql]
+        slots_new += slots[sl - ql:]
+    n_old, n_new = len(slots_old), len(slots_new)
+    k_old = torch.randn(n_old, hkv, d, generator=gen).to(dtype)
+    v_old = torch.randn(n_old, hkv, d, generator=gen).to(dtype)
+    write_kv_reference(k_old, v_old, cache, torch.tensor(slots_old, dtype=torch.int64))
+    k_new = torch.randn(n_new, hkv, d, generator=gen).to(dtype)
+    v_new = torch.randn(n_new, hkv, d, generator=gen).to(dtype)
+    q = torch.randn(n_new, hq, d, generator=gen).to(dtype)
+    qls = [ql for ql, _ in specs]
+    sls = [sl for _, sl in specs]
+    cu = torch.tensor([0] + list(torch.tensor(qls).cumsum(0).tolist()), dtype=torch.int32)
+    fields = dict(
+        slot_mapping=torch.tensor(slots_new, dtype=torch.int64, device=device),
+        block_tables=tables.to(device),
+        seq_lens=torch.tensor(sls, dtype=torch.int32, device=device),
+        cu_query_lens=cu.to(device),
+        query_lens=qls,
+        seq_lens_list=sls,
+    )
+    if "state_slots" in {f.name for f in dataclasses.fields(AttentionMetadata)}:
+        fields["state_slots"] = list(range(len(specs)))
+    meta = AttentionMetadata(**fields)
+    return q.to(device), k_new.to(device), v_new.to(device), cache.to(device), meta
+
+
+def reference(q, cache, meta, scale):
+    return paged_attention_reference(q.float(), cache.float(), meta.block_tables, meta.query_lens, meta.seq_lens_list, scale)
+
+
+def check_close(out, ref, dtype, what=""):
+    assert out.shape == ref.shape, what
+    assert torch.isfinite(out).all(), f"non-finite output {what}"
+    rel_tol, el_tol = TOL[dtype]
+    rel = ((out.float() - ref).norm() / ref.norm()).item()
+    assert rel < rel_tol, f"relative error {rel:.2e} {what}"
+    torch.testing.assert_close(out.float(), ref, atol=el_tol, rtol=el_tol, msg=lambda m: f"{what}: {m}")
+
+
+def bind_cache(layer, cache):
+    """Attach a per-layer KV tensor however the layer currently holds it."""
+    from qsaserve.cache import kv_cache as kvc
+
+    layer.kv_cache = cache
+    if hasattr(kvc, "LayerCache"):
+        layer.cache = kvc.LayerCache(cache)
+
+
+def run_triton(q, k, v, cache, meta, scale, **kw):
+    from qsaserve.ops.attention import triton_paged as tp
+
+    tp.write_kv(k, v, cache, meta.slot_mapping)
+    return tp.paged_attention(q, cache, meta, scale, **kw)
+
+
+def _decode_specs(rng, batch, max_ctx, qlen=1):
+    return [(qlen, rng.randint(qlen, max_ctx)) for _ in range(batch)]
+
+
+GRID = [(page, d, g) for page in (16, 32) for d in (64, 128) for g in (1, 4, 8)]
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hkv,d", [(1, 64), (8, 128), (3, 80)])
+@pytest.mark.parametrize("page", [16, 32])
+def test_write_kv(page, hkv, d, dtype):
+    from qsaserve.ops.attention import triton_paged as tp
+
+    gen = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, 40, page, hkv, d, generator=gen).to(dtype).cuda()
+    t = 301
+    # k/v as strided views of a fused projection, like the model hands them over.
+    kv = torch.randn(t, 2 * hkv + 1, d, generator=gen).to(dtype).cuda()
+    k, v = kv[:, :hkv], kv[:, hkv: 2 * hkv]
+    slots = torch.randperm(39 * page, generator=gen)[:t] + page
+    slots[::7] = -1  # padding tokens are skipped
+    ref = cache.clone()
+    keep = slots >= 0
+    write_kv_reference(k[keep.cuda()], v[keep.cuda()], ref, slots[keep].cuda())
+    tp.write_kv(k, v, cache, slots.cuda())
+    assert torch.equal(cache, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("page,d,g", GRID)
+def test_decode(page, d, g):
+    rng = random.Random(page * 1000 + d * 10 + g)
+    hkv = 2
+    cases = [
+        (torch.bfloat16, [(1, 32768)]),  # batch 1, long context: many splits
+        (torch.bfloat16, [(1, 1), (1, 17), (1, page), (1, page + 1), (1, 1000)]),  # unaligned
+        (torch.bfloat16, _decode_specs(rng, 64, 200)),  # single split, written in place
+        (torch.bfloat16, _decode_specs(rng, 64, 4096)),
+        (torch.bfloat16, _decode_specs(rng, 8, 20000)),
+        (torch.float16, _decode_specs(rng, 16, 3000)),
+    ]
+    for n, (dtype, specs) in enumerate(cases):
+        q, k, v, cache, meta = make_case(specs, g * hkv, hkv, d, page, dtype, "cuda", seed=n, poison=float("nan"))
+        scale = d**-0.5
+        out = run_triton(q, k, v, cache, meta, scale)
+        check_close(out, reference(q, cache, meta, scale), dtype, f"case {n}: {dtype} B={len(specs)}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("g", [1, 4, 8])
+@pytest.mark.parametrize("qlen", [2, 3, 8])
+def test_decode_multi_token(g, qlen):
+    """Speculative-decode verify: a few query tokens per sequence, still on the decode kernel."""
+    from qsaserve.ops.attention import triton_paged as tp
+
+    assert qlen <= tp.decode_qlen_cap(g)
+    rng = random.Random(qlen * 10 + g)
+    specs = _decode_specs(rng, 12, 9000, qlen) + [(qlen, qlen), (1, 5), (qlen, 30000)]
+    q, k, v, cache, meta = make_case(specs, g * 2, 2, 128, 16, torch.bfloat16, "cuda", seed=qlen, poison=float("nan"))
+    out = run_triton(q, k, v, cache, meta, 0.1)
+    check_close(out, reference(q, cache, meta, 0.1), torch.bfloat16, f"qlen={qlen} g={g}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("page,d,g", GRID)
+def test_prefill(page, d, g):
+    hkv = 2
+    cases = [
+        (torch.bfloat16, [(300, 300), (129, 129), (1000, 1000), (17, 17)]),  # fresh prefill, unaligned
+        (torch.bfloat16, [(200, 5000), (1, 77), (513, 513), (64, 4096 + 3)]),  # cached prefix + a decode row
+        (torch.bfloat16, [(1500, 32768)]),  # chunk at the end of a 32K context
+        (torch.float16, [(700, 700), (333, 2000)]),
+    ]
+    for n, (dtype, specs) in enumerate(cases):
+        q, k, v, cache, meta = make_case(specs, g * hkv, hkv, d, page, dtype, "cuda", seed=n, poison=float("nan"))
+        scale = d**-0.5
+        out = run_triton(q, k, v, cache, meta, scale)
+        check_close(out, reference(q, cache, meta, scale), dtype, f"case {n}: {dtype} {specs}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_prefill_long_fresh():
+    specs = [(8192, 8192), (3000, 3000)]
+    q, k, v, cache, meta = make_case(specs, 32, 8, 128, 16, torch.bfloat16, "cuda", seed=5)
+    out = run_triton(q, k, v, cache, meta, 128**-0.5)
+    check_close(out, reference(q, cache, meta, 128**-0.5), torch.bfloat16, "long prefill")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("page", [16, 32])
+def test_nan_poisoned_cache(page):
+    """NaN in every unused cache byte (null block 0, free blocks, page tails) changes nothing."""
+    specs = [(1, 1), (1, 4097), (3, 333), (250, 250), (100, 1030), (1, 65)]
+    outs = []
+    for poison in (None, float("nan")):
+        q, k, v, cache, meta = make_case(specs, 16, 4, 128, page, torch.bfloat16, "cuda", seed=11, poison=poison)
+        outs.append(run_triton(q, k, v, cache, meta, 0.09))
+        # Also force many splits on the decode rows so the merge sees empty / short splits.
+        from qsaserve.ops.attention import triton_paged as tp
+
+        plan = tp._plan(meta, 4, tp._prefill_config(128).block_m, q.device)
+        out2 = outs[-1].clone()
+        tp.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out2, 0.09,
+                        num_seqs=plan.num_decode, max_seq_len=plan.max_decode_len, qlen_max=plan.qlen_max,
+                        seq_ids=plan.decode_ids, num_splits=37)
+        outs.append(out2)
+    for o in outs:
+        assert torch.isfinite(o).all()
+    ref = reference(q, cache, meta, 0.09)
+    check_close(outs[1], ref, torch.bfloat16, "poisoned")
+    assert torch.equal(outs[0], outs[2])
+    check_close(outs[3], ref, torch.bfloat16, "poisoned, 37 splits")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_layer_dispatches_to_triton(monkeypatch):
+    from qsaserve.ops.attention import triton_paged as tp
+
+    called = []
+    real = tp.paged_attention
+    monkeypatch.setattr(tp, "paged_attention", lambda *a, **k: called.append(1) or real(*a, **k))
+    specs = [(1, 900), (40, 40)]
+    q, k, v, cache, meta = make_case(specs, 8, 2, 64, 16, torch.bfloat16, "cuda", seed=3)
+    layer = Attention(8, 2, 64, 0.125)
+    bind_cache(layer, cache)
+    out = layer(q.flatten(1), k.flatten(1), v.flatten(1), meta)
+    assert called
+    check_close(out.view(q.shape), reference(q, cache, meta, 0.125), torch.bfloat16, "layer")
+
+
+# ----------------------------------------------------------------------------------------------
+# CPU (CI)
+# ----------------------------------------------------------------------------------------------
+def test_cpu_layer_uses_reference():
+    specs = [(1, 50), (7, 7)]
+    q, k, v, cache, meta = make_case(specs, 4, 2, 16, 16, torch.float32, "cpu", seed=2, poison=float("nan"))
+    layer = Attention(4, 2, 16, 0.25)
+    bind_cache(layer, cache)
+    out = layer(q.flatten(1), k.flatten(1), v.flatten(1), meta)
+    assert torch.isfinite(out).all()
+    check_close(out.view(q.shape), reference(q, cache, meta, 0.25), torch.float32, "cpu layer")
+
+
+def test_triton_module_imports_without_cuda():
+    pytest.importorskip("triton")
+    from qsaserve.ops.attention import triton_paged as tp
+
+    # Split heuristic: batch 1 at 256K and batch 256 at 2K both fill a 132-SM GPU.
+    s = tp.num_decode_splits(pairs=1 * 8, max_len=262144, num_sms=132, block_n=64)
+    assert s * 8 >= 132 * 2 * 0.9
+    assert tp.num_decode_splits(pairs=256 * 8, max_len=2048, num_sms=132, block_n=64) == 1
+    assert tp.num_decode_splits(pairs=8, max_len=100, num_sms=132, block_n=64) == 1
+    plan = tp._make_plan([1, 300, 2, 1], [10, 300, 40, 7], group=4, block_m=128, device=torch.device("cpu"))
+    assert plan.num_decode == 3 and plan.qlen_max == 2 and plan.max_decode_len == 40
+    assert plan.decode_ids.tolist() == [0, 2, 3]
+    assert plan.tiles.tolist() == [[1, 256], [1, 128], [1, 0]]
+    assert math.isfinite(tp._LOG2E)
