@@ -1,0 +1,294 @@
+"""Paged attention kernels vs torch SDPA on the same GPU, in one run. Prints JSON.
+
+Decode: bandwidth in TB/s of K/V bytes read (each context token's K and V once), Triton over a
+paged cache with shuffled blocks vs SDPA over contiguous K/V (enable_gqa). Prefill: causal
+TFLOP/s (4*Hq*D per visible query-key pair) vs SDPA's flash backend. Timing: triton's do_bench
+(L2 flushed between runs), median.
+
+    python benchmarks/bench_attention.py [--sections env,copy,decode,sweep,prefill,write] [--out f.json]
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from qsaserve.ops.attention import triton_paged as tp
+
+HQ, HKV, D = 32, 8, 128
+DT = torch.bfloat16
+MEM_LIMIT = 40e9  # bytes per K/V copy; keeps ours + SDPA's buffers well inside 139 GiB
+
+
+def bench(fn, warmup=20, rep=80):
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e-3  # seconds
+
+
+def make_meta(q_lens, s_lens, page, device, seed=0):
+    """Block tables over shuffled blocks (a fragmented cache), as the engine would hand over."""
+    nblk = [-(-s // page) for s in s_lens]
+    ids = list(range(1, 1 + sum(nblk)))
+    random.Random(seed).shuffle(ids)
+    tables = torch.zeros(len(s_lens), max(nblk), dtype=torch.int32)
+    o = 0
+    for i, n in enumerate(nblk):
+        tables[i, :n] = torch.tensor(ids[o: o + n], dtype=torch.int32)
+        o += n
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    meta = SimpleNamespace(
+        block_tables=tables.to(device), seq_lens=torch.tensor(s_lens, dtype=torch.int32, device=device),
+        cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=device), query_lens=list(q_lens),
+        seq_lens_list=list(s_lens), slot_mapping=None,
+    )
+    return meta, 1 + sum(nblk)
+
+
+def rand_(t):
+    return t.normal_().clamp_(-4, 4)
+
+
+def env_info(args):
+    p = torch.cuda.get_device_properties(0)
+    commit = args.commit or os.environ.get("QSA_GIT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        except Exception:
+            commit = "unknown"
+    return {
+        "device": torch.cuda.get_device_name(0), "sms": p.multi_processor_count,
+        "memory_gib": round(p.total_memory / 2**30, 1), "date": datetime.date.today().isoformat(),
+        "git_commit": commit, "torch": torch.__version__, "triton": triton.__version__,
+        "cuda": torch.version.cuda, "python": sys.version.split()[0],
+    }
+
+
+def copy_bandwidth():
+    n = 2 * 2**30  # 4 GiB of bf16
+    a = torch.empty(n, dtype=DT, device="cuda").normal_()
+    b = torch.empty_like(a)
+    t = bench(lambda: b.copy_(a))
+    del a, b
+    return {"bytes_read_plus_written": 2 * n * 2, "tb_s": 2 * n * 2 / t / 1e12}
+
+
+def sdpa_decode_time(b, ctx):
+    q = rand_(torch.empty(b, HQ, 1, D, dtype=DT, device="cuda"))
+    k = rand_(torch.empty(b, HKV, ctx, D, dtype=DT, device="cuda"))
+    v = rand_(torch.empty(b, HKV, ctx, D, dtype=DT, device="cuda"))
+    t = bench(lambda: F.scaled_dot_product_attention(q, k, v, scale=D**-0.5, enable_gqa=True))
+    del q, k, v
+    return t
+
+
+def decode_case(b, ctx, page, cfg=None, num_splits=None, seed=0):
+    """Returns (seconds, kv_bytes, splits used) for the Triton decode of B sequences at ctx."""
+    meta, nb = make_meta([1] * b, [ctx] * b, page, "cuda", seed)
+    cache = rand_(torch.empty(2, nb, page, HKV, D, dtype=DT, device="cuda"))
+    q = rand_(torch.empty(b, HQ, D, dtype=DT, device="cuda"))
+    out = torch.empty_like(q)
+    cfg = cfg or tp.DECODE_CONFIG
+    if num_splits is None:
+        num_splits = tp.num_decode_splits(b * HKV, ctx, tp._num_sms(q.device), cfg.block_n, cfg.ctas_per_sm)
+
+    def run():
+        tp.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, D**-0.5,
+                        num_seqs=b, max_seq_len=ctx, config=cfg, num_splits=num_splits)
+
+    if cfg is tp.DECODE_CONFIG and num_splits == tp.num_decode_splits(b * HKV, ctx, tp._num_sms(q.device), cfg.block_n, cfg.ctas_per_sm):
+        run = lambda: tp.paged_attention(q, cache, meta, D**-0.5, out=out)  # noqa: E731  (the engine's entry point)
+    t = bench(run)
+    del cache
+    return t, b * ctx * HKV * D * 2 * 2, num_splits
+
+
+def decode_table(args):
+    rows = []
+    for ctx in (2048, 8192, 32768, 131072):
+        for b in (1, 8, 64, 256):
+            kv_bytes = b * ctx * HKV * D * 2 * 2
+            if kv_bytes > MEM_LIMIT:
+                rows.append({"ctx": ctx, "batch": b, "skipped": f"K/V {kv_bytes / 1e9:.0f} GB > {MEM_LIMIT / 1e9:.0f} GB"})
+                continue
+            row = {"ctx": ctx, "batch": b, "kv_gb": kv_bytes / 1e9}
+            for page in args.pages:
+                t, _, s = decode_case(b, ctx, page)
+                row[f"triton_p{page}_us"] = t * 1e6
+                row[f"triton_p{page}_tb_s"] = kv_bytes / t / 1e12
+                row["splits"] = s
+            torch.cuda.empty_cache()
+            ts = sdpa_decode_time(b, ctx)
+            row["sdpa_us"] = ts * 1e6
+            row["sdpa_tb_s"] = kv_bytes / ts / 1e12
+            for page in args.pages:
+                row[f"ratio_p{page}"] = row[f"triton_p{page}_tb_s"] / row["sdpa_tb_s"]
+            torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def decode_sweep(args):
+    out = []
+    for b, ctx in ((8, 32768), (8, 131072), (1, 131072), (64, 8192)):
+        kv = b * ctx * HKV * D * 4
+        for bn in (32, 64, 128):
+            for nw in (4, 8):
+                for ns in (2, 3, 4):
+                    cfg = tp.DecodeConfig(bn, nw, ns)
+                    try:
+                        t, _, s = decode_case(b, ctx, 16, cfg)
+                        out.append({"batch": b, "ctx": ctx, "block_n": bn, "warps": nw, "stages": ns, "splits": s, "tb_s": kv / t / 1e12})
+                    except Exception as e:  # e.g. out of shared memory
+                        out.append({"batch": b, "ctx": ctx, "block_n": bn, "warps": nw, "stages": ns, "error": type(e).__name__})
+                    print(json.dumps(out[-1]), flush=True)
+        best = max((r for r in out if r.get("ctx") == ctx and r.get("batch") == b and "tb_s" in r), key=lambda r: r["tb_s"])
+        cfg = tp.DecodeConfig(best["block_n"], best["warps"], best["stages"])
+        for s in (1, 2, 4, 8, 16, 33, 66, 128):
+            if s * 512 > ctx:
+                continue
+            t, _, _ = decode_case(b, ctx, 16, cfg, num_splits=s)
+            out.append({"batch": b, "ctx": ctx, "block_n": cfg.block_n, "warps": cfg.num_warps, "stages": cfg.num_stages,
+                        "splits": s, "tb_s": kv / t / 1e12, "split_sweep": True})
+            print(json.dumps(out[-1]), flush=True)
+        torch.cuda.empty_cache()
+    return out
+
+
+def prefill_flops(q_lens, s_lens):
+    pairs = sum(sum(s - q + j + 1 for j in range(q)) for q, s in zip(q_lens, s_lens))
+    return 4 * HQ * D * pairs
+
+
+def prefill_case(q_lens, s_lens, page, cfg=None):
+    meta, nb = make_meta(q_lens, s_lens, page, "cuda")
+    cache = rand_(torch.empty(2, nb, page, HKV, D, dtype=DT, device="cuda"))
+    q = rand_(torch.empty(sum(q_lens), HQ, D, dtype=DT, device="cuda"))
+    out = torch.empty_like(q)
+    t = bench(lambda: tp.paged_attention(q, cache, meta, D**-0.5, out=out, prefill_config=cfg))
+    return t
+
+
+def sdpa_prefill_time(b, n):
+    q = rand_(torch.empty(b, HQ, n, D, dtype=DT, device="cuda"))
+    k = rand_(torch.empty(b, HKV, n, D, dtype=DT, device="cuda"))
+    v = rand_(torch.empty(b, HKV, n, D, dtype=DT, device="cuda"))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        try:
+            fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=D**-0.5, enable_gqa=True)  # noqa: E731
+            fn()
+            how = "flash, enable_gqa"
+        except RuntimeError:
+            k, v = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
+            fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=D**-0.5)  # noqa: E731
+            how = "flash, K/V expanded"
+        t = bench(fn)
+    return t, how
+
+
+def prefill_table(args):
+    rows = []
+    cfgs = [tp._prefill_config(D), tp.PrefillConfig(128, 128, 8, 2), tp.PrefillConfig(128, 64, 4, 3),
+            tp.PrefillConfig(64, 64, 4, 3), tp.PrefillConfig(128, 32, 4, 4), tp.PrefillConfig(128, 128, 8, 3)]
+    for b, n in ((1, 8192), (4, 4096), (1, 32768), (16, 1024)):
+        fl = prefill_flops([n] * b, [n] * b)
+        row = {"batch": b, "len": n, "kind": "fresh causal"}
+        for i, cfg in enumerate(cfgs if (b, n) == (1, 8192) else cfgs[:1]):
+            try:
+                t = prefill_case([n] * b, [n] * b, 16, cfg)
+                row[f"triton_tflops_cfg{i}"] = fl / t / 1e12
+                row[f"cfg{i}"] = [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages]
+            except Exception as e:
+                row[f"cfg{i}_error"] = type(e).__name__
+        row["triton_tflops"] = row.get("triton_tflops_cfg0")
+        ts, how = sdpa_prefill_time(b, n)
+        row["sdpa_tflops"] = fl / ts / 1e12
+        row["sdpa"] = how
+        row["ratio"] = row["triton_tflops"] / row["sdpa_tflops"] if row["triton_tflops"] else None
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        torch.cuda.empty_cache()
+    # Chunked prefill over a cached prefix (no SDPA peer: its causal mask cannot offset).
+    for ql, sl in ((2048, 32768), (512, 131072)):
+        t = prefill_case([ql], [sl], 16)
+        row = {"batch": 1, "len": ql, "context": sl, "kind": "chunk over cached prefix",
+               "triton_tflops": prefill_flops([ql], [sl]) / t / 1e12, "triton_us": t * 1e6}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def write_bench(args):
+    t_tok = 16384
+    k = rand_(torch.empty(t_tok, HKV, D, dtype=DT, device="cuda"))
+    v = rand_(torch.empty(t_tok, HKV, D, dtype=DT, device="cuda"))
+    cache = torch.zeros(2, t_tok // 16 + 1, 16, HKV, D, dtype=DT, device="cuda")
+    slots = (torch.randperm(t_tok // 16, device="cuda") + 1)[:, None] * 16 + torch.arange(16, device="cuda")
+    slots = slots.flatten()
+    t = bench(lambda: tp.write_kv(k, v, cache, slots))
+    by = 2 * 2 * t_tok * HKV * D * 2  # read k, v; write both
+    return {"tokens": t_tok, "us": t * 1e6, "tb_s": by / t / 1e12}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sections", default="env,copy,decode,prefill,write")
+    ap.add_argument("--pages", default="16", help="block sizes for the decode table, e.g. 16,32")
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    args.pages = [int(x) for x in args.pages.split(",")]
+    secs = args.sections.split(",")
+    res = {"config": {"hq": HQ, "hkv": HKV, "head_dim": D, "dtype": "bfloat16", "timing": "triton do_bench median, L2 flushed",
+                      "decode_config": dataclasses.asdict(tp.DECODE_CONFIG),
+                      "prefill_config_d128": dataclasses.asdict(tp._prefill_config(D)),
+                      "pages": args.pages}}
+    t0 = time.time()
+    res["env"] = env_info(args)
+    if "copy" in secs:
+        res["copy"] = copy_bandwidth()
+        print(json.dumps(res["copy"]), flush=True)
+    if "decode" in secs:
+        res["decode"] = decode_table(args)
+    if "prefill" in secs:
+        res["prefill"] = prefill_table(args)
+    if "write" in secs:
+        res["write_kv"] = write_bench(args)
+        print(json.dumps(res["write_kv"]), flush=True)
+    if "sweep" in secs:
+        res["decode_sweep"] = decode_sweep(args)
+    res["bench_seconds"] = time.time() - t0
+    text = json.dumps(res, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+    # Short table last.
+    for r in res.get("decode", []):
+        if "skipped" in r:
+            continue
+        p = args.pages[0]
+        print(f"decode B{r['batch']:>3} ctx{r['ctx']:>7}: triton {r[f'triton_p{p}_tb_s']:.2f} TB/s  sdpa {r['sdpa_tb_s']:.2f}  "
+              f"ratio {r[f'ratio_p{p}']:.2f}  splits {r['splits']}")
+    for r in res.get("prefill", []):
+        print(f"prefill {r['kind']} B{r['batch']} len{r['len']}: triton {r['triton_tflops']:.0f} TF/s  sdpa {r.get('sdpa_tflops', float('nan')):.0f}")
+
+
+if __name__ == "__main__":
+    main()
