@@ -15,7 +15,8 @@ _HELP = {
     "device": "auto, cpu, cuda or cuda:N",
     "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
     "block_size": "tokens per KV-cache page (power of two)",
-    "enable_prefix_caching": "reuse KV pages of identical prompt prefixes",
+    "enable_prefix_caching": "reuse KV pages of identical prompt prefixes (default: on, off for hybrid models)",
+    "ple_placement": "where Qwen4Exp PLE tables live: disk (mmap, rows read on demand), host (RAM) or gpu",
     "max_num_batched_tokens": "per-step token budget shared by prefill chunks and decodes (default 2048 CPU / 8192 GPU)",
     "max_num_seqs": "most sequences running at once",
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
@@ -31,7 +32,7 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not MISSING else None
-        if isinstance(default, bool):
+        if "bool" in str(f.type):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP[f.name])
         else:
             kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str

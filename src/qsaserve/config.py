@@ -17,12 +17,13 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda if available else cpu
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16  # tokens per KV-cache page
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool | None = None  # None: on, except for hybrid models (GDN/PLE state)
     max_num_batched_tokens: int | None = None  # per-step token budget; None: 2048 on CPU, 8192 on GPU
     max_num_seqs: int = 256
     gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + activations + KV
     kv_cache_memory: int | None = None  # bytes of KV cache; None: 1 GiB on CPU, from gpu_memory_utilization on GPU
     seed: int = 0
+    ple_placement: str = "disk"  # Qwen4Exp PLE tables: disk (mmap), host (RAM) or gpu
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -46,6 +47,8 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             _check_int("kv_cache_memory", self.kv_cache_memory, 1)
         _check_int("seed", self.seed, None)
+        if self.ple_placement not in ("disk", "host", "gpu"):
+            raise InvalidRequestError("ple_placement", f"must be disk, host or gpu; got {self.ple_placement!r}")
 
     @property
     def torch_device(self) -> torch.device:
@@ -64,6 +67,11 @@ class EngineConfig:
         if self.max_num_batched_tokens is not None:
             return self.max_num_batched_tokens
         return 8192 if self.torch_device.type == "cuda" else 2048
+
+    @property
+    def num_state_slots(self) -> int:
+        """Recurrent-state slots: one per sequence that can run at once, plus the padding slot 0."""
+        return self.max_num_seqs + 1
 
     @classmethod
     def field_names(cls) -> list[str]:

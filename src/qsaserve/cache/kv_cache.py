@@ -2,6 +2,8 @@
 
 Layout per attention layer: one tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
 (K then V). A token's slot is block_id * block_size + offset; kernels gather by block table.
+QSA layers add two index pages per block, addressed by the same block table: raw index keys
+[num_blocks, block_size, Di] and pooled block keys [num_blocks, block_size / r, Di].
 """
 from __future__ import annotations
 
@@ -17,20 +19,47 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
     block_size: int
+    index_head_dim: int = 0  # QSA indexer key width (0: no index pages)
+    index_ratio: int = 1  # tokens pooled into one block key
 
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+    def __post_init__(self) -> None:
+        if self.index_head_dim and self.block_size % self.index_ratio:
+            raise ValueError(
+                f"block_size: must be a multiple of the QSA compress ratio {self.index_ratio}, got {self.block_size}"
+            )
 
     @property
     def bytes_per_block(self) -> int:
-        return self.bytes_per_token * self.block_size
+        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim
+        if self.index_head_dim:
+            per_layer += self.block_size * self.index_head_dim + (self.block_size // self.index_ratio) * self.index_head_dim
+        return self.num_layers * per_layer * self.dtype.itemsize
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_per_block / self.block_size
 
     def num_blocks_for(self, memory_bytes: int) -> int:
         return int(memory_bytes // self.bytes_per_block)
 
 
-def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-    shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+@dataclass
+class LayerCache:
+    kv: torch.Tensor  # [2, num_blocks, block_size, Hkv, D]
+    index_keys: torch.Tensor | None = None  # [num_blocks, block_size, Di]
+    block_keys: torch.Tensor | None = None  # [num_blocks, block_size // r, Di]
+
+
+def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[LayerCache]:
     # Zero-filled so the null block (block 0) holds finite values.
-    return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
+    def zeros(*shape):
+        return torch.zeros(shape, dtype=spec.dtype, device=device)
+
+    caches = []
+    for _ in range(spec.num_layers):
+        cache = LayerCache(zeros(2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim))
+        if spec.index_head_dim:
+            cache.index_keys = zeros(num_blocks, spec.block_size, spec.index_head_dim)
+            cache.block_keys = zeros(num_blocks, spec.block_size // spec.index_ratio, spec.index_head_dim)
+        caches.append(cache)
+    return caches

@@ -18,6 +18,8 @@ class BatchInput:
     seq_lens: list[int]  # context length of each sequence after this step
     block_tables: list[list[int]]
     logits_indices: list[int]  # token rows whose logits the runner returns, in this order
+    state_slots: list[int]  # recurrent-state slot per sequence (hybrid models); a sequence whose
+    # chunk starts at position 0 begins from a fresh state
 
 
 @dataclass
@@ -30,7 +32,7 @@ class LogitsPlan:
 
 
 def build_batch(chunks: list[ScheduledChunk], block_size: int) -> tuple[BatchInput, LogitsPlan]:
-    batch = BatchInput([], [], [], [], [], [], [])
+    batch = BatchInput([], [], [], [], [], [], [], [])
     plan = LogitsPlan()
     prompt_rows: list[int] = []
     row = 0
@@ -43,6 +45,7 @@ def build_batch(chunks: list[ScheduledChunk], block_size: int) -> tuple[BatchInp
         batch.query_lens.append(n)
         batch.seq_lens.append(start + n)
         batch.block_tables.append(table)
+        batch.state_slots.append(seq.state_slot)
         if chunk.completes_known_tokens:
             batch.logits_indices.append(row + n - 1)
             plan.sample_seqs.append(seq)

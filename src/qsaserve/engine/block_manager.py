@@ -44,7 +44,7 @@ class PrefixCacheStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_state_slots: int = 1 << 16):
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.block_size = block_size
@@ -55,6 +55,9 @@ class BlockManager:
         self.hash_to_block: dict[int, int] = {}
         self.block_hashes: dict[int, list[int]] = {}  # seq_id -> hashes of its full computed blocks
         self.stats = PrefixCacheStats()
+        # Recurrent-state slots (hybrid models) follow the blocks: held while a sequence holds
+        # blocks. Slot 0 is the padding slot, like the null block.
+        self.free_state_slots = list(range(num_state_slots - 1, 0, -1))
 
     # ---- capacity ----
     @property
@@ -103,6 +106,10 @@ class BlockManager:
         need = max(0, self.blocks_needed(total) - have)
         if need + num_revived > self.num_free_blocks:
             return False
+        if seq.state_slot is None:
+            if not self.free_state_slots:
+                return False
+            seq.state_slot = self.free_state_slots.pop()
         if cached_blocks:
             hashes = self.block_hashes.setdefault(seq.seq_id, [])
             for b in cached_blocks:
@@ -158,6 +165,9 @@ class BlockManager:
                 self.free[block_id] = None
         seq.block_table = []
         seq.num_computed_tokens = 0
+        if seq.state_slot is not None:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
         self.block_hashes.pop(seq.seq_id, None)
 
     def reset_prefix_cache(self) -> None:

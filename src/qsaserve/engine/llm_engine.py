@@ -22,6 +22,7 @@ from qsaserve.engine.scheduler import Scheduler, SchedulerOutput
 from qsaserve.engine.sequence import Sequence
 from qsaserve.errors import InvalidRequestError
 from qsaserve.loader.checkpoint import load_checkpoint, resolve_model
+from qsaserve.models.registry import is_hybrid
 from qsaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from qsaserve.sampling_params import SamplingParams
 
@@ -72,12 +73,26 @@ class LLMEngine:
             self.executor.num_kv_blocks * spec.bytes_per_block / 2**20, str(spec.dtype).removeprefix("torch."),
             usable_blocks / per_request,
         )
-        self.block_manager = BlockManager(self.executor.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            self.executor.num_kv_blocks, config.block_size, self._prefix_caching(config, hf), config.num_state_slots
+        )
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.token_budget)
         self.generator = torch.Generator(device=self.executor.device).manual_seed(config.seed)
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "errors": 0}
+
+    @staticmethod
+    def _prefix_caching(config: EngineConfig, hf_config: dict) -> bool:
+        if not is_hybrid(hf_config):
+            return config.enable_prefix_caching is not False
+        if config.enable_prefix_caching:
+            raise InvalidRequestError(
+                "enable_prefix_caching",
+                "not supported for hybrid models (Qwen4Exp): a cached KV prefix would also need the GDN/PLE "
+                "recurrent state at that block boundary, which is not snapshotted; leave it unset or pass False",
+            )
+        return False
 
     # ---- requests ----
     def add_request(

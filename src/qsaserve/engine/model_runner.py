@@ -10,10 +10,11 @@ import logging
 
 import torch
 
-from qsaserve.cache.kv_cache import KVCacheSpec, allocate_kv_cache
+from qsaserve.cache.kv_cache import LayerCache, allocate_kv_cache
 from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput
 from qsaserve.layers.attention import AttentionMetadata
+from qsaserve.models.ple_table import is_table_tensor, open_ple_tables
 from qsaserve.models.registry import build_model
 
 logger = logging.getLogger("qsaserve")
@@ -31,18 +32,19 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         with torch.device(self.device), _default_dtype(self.dtype):
             model = build_model(checkpoint.hf_config, max_model_len)
-        model.load_weights(checkpoint.weights(self.dtype))
+        if hasattr(model, "ple_params"):
+            # PLE tables are gathered by row from their placement, never loaded as weights.
+            model.load_weights(checkpoint.weights(self.dtype, skip=is_table_tensor))
+            model.ple_tables = open_ple_tables(checkpoint, model.ple_params, config.ple_placement, self.device, self.dtype)
+        else:
+            model.load_weights(checkpoint.weights(self.dtype))
         self.model = model.eval()
         self.attention_layers = model.attention_layers()
-        first = self.attention_layers[0]
-        self.kv_spec = KVCacheSpec(
-            num_layers=len(self.attention_layers),
-            num_kv_heads=first.num_kv_heads,
-            head_dim=first.head_dim,
-            dtype=self.dtype,
-            block_size=config.block_size,
-        )
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_spec = model.kv_cache_spec(config.block_size, self.dtype)
+        self.kv_caches: list[LayerCache] = []
+        if hasattr(model, "allocate_state"):
+            # Recurrent per-request state (GDN, PLE): one slot per sequence that can run at once.
+            model.allocate_state(config.num_state_slots, self.device)
 
     def kv_cache_budget_bytes(self) -> int:
         """Bytes the KV cache may take: the explicit budget, else the GPU's free share after a
@@ -79,6 +81,7 @@ class ModelRunner:
             seq_lens=[n],
             block_tables=[list(range(1, blocks + 1))],
             logits_indices=list(range(min(n, 256))),
+            state_slots=[0],
         )
         self.execute(batch)
         self.bind_kv_cache([])
@@ -87,10 +90,10 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.bind_kv_cache(allocate_kv_cache(self.kv_spec, num_blocks, self.device))
 
-    def bind_kv_cache(self, caches: list[torch.Tensor]) -> None:
+    def bind_kv_cache(self, caches: list[LayerCache]) -> None:
         self.kv_caches = caches
         for i, layer in enumerate(self.attention_layers):
-            layer.kv_cache = caches[i] if caches else None
+            layer.cache = caches[i] if caches else None
 
     @torch.inference_mode()
     def execute(self, batch: BatchInput) -> torch.Tensor:
@@ -107,6 +110,7 @@ class ModelRunner:
             cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=dev),
             query_lens=batch.query_lens,
             seq_lens_list=batch.seq_lens,
+            state_slots=batch.state_slots,
         )
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)

@@ -39,6 +39,7 @@ class Sequence:
 
         # Cache state, owned by the block manager and the scheduler.
         self.block_table: list[int] = []
+        self.state_slot: int | None = None  # recurrent-state slot while it holds KV blocks
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache on first schedule
         self.num_preemptions = 0

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from qsaserve.cache.kv_cache import LayerCache
 from qsaserve.ops.attention.reference import paged_attention_reference, write_kv_reference
 
 try:  # Triton kernels for CUDA tensors; CPU-only installs keep the reference
@@ -27,6 +28,7 @@ class AttentionMetadata:
     cu_query_lens: torch.Tensor  # [B+1] int32
     query_lens: list[int]  # host copies, for the reference backend and planning
     seq_lens_list: list[int]
+    state_slots: list[int]  # recurrent-state slot of each sequence (hybrid models)
 
     @property
     def num_seqs(self) -> int:
@@ -37,7 +39,11 @@ class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
-        self.kv_cache: torch.Tensor | None = None  # bound by the model runner after allocation
+        self.cache: LayerCache | None = None  # bound by the model runner after allocation
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.cache.kv
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq*D], k/v: [T, Hkv*D] -> [T, Hq*D]."""

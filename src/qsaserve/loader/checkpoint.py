@@ -46,9 +46,16 @@ class Checkpoint:
     identity: str
     _source: WeightSource = field(repr=False, compare=False, default=None)
 
-    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """(HF parameter name, tensor in `dtype`), one tensor materialised at a time."""
-        return self._source.weights(dtype)
+    def weights(self, dtype: torch.dtype, skip=None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF parameter name, tensor in `dtype`), one tensor materialised at a time; names for
+        which skip(name) is true are not read (safetensors checkpoints)."""
+        if skip is None:
+            return self._source.weights(dtype)
+        return self._source.weights(dtype, skip=skip)
+
+    @property
+    def source(self) -> "WeightSource":
+        return self._source
 
     def weight_names(self) -> list[str]:
         return self._source.weight_names()

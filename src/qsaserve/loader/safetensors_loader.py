@@ -86,6 +86,9 @@ class SafetensorsWeights:
     def __init__(self, directory: str, files: list[str], headers: dict[str, dict]):
         self.directory = directory
         self.files = files
+        self._locations = {
+            name: (f, info) for f in files for name, info in headers[f].items() if name != "__metadata__"
+        }
         # Per file, names in on-disk order so reads sweep each shard front to back.
         self._names = {
             f: sorted((k for k in headers[f] if k != "__metadata__"), key=lambda k: headers[f][k]["data_offsets"][0])
@@ -95,7 +98,24 @@ class SafetensorsWeights:
     def weight_names(self) -> list[str]:
         return [name for f in self.files for name in self._names[f]]
 
-    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensor_location(self, name: str) -> tuple[str, int, str, list[int]]:
+        """(file path, byte offset of the tensor's data, safetensors dtype, shape): lets a huge
+        table be memory-mapped and read by row instead of loaded."""
+        f, info = self._locations[name]
+        path = os.path.join(self.directory, f)
+        with open(path, "rb") as fh:
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+        return path, 8 + header_len + info["data_offsets"][0], info["dtype"], info["shape"]
+
+    def read_tensor(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        f, _ = self._locations[name]
+        with safe_open(os.path.join(self.directory, f), framework="pt", device="cpu") as handle:
+            return handle.get_tensor(name)
+
+    def weights(self, dtype: torch.dtype, skip=None) -> Iterator[tuple[str, torch.Tensor]]:
+        """skip(name) -> True leaves a tensor unread (e.g. a PLE table gathered by row later)."""
         from safetensors import safe_open
 
         for f in self.files:
@@ -106,6 +126,8 @@ class SafetensorsWeights:
                 raise ModelLoadError(f"model: corrupt safetensors file {path}: {exc}") from exc
             with handle:
                 for name in self._names[f]:
+                    if skip is not None and skip(name):
+                        continue
                     tensor = handle.get_tensor(name)
                     # Integer/bool tensors (indices, masks) would be corrupted by a float cast.
                     if tensor.is_floating_point() and tensor.dtype != dtype:

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qsaserve.cache.kv_cache import KVCacheSpec
 from qsaserve.layers.attention import Attention, AttentionMetadata
 from qsaserve.layers.rmsnorm import RMSNorm
 from qsaserve.layers.rotary import RotaryEmbedding
@@ -113,6 +114,10 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(c, rotary) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        c = self.config
+        return KVCacheSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype, block_size)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]

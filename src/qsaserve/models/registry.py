@@ -7,10 +7,20 @@ from qsaserve.errors import InvalidRequestError
 from qsaserve.models.llama import LlamaConfig, LlamaForCausalLM
 
 _LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "smollm")
+_HYBRID = ("qwen4_exp", "qwen4_exp_text")
+
+
+def is_hybrid(hf_config: dict) -> bool:
+    """Models with per-request recurrent state (GDN, PLE) beside their KV cache."""
+    return hf_config.get("model_type", "") in _HYBRID
 
 
 def build_model(hf_config: dict, max_positions: int) -> nn.Module:
     model_type = hf_config.get("model_type", "")
     if model_type in _LLAMA_FAMILY:
         return LlamaForCausalLM(LlamaConfig.from_hf(hf_config), max_positions)
-    raise InvalidRequestError("model", f"unsupported model_type {model_type!r}; supported: {', '.join(_LLAMA_FAMILY)}")
+    if model_type in _HYBRID:
+        from qsaserve.models.qwen4exp import Qwen4ExpForCausalLM
+
+        return Qwen4ExpForCausalLM(hf_config, max_positions)
+    raise InvalidRequestError("model", f"unsupported model_type {model_type!r}; supported: {', '.join(_LLAMA_FAMILY + _HYBRID)}")

@@ -1,0 +1,356 @@
+"""Qwen4Exp (Qwen3.8-Flash-Next) text model on the engine's paged runtime.
+
+Layers (see docs/qwen4exp.md for the math, checked piecewise against transformers):
+  hyper = embed(ids) repeated over hc streams
+  per layer: [PLE] -> GatedResidual -> GDN or QSA -> inject -> GatedResidual -> MoE -> inject
+  final GatedResidual mixer -> lm_head
+Per-request state lives in slots owned by the engine: GDN conv + recurrent state, PLE n-gram
+context + conv state. QSA layers keep K/V, raw index keys and pooled block keys in pages
+addressed by the request's block table. A sequence whose chunk starts at position 0 begins from
+a fresh state, so preemption by recompute needs nothing special.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from qsaserve.cache.kv_cache import KVCacheSpec, LayerCache
+from qsaserve.layers.attention import AttentionMetadata
+from qsaserve.models.qwen4exp_blocks import (
+    gdn_layer_forward,
+    hc_expand,
+    hc_gated_residual,
+    hc_inject,
+    qsa_attention_output,
+    qsa_attention_qkv,
+    sparse_moe_block,
+)
+from qsaserve.models.qwen4exp_ple import PLEHashParams, ple_initial_context, ple_layer_forward
+from qsaserve.ops.attention.reference import gather_context, write_kv_reference
+from qsaserve.ops.qsa_attention.reference import sparse_attention_reference
+from qsaserve.ops.qsa_indexer.paged import select_paged, update_block_keys
+from qsaserve.ops.qsa_indexer.reference import indexer_project, rope_cos_sin, rope_inv_freq
+
+logger = logging.getLogger("qsaserve")
+
+GDN, QSA = "linear_attention", "indexed_attention"
+
+
+def parse_config(hf_config: dict):
+    """A transformers Qwen4ExpTextConfig (it owns the defaults and validation) from a checkpoint's
+    config: the `text_config` of a multimodal config, or a bare text config."""
+    from transformers import Qwen4ExpTextConfig
+
+    text = dict(hf_config.get("text_config") or hf_config)
+    text.pop("model_type", None)
+    text.pop("architectures", None)
+    if "eos_token_id" not in text and "eos_token_id" in hf_config:
+        text["eos_token_id"] = hf_config["eos_token_id"]
+    return Qwen4ExpTextConfig(**text)
+
+
+def weight_shapes(cfg) -> dict[str, tuple[int, ...]]:
+    """Every dense parameter of the text model, by HF name (without the `model.` prefix).
+    PLE tables are not here: they are gathered by row from wherever they are placed."""
+    H, hc, lr = cfg.hidden_size, cfg.hc_count, cfg.hc_lowrank
+    HC = hc * H
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (cfg.vocab_size, H), "lm_head.weight": (cfg.vocab_size, H)}
+
+    def mixer(prefix: str, inject: bool) -> None:
+        shapes[f"{prefix}.hc_norm.weight"] = (HC,)
+        shapes[f"{prefix}.input_mix_weight_down.weight"] = (lr, HC)
+        shapes[f"{prefix}.input_mix_weight_up.weight"] = (HC, lr)
+        if inject:
+            shapes[f"{prefix}.block_inject_weight.weight"] = (hc, HC)
+
+    mixer("hyper_connection_mixer", inject=False)
+    Hk, Hv, Dk, Dv = cfg.linear_num_key_heads, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    D, Hq, Hkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+    E, I, Is = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
+    for i, kind in enumerate(cfg.layer_types):
+        p = f"layers.{i}"
+        mixer(f"{p}.attn_hyper_connection", inject=True)
+        mixer(f"{p}.mlp_hyper_connection", inject=True)
+        if kind == GDN:
+            conv_dim = 2 * Hk * Dk + Hv * Dv
+            shapes.update({
+                f"{p}.linear_attn.in_proj_qkv.weight": (conv_dim, H),
+                f"{p}.linear_attn.in_proj_z.weight": (Hv * Dv, H),
+                f"{p}.linear_attn.in_proj_b.weight": (Hv, H),
+                f"{p}.linear_attn.in_proj_a.weight": (Hv, H),
+                f"{p}.linear_attn.conv1d.weight": (conv_dim, 1, cfg.linear_conv_kernel_dim),
+                f"{p}.linear_attn.dt_bias": (Hv,),
+                f"{p}.linear_attn.A_log": (Hv,),
+                f"{p}.linear_attn.norm.weight": (Dv,),
+                f"{p}.linear_attn.out_proj.weight": (H, Hv * Dv),
+            })
+            if i + 1 in cfg.ple_layer_ids:
+                Ep = cfg.ple_embed_dim
+                shapes.update({
+                    f"{p}.ple.key_proj.weight": (HC, Ep),
+                    f"{p}.ple.value_proj.weight": (H, Ep),
+                    f"{p}.ple.norm_key.weight": (HC,),
+                    f"{p}.ple.norm_query.weight": (HC,),
+                    f"{p}.ple.norm_conv.weight": (HC,),
+                    f"{p}.ple.conv1d.weight": (HC, 1, cfg.ple_conv_kernel_size),
+                })
+        else:
+            Hi, Di = cfg.indexer_n_heads, cfg.indexer_head_dim
+            shapes.update({
+                f"{p}.self_attn.q_proj.weight": (Hq * 2 * D, H),
+                f"{p}.self_attn.k_proj.weight": (Hkv * D, H),
+                f"{p}.self_attn.v_proj.weight": (Hkv * D, H),
+                f"{p}.self_attn.o_proj.weight": (H, Hq * D),
+                f"{p}.self_attn.q_norm.weight": (D,),
+                f"{p}.self_attn.k_norm.weight": (D,),
+                f"{p}.self_attn.indexer.index_qk_proj.weight": ((Hi + 1) * Di, H),
+                f"{p}.self_attn.indexer.q_layernorm.weight": (Di,),
+                f"{p}.self_attn.indexer.k_layernorm.weight": (Di,),
+            })
+            if cfg.attention_bias:
+                for proj, n in (("q_proj", Hq * 2 * D), ("k_proj", Hkv * D), ("v_proj", Hkv * D), ("o_proj", H)):
+                    shapes[f"{p}.self_attn.{proj}.bias"] = (n,)
+        shapes.update({
+            f"{p}.mlp.gate.weight": (E, H),
+            f"{p}.mlp.experts.gate_up_proj": (E, 2 * I, H),
+            f"{p}.mlp.experts.down_proj": (E, H, I),
+            f"{p}.mlp.shared_expert.gate_proj.weight": (Is, H),
+            f"{p}.mlp.shared_expert.up_proj.weight": (Is, H),
+            f"{p}.mlp.shared_expert.down_proj.weight": (H, Is),
+            f"{p}.mlp.shared_expert_gate.weight": (1, H),
+        })
+    return shapes
+
+
+class QSACacheLayer:
+    """What the runner binds a QSA layer's pages to (same interface as layers.attention.Attention)."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int):
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.cache: LayerCache | None = None
+
+
+@dataclass
+class _LayerState:
+    conv: torch.Tensor | None = None  # GDN conv state [slots, conv_dim, Kc-1]
+    recurrent: torch.Tensor | None = None  # GDN state [slots, Hv, Dk, Dv] fp32
+    ngram_context: torch.Tensor | None = None  # PLE [slots, ngram-1] int64
+    ple_conv: torch.Tensor | None = None  # PLE [slots, HC, (Kp-1)*ngram]
+
+
+class Qwen4ExpForCausalLM(nn.Module):
+    def __init__(self, hf_config: dict, max_positions: int):
+        super().__init__()
+        cfg = parse_config(hf_config)
+        self.cfg = cfg
+        self.ple_tables: dict[int, object] = {}  # layer index -> row lookup, set by the loader
+        self.ple_params = {i: PLEHashParams.from_config(cfg, i) for i in range(cfg.num_hidden_layers) if i + 1 in cfg.ple_layer_ids}
+        for i in self.ple_params:
+            if cfg.layer_types[i] != GDN:
+                raise ValueError(f"model: PLE layer {i + 1} must be a linear_attention layer")
+        # Parameters are kept by HF name; torch.empty: every one is overwritten on load.
+        self.weights: dict[str, torch.Tensor] = {n: torch.empty(s) for n, s in weight_shapes(cfg).items()}
+        if cfg.tie_word_embeddings:
+            self.weights["lm_head.weight"] = self.weights["embed_tokens.weight"]
+        self.layer_weights = [self._sub(f"layers.{i}.") for i in range(cfg.num_hidden_layers)]
+        self.qsa_layers = {i: QSACacheLayer(cfg.num_key_value_heads, cfg.head_dim) for i, k in enumerate(cfg.layer_types) if k == QSA}
+        rotary = int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
+        self.inv_freq = rope_inv_freq(cfg.head_dim, rotary / cfg.head_dim, cfg.rope_parameters["rope_theta"])
+        self.state: list[_LayerState] = [_LayerState() for _ in cfg.layer_types]
+
+    def _sub(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {k[len(prefix):]: v for k, v in self.weights.items() if k.startswith(prefix)}
+
+    # ---- caches and state ----
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        c = self.cfg
+        return KVCacheSpec(len(self.qsa_layers), c.num_key_value_heads, c.head_dim, dtype, block_size,
+                           index_head_dim=c.indexer_head_dim, index_ratio=c.indexer_compress_ratio)
+
+    def attention_layers(self) -> list[QSACacheLayer]:
+        return list(self.qsa_layers.values())
+
+    def allocate_state(self, num_slots: int, device: torch.device) -> None:
+        c = self.cfg
+        dtype = self.weights["embed_tokens.weight"].dtype
+        conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+        total = 0
+        for i, kind in enumerate(c.layer_types):
+            if kind != GDN:
+                continue
+            st = self.state[i]
+            st.conv = torch.zeros(num_slots, conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+            st.recurrent = torch.zeros(num_slots, c.linear_num_value_heads, c.linear_key_head_dim,
+                                       c.linear_value_head_dim, dtype=torch.float32, device=device)
+            total += st.conv.nbytes + st.recurrent.nbytes
+            if i in self.ple_params:
+                params = self.ple_params[i]
+                st.ngram_context = ple_initial_context(params, num_slots, device)
+                span = (c.ple_conv_kernel_size - 1) * c.ngram_size
+                st.ple_conv = torch.zeros(num_slots, c.hc_count * c.hidden_size, span, dtype=dtype, device=device)
+                total += st.ngram_context.nbytes + st.ple_conv.nbytes
+        logger.info("recurrent state: %d slots x %.1f KiB = %.1f MiB", num_slots, total / num_slots / 1024, total / 2**20)
+
+    def _reset_fresh_slots(self, slots: list[int], meta: AttentionMetadata) -> None:
+        fresh = [s for s, n, length in zip(slots, meta.query_lens, meta.seq_lens_list) if length == n]
+        if not fresh:
+            return
+        for i, st in enumerate(self.state):
+            if st.conv is None:
+                continue
+            idx = torch.tensor(fresh, device=st.conv.device)
+            st.conv[idx] = 0
+            st.recurrent[idx] = 0
+            if st.ngram_context is not None:
+                st.ngram_context[idx] = self.ple_params[i].eos_token_id
+                st.ple_conv[idx] = 0
+
+    # ---- forward ----
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        c = self.cfg
+        self.inv_freq = self.inv_freq.to(input_ids.device)
+        slots = meta.state_slots
+        self._reset_fresh_slots(slots, meta)
+        spans = _spans(meta.query_lens)
+        hyper = hc_expand(self.weights["embed_tokens.weight"][input_ids], c.hc_count)
+        for i, kind in enumerate(c.layer_types):
+            w = self.layer_weights[i]
+            if i in self.ple_params:
+                hyper = hyper + self._ple(i, hyper, input_ids, spans, slots)
+            mixed, inject = self._mix(w, "attn_hyper_connection.", hyper)
+            out = self._gdn(i, mixed, spans, slots) if kind == GDN else self._qsa(i, mixed, positions, spans, meta)
+            hyper = hc_inject(hyper, out, inject)
+            mixed, inject = self._mix(w, "mlp_hyper_connection.", hyper)
+            mlp = {k[4:]: v for k, v in w.items() if k.startswith("mlp.")}
+            hyper = hc_inject(hyper, sparse_moe_block(mixed, mlp, c.num_experts_per_tok, c.norm_topk_prob, c.hidden_act), inject)
+        return hyper
+
+    def compute_logits(self, hyper: torch.Tensor) -> torch.Tensor:
+        final, _ = hc_gated_residual(
+            hyper, self.weights["hyper_connection_mixer.hc_norm.weight"],
+            self.weights["hyper_connection_mixer.input_mix_weight_down.weight"],
+            self.weights["hyper_connection_mixer.input_mix_weight_up.weight"], None, self.cfg.hc_count, self.cfg.rms_norm_eps,
+        )
+        return (final @ self.weights["lm_head.weight"].t()).float()
+
+    def _mix(self, w: dict, prefix: str, hyper: torch.Tensor):
+        return hc_gated_residual(
+            hyper, w[prefix + "hc_norm.weight"], w[prefix + "input_mix_weight_down.weight"],
+            w[prefix + "input_mix_weight_up.weight"], w[prefix + "block_inject_weight.weight"],
+            self.cfg.hc_count, self.cfg.rms_norm_eps,
+        )
+
+    def _ple(self, i: int, hyper, input_ids, spans, slots) -> torch.Tensor:
+        st, w = self.state[i], self.layer_weights[i]
+        ple_w = {k[4:]: v for k, v in w.items() if k.startswith("ple.")}
+        out = torch.empty_like(hyper)
+        for (a, b), slot in zip(spans, slots):
+            delta, ctx, conv = ple_layer_forward(
+                hyper[None, a:b], input_ids[None, a:b], ple_w, self.ple_params[i], self.ple_tables[i], self.cfg.hc_count,
+                self.cfg.rms_norm_eps, st.ngram_context[slot : slot + 1], st.ple_conv[slot : slot + 1],
+            )
+            out[a:b] = delta[0]
+            st.ngram_context[slot] = ctx[0]
+            st.ple_conv[slot] = conv[0]
+        return out
+
+    def _gdn(self, i: int, x: torch.Tensor, spans, slots) -> torch.Tensor:
+        st = self.state[i]
+        w = {k[len("linear_attn."):]: v for k, v in self.layer_weights[i].items() if k.startswith("linear_attn.")}
+        out = torch.empty_like(x)
+        for (a, b), slot in zip(spans, slots):
+            o, conv, rec = gdn_layer_forward(
+                x[None, a:b], w, self.cfg, st.conv[slot : slot + 1], st.recurrent[slot : slot + 1],
+                mode="chunk" if b - a > 1 else "recurrent",
+            )
+            out[a:b] = o[0]
+            st.conv[slot] = conv[0]
+            st.recurrent[slot] = rec[0]
+        return out
+
+    def _qsa(self, i: int, x: torch.Tensor, positions: torch.Tensor, spans, meta: AttentionMetadata) -> torch.Tensor:
+        c = self.cfg
+        w = {k[len("self_attn."):]: v for k, v in self.layer_weights[i].items() if k.startswith("self_attn.")}
+        cache = self.qsa_layers[i].cache
+        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        q, gate, k, v = qsa_attention_qkv(
+            x, w["q_proj.weight"], w["k_proj.weight"], w["v_proj.weight"], w["q_norm.weight"], w["k_norm.weight"],
+            c.head_dim, cos, sin, c.rms_norm_eps,
+        )
+        iq, raw = indexer_project(x, w["indexer.index_qk_proj.weight"], w["indexer.q_layernorm.weight"],
+                                  c.indexer_n_heads, c.indexer_head_dim, cos, sin, c.rms_norm_eps)
+        write_kv_reference(k, v, cache.kv, meta.slot_mapping)
+        cache.index_keys.view(-1, c.indexer_head_dim).index_copy_(0, meta.slot_mapping, raw.to(cache.index_keys.dtype))
+        r = c.indexer_compress_ratio
+        attn = torch.empty_like(q, dtype=torch.float32)
+        for s, (a, b) in enumerate(spans):
+            length, table = meta.seq_lens_list[s], meta.block_tables[s]
+            update_block_keys(cache.index_keys, cache.block_keys, table, length - (b - a), length,
+                              w["indexer.k_layernorm.weight"], self.inv_freq, r, c.rms_norm_eps)
+            selected = select_paged(iq[a:b], cache.block_keys, table, positions[a:b], r, c.indexer_budget)
+            k_ctx, v_ctx = gather_context(cache.kv, table, length)
+            attn[a:b], _ = sparse_attention_reference(q[a:b], k_ctx, v_ctx, selected, scale=c.head_dim**-0.5)
+        return qsa_attention_output(attn, gate, w["o_proj.weight"])
+
+    # ---- weights ----
+    def load_weights(self, weights) -> None:
+        """Accepts HF names with `model.`, `model.language_model.` or no prefix. Per-expert
+        tensors are fused; PLE table shards and mtp.* are left to their own loaders."""
+        loaded: set[str] = set()
+        num_experts = self.cfg.num_experts
+        inter = self.cfg.moe_intermediate_size
+        for name, tensor in weights:
+            name = _strip_prefix(name)
+            if name is None or ".ple_embedding." in name:
+                continue
+            if ".mlp.experts." in name and name.split(".mlp.experts.")[1].split(".")[0].isdigit():
+                layer_prefix, rest = name.split(".mlp.experts.")
+                e, proj = int(rest.split(".")[0]), rest.split(".")[1]
+                if proj == "down_proj":
+                    self.weights[f"{layer_prefix}.mlp.experts.down_proj"][e].copy_(tensor)
+                else:
+                    rows = slice(0, inter) if proj == "gate_proj" else slice(inter, 2 * inter)
+                    self.weights[f"{layer_prefix}.mlp.experts.gate_up_proj"][e, rows].copy_(tensor)
+                loaded.add(f"{layer_prefix}.mlp.experts.{e}.{proj}")
+                continue
+            if name not in self.weights:
+                raise ValueError(f"model: checkpoint tensor {name!r} has no place in Qwen4Exp")
+            target = self.weights[name]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"model: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            target.copy_(tensor)
+            loaded.add(name)
+        missing = []
+        for name in self.weights:
+            if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+                prefix = name.rsplit(".mlp.experts.", 1)[0]
+                fused = name in loaded
+                per_expert = all(f"{prefix}.mlp.experts.{e}.{p}" in loaded for e in range(num_experts)
+                                 for p in (("gate_proj", "up_proj") if "gate_up" in name else ("down_proj",)))
+                if not (fused or per_expert):
+                    missing.append(name)
+            elif name not in loaded and not (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+                missing.append(name)
+        if missing:
+            raise ValueError(f"model: checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+
+def _strip_prefix(name: str) -> str | None:
+    """HF checkpoint name -> our name; None for tensors the text model does not use."""
+    if name.startswith(("model.visual.", "visual.", "mtp.", "model.mtp.")):
+        return None
+    for prefix in ("model.language_model.", "model."):
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def _spans(query_lens: list[int]) -> list[tuple[int, int]]:
+    spans, start = [], 0
+    for n in query_lens:
+        spans.append((start, start + n))
+        start += n
+    return spans
