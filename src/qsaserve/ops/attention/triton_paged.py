@@ -20,7 +20,7 @@ import triton.language as tl
 _LOG2E = 1.4426950408889634
 # Online-softmax running max starts finite, so a row that sees only masked keys in a tile keeps
 # alpha = exp2(0) = 1 instead of exp2(-inf - -inf) = NaN.
-_M_INIT = -1.0e30
+_M_INIT = tl.constexpr(-1.0e30)
 
 
 # ----------------------------------------------------------------------------------------------
