@@ -1,0 +1,160 @@
+"""Qwen4Exp served by the engine matches transformers' qwen4_exp.
+
+Tiny random configs (every parameter overwritten with non-trivial values, LM head scaled for
+clear greedy margins), saved with save_pretrained and loaded by path. float32 everywhere; the
+oracle is transformers' full-sequence forward (no cache), so chunking, batching, paging,
+preemption and state slots are all on our side only. Tolerance: 2e-4 on logprobs (observed
+~1e-5: summation order only)."""
+import pytest
+import torch
+
+from qsaserve import LLM, SamplingParams
+
+from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig  # noqa: E402
+
+EOS = 3
+TOL = 2e-4
+
+
+def make_config(budget=12, ple_layer_ids=(1,), hc_count=3, num_experts=4, top_k=2, layers=5):
+    types = ["linear_attention", "indexed_attention", "linear_attention", "linear_attention", "indexed_attention"][:layers]
+    return Qwen4ExpTextConfig(
+        vocab_size=120, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True, hc_count=hc_count, hc_lowrank=8,
+        layer_types=types, ple_layer_ids=list(ple_layer_ids), ple_embed_dim=32, ngram_size=3, heads_per_ngram=2,
+        ngram_vocab_size_base=50, split_ngram_parts=4,
+        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=12, indexer_budget=budget, indexer_compress_ratio=4,
+        eos_token_id=EOS, max_position_embeddings=512,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
+    )
+
+
+def build(cfg, seed):
+    torch.manual_seed(seed)
+    model = Qwen4ExpForCausalLM(cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.empty(p.shape).uniform_(0.1, 2.0, generator=gen).log())
+            elif name.endswith("linear_attn.norm.weight"):
+                p.copy_(torch.empty(p.shape).uniform_(0.5, 1.5, generator=gen))
+            elif "norm" in name:
+                p.copy_(torch.empty(p.shape).uniform_(-0.5, 0.5, generator=gen))
+            elif name.endswith("embed_tokens.weight") or "ngram_embedding" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif name == "lm_head.weight":
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2 * 25)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / p.shape[-1] ** 0.5))
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory, smollm2_gguf_path):
+    from qsaserve.loader import load_checkpoint
+
+    d = tmp_path_factory.mktemp("tok")
+    load_checkpoint(smollm2_gguf_path, progress=False).tokenizer.save_pretrained(d)
+    return d
+
+
+def save(model, path, tokenizer_dir):
+    import shutil
+
+    model.save_pretrained(path)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    return str(path)
+
+
+def prompts(n, lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(4, 120, (lengths[i % len(lengths)],), generator=g)
+        ids[len(ids) // 3] = EOS  # EOS inside the prompt restarts PLE n-gram segments
+        out.append(ids.tolist())
+    return out
+
+
+def hf_prompt_logprobs(model, ids):
+    with torch.no_grad():
+        lp = model(torch.tensor([ids]), use_cache=False).logits[0].float().log_softmax(-1)
+    return [lp[p - 1, ids[p]].item() for p in range(1, len(ids))]
+
+
+def hf_greedy(model, ids, n):
+    ids = list(ids)
+    for _ in range(n):
+        with torch.no_grad():
+            ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[-n:]
+
+
+CASES = {
+    # name: (config kwargs, engine kwargs)
+    "budget12_chunk7": (dict(budget=12, ple_layer_ids=(1,)), dict(max_num_batched_tokens=7, block_size=8)),
+    "budget20_two_ple_layers": (dict(budget=20, ple_layer_ids=(1, 4), hc_count=4, num_experts=6, top_k=3),
+                                dict(max_num_batched_tokens=64, block_size=16)),
+}
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def case(request, tmp_path_factory, tokenizer_dir):
+    cfg_kwargs, engine_kwargs = CASES[request.param]
+    cfg = make_config(**cfg_kwargs)
+    model = build(cfg, seed=len(request.param))
+    path = save(model, tmp_path_factory.mktemp(request.param), tokenizer_dir)
+    llm = LLM(path, dtype="float32", max_model_len=256, progress=False, **engine_kwargs)
+    return model, llm, path
+
+
+def test_prompt_logprobs_and_greedy_match_transformers(case):
+    model, llm, _ = case
+    ps = prompts(3, [45, 61, 38])  # several requests batched, longer than the budget
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps],
+                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=0), use_tqdm=False)
+    for p, out in zip(ps, outs):
+        ours = [entry[t].logprob for entry, t in zip(out.prompt_logprobs[1:], p[1:])]
+        ref = hf_prompt_logprobs(model, p)
+        assert max(abs(a - b) for a, b in zip(ours, ref)) < TOL
+        assert out.outputs[0].token_ids == hf_greedy(model, p, 6)
+
+
+def test_preemption_and_batching_keep_outputs(case, tokenizer_dir):
+    model, llm, path = case
+    ps = prompts(4, [30, 41, 27, 35], seed=1)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    alone = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in ps]
+    spec = llm.engine.executor.kv_spec
+    tiny = LLM(path, dtype="float32", max_model_len=64, progress=False, block_size=spec.block_size,
+               kv_cache_memory=(64 // spec.block_size + 2) * spec.bytes_per_block)
+    together = tiny.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
+    assert tiny.engine.scheduler.num_preemptions > 0
+    for a, b in zip(alone, together):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        la = [e[t].logprob for e, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)]
+        lb = [e[t].logprob for e, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
+        assert max(abs(x - y) for x, y in zip(la, lb)) < TOL
+
+
+def test_ple_placements_give_identical_logits(case):
+    _, _, path = case
+    p = prompts(1, [50], seed=2)[0]
+    results = []
+    for placement in ("disk", "host", "gpu"):
+        llm = LLM(path, dtype="float32", max_model_len=128, ple_placement=placement, progress=False)
+        out = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0), use_tqdm=False)[0]
+        results.append([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], p[1:])])
+    assert results[0] == results[1] == results[2]
+
+
+def test_prefix_caching_is_refused_clearly(case):
+    _, _, path = case
+    from qsaserve import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="enable_prefix_caching"):
+        LLM(path, dtype="float32", max_model_len=128, enable_prefix_caching=True, progress=False)
