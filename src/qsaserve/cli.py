@@ -16,6 +16,7 @@ _HELP = {
     "max_model_len": "longest prompt + output in tokens (default: the model's limit)",
     "block_size": "tokens per KV-cache page (power of two)",
     "enable_prefix_caching": "reuse KV pages of identical prompt prefixes (default: on, off for hybrid models)",
+    "load_format": "auto (read the weights) or dummy (random weights; --model may then be a preset: llama-1b, llama-8b, smollm2-135m, qwen4exp-tiny, qwen4exp-small)",
     "ple_placement": "where Qwen4Exp PLE tables live: disk (mmap, rows read on demand), host (RAM) or gpu",
     "max_num_batched_tokens": "per-step token budget shared by prefill chunks and decodes (default 2048 CPU / 8192 GPU)",
     "max_num_seqs": "most sequences running at once",

@@ -24,6 +24,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes of KV cache; None: 1 GiB on CPU, from gpu_memory_utilization on GPU
     seed: int = 0
     ple_placement: str = "disk"  # Qwen4Exp PLE tables: disk (mmap), host (RAM) or gpu
+    load_format: str = "auto"  # auto: read the checkpoint; dummy: random weights (model = preset or HF dir)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -47,6 +48,8 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             _check_int("kv_cache_memory", self.kv_cache_memory, 1)
         _check_int("seed", self.seed, None)
+        if self.load_format not in ("auto", "dummy"):
+            raise InvalidRequestError("load_format", f"must be auto or dummy; got {self.load_format!r}")
         if self.ple_placement not in ("disk", "host", "gpu"):
             raise InvalidRequestError("ple_placement", f"must be disk, host or gpu; got {self.ple_placement!r}")
 

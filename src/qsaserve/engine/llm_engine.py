@@ -21,7 +21,7 @@ from qsaserve.engine.sampler import SampledToken, prompt_logprobs_for, sample
 from qsaserve.engine.scheduler import Scheduler, SchedulerOutput
 from qsaserve.engine.sequence import Sequence
 from qsaserve.errors import InvalidRequestError
-from qsaserve.loader.checkpoint import load_checkpoint, resolve_model
+from qsaserve.loader.checkpoint import dummy_checkpoint, load_checkpoint, resolve_model
 from qsaserve.models.registry import is_hybrid
 from qsaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from qsaserve.sampling_params import SamplingParams
@@ -42,8 +42,10 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig, *, progress: bool = True):
         self.config = config
-        path = resolve_model(config.model, progress=progress)
-        checkpoint = load_checkpoint(path, progress=progress)
+        if config.load_format == "dummy":
+            checkpoint = dummy_checkpoint(config.model)
+        else:
+            checkpoint = load_checkpoint(resolve_model(config.model, progress=progress), progress=progress)
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
         hf = checkpoint.hf_config
@@ -118,6 +120,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("prompt", "must not be empty")
+            if self.tokenizer is None:
+                raise InvalidRequestError("prompt", "this model has no tokenizer; pass {'prompt_token_ids': [...]}")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -226,8 +230,8 @@ class LLMEngine:
         entries[token] = Logprob(logprob, rank, self._decode_token(token))
         return entries
 
-    def _decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+    def _decode_token(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
 
     def _append_token(self, seq: Sequence, tok: SampledToken, now: float) -> None:
         seq.token_ids.append(tok.token_id)
@@ -242,12 +246,13 @@ class LLMEngine:
         is_eos = tok.token_id in self.eos_token_ids and not p.ignore_eos
         min_ok = seq.num_output_tokens >= p.min_tokens
         if (is_stop_token or is_eos) and min_ok:
-            if p.include_stop_str_in_output and is_stop_token:
+            if p.include_stop_str_in_output and is_stop_token and self.tokenizer is not None:
                 detokenize_incrementally(self.tokenizer, seq)
             seq.finish_reason, seq.stop_reason = "stop", (tok.token_id if is_stop_token else None)
         else:
             old_len = len(seq.output_text)
-            detokenize_incrementally(self.tokenizer, seq)
+            if self.tokenizer is not None:
+                detokenize_incrementally(self.tokenizer, seq)
             if p.stop_strings and min_ok and self._check_stop_strings(seq, old_len):
                 pass
             elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:

@@ -14,7 +14,7 @@ from qsaserve.cache.kv_cache import LayerCache, allocate_kv_cache
 from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput
 from qsaserve.layers.attention import AttentionMetadata
-from qsaserve.models.ple_table import is_table_tensor, open_ple_tables
+from qsaserve.models.ple_table import dummy_ple_tables, is_table_tensor, open_ple_tables
 from qsaserve.models.registry import build_model
 
 logger = logging.getLogger("qsaserve")
@@ -32,7 +32,11 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         with torch.device(self.device), _default_dtype(self.dtype):
             model = build_model(checkpoint.hf_config, max_model_len)
-        if hasattr(model, "ple_params"):
+        if checkpoint.format == "dummy":
+            model.init_dummy_weights(config.seed)
+            if hasattr(model, "ple_params"):
+                model.ple_tables = dummy_ple_tables(model.ple_params, model.cfg, config.ple_placement, self.device, self.dtype)
+        elif hasattr(model, "ple_params"):
             # PLE tables are gathered by row from their placement, never loaded as weights.
             model.load_weights(checkpoint.weights(self.dtype, skip=is_table_tensor))
             model.ple_tables = open_ple_tables(checkpoint, model.ple_params, config.ple_placement, self.device, self.dtype)

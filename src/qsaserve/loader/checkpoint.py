@@ -136,3 +136,40 @@ def load_checkpoint(path: str, *, progress: bool = True) -> Checkpoint:
     from .gguf_loader import load_gguf_checkpoint
 
     return load_gguf_checkpoint(path)
+
+
+class _NoWeights:
+    """Weight source of a random-weight checkpoint: the model initializes itself."""
+
+    def weight_names(self) -> list[str]:
+        return []
+
+    def weights(self, dtype: torch.dtype, skip=None) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(())
+
+
+def dummy_checkpoint(model: str | None) -> Checkpoint:
+    """load_format="dummy": a preset name (see models/presets.py) or an HF directory whose
+    config.json gives the shapes; weights are random. The tokenizer is the directory's if it
+    has one, else None (prompts must then be token ids)."""
+    from qsaserve.models.presets import PRESETS, preset_config
+
+    if model in PRESETS:
+        config, path, tokenizer = preset_config(model), model, None
+    else:
+        path = resolve_model(model if model is not None else "", progress=False)
+        if not os.path.isdir(path):
+            raise ModelLoadError(
+                f"model: with load_format=dummy, give a preset ({', '.join(PRESETS)}) or an HF directory, got {model!r}"
+            )
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as fh:
+            config = json.load(fh)
+        try:
+            from .tokenizer import load_hf_tokenizer
+
+            tokenizer = load_hf_tokenizer(path)
+        except ModelLoadError:
+            tokenizer = None
+    identity = compute_identity(config, [("dummy", str(model))])
+    return Checkpoint(path=path, format="dummy", hf_config=config, tokenizer=tokenizer, identity=identity,
+                      _source=_NoWeights())

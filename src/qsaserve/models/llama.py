@@ -133,6 +133,16 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     # ---- weights ----
+    def init_dummy_weights(self, seed: int) -> None:
+        """Random weights for load_format="dummy" (speed/memory runs; outputs mean nothing)."""
+        gen = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if "norm" in name:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=gen)
+
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -120,3 +120,21 @@ def open_ple_tables(checkpoint, layers: dict[int, object], placement: str, devic
             len(tables), placement, on_device / 2**20, on_host / 2**20,
         )
     return tables
+
+
+def dummy_ple_tables(layers: dict[int, object], cfg, placement: str, device: torch.device, dtype: torch.dtype) -> dict:
+    """Random tables of the configured size for load_format="dummy" (disk placement has no file
+    to map, so it falls back to host RAM)."""
+    dim = cfg.ple_embed_dim // ((cfg.ngram_size - 1) * cfg.heads_per_ngram)
+    if placement == "disk":
+        logger.info("ple_placement: disk needs a checkpoint file; random tables go to host RAM")
+        placement = "host"
+    target = device if placement == "gpu" else torch.device("cpu")
+    tables = {}
+    for layer, params in layers.items():
+        weight = torch.empty(params.table_rows, dim, dtype=dtype, device=target).normal_()
+        if placement == "host" and device.type == "cuda":
+            weight = weight.pin_memory()
+        tables[layer] = DeviceRowTable(weight, placement)
+        logger.info("PLE table layer %d: %.2f GiB (%s, random)", layer + 1, weight.nbytes / 2**30, placement)
+    return tables

@@ -296,6 +296,19 @@ class Qwen4ExpForCausalLM(nn.Module):
         return qsa_attention_output(attn, gate, w["o_proj.weight"])
 
     # ---- weights ----
+    def init_dummy_weights(self, seed: int) -> None:
+        """Random weights for load_format="dummy" (speed/memory runs; outputs mean nothing)."""
+        gen = torch.Generator(device=self.weights["embed_tokens.weight"].device).manual_seed(seed)
+        for name, w in self.weights.items():
+            if name.endswith("A_log"):
+                w.uniform_(0.0, 1.0, generator=gen)
+            elif name.endswith("linear_attn.norm.weight"):
+                w.fill_(1.0)
+            elif "norm" in name or name.endswith("dt_bias"):
+                w.zero_()  # 1-centred norms: zero is the identity scale
+            else:
+                w.normal_(0.0, 0.02, generator=gen)
+
     def load_weights(self, weights) -> None:
         """Accepts HF names with `model.`, `model.language_model.` or no prefix. Per-expert
         tensors are fused; PLE table shards and mtp.* are left to their own loaders."""

@@ -1,0 +1,380 @@
+"""AsyncLLMEngine: drives an LLMEngine from one background thread for asyncio servers.
+
+LLMEngine is not thread-safe, so every call into it (adding, aborting, stepping) runs on the
+loop thread; asyncio code submits commands and awaits their futures. Outputs are cumulative,
+so each request keeps only its newest output: a slow consumer skips intermediate ones instead
+of growing a queue. A consumer that stops iterating (client disconnect, task cancelled) aborts
+its request, which frees its KV blocks on the next loop iteration.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Protocol, Sequence
+
+from qsaserve.engine.llm_engine import LLMEngine
+from qsaserve.errors import EngineDeadError, InvalidRequestError
+from qsaserve.outputs import RequestOutput
+from qsaserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("qsaserve")
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are waiting; the caller should retry after `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class RequestObserver(Protocol):
+    """Timing hooks, called on the engine thread (the server's metrics implement them)."""
+
+    def on_first_token(self, seconds: float) -> None: ...
+
+    def on_inter_token(self, seconds: float) -> None: ...
+
+    def on_finished(self, output: RequestOutput, e2e_seconds: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine gauges and counters, rebuilt by the engine thread after each step so other threads
+    read a consistent set without touching the engine."""
+
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    num_blocks: int = 0
+    num_free_blocks: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    num_unfinished_requests: int = 0
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative outputs; ends after the finished output."""
+
+    def __init__(self, request_id: str, engine: "AsyncLLMEngine", loop: asyncio.AbstractEventLoop):
+        self.request_id = request_id
+        self._engine = engine
+        self.loop = loop
+        self._latest: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._event = asyncio.Event()
+        self._done = False  # finished, failed or aborted: nothing more to read
+
+    # Called on the event loop (scheduled there by the engine thread).
+    def _put(self, output: RequestOutput) -> None:
+        self._latest = output
+        self._event.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._event.set()
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._done:
+            raise StopAsyncIteration
+        while self._latest is None and self._error is None:
+            await self._event.wait()
+            self._event.clear()
+        if self._latest is not None:
+            out, self._latest = self._latest, None
+            if out.finished:
+                self._done = True
+            return out
+        self._done = True
+        raise self._error
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def abort(self) -> None:
+        """Stops the request if it is still running (idempotent)."""
+        if not self._done:
+            self._done = True
+            self._engine._post_abort(self.request_id)
+
+
+class AsyncLLMEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        *,
+        max_waiting_requests: int | None = None,
+        retry_after: int = 1,
+        start: bool = True,
+    ):
+        if max_waiting_requests is not None and (not isinstance(max_waiting_requests, int) or max_waiting_requests < 1):
+            raise InvalidRequestError("max_waiting_requests", f"must be an integer >= 1, got {max_waiting_requests!r}")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.retry_after = retry_after
+        self.observers: list[RequestObserver] = []
+        self.snapshot = EngineSnapshot()
+        self._commands: deque[tuple[Callable[[], object], concurrent.futures.Future | None]] = deque()
+        self._lock = threading.Lock()  # orders command submission against the thread's death
+        self._wake = threading.Event()
+        self._stopping = False
+        self._dead: EngineDeadError | None = None
+        # Owned by the engine thread.
+        self._streams: dict[str, RequestStream] = {}
+        self._timing: dict[str, list[float]] = {}  # request_id -> [arrival, last_token_time, tokens_seen]
+        self._thread = threading.Thread(target=self._run, name="qsaserve-engine", daemon=True)
+        self._update_snapshot()
+        if start:
+            self.start()
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        if not self._thread.is_alive() and self._dead is None:
+            self._thread.start()
+
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Why the engine stopped serving (None while healthy)."""
+        if self._dead is None and self._thread.ident is not None and not self._thread.is_alive():
+            return EngineDeadError("the engine loop thread is not running")
+        return self._dead
+
+    def shutdown(self, timeout: float = 30.0, shutdown_engine: bool = True) -> None:
+        """Stops the loop thread after its current step; unfinished requests end with EngineDeadError."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                logger.warning("the engine thread did not stop within %.0f s; it stops after its current step", timeout)
+                return
+        elif self._thread.ident is None:  # never started: nothing else touches the engine
+            self._die(EngineDeadError("the engine was shut down"))
+        if shutdown_engine:
+            self.engine.shutdown()
+
+    # ---- requests ----
+    async def add_request(self, request_id: str, prompt, params: SamplingParams) -> RequestStream:
+        return (await self.add_requests([(request_id, prompt, params)]))[0]
+
+    async def add_requests(self, requests: Sequence[tuple[str, object, SamplingParams]]) -> list[RequestStream]:
+        """Adds all requests or none. Raises InvalidRequestError (bad input), EngineOverloadedError
+        (the waiting queue is full) or EngineDeadError."""
+        loop = asyncio.get_running_loop()
+        streams = [RequestStream(rid, self, loop) for rid, _, _ in requests]
+        arrival = time.monotonic()
+
+        def add() -> None:
+            self._check_capacity(len(requests))
+            added: list[str] = []
+            try:
+                for (rid, prompt, params), stream in zip(requests, streams):
+                    if rid in self._streams:
+                        raise InvalidRequestError("request_id", f"{rid!r} is already in use")
+                    self.engine.add_request(rid, prompt, params)
+                    added.append(rid)
+                    self._streams[rid] = stream
+                    self._timing[rid] = [arrival, arrival, 0]
+            except BaseException:
+                for rid in added:
+                    self._drop(rid)
+                raise
+
+        future = self._submit(add)
+        try:
+            await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            # The add may already have run; the aborts queue behind it, so they find the requests.
+            for rid, _, _ in requests:
+                self._post_abort(rid)
+            raise
+        return streams
+
+    async def generate(self, request_id: str, prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Yields cumulative outputs until the request finishes; closing or cancelling the
+        iterator early aborts the request."""
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.abort()
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.wrap_future(self._submit(lambda: self._drop(request_id)))
+
+    async def run(self, fn: Callable[[LLMEngine], object]):
+        """Runs fn(engine) on the engine thread between steps and returns its result."""
+        return await asyncio.wrap_future(self._submit(lambda: fn(self.engine)))
+
+    # ---- engine-thread side ----
+    def _check_capacity(self, incoming: int) -> None:
+        if self.max_waiting_requests is None:
+            return
+        waiting = len({seq.request_id for seq in self.engine.scheduler.waiting})
+        if waiting + incoming > self.max_waiting_requests:
+            raise EngineOverloadedError(
+                f"the server is overloaded: {waiting} requests are waiting (limit {self.max_waiting_requests}); retry later",
+                self.retry_after,
+            )
+
+    def _submit(self, fn: Callable[[], object]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            dead = self.dead_error
+            if dead is None and self._stopping:
+                dead = EngineDeadError("the engine is shutting down")
+            if dead is not None:
+                future.set_exception(dead)
+                return future
+            self._commands.append((fn, future))
+        self._wake.set()
+        return future
+
+    def _post_abort(self, request_id: str) -> None:
+        with self._lock:
+            if self._dead is not None:
+                return
+            self._commands.append((lambda: self._drop(request_id), None))
+        self._wake.set()
+
+    def _drop(self, request_id: str) -> None:
+        """Aborts a request in the engine (freeing its blocks) without publishing anything."""
+        self.engine.abort_request(request_id)
+        self._streams.pop(request_id, None)
+        self._timing.pop(request_id, None)
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._run_commands()
+                if self._stopping:
+                    break
+                if not self.engine.has_unfinished_requests():
+                    self._update_snapshot()
+                    self._wake.wait()
+                    self._wake.clear()
+                    continue
+                outputs = self.engine.step()
+                self._publish(outputs)
+                self._update_snapshot()
+                if not outputs:
+                    time.sleep(0.001)  # nothing could be scheduled: do not spin on the GIL
+        except BaseException as e:  # noqa: BLE001 - any failure here ends the engine
+            logger.exception("engine loop died")
+            self._die(EngineDeadError(f"the engine loop died: {type(e).__name__}: {e}"))
+            return
+        self._die(EngineDeadError("the engine was shut down"))
+
+    def _run_commands(self) -> None:
+        while self._commands:
+            fn, future = self._commands.popleft()
+            if future is not None and not future.set_running_or_notify_cancel():
+                continue
+            if future is None:
+                fn()  # an abort: if freeing a request fails, the engine's state is broken; die
+                continue
+            try:
+                result = fn()
+            except Exception as e:  # noqa: BLE001 - the caller gets it; adds validate before mutating
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            self._observe(out, now)
+            if out.finished:
+                del self._streams[out.request_id]
+            batches.setdefault(stream.loop, []).append((stream, out))
+        for loop, items in batches.items():
+            _call_soon(loop, _deliver, items)
+
+    def _observe(self, out: RequestOutput, now: float) -> None:
+        timing = self._timing.get(out.request_id)
+        if timing is None:
+            return
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        if tokens > timing[2]:
+            for obs in self.observers:
+                if timing[2] == 0:
+                    obs.on_first_token(now - timing[0])
+                else:
+                    obs.on_inter_token(now - timing[1])
+            timing[1], timing[2] = now, tokens
+        if out.finished:
+            del self._timing[out.request_id]
+            for obs in self.observers:
+                obs.on_finished(out, now - timing[0])
+
+    def _update_snapshot(self) -> None:
+        e = self.engine
+        bm = e.block_manager
+        self.snapshot = EngineSnapshot(
+            num_requests_running=len({s.request_id for s in e.scheduler.running}),
+            num_requests_waiting=len({s.request_id for s in e.scheduler.waiting}),
+            num_blocks=bm.num_blocks,
+            num_free_blocks=bm.num_free_blocks,
+            kv_cache_usage=bm.usage,
+            prefix_cache_queries=bm.stats.queries,
+            prefix_cache_hits=bm.stats.hits,
+            num_preemptions=e.scheduler.num_preemptions,
+            prompt_tokens=e.stats["prompt_tokens"],
+            generation_tokens=e.stats["generation_tokens"],
+            num_unfinished_requests=len(e.requests),
+        )
+
+    def _die(self, error: EngineDeadError) -> None:
+        with self._lock:
+            if self._dead is not None:
+                return
+            self._dead = error
+            pending = list(self._commands)
+            self._commands.clear()
+        for _, future in pending:
+            if future is not None and future.set_running_or_notify_cancel():
+                future.set_exception(error)
+        streams = list(self._streams.values())
+        self._streams.clear()
+        self._timing.clear()
+        for stream in streams:
+            _call_soon(stream.loop, stream._fail, error)
+        # Best effort: free what the dead engine still holds, so its state can be inspected.
+        try:
+            for rid in list(self.engine.requests):
+                self.engine.abort_request(rid)
+            self._update_snapshot()
+        except Exception:  # noqa: BLE001 - the engine is already broken
+            logger.exception("could not release the requests of the dead engine")
+
+
+def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:
+    for stream, out in items:
+        stream._put(out)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the consumer's loop is closed: nobody is listening any more
+        pass

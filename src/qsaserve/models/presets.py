@@ -1,0 +1,48 @@
+"""Named model shapes for random-weight (`load_format="dummy"`) runs: benchmarks and tests.
+
+Each preset is an HF-style config dict; weights are random, so only speed and memory mean
+anything. qwen4exp-small keeps the real model's ratios (3 GDN : 1 QSA, head_dim 256, 2 KV heads,
+budget 2048, r 4, hc 4, MoE, one PLE layer with a multi-GiB table) at a few B parameters.
+"""
+from __future__ import annotations
+
+import copy
+
+_LLAMA = dict(model_type="llama", rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+              max_position_embeddings=131072, bos_token_id=1, eos_token_id=2)
+
+PRESETS: dict[str, dict] = {
+    "llama-1b": dict(_LLAMA, vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=64),
+    "llama-8b": dict(_LLAMA, vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False),
+    "smollm2-135m": dict(_LLAMA, vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rope_theta=100000.0,
+                         max_position_embeddings=8192),
+    "qwen4exp-tiny": dict(
+        model_type="qwen4_exp_text", vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, hc_count=2, hc_lowrank=16, ple_layer_ids=[2], ple_embed_dim=64, ngram_size=3,
+        heads_per_ngram=2, ngram_vocab_size_base=1000, split_ngram_parts=4, indexer_n_heads=2, indexer_kv_heads=1,
+        indexer_head_dim=16, indexer_budget=32, indexer_compress_ratio=4, eos_token_id=2,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    ),
+    "qwen4exp-small": dict(
+        model_type="qwen4_exp_text", vocab_size=151936, hidden_size=2048, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32, moe_intermediate_size=512,
+        shared_expert_intermediate_size=512, num_experts=64, num_experts_per_tok=8, hc_count=4, hc_lowrank=320,
+        ple_layer_ids=[2], ple_embed_dim=2048, ngram_size=3, heads_per_ngram=8,
+        # 16 heads x ~1M rows x 128 x bf16: a ~4 GiB table
+        ngram_vocab_size_base=1_000_000, split_ngram_parts=512, indexer_n_heads=16, indexer_kv_heads=1,
+        indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=4, eos_token_id=2,
+        max_position_embeddings=262144,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    ),
+}
+
+
+def preset_config(name: str) -> dict:
+    return copy.deepcopy(PRESETS[name])
