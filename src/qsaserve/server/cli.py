@@ -1,0 +1,105 @@
+"""`qsaserve serve [MODEL] [engine flags] [server flags]`: run the OpenAI-compatible server.
+
+`add_serve_parser(subparsers)` adds the subcommand to the main CLI; `python -m
+qsaserve.server.cli [MODEL] ...` runs it on its own.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from qsaserve.cli import add_engine_args, engine_config_from_args
+from qsaserve.errors import InvalidRequestError
+
+API_KEY_ENV = "QSASERVE_API_KEY"
+DEFAULT_MAX_WAITING_REQUESTS = 512
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    from qsaserve.sampling_params import MAX_LOGPROBS
+    from qsaserve.server.app import DEFAULT_MAX_REQUEST_BYTES
+
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="model to serve (same as --model)")
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    group.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    group.add_argument("--api-key", default=None,
+                       help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV} if set)")
+    group.add_argument("--served-model-name", nargs="+", default=None,
+                       help="model name(s) clients may send in 'model' (default: MODEL, or 'default' for the default model)")
+    group.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                       help=f"requests that may wait for a slot; beyond it new ones get 503 + Retry-After (default: {DEFAULT_MAX_WAITING_REQUESTS})")
+    group.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After when overloaded (default: 1)")
+    group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
+                       help=f"largest accepted request body (default: {DEFAULT_MAX_REQUEST_BYTES})")
+    group.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
+                       help=f"largest logprobs / top_logprobs / prompt_logprobs a request may ask for (default: {MAX_LOGPROBS})")
+    group.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="uvicorn's log level (default: info)")
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Adds the `serve` subcommand to the main CLI's subparsers."""
+    parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                                   description="Serve a model over an OpenAI-compatible HTTP API.")
+    add_server_args(parser)
+    add_engine_args(parser)
+    parser.set_defaults(func=cmd_serve)
+    return parser
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise InvalidRequestError("model", f"given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    if not 0 <= args.port <= 65535:
+        raise InvalidRequestError("port", f"must be in [0, 65535], got {args.port}")
+    if args.max_waiting_requests < 1:
+        raise InvalidRequestError("max_waiting_requests", f"must be >= 1, got {args.max_waiting_requests}")
+    if args.retry_after < 0:
+        raise InvalidRequestError("retry_after", f"must be >= 0, got {args.retry_after}")
+
+
+def build_server_app(args: argparse.Namespace):
+    """Loads the engine and builds the app from parsed `serve` arguments."""
+    from qsaserve.engine.async_engine import AsyncLLMEngine
+    from qsaserve.engine.llm_engine import LLMEngine
+    from qsaserve.server.app import build_app
+
+    _check_args(args)
+    config = engine_config_from_args(args)
+    engine = LLMEngine(config)
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, retry_after=args.retry_after)
+    names = args.served_model_name or [args.model_tag or args.model or "default"]
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    return build_app(async_engine, names, api_key, max_request_bytes=args.max_request_bytes, max_logprobs=args.max_logprobs)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    app = build_server_app(args)
+    logging.getLogger("qsaserve").info("serving %s on http://%s:%d", app.state.server.model_names, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=10)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qsaserve-serve", description="Serve a model over an OpenAI-compatible HTTP API.")
+    parser.add_argument("--log-level", default="INFO")
+    add_server_args(parser)
+    add_engine_args(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return cmd_serve(args)
+    except InvalidRequestError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
