@@ -101,15 +101,17 @@ def decode_case(b, ctx, page, cfg=None, num_splits=None, seed=0):
     cache = rand_(torch.empty(2, nb, page, HKV, D, dtype=DT, device="cuda"))
     q = rand_(torch.empty(b, HQ, D, dtype=DT, device="cuda"))
     out = torch.empty_like(q)
-    cfg = cfg or tp.DECODE_CONFIG
+    default = tp.decode_config(b * HKV)
+    cfg = cfg or default
+    auto = tp.num_decode_splits(b * HKV, ctx, tp._num_sms(q.device), cfg.block_n, cfg.ctas_per_sm)
     if num_splits is None:
-        num_splits = tp.num_decode_splits(b * HKV, ctx, tp._num_sms(q.device), cfg.block_n, cfg.ctas_per_sm)
+        num_splits = auto
 
     def run():
         tp.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, D**-0.5,
                         num_seqs=b, max_seq_len=ctx, config=cfg, num_splits=num_splits)
 
-    if cfg is tp.DECODE_CONFIG and num_splits == tp.num_decode_splits(b * HKV, ctx, tp._num_sms(q.device), cfg.block_n, cfg.ctas_per_sm):
+    if cfg is default and num_splits == auto:
         run = lambda: tp.paged_attention(q, cache, meta, D**-0.5, out=out)  # noqa: E731  (the engine's entry point)
     t = bench(run)
     del cache
@@ -167,6 +169,62 @@ def decode_sweep(args):
             print(json.dumps(out[-1]), flush=True)
         torch.cuda.empty_cache()
     return out
+
+
+def decode_diag(args):
+    """Small cases are launch-bound in eager mode: split host overhead, CUDA-graph time and
+    per-kernel device time (profiler), ours and SDPA's; plus block_n 64 vs 128 at low batch."""
+    from triton.testing import do_bench_cudagraph
+
+    rows = []
+    for b, ctx in ((1, 2048), (1, 8192), (1, 32768), (1, 131072), (2, 32768), (4, 32768), (8, 2048), (8, 8192), (8, 32768)):
+        meta, nb = make_meta([1] * b, [ctx] * b, 16, "cuda")
+        cache = rand_(torch.empty(2, nb, 16, HKV, D, dtype=DT, device="cuda"))
+        q = rand_(torch.empty(b, HQ, D, dtype=DT, device="cuda"))
+        out = torch.empty_like(q)
+        kv = b * ctx * HKV * D * 4
+        fn = lambda: tp.paged_attention(q, cache, meta, D**-0.5, out=out)  # noqa: E731
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            fn()
+        host = (time.perf_counter() - t0) / 200
+        torch.cuda.synchronize()
+        row = {"batch": b, "ctx": ctx, "host_us_per_call": host * 1e6, "eager_us": bench(fn) * 1e6,
+               "graph_us": do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3}
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
+                    fn()
+                torch.cuda.synchronize()
+            for e in prof.key_averages():
+                if "kernel" in e.key and ("_decode" in e.key or "_merge" in e.key):
+                    row[f"{e.key}_us"] = getattr(e, "device_time", None) or e.cuda_time
+        except Exception as e:  # profiler unavailable: keep the rest
+            row["profiler_error"] = repr(e)[:200]
+        row["graph_tb_s"] = kv / row["graph_us"] / 1e6
+        for bn, nw in ((64, 4), (128, 4)):
+            cfg = tp.DecodeConfig(bn, nw, 3, 1 if bn == 128 else 2)
+            f2 = lambda: tp.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, D**-0.5,  # noqa: E731
+                                         num_seqs=b, max_seq_len=ctx, config=cfg)
+            f2()
+            row[f"graph_bn{bn}_tb_s"] = kv / (do_bench_cudagraph(f2, rep=50, return_mode="median") * 1e3) / 1e6
+        del cache
+        qs = rand_(torch.empty(b, HQ, 1, D, dtype=DT, device="cuda"))
+        k = rand_(torch.empty(b, HKV, ctx, D, dtype=DT, device="cuda"))
+        v = rand_(torch.empty(b, HKV, ctx, D, dtype=DT, device="cuda"))
+        fs = lambda: F.scaled_dot_product_attention(qs, k, v, scale=D**-0.5, enable_gqa=True)  # noqa: E731
+        fs()
+        row["sdpa_eager_us"] = bench(fs) * 1e6
+        row["sdpa_graph_us"] = do_bench_cudagraph(fs, rep=50, return_mode="median") * 1e3
+        row["sdpa_graph_tb_s"] = kv / row["sdpa_graph_us"] / 1e6
+        row["graph_ratio"] = row["graph_tb_s"] / row["sdpa_graph_tb_s"]
+        del k, v
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 def prefill_flops(q_lens, s_lens):
@@ -266,6 +324,8 @@ def main():
         print(json.dumps(res["copy"]), flush=True)
     if "decode" in secs:
         res["decode"] = decode_table(args)
+    if "diag" in secs:
+        res["decode_diag"] = decode_diag(args)
     if "prefill" in secs:
         res["prefill"] = prefill_table(args)
     if "write" in secs:
@@ -286,6 +346,10 @@ def main():
         p = args.pages[0]
         print(f"decode B{r['batch']:>3} ctx{r['ctx']:>7}: triton {r[f'triton_p{p}_tb_s']:.2f} TB/s  sdpa {r['sdpa_tb_s']:.2f}  "
               f"ratio {r[f'ratio_p{p}']:.2f}  splits {r['splits']}")
+    for r in res.get("decode_diag", []):
+        print(f"diag B{r['batch']} ctx{r['ctx']}: host {r['host_us_per_call']:.0f}us eager {r['eager_us']:.0f}us graph {r['graph_us']:.0f}us "
+              f"(sdpa eager {r['sdpa_eager_us']:.0f} graph {r['sdpa_graph_us']:.0f}) graph ratio {r['graph_ratio']:.2f} "
+              f"bn64 {r['graph_bn64_tb_s']:.2f} bn128 {r['graph_bn128_tb_s']:.2f} TB/s")
     for r in res.get("prefill", []):
         print(f"prefill {r['kind']} B{r['batch']} len{r['len']}: triton {r['triton_tflops']:.0f} TF/s  sdpa {r.get('sdpa_tflops', float('nan')):.0f}")
 

@@ -84,9 +84,10 @@ def bind_cache(layer, cache):
     """Attach a per-layer KV tensor however the layer currently holds it."""
     from qsaserve.cache import kv_cache as kvc
 
-    layer.kv_cache = cache
     if hasattr(kvc, "LayerCache"):
         layer.cache = kvc.LayerCache(cache)
+    else:
+        layer.kv_cache = cache
 
 
 def run_triton(q, k, v, cache, meta, scale, **kw):
