@@ -16,8 +16,8 @@ from qsaserve.engine.model_runner import ModelRunner
 class InProcessExecutor:
     """A single rank, running in the engine's own process."""
 
-    def __init__(self, config: EngineConfig, checkpoint, max_model_len: int):
-        self.runner = ModelRunner(config, checkpoint, max_model_len)
+    def __init__(self, config: EngineConfig, checkpoint, max_model_len: int, progress: bool = False):
+        self.runner = ModelRunner(config, checkpoint, max_model_len, progress=progress)
         self.kv_spec = self.runner.kv_spec
         self.num_kv_blocks = self.kv_spec.num_blocks_for(self.runner.kv_cache_budget_bytes())
         if self.num_kv_blocks >= 2:

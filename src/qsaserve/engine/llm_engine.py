@@ -58,7 +58,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or model_max
         self.eos_token_ids = _eos_ids(hf, self.tokenizer)
 
-        self.executor = InProcessExecutor(config, checkpoint, self.max_model_len)
+        self.executor = InProcessExecutor(config, checkpoint, self.max_model_len, progress=progress)
         spec = self.executor.kv_spec
         usable_blocks = self.executor.num_kv_blocks - 1  # minus the null block
         per_request = -(-self.max_model_len // config.block_size)

@@ -9,6 +9,7 @@ import contextlib
 import logging
 
 import torch
+from tqdm.auto import tqdm
 
 from qsaserve.cache.kv_cache import LayerCache, allocate_kv_cache
 from qsaserve.config import EngineConfig
@@ -24,7 +25,7 @@ CPU_KV_CACHE_BYTES = 1 << 30
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, checkpoint, max_model_len: int):
+    def __init__(self, config: EngineConfig, checkpoint, max_model_len: int, progress: bool = False):
         self.config = config
         self.device = config.torch_device
         self.dtype = config.torch_dtype
@@ -38,10 +39,10 @@ class ModelRunner:
                 model.ple_tables = dummy_ple_tables(model.ple_params, model.cfg, config.ple_placement, self.device, self.dtype)
         elif hasattr(model, "ple_params"):
             # PLE tables are gathered by row from their placement, never loaded as weights.
-            model.load_weights(checkpoint.weights(self.dtype, skip=is_table_tensor))
+            model.load_weights(_progress(checkpoint.weights(self.dtype, skip=is_table_tensor), checkpoint, progress))
             model.ple_tables = open_ple_tables(checkpoint, model.ple_params, config.ple_placement, self.device, self.dtype)
         else:
-            model.load_weights(checkpoint.weights(self.dtype))
+            model.load_weights(_progress(checkpoint.weights(self.dtype), checkpoint, progress))
         self.model = model.eval()
         self.attention_layers = model.attention_layers()
         self.kv_spec = model.kv_cache_spec(config.block_size, self.dtype)
@@ -121,6 +122,11 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta)
         rows = torch.tensor(batch.logits_indices, dtype=torch.long, device=dev)
         return self.model.compute_logits(hidden[rows])
+
+
+def _progress(weights, checkpoint, enabled: bool):
+    return tqdm(weights, total=len(checkpoint.weight_names()), desc="Loading weights", unit="tensor",
+                disable=not enabled, leave=False)
 
 
 @contextlib.contextmanager

@@ -87,6 +87,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+class BackgroundServer:
+    """A uvicorn server on a daemon thread (for notebooks, benchmarks and tests); port=0 picks a free port."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", startup_timeout: float = 60.0):
+        import threading
+        import time
+
+        import uvicorn
+
+        self.app = app
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, name="qsaserve-uvicorn", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + startup_timeout
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.02)
+        self.host = host
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Graceful stop: uvicorn closes connections, then the app's lifespan shuts the engine down."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="qsaserve-serve", description="Serve a model over an OpenAI-compatible HTTP API.")
     parser.add_argument("--log-level", default="INFO")
