@@ -1,0 +1,275 @@
+"""AsyncLLMEngine on the real model, and the server's failure paths: overload (503 + Retry-After),
+requests ending with finish_reason "error", client cancellation, clean shutdown and a dead engine
+loop (health 503). One LLMEngine is shared; each test gets a fresh AsyncLLMEngine (and server)."""
+import asyncio
+import http.client
+import json
+import time
+
+import openai
+import pytest
+import torch
+
+from qsaserve import SamplingParams
+from qsaserve.config import EngineConfig
+from qsaserve.engine.async_engine import AsyncLLMEngine, EngineOverloadedError
+from qsaserve.engine.llm_engine import LLMEngine
+from qsaserve.errors import EngineDeadError, InvalidRequestError
+from qsaserve.server import build_app
+from qsaserve.server.cli import BackgroundServer
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+LONG = dict(temperature=0, max_tokens=200, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm_engine():
+    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=256, max_num_seqs=2, kv_cache_memory=32 * 2**20), progress=False)
+    yield engine
+    engine.shutdown()
+
+
+def assert_idle(engine: LLMEngine):
+    assert not engine.requests and not engine.scheduler.waiting and not engine.scheduler.running
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.fixture
+def aengine(llm_engine):
+    a = AsyncLLMEngine(llm_engine, max_waiting_requests=8)
+    yield a
+    a.shutdown(shutdown_engine=False)
+    assert_idle(llm_engine)
+
+
+@pytest.fixture
+def make_server(llm_engine):
+    made = []
+
+    def make(**kwargs):
+        a = AsyncLLMEngine(llm_engine, **kwargs)
+        srv = BackgroundServer(build_app(a, "smol", shutdown_engine=False))
+        srv.aengine = a
+        made.append(srv)
+        return srv
+
+    yield make
+    for srv in made:
+        srv.stop()
+        srv.aengine.shutdown(shutdown_engine=False)
+    assert_idle(llm_engine)
+
+
+async def collect(aengine, rid, prompt, params):
+    outs = [out async for out in aengine.generate(rid, prompt, params)]
+    return outs
+
+
+# ---------------- AsyncLLMEngine ----------------
+def test_generate_streams_cumulative_outputs(aengine):
+    outs = asyncio.run(collect(aengine, "a", "The capital of France is", GREEDY))
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    lengths = [len(o.outputs[0].token_ids) for o in outs]
+    assert lengths == sorted(lengths) and lengths[-1] == 8
+    assert outs[-1].outputs[0].text.startswith(outs[0].outputs[0].text)
+
+
+def test_concurrent_requests_match_serial(aengine):
+    prompts = [f"Fact number {i}: the" for i in range(4)]
+
+    async def serial():
+        return [(await collect(aengine, f"s{i}", p, GREEDY))[-1].outputs[0].text for i, p in enumerate(prompts)]
+
+    async def concurrent():
+        results = await asyncio.gather(*(collect(aengine, f"c{i}", p, GREEDY) for i, p in enumerate(prompts)))
+        return [r[-1].outputs[0].text for r in results]
+
+    assert asyncio.run(concurrent()) == asyncio.run(serial())
+
+
+def test_cancelled_consumer_aborts_and_frees_blocks(aengine, llm_engine):
+    async def scenario():
+        seen = asyncio.Event()
+
+        async def consume():
+            async for out in aengine.generate("long", "Tell me a story", SamplingParams(**LONG)):
+                if len(out.outputs[0].token_ids) >= 3:
+                    seen.set()
+
+        task = asyncio.create_task(consume())
+        await asyncio.wait_for(seen.wait(), 60)
+        assert await aengine.run(lambda e: "long" in e.requests)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The abort is queued before this command, so the request is gone when it runs.
+        return await aengine.run(lambda e: ("long" in e.requests, e.block_manager.num_free_blocks == e.block_manager.num_blocks))
+
+    assert asyncio.run(scenario()) == (False, True)
+    assert aengine.is_healthy()
+
+
+def test_add_requests_is_all_or_nothing(aengine):
+    async def scenario():
+        with pytest.raises(InvalidRequestError) as e:
+            await aengine.add_requests([("ok", "Hello", GREEDY), ("bad", "", GREEDY)])
+        assert e.value.param == "prompt"
+        with pytest.raises(InvalidRequestError) as e:
+            await aengine.add_requests([("dup", "Hello", GREEDY), ("dup", "Hi", GREEDY)])
+        assert e.value.param == "request_id"
+        return await aengine.run(lambda eng: dict(eng.requests))
+
+    assert asyncio.run(scenario()) == {}
+
+
+def test_waiting_queue_bound(aengine):
+    short = SamplingParams(temperature=0, max_tokens=1)
+    async def scenario():
+        with pytest.raises(EngineOverloadedError) as e:
+            await aengine.add_requests([(f"r{i}", "Hello", short) for i in range(9)])  # limit 8
+        assert e.value.retry_after == 1
+        ok = await aengine.add_requests([(f"r{i}", "Hello", short) for i in range(8)])
+        return [(await _last(s)).finished for s in ok]
+
+    assert asyncio.run(scenario()) == [True] * 8
+
+
+async def _last(stream):
+    out = None
+    async for out in stream:
+        pass
+    return out
+
+
+def test_run_errors_reach_the_caller_without_killing_the_engine(aengine):
+    async def scenario():
+        with pytest.raises(KeyError):
+            await aengine.run(lambda e: {}["missing"])
+        return await aengine.run(lambda e: e.max_model_len)
+
+    assert asyncio.run(scenario()) == 256 and aengine.is_healthy()
+
+
+def test_shutdown_ends_streams_and_frees_blocks(llm_engine):
+    a = AsyncLLMEngine(llm_engine)
+
+    async def scenario():
+        stream = await a.add_request("s", "Tell me a story", SamplingParams(**LONG))
+        first = await stream.__anext__()
+        await asyncio.to_thread(a.shutdown, 30.0, False)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError):
+            await a.add_request("t", "Hello", GREEDY)
+        return first
+
+    assert not asyncio.run(scenario()).finished
+    assert not a.is_healthy() and "shut down" in str(a.dead_error)
+    assert_idle(llm_engine)
+
+
+# ---------------- server failure paths ----------------
+def post(srv, path, body, timeout=60):
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=timeout)
+    conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
+    return conn
+
+
+def wait_for(predicate, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def test_overloaded_server_answers_503_with_retry_after(make_server, llm_engine):
+    srv = make_server(max_waiting_requests=1, retry_after=3)
+    # max_num_seqs=2: two long streams run, a third waits, a fourth is refused.
+    running = [post(srv, "/v1/completions", {"prompt": f"Story {i}:", "stream": True, **LONG}) for i in range(2)]
+    for conn in running:
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    waiting = post(srv, "/v1/completions", {"prompt": "Waiting:", "max_tokens": 2})
+    wait_for(lambda: srv.aengine.snapshot.num_requests_waiting == 1)
+    refused = post(srv, "/v1/completions", {"prompt": "Refused:", "max_tokens": 2}).getresponse()
+    body = json.loads(refused.read())
+    assert refused.status == 503 and refused.getheader("Retry-After") == "3"
+    assert body["error"]["code"] == "server_overloaded" and body["error"]["type"] == "service_unavailable_error"
+    for conn in running:  # the clients leave; their aborts let the waiting request run
+        conn.close()
+    resp = waiting.getresponse()
+    assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 2
+    ok = post(srv, "/v1/completions", {"prompt": "Now fine:", "max_tokens": 2}).getresponse()
+    assert ok.status == 200
+
+
+def test_error_finish_reason_is_reported_and_server_keeps_serving(make_server, llm_engine, monkeypatch):
+    srv = make_server()
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    execute = llm_engine.executor.execute
+    poison = {"after": None}
+
+    def maybe_nan(batch):
+        logits = execute(batch)
+        if poison["after"] is not None:
+            if poison["after"] == 0:
+                return torch.full_like(logits, float("nan"))
+            poison["after"] -= 1
+        return logits
+
+    monkeypatch.setattr(llm_engine.executor, "execute", maybe_nan)
+    poison["after"] = 0
+    r = client.completions.create(model="smol", prompt="Hello there", max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason == "error" and r.choices[0].text == ""
+
+    poison["after"] = 3  # a few good tokens, then non-finite logits mid-stream
+    chunks = list(client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "Hi"}],
+                                                 max_tokens=20, temperature=0, stream=True))
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["error"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+    poison["after"] = None
+    ok = client.completions.create(model="smol", prompt="Hello there", max_tokens=4, temperature=0)
+    assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 4
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=10)
+    conn.request("GET", "/health")
+    health = conn.getresponse()
+    assert health.status == 200 and json.loads(health.read()) == {"status": "ok"}
+    conn.request("GET", "/metrics")
+    metrics = conn.getresponse().read().decode()
+    assert 'qsaserve:request_success_total{finished_reason="error",model_name="smol"} 2.0' in metrics
+
+
+def test_dead_engine_loop_makes_health_503(make_server, llm_engine, monkeypatch):
+    srv = make_server()
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=10)
+    conn.request("GET", "/health")
+    assert conn.getresponse().read() and srv.aengine.is_healthy()
+
+    in_flight = post(srv, "/v1/completions", {"prompt": "Story:", "stream": True, **LONG})
+    resp = in_flight.getresponse()
+    assert resp.readline().startswith(b"data: ")
+
+    def broken_step():
+        raise RuntimeError("simulated device failure")
+
+    monkeypatch.setattr(llm_engine, "step", broken_step)
+    events = [line for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2][len("data: "):])["error"]
+    assert "simulated device failure" in error["message"] and error["type"] == "service_unavailable_error"
+
+    conn.request("GET", "/health")
+    health = conn.getresponse()
+    body = json.loads(health.read())
+    assert health.status == 503 and "simulated device failure" in body["error"]["message"]
+    refused = post(srv, "/v1/completions", {"prompt": "Hello", "max_tokens": 2}).getresponse()
+    assert refused.status == 503 and json.loads(refused.read())["error"]["code"] == "engine_dead"
+    conn.request("GET", "/metrics")
+    assert 'qsaserve:engine_healthy{model_name="smol"} 0.0' in conn.getresponse().read().decode()
+    conn.request("GET", "/v1/models")  # the HTTP side still answers
+    assert conn.getresponse().status == 200
+    # The dying loop released what the engine held.
+    assert_idle(llm_engine)
