@@ -15,12 +15,13 @@ import logging
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qsaserve.cache.kv_cache import KVCacheSpec, LayerCache
 from qsaserve.layers.attention import AttentionMetadata
 from qsaserve.models.qwen4exp_blocks import (
-    gdn_layer_forward,
+    gated_rms_norm,
     hc_expand,
     hc_gated_residual,
     hc_inject,
@@ -30,6 +31,8 @@ from qsaserve.models.qwen4exp_blocks import (
 )
 from qsaserve.models.qwen4exp_ple import PLEHashParams, ple_initial_context, ple_layer_forward
 from qsaserve.ops.attention.reference import gather_context, write_kv_reference
+from qsaserve.ops.gdn.dispatch import gated_delta_rule
+from qsaserve.ops.gdn.reference import causal_conv1d_reference
 from qsaserve.ops.qsa_attention.reference import sparse_attention_reference
 from qsaserve.ops.qsa_indexer.paged import select_paged, update_block_keys
 from qsaserve.ops.qsa_indexer.reference import indexer_project, rope_cos_sin, rope_inv_freq
@@ -258,18 +261,29 @@ class Qwen4ExpForCausalLM(nn.Module):
         return out
 
     def _gdn(self, i: int, x: torch.Tensor, spans, slots) -> torch.Tensor:
-        st = self.state[i]
+        """All sequences of the step in one packed call; each continues from its state slot."""
+        c, st = self.cfg, self.state[i]
         w = {k[len("linear_attn."):]: v for k, v in self.layer_weights[i].items() if k.startswith("linear_attn.")}
-        out = torch.empty_like(x)
-        for (a, b), slot in zip(spans, slots):
-            o, conv, rec = gdn_layer_forward(
-                x[None, a:b], w, self.cfg, st.conv[slot : slot + 1], st.recurrent[slot : slot + 1],
-                mode="chunk" if b - a > 1 else "recurrent",
-            )
-            out[a:b] = o[0]
-            st.conv[slot] = conv[0]
-            st.recurrent[slot] = rec[0]
-        return out
+        Hk, Hv, Dk, Dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        t = x.shape[0]
+        slot_idx = torch.tensor(slots, device=x.device)
+        cu_seqlens = torch.tensor([0] + [b for _, b in spans], device=x.device)
+        mixed = F.linear(x, w["in_proj_qkv.weight"])
+        z = F.linear(x, w["in_proj_z.weight"]).view(t, Hv, Dv)
+        beta = torch.sigmoid(F.linear(x, w["in_proj_b.weight"]))
+        # Decay in fp32: exp(A_log) may overflow half precision.
+        g = -w["A_log"].float().exp() * F.softplus(F.linear(x, w["in_proj_a.weight"]).float() + w["dt_bias"].float())
+        conv, new_conv = causal_conv1d_reference(mixed.t()[None], w["conv1d.weight"], None, st.conv[slot_idx],
+                                                 activation=c.hidden_act, cu_seqlens=cu_seqlens)
+        st.conv[slot_idx] = new_conv
+        q, k, v = torch.split(conv[0].t(), [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+        o, final = gated_delta_rule(
+            q.reshape(1, t, Hk, Dk), k.reshape(1, t, Hk, Dk), v.reshape(1, t, Hv, Dv), g[None], beta[None],
+            st.recurrent[slot_idx], cu_seqlens, single_token=t == len(spans),
+        )
+        st.recurrent[slot_idx] = final.float()
+        o = gated_rms_norm(o[0], z, w["norm.weight"], c.rms_norm_eps, c.output_gate_type or c.hidden_act)
+        return F.linear(o.reshape(t, Hv * Dv), w["out_proj.weight"])
 
     def _qsa(self, i: int, x: torch.Tensor, positions: torch.Tensor, spans, meta: AttentionMetadata) -> torch.Tensor:
         c = self.cfg
