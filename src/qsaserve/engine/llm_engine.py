@@ -22,7 +22,7 @@ from qsaserve.engine.scheduler import Scheduler, SchedulerOutput
 from qsaserve.engine.sequence import Sequence
 from qsaserve.errors import InvalidRequestError
 from qsaserve.loader.checkpoint import dummy_checkpoint, load_checkpoint, resolve_model
-from qsaserve.models.registry import is_hybrid
+from qsaserve.models.registry import is_hybrid, text_config
 from qsaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from qsaserve.sampling_params import SamplingParams
 
@@ -48,7 +48,7 @@ class LLMEngine:
             checkpoint = load_checkpoint(resolve_model(config.model, progress=progress), progress=progress)
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
-        hf = checkpoint.hf_config
+        hf = text_config(checkpoint.hf_config)
         self.vocab_size = hf["vocab_size"]
         model_max = hf.get("max_position_embeddings") or 2048
         if config.max_model_len is not None and config.max_model_len > model_max:

@@ -329,9 +329,18 @@ class Qwen4ExpForCausalLM(nn.Module):
         loaded: set[str] = set()
         num_experts = self.cfg.num_experts
         inter = self.cfg.moe_intermediate_size
+        skipped_vision = 0
+        self.mtp_weights: dict[str, torch.Tensor] = {}  # the MTP draft head, for speculative decoding
+        device = self.weights["embed_tokens.weight"].device
         for name, tensor in weights:
+            if name.startswith(("mtp.", "model.mtp.")):
+                self.mtp_weights[name.split("mtp.", 1)[1]] = tensor.to(device)
+                continue
             name = _strip_prefix(name)
-            if name is None or ".ple_embedding." in name:
+            if name is None:
+                skipped_vision += 1
+                continue
+            if ".ple_embedding." in name:
                 continue
             if ".mlp.experts." in name and name.split(".mlp.experts.")[1].split(".")[0].isdigit():
                 layer_prefix, rest = name.split(".mlp.experts.")
@@ -363,11 +372,15 @@ class Qwen4ExpForCausalLM(nn.Module):
                 missing.append(name)
         if missing:
             raise ValueError(f"model: checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+        if skipped_vision:
+            logger.info("Qwen4Exp: skipped %d vision-tower tensors (text model only)", skipped_vision)
+        if self.mtp_weights:
+            logger.info("Qwen4Exp: kept %d MTP draft-head tensors", len(self.mtp_weights))
 
 
 def _strip_prefix(name: str) -> str | None:
-    """HF checkpoint name -> our name; None for tensors the text model does not use."""
-    if name.startswith(("model.visual.", "visual.", "mtp.", "model.mtp.")):
+    """HF checkpoint name -> our name; None for tensors the text model does not use (vision)."""
+    if name.startswith(("model.visual.", "visual.")):
         return None
     for prefix in ("model.language_model.", "model."):
         if name.startswith(prefix):

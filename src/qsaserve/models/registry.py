@@ -10,6 +10,16 @@ _LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "smollm")
 _HYBRID = ("qwen4_exp", "qwen4_exp_text")
 
 
+def text_config(hf_config: dict) -> dict:
+    """The language model's config: a multimodal checkpoint nests it under text_config."""
+    text = hf_config.get("text_config")
+    if not text:
+        return hf_config
+    merged = dict(text)
+    merged.setdefault("eos_token_id", hf_config.get("eos_token_id"))
+    return merged
+
+
 def is_hybrid(hf_config: dict) -> bool:
     """Models with per-request recurrent state (GDN, PLE) beside their KV cache."""
     return hf_config.get("model_type", "") in _HYBRID

@@ -158,3 +158,44 @@ def test_prefix_caching_is_refused_clearly(case):
 
     with pytest.raises(InvalidRequestError, match="enable_prefix_caching"):
         LLM(path, dtype="float32", max_model_len=128, enable_prefix_caching=True, progress=False)
+
+
+def test_multimodal_layout_sharded_with_index(case, tmp_path, caplog):
+    """A real checkpoint's layout: config with text_config, weights under model.language_model.*,
+    vision tensors (skipped with a log line), mtp.* (kept), sharded with an index."""
+    import json
+    import logging
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, llm, path = case
+    src = load_file(f"{path}/model.safetensors")
+    renamed = {("lm_head.weight" if k == "lm_head.weight" else "model.language_model." + k[len("model."):]): v
+               for k, v in src.items()}
+    renamed["model.visual.patch_embed.proj.weight"] = torch.randn(4, 4)
+    renamed["mtp.fc_hidden.weight"] = torch.randn(4, 4)
+    names = sorted(renamed)
+    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for fname, keys in halves.items():
+        save_file({k: renamed[k].contiguous() for k in keys}, str(tmp_path / fname))
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in halves.items() for k in keys}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    text = json.loads(open(f"{path}/config.json").read())
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen4_exp", "text_config": text,
+                                                       "eos_token_id": text["eos_token_id"]}))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{path}/{f}", tmp_path / f)
+    p = prompts(1, [40], seed=5)[0]
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0)
+    with caplog.at_level(logging.INFO, logger="qsaserve"):
+        multimodal = LLM(str(tmp_path), dtype="float32", max_model_len=128, progress=False)
+    assert "skipped 1 vision-tower tensors" in caplog.text
+    assert "fc_hidden.weight" in multimodal.engine.executor.runner.model.mtp_weights
+    a = multimodal.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+    b = llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    la = [e[t].logprob for e, t in zip(a.prompt_logprobs[1:], p[1:])]
+    lb = [e[t].logprob for e, t in zip(b.prompt_logprobs[1:], p[1:])]
+    assert max(abs(x - y) for x, y in zip(la, lb)) < TOL  # the fixture's engine chunks differently
