@@ -199,3 +199,32 @@ def test_multimodal_layout_sharded_with_index(case, tmp_path, caplog):
     la = [e[t].logprob for e, t in zip(a.prompt_logprobs[1:], p[1:])]
     lb = [e[t].logprob for e, t in zip(b.prompt_logprobs[1:], p[1:])]
     assert max(abs(x - y) for x, y in zip(la, lb)) < TOL  # the fixture's engine chunks differently
+
+
+@pytest.mark.gpu
+def test_bf16_on_gpu_with_fla_kernels_tracks_fp32_transformers(case):
+    """The same tiny model on CUDA in bfloat16 (GDN through fla-core when installed) against
+    transformers in float32. bf16 rounding (~3 significant digits) is what differs, so the
+    tolerance is statistical: mean |logprob diff| < 0.05 nats, and the argmax of at least 95% of
+    prompt positions agrees."""
+    from qsaserve.ops.gdn.dispatch import fla_available
+
+    model, _, path = case
+    llm = LLM(path, dtype="bfloat16", device="cuda", max_model_len=256, block_size=16, progress=False,
+              gpu_memory_utilization=0.3)
+    ps = prompts(3, [45, 61, 38], seed=7)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
+                        use_tqdm=False)
+    diffs, agree, total = [], 0, 0
+    for p, out in zip(ps, outs):
+        with torch.no_grad():
+            ref = model(torch.tensor([p]), use_cache=False).logits[0].float().log_softmax(-1)
+        for pos in range(1, len(p)):
+            entry = out.prompt_logprobs[pos]
+            diffs.append(abs(entry[p[pos]].logprob - ref[pos - 1, p[pos]].item()))
+            ours_top = min(entry.items(), key=lambda kv: kv[1].rank)[0]
+            agree += int(ours_top == int(ref[pos - 1].argmax()))
+            total += 1
+    mean = sum(diffs) / len(diffs)
+    print(f"fla={fla_available()} mean|dlogprob|={mean:.4f} max={max(diffs):.4f} top1 agreement={agree / total:.3f}")
+    assert mean < 0.05 and agree / total >= 0.95
