@@ -186,9 +186,10 @@ def wait_for(predicate, timeout=30.0):
 def test_overloaded_server_answers_503_with_retry_after(make_server, llm_engine):
     srv = make_server(max_waiting_requests=1, retry_after=3)
     # max_num_seqs=2: two long streams run, a third waits, a fourth is refused.
-    running = [post(srv, "/v1/completions", {"prompt": f"Story {i}:", "stream": True, **LONG}) for i in range(2)]
-    for conn in running:
-        resp = conn.getresponse()
+    running = []
+    for i in range(2):  # one at a time: a request counts as waiting until a step schedules it
+        running.append(post(srv, "/v1/completions", {"prompt": f"Story {i}:", "stream": True, **LONG}))
+        resp = running[-1].getresponse()
         assert resp.status == 200 and resp.readline().startswith(b"data: ")
     waiting = post(srv, "/v1/completions", {"prompt": "Waiting:", "max_tokens": 2})
     wait_for(lambda: srv.aengine.snapshot.num_requests_waiting == 1)
