@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(chat)
     _sampling_args(chat)
     chat.set_defaults(func=cmd_chat, max_tokens=256)
+
+    from qsaserve.server.cli import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 
