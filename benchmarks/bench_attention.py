@@ -316,6 +316,7 @@ def main():
     res = {"config": {"hq": HQ, "hkv": HKV, "head_dim": D, "dtype": "bfloat16", "timing": "triton do_bench median, L2 flushed",
                       "decode_config": dataclasses.asdict(tp.DECODE_CONFIG),
                       "prefill_config_d128": dataclasses.asdict(tp._prefill_config(D)),
+                      "decode_config_few_pairs": dataclasses.asdict(tp.DECODE_CONFIG_FEW), "few_pairs": tp.FEW_PAIRS,
                       "pages": args.pages}}
     t0 = time.time()
     res["env"] = env_info(args)
