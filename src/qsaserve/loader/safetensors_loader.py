@@ -19,6 +19,7 @@ logger = logging.getLogger("qsaserve")
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # Refuse absurd header lengths from corrupt files before allocating for them.
 _MAX_HEADER = 100 * 1024 * 1024
 
@@ -150,7 +151,12 @@ def load_safetensors_checkpoint(directory: str) -> Checkpoint:
         parts.append((f"header:{f}", raw))
         parts.append((f"data-sample:{f}", sample_digest(path, 8 + len(raw), size)))
     identity = compute_identity(config, parts)
-    tokenizer = load_hf_tokenizer(directory)
+    if any(os.path.isfile(os.path.join(directory, f)) for f in _TOKENIZER_FILES):
+        tokenizer = load_hf_tokenizer(directory)
+    else:
+        # Like vLLM's skip_tokenizer_init: the model still serves token-id prompts.
+        logger.warning("model: %s has no tokenizer files; prompts must be token ids and outputs carry no text", directory)
+        tokenizer = None
     source = SafetensorsWeights(directory, files, headers)
     logger.info("loaded safetensors checkpoint %s (%d file(s))", directory, len(files))
     return Checkpoint(path=directory, format="safetensors", hf_config=config, tokenizer=tokenizer,

@@ -52,21 +52,9 @@ def build(cfg, seed):
     return model
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory, smollm2_gguf_path):
-    from qsaserve.loader import load_checkpoint
-
-    d = tmp_path_factory.mktemp("tok")
-    load_checkpoint(smollm2_gguf_path, progress=False).tokenizer.save_pretrained(d)
-    return d
-
-
-def save(model, path, tokenizer_dir):
-    import shutil
-
+def save(model, path):
+    # No tokenizer files: prompts are token ids (the engine serves such a directory as is).
     model.save_pretrained(path)
-    for f in tokenizer_dir.iterdir():
-        shutil.copy(f, path / f.name)
     return str(path)
 
 
@@ -103,11 +91,11 @@ CASES = {
 
 
 @pytest.fixture(scope="module", params=list(CASES))
-def case(request, tmp_path_factory, tokenizer_dir):
+def case(request, tmp_path_factory):
     cfg_kwargs, engine_kwargs = CASES[request.param]
     cfg = make_config(**cfg_kwargs)
     model = build(cfg, seed=len(request.param))
-    path = save(model, tmp_path_factory.mktemp(request.param), tokenizer_dir)
+    path = save(model, tmp_path_factory.mktemp(request.param))
     llm = LLM(path, dtype="float32", max_model_len=256, progress=False, **engine_kwargs)
     return model, llm, path
 
@@ -124,7 +112,7 @@ def test_prompt_logprobs_and_greedy_match_transformers(case):
         assert out.outputs[0].token_ids == hf_greedy(model, p, 6)
 
 
-def test_preemption_and_batching_keep_outputs(case, tokenizer_dir):
+def test_preemption_and_batching_keep_outputs(case):
     model, llm, path = case
     ps = prompts(4, [30, 41, 27, 35], seed=1)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
@@ -165,7 +153,6 @@ def test_multimodal_layout_sharded_with_index(case, tmp_path, caplog):
     vision tensors (skipped with a log line), mtp.* (kept), sharded with an index."""
     import json
     import logging
-    import shutil
 
     from safetensors.torch import load_file, save_file
 
@@ -185,8 +172,6 @@ def test_multimodal_layout_sharded_with_index(case, tmp_path, caplog):
     text = json.loads(open(f"{path}/config.json").read())
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen4_exp", "text_config": text,
                                                        "eos_token_id": text["eos_token_id"]}))
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{path}/{f}", tmp_path / f)
     p = prompts(1, [40], seed=5)[0]
     params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0)
     with caplog.at_level(logging.INFO, logger="qsaserve"):
