@@ -3,6 +3,7 @@ graphs yet), reporting KV sizing from gpu_memory_utilization and decode/prefill 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import time
@@ -47,6 +48,7 @@ def main() -> None:
     for preset in args.presets.split(","):
         for batch in (1, 16):
             results["runs"].append(run(preset, batch, 512, 64, max_model_len=4096, gpu_memory_utilization=0.5))
+            gc.collect()  # release the engine's KV cache before the next one sizes its own
             torch.cuda.empty_cache()
     print(json.dumps(results, indent=1))
 
