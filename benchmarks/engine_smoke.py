@@ -6,6 +6,7 @@ import argparse
 import gc
 import json
 import subprocess
+import sys
 import time
 
 import torch
@@ -47,7 +48,11 @@ def main() -> None:
                "torch": torch.__version__, "note": "eager decode (no CUDA graphs yet); random weights", "runs": []}
     for preset in args.presets.split(","):
         for batch in (1, 16):
-            results["runs"].append(run(preset, batch, 512, 64, max_model_len=4096, gpu_memory_utilization=0.5))
+            try:
+                results["runs"].append(run(preset, batch, 512, 64, max_model_len=4096, gpu_memory_utilization=0.5))
+            except Exception as exc:  # report and go on: one broken preset must not hide the others
+                results["runs"].append({"preset": preset, "batch": batch, "error": repr(exc)})
+            print(json.dumps(results["runs"][-1]), file=sys.stderr, flush=True)
             gc.collect()  # release the engine's KV cache before the next one sizes its own
             torch.cuda.empty_cache()
     print(json.dumps(results, indent=1))

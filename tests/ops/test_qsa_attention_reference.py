@@ -12,6 +12,9 @@ from qsaserve.ops.qsa_indexer import rope_inv_freq
 hf = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
 from transformers import Qwen4ExpTextConfig  # noqa: E402
 
+# The installed transformers' name for the QSA layer type (it changed across releases).
+QSA_TYPE = next(t for t in Qwen4ExpTextConfig().layer_types if t != "linear_attention")
+
 ATOL = 1e-5
 
 
@@ -96,7 +99,7 @@ def _qsa_config(budget):
         vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
         linear_num_value_heads=2, moe_intermediate_size=8, shared_expert_intermediate_size=8, num_experts=2,
-        num_experts_per_tok=1, hc_count=2, hc_lowrank=4, layer_types=["linear_attention", "indexed_attention"],
+        num_experts_per_tok=1, hc_count=2, hc_lowrank=4, layer_types=["linear_attention", QSA_TYPE],
         indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=12, indexer_budget=budget, indexer_compress_ratio=4,
         rope_parameters={"rope_type": "default", "rope_theta": 100.0, "partial_rotary_factor": 0.5},
     )

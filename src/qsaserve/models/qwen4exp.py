@@ -39,7 +39,9 @@ from qsaserve.ops.qsa_indexer.reference import indexer_project, rope_cos_sin, ro
 
 logger = logging.getLogger("qsaserve")
 
-GDN, QSA = "linear_attention", "indexed_attention"
+GDN = "linear_attention"
+# transformers has called the QSA layer type each of these across releases.
+QSA_NAMES = ("indexed_attention", "qwen_sparse_attention", "full_attention")
 
 
 def parse_config(hf_config: dict):
@@ -159,7 +161,10 @@ class Qwen4ExpForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.weights["lm_head.weight"] = self.weights["embed_tokens.weight"]
         self.layer_weights = [self._sub(f"layers.{i}.") for i in range(cfg.num_hidden_layers)]
-        self.qsa_layers = {i: QSACacheLayer(cfg.num_key_value_heads, cfg.head_dim) for i, k in enumerate(cfg.layer_types) if k == QSA}
+        unknown = sorted(set(cfg.layer_types) - {GDN, *QSA_NAMES})
+        if unknown:
+            raise ValueError(f"model: unsupported Qwen4Exp layer types {unknown}")
+        self.qsa_layers = {i: QSACacheLayer(cfg.num_key_value_heads, cfg.head_dim) for i, k in enumerate(cfg.layer_types) if k != GDN}
         rotary = int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
         self.inv_freq = rope_inv_freq(cfg.head_dim, rotary / cfg.head_dim, cfg.rope_parameters["rope_theta"])
         self.state: list[_LayerState] = [_LayerState() for _ in cfg.layer_types]

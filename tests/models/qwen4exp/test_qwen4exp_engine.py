@@ -16,8 +16,12 @@ EOS = 3
 TOL = 2e-4
 
 
+# The installed transformers' own name for the QSA layer type (it changed across releases).
+QSA_TYPE = next(t for t in Qwen4ExpTextConfig().layer_types if t != "linear_attention")
+
+
 def make_config(budget=12, ple_layer_ids=(1,), hc_count=3, num_experts=4, top_k=2, layers=5):
-    types = ["linear_attention", "indexed_attention", "linear_attention", "linear_attention", "indexed_attention"][:layers]
+    types = ["linear_attention", QSA_TYPE, "linear_attention", "linear_attention", QSA_TYPE][:layers]
     return Qwen4ExpTextConfig(
         vocab_size=120, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,

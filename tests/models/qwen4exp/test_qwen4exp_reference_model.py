@@ -22,6 +22,9 @@ from qsaserve.ops.qsa_indexer import rope_inv_freq
 transformers = pytest.importorskip("transformers")
 from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig  # noqa: E402
 
+# The installed transformers' name for the QSA layer type (it changed across releases).
+QSA_TYPE = next(t for t in Qwen4ExpTextConfig().layer_types if t != "linear_attention")
+
 EOS = 3
 
 
@@ -32,8 +35,8 @@ def _config(hc_count, budget, num_experts, top_k, norm_topk_prob):
         linear_num_value_heads=4, moe_intermediate_size=16, shared_expert_intermediate_size=24,
         num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob, hc_count=hc_count,
         hc_lowrank=8,
-        layer_types=["linear_attention", "indexed_attention", "linear_attention", "linear_attention",
-                     "indexed_attention"],
+        layer_types=["linear_attention", QSA_TYPE, "linear_attention", "linear_attention",
+                     QSA_TYPE],
         ple_layer_ids=[1, 4], ple_embed_dim=32, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=50,
         indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=12, indexer_budget=budget, indexer_compress_ratio=4,
         eos_token_id=EOS, rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
