@@ -218,6 +218,7 @@ def build_app(
         state.tokenizer.close()
         if shutdown_engine:
             await asyncio.to_thread(engine.shutdown)
+            logger.info("server shut down: engine stopped")
 
     app = FastAPI(title="qsaserve", version=qsaserve.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state

@@ -1,0 +1,112 @@
+"""`serve` command line: argument parsing, and a real server process (API key from the
+environment, graceful SIGTERM: the in-flight stream completes, then the process exits 0)."""
+import argparse
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from qsaserve.errors import InvalidRequestError
+from qsaserve.server.cli import API_KEY_ENV, add_serve_parser, build_server_app, cmd_serve
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(sub)
+    return parser.parse_args(argv)
+
+
+def test_serve_arguments():
+    args = parse(["serve", "model.gguf", "--host", "0.0.0.0", "--port", "9000", "--api-key", "k", "--served-model-name", "a", "b",
+                  "--max-waiting-requests", "3", "--retry-after", "5", "--max-request-bytes", "4096", "--max-logprobs", "5",
+                  "--max-num-seqs", "4", "--no-enable-prefix-caching"])
+    assert args.func is cmd_serve and args.model_tag == "model.gguf"
+    assert (args.host, args.port, args.api_key, args.served_model_name) == ("0.0.0.0", 9000, "k", ["a", "b"])
+    assert (args.max_waiting_requests, args.retry_after, args.max_request_bytes, args.max_logprobs) == (3, 5, 4096, 5)
+    assert args.max_num_seqs == 4 and args.enable_prefix_caching is False
+    defaults = parse(["serve"])
+    assert (defaults.host, defaults.port, defaults.api_key, defaults.model_tag) == ("127.0.0.1", 8000, None, None)
+
+
+@pytest.mark.parametrize(
+    "argv, param",
+    [
+        (["serve", "a.gguf", "--model", "b.gguf"], "model"),
+        (["serve", "--port", "70000"], "port"),
+        (["serve", "--max-waiting-requests", "0"], "max_waiting_requests"),
+        (["serve", "--retry-after", "-1"], "retry_after"),
+    ],
+)
+def test_bad_serve_arguments_fail_before_loading(argv, param):
+    with pytest.raises(InvalidRequestError) as e:
+        build_server_app(parse(argv))
+    assert e.value.param == param
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def request(port, method, path, body=None, key=None, timeout=30):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    conn.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
+    return conn, conn.getresponse()
+
+
+def test_serve_process_env_key_and_graceful_shutdown(tmp_path):
+    port = free_port()
+    env = dict(os.environ, **{API_KEY_ENV: "env-key"})
+    log = open(tmp_path / "server.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qsaserve.server.cli", "--dtype", "float32", "--max-model-len", "256",
+         "--kv-cache-memory", str(32 * 2**20), "--port", str(port), "--served-model-name", "smol",
+         "--uvicorn-log-level", "warning"],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                _, resp = request(port, "GET", "/health", timeout=5)
+                if resp.status == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.25)
+
+        assert request(port, "GET", "/v1/models")[1].status == 401
+        _, resp = request(port, "GET", "/v1/models", key="env-key")
+        assert resp.status == 200 and [m["id"] for m in json.loads(resp.read())["data"]] == ["smol"]
+
+        # SIGTERM while a stream is in flight: it completes, then the process exits cleanly.
+        conn, stream = request(port, "POST", "/v1/completions", key="env-key", timeout=60,
+                               body={"prompt": "Count: 1, 2, 3,", "max_tokens": 24, "ignore_eos": True, "temperature": 0,
+                                     "stream": True, "stream_options": {"include_usage": True}})
+        assert stream.status == 200 and stream.readline().startswith(b"data: ")
+        proc.send_signal(signal.SIGTERM)
+        events = [line for line in stream.read().decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 24
+        # uvicorn re-raises the signal after its graceful shutdown, so the status says SIGTERM.
+        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        output = (tmp_path / "server.log").read_text()
+        assert "server shut down: engine stopped" in output and "Traceback" not in output, output
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
