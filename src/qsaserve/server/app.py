@@ -544,8 +544,20 @@ def _sse_error(e: Exception) -> str:
     return f"data: {ErrorResponse(error=info).model_dump_json()}\n\n"
 
 
-def _sse_response(body: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+class _SSEResponse(StreamingResponse):
+    """An SSE stream that aborts its requests however the response ends: a client disconnect can
+    cancel it before the body generator starts, or abandon the generator at a yield."""
+
+    def __init__(self, body: AsyncIterator[str], streams: list[RequestStream]):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for s in self._streams:
+                s.abort()
 
 
 async def _add(state: ServerState, request_id: str, prompts: list, params: SamplingParams) -> list[RequestStream]:
@@ -631,7 +643,7 @@ async def _completions(state: ServerState, request: Request, req: CompletionRequ
     created = int(time.time())
     streams = await _add(state, request_id, prompts, params)
     if req.stream:
-        return _sse_response(_completion_stream(state, req, params, request_id, created, model, prompts, streams))
+        return _SSEResponse(_completion_stream(state, req, params, request_id, created, model, prompts, streams), streams)
     try:
         finals = await _final_outputs(request, streams)
     except _ClientGone:
@@ -771,7 +783,7 @@ async def _chat(state: ServerState, request: Request, req: ChatCompletionRequest
             raise InvalidRequestError("messages", str(e).removeprefix("prompt: ")) from None
         raise
     if req.stream:
-        return _sse_response(_chat_stream(req, params, request_id, created, model, streams[0]))
+        return _SSEResponse(_chat_stream(req, params, request_id, created, model, streams[0]), streams)
     try:
         (out,) = await _final_outputs(request, streams)
     except _ClientGone:
