@@ -17,7 +17,8 @@ from qsaserve import LLM, SamplingParams
 def run(preset: str, batch: int, prompt_len: int, new_tokens: int, **engine) -> dict:
     llm = LLM(preset, load_format="dummy", progress=False, **engine)
     eng = llm.engine
-    prompts = [{"prompt_token_ids": [(7 * i + j) % 1000 + 5 for j in range(prompt_len)]} for i in range(batch)]
+    vocab = eng.vocab_size
+    prompts = [{"prompt_token_ids": [(7 * i + j) % (vocab - 5) + 5 for j in range(prompt_len)]} for i in range(batch)]
     warm = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     llm.generate(prompts[:1], warm, use_tqdm=False)
     torch.cuda.synchronize()

@@ -100,7 +100,7 @@ def case(request, tmp_path_factory):
     cfg = make_config(**cfg_kwargs)
     model = build(cfg, seed=len(request.param))
     path = save(model, tmp_path_factory.mktemp(request.param))
-    llm = LLM(path, dtype="float32", max_model_len=256, progress=False, **engine_kwargs)
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=256, progress=False, **engine_kwargs)
     return model, llm, path
 
 
@@ -122,7 +122,7 @@ def test_preemption_and_batching_keep_outputs(case):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     alone = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in ps]
     spec = llm.engine.executor.kv_spec
-    tiny = LLM(path, dtype="float32", max_model_len=64, progress=False, block_size=spec.block_size,
+    tiny = LLM(path, dtype="float32", device="cpu", max_model_len=64, progress=False, block_size=spec.block_size,
                kv_cache_memory=(64 // spec.block_size + 2) * spec.bytes_per_block)
     together = tiny.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
     assert tiny.engine.scheduler.num_preemptions > 0
@@ -138,7 +138,7 @@ def test_ple_placements_give_identical_logits(case):
     p = prompts(1, [50], seed=2)[0]
     results = []
     for placement in ("disk", "host", "gpu"):
-        llm = LLM(path, dtype="float32", max_model_len=128, ple_placement=placement, progress=False)
+        llm = LLM(path, dtype="float32", device="cpu", max_model_len=128, ple_placement=placement, progress=False)
         out = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=0), use_tqdm=False)[0]
         results.append([e[t].logprob for e, t in zip(out.prompt_logprobs[1:], p[1:])])
     assert results[0] == results[1] == results[2]
@@ -149,7 +149,7 @@ def test_prefix_caching_is_refused_clearly(case):
     from qsaserve import InvalidRequestError
 
     with pytest.raises(InvalidRequestError, match="enable_prefix_caching"):
-        LLM(path, dtype="float32", max_model_len=128, enable_prefix_caching=True, progress=False)
+        LLM(path, dtype="float32", device="cpu", max_model_len=128, enable_prefix_caching=True, progress=False)
 
 
 def test_multimodal_layout_sharded_with_index(case, tmp_path, caplog):
@@ -179,7 +179,7 @@ def test_multimodal_layout_sharded_with_index(case, tmp_path, caplog):
     p = prompts(1, [40], seed=5)[0]
     params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0)
     with caplog.at_level(logging.INFO, logger="qsaserve"):
-        multimodal = LLM(str(tmp_path), dtype="float32", max_model_len=128, progress=False)
+        multimodal = LLM(str(tmp_path), dtype="float32", device="cpu", max_model_len=128, progress=False)
     assert "skipped 1 vision-tower tensors" in caplog.text
     assert "fc_hidden.weight" in multimodal.engine.executor.runner.model.mtp_weights
     a = multimodal.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0]
