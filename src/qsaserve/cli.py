@@ -23,6 +23,15 @@ _HELP = {
     "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
     "kv_cache_memory": "KV cache size in bytes (overrides gpu_memory_utilization; default 1 GiB on CPU)",
     "seed": "seed of the engine's random generator (requests may carry their own seed)",
+    "tensor_parallel_size": "ranks that shard each layer (rank 0 is this process, the rest are spawned workers)",
+    "decode_context_parallel_size": "ranks (out of the TP ranks) that shard each request's KV cache by token instead of duplicating KV heads",
+    "dcp_interleave_size": "consecutive tokens stored on one DCP rank before moving to the next (must divide --block-size)",
+    "dcp_comm_backend": "merge of the DCP ranks' partial attention: ag_rs (all-gather LSE + reduce-scatter) or a2a (one all-to-all)",
+    "nnodes": "nodes the tensor-parallel ranks span (each runs `qsaserve ... --node-rank K` with the same flags)",
+    "node_rank": "this node's index; node 0 runs the engine, the others only workers",
+    "master_addr": "address of node 0's rendezvous (default: $MASTER_ADDR or 127.0.0.1)",
+    "master_port": "port of node 0's rendezvous (default: $MASTER_PORT, or a free port on one node)",
+    "distributed_timeout_s": "seconds one collective may wait before the engine is declared dead",
 }
 
 

@@ -25,6 +25,16 @@ class EngineConfig:
     seed: int = 0
     ple_placement: str = "disk"  # Qwen4Exp PLE tables: disk (mmap), host (RAM) or gpu
     load_format: str = "auto"  # auto: read the checkpoint; dummy: random weights (model = preset or HF dir)
+    # Parallelism (see parallel/): rank 0 is the engine process, other ranks are worker processes.
+    tensor_parallel_size: int = 1
+    decode_context_parallel_size: int = 1  # shards each request's KV over D of the TP ranks
+    dcp_interleave_size: int = 1  # consecutive tokens per DCP rank; must divide block_size
+    dcp_comm_backend: str = "ag_rs"  # partial-attention merge: ag_rs (all-gather LSE + reduce-scatter) or a2a
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str | None = None  # None: $MASTER_ADDR, else 127.0.0.1
+    master_port: int | None = None  # None: $MASTER_PORT, else (one node) a free port
+    distributed_timeout_s: int = 600  # longest wait of one collective before the engine is declared dead
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -52,6 +62,37 @@ class EngineConfig:
             raise InvalidRequestError("load_format", f"must be auto or dummy; got {self.load_format!r}")
         if self.ple_placement not in ("disk", "host", "gpu"):
             raise InvalidRequestError("ple_placement", f"must be disk, host or gpu; got {self.ple_placement!r}")
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        """Model-independent checks; the KV-head constraints are checked once the model config is known."""
+        for name in ("tensor_parallel_size", "decode_context_parallel_size", "dcp_interleave_size", "nnodes",
+                     "distributed_timeout_s"):
+            _check_int(name, getattr(self, name), 1)
+        _check_int("node_rank", self.node_rank, 0)
+        tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
+        if tp % dcp:
+            raise InvalidRequestError("decode_context_parallel_size", f"must divide tensor_parallel_size ({tp}); got {dcp}")
+        if self.block_size % self.dcp_interleave_size:
+            raise InvalidRequestError(
+                "dcp_interleave_size", f"must divide block_size ({self.block_size}); got {self.dcp_interleave_size}")
+        if self.dcp_comm_backend not in ("ag_rs", "a2a"):
+            raise InvalidRequestError("dcp_comm_backend", f"must be ag_rs or a2a; got {self.dcp_comm_backend!r}")
+        if self.node_rank >= self.nnodes:
+            raise InvalidRequestError("node_rank", f"must be < nnodes ({self.nnodes}); got {self.node_rank}")
+        if tp % self.nnodes:
+            raise InvalidRequestError("nnodes", f"must divide tensor_parallel_size ({tp}); got {self.nnodes}")
+        if self.master_port is not None:
+            _check_int("master_port", self.master_port, 1)
+        if self.torch_device.type == "cuda":
+            per_node = tp // self.nnodes
+            first = self.torch_device.index or 0
+            visible = torch.cuda.device_count()
+            if first + per_node > visible:
+                raise InvalidRequestError(
+                    "tensor_parallel_size",
+                    f"{tp} ranks over {self.nnodes} node(s) need {per_node} GPUs per node from cuda:{first}, "
+                    f"but only {visible} are visible")
 
     @property
     def torch_device(self) -> torch.device:

@@ -21,6 +21,7 @@ class KVCacheSpec:
     block_size: int
     index_head_dim: int = 0  # QSA indexer key width (0: no index pages)
     index_ratio: int = 1  # tokens pooled into one block key
+    kv_block_size: int = 0  # K/V tokens per page on this rank; 0: block_size (differs under DCP, see parallel/dcp.py)
 
     def __post_init__(self) -> None:
         if self.index_head_dim and self.block_size % self.index_ratio:
@@ -29,8 +30,12 @@ class KVCacheSpec:
             )
 
     @property
+    def kv_tokens_per_block(self) -> int:
+        return self.kv_block_size or self.block_size
+
+    @property
     def bytes_per_block(self) -> int:
-        per_layer = 2 * self.block_size * self.num_kv_heads * self.head_dim
+        per_layer = 2 * self.kv_tokens_per_block * self.num_kv_heads * self.head_dim
         if self.index_head_dim:
             per_layer += self.block_size * self.index_head_dim + (self.block_size // self.index_ratio) * self.index_head_dim
         return self.num_layers * per_layer * self.dtype.itemsize
@@ -57,7 +62,7 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
 
     caches = []
     for _ in range(spec.num_layers):
-        cache = LayerCache(zeros(2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim))
+        cache = LayerCache(zeros(2, num_blocks, spec.kv_tokens_per_block, spec.num_kv_heads, spec.head_dim))
         if spec.index_head_dim:
             cache.index_keys = zeros(num_blocks, spec.block_size, spec.index_head_dim)
             cache.block_keys = zeros(num_blocks, spec.block_size // spec.index_ratio, spec.index_head_dim)

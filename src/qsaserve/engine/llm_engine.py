@@ -16,7 +16,7 @@ from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import LogitsPlan, build_batch
 from qsaserve.engine.block_manager import BlockManager
 from qsaserve.engine.detokenizer import detokenize_incrementally
-from qsaserve.engine.executor import InProcessExecutor
+from qsaserve.engine.executor import make_executor
 from qsaserve.engine.sampler import SampledToken, prompt_logprobs_for, sample
 from qsaserve.engine.scheduler import Scheduler, SchedulerOutput
 from qsaserve.engine.sequence import Sequence
@@ -24,6 +24,7 @@ from qsaserve.errors import InvalidRequestError
 from qsaserve.loader.checkpoint import dummy_checkpoint, load_checkpoint, resolve_model
 from qsaserve.models.registry import is_hybrid, text_config
 from qsaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from qsaserve.parallel.tp import check_model_parallel
 from qsaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("qsaserve")
@@ -50,39 +51,56 @@ class LLMEngine:
         self.tokenizer = checkpoint.tokenizer
         hf = text_config(checkpoint.hf_config)
         self.vocab_size = hf["vocab_size"]
-        model_max = hf.get("max_position_embeddings") or 2048
-        if config.max_model_len is not None and config.max_model_len > model_max:
-            raise InvalidRequestError(
-                "max_model_len", f"{config.max_model_len} exceeds the model's max_position_embeddings ({model_max})"
-            )
-        self.max_model_len = config.max_model_len or model_max
+        self.max_model_len = resolve_max_model_len(config, hf)
         self.eos_token_ids = _eos_ids(hf, self.tokenizer)
+        check_model_parallel(hf, config.tensor_parallel_size, config.decode_context_parallel_size)
+        prefix_caching = self._prefix_caching(config, hf)
 
-        self.executor = InProcessExecutor(config, checkpoint, self.max_model_len, progress=progress)
-        spec = self.executor.kv_spec
-        usable_blocks = self.executor.num_kv_blocks - 1  # minus the null block
-        per_request = -(-self.max_model_len // config.block_size)
-        if usable_blocks < per_request:
-            raise InvalidRequestError(
-                "kv_cache_memory",
-                f"the KV cache holds {max(usable_blocks, 0) * config.block_size} tokens "
-                f"({spec.bytes_per_token} bytes/token), less than one max_model_len={self.max_model_len} request; "
-                "raise kv_cache_memory / gpu_memory_utilization or lower max_model_len",
-            )
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %s), %.1f concurrent max-length requests",
-            usable_blocks, config.block_size, usable_blocks * config.block_size,
-            self.executor.num_kv_blocks * spec.bytes_per_block / 2**20, str(spec.dtype).removeprefix("torch."),
-            usable_blocks / per_request,
-        )
-        self.block_manager = BlockManager(
-            self.executor.num_kv_blocks, config.block_size, self._prefix_caching(config, hf), config.num_state_slots
-        )
+        self.executor = make_executor(config, checkpoint, self.max_model_len, progress=progress)
+        try:
+            block_size = self._check_kv_capacity()
+            self.block_manager = BlockManager(self.executor.num_kv_blocks, block_size, prefix_caching, config.num_state_slots)
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.token_budget)
         self.generator = torch.Generator(device=self.executor.device).manual_seed(config.seed)
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "errors": 0}
+
+    def _check_kv_capacity(self) -> int:
+        """Refuses a cache that cannot hold one max-length request, logs the capacity (per rank under
+        parallelism, next to DCP1's at the same memory), returns tokens per engine block."""
+        spec, block_size = self.executor.kv_spec, self.executor.block_size
+        usable_blocks = self.executor.num_kv_blocks - 1  # minus the null block
+        per_request = -(-self.max_model_len // block_size)
+        if usable_blocks < per_request:
+            raise InvalidRequestError(
+                "kv_cache_memory",
+                f"the KV cache holds {max(usable_blocks, 0) * block_size} tokens "
+                f"({spec.bytes_per_token} bytes/token), less than one max_model_len={self.max_model_len} request; "
+                "raise kv_cache_memory / gpu_memory_utilization or lower max_model_len",
+            )
+        per_rank = " per rank" if self.config.tensor_parallel_size > 1 else ""
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB%s, %s), %.1f concurrent max-length requests",
+            usable_blocks, block_size, usable_blocks * block_size,
+            self.executor.num_kv_blocks * spec.bytes_per_block / 2**20, per_rank, str(spec.dtype).removeprefix("torch."),
+            usable_blocks / per_request,
+        )
+        ours, dcp1 = self.executor.capacity(self.max_model_len)
+        if ours.dcp_size > 1:
+            logger.info(
+                "KV capacity at the same per-rank memory: DCP%d %d tokens / %.1f max-length requests; DCP1 %d tokens / "
+                "%.1f (x%.2f)", ours.dcp_size, ours.tokens, ours.max_len_requests, dcp1.tokens, dcp1.max_len_requests,
+                ours.tokens / max(dcp1.tokens, 1),
+            )
+        return block_size
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError when a worker rank has died (the server reports it)."""
+        self.executor.check_health()
 
     @staticmethod
     def _prefix_caching(config: EngineConfig, hf_config: dict) -> bool:
@@ -172,7 +190,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched:
             return []
-        batch, plan = build_batch(sched.chunks, self.config.block_size)
+        batch, plan = build_batch(sched.chunks, self.executor.block_size)
         logits = self.executor.execute(batch)
         touched: dict[str, _Request] = {}
 
@@ -308,6 +326,15 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+
+def resolve_max_model_len(config: EngineConfig, hf: dict) -> int:
+    model_max = hf.get("max_position_embeddings") or 2048
+    if config.max_model_len is not None and config.max_model_len > model_max:
+        raise InvalidRequestError(
+            "max_model_len", f"{config.max_model_len} exceeds the model's max_position_embeddings ({model_max})"
+        )
+    return config.max_model_len or model_max
 
 
 def _eos_ids(hf_config: dict, tokenizer) -> set[int]:

@@ -17,6 +17,8 @@ from qsaserve.engine.batch import BatchInput
 from qsaserve.layers.attention import AttentionMetadata
 from qsaserve.models.ple_table import dummy_ple_tables, is_table_tensor, open_ple_tables
 from qsaserve.models.registry import build_model
+from qsaserve.parallel.dcp import DcpGeometry
+from qsaserve.parallel.state import ParallelContext
 
 logger = logging.getLogger("qsaserve")
 
@@ -25,14 +27,16 @@ CPU_KV_CACHE_BYTES = 1 << 30
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, checkpoint, max_model_len: int, progress: bool = False):
+    def __init__(self, config: EngineConfig, checkpoint, max_model_len: int, progress: bool = False,
+                 parallel: ParallelContext | None = None, device: torch.device | None = None):
         self.config = config
-        self.device = config.torch_device
+        self.parallel = parallel or ParallelContext(dcp=DcpGeometry(block_size=config.block_size))
+        self.device = device or config.torch_device
         self.dtype = config.torch_dtype
         self.max_model_len = max_model_len
         torch.manual_seed(config.seed)
         with torch.device(self.device), _default_dtype(self.dtype):
-            model = build_model(checkpoint.hf_config, max_model_len)
+            model = build_model(checkpoint.hf_config, max_model_len, self.parallel)
         if checkpoint.format == "dummy":
             model.init_dummy_weights(config.seed)
             if hasattr(model, "ple_params"):
@@ -45,7 +49,9 @@ class ModelRunner:
             model.load_weights(_progress(checkpoint.weights(self.dtype), checkpoint, progress))
         self.model = model.eval()
         self.attention_layers = model.attention_layers()
-        self.kv_spec = model.kv_cache_spec(config.block_size, self.dtype)
+        # Per-rank pages of block_size tokens; under DCP an engine block spans block_size * D tokens.
+        self.kv_spec_dcp1 = model.kv_cache_spec(config.block_size, self.dtype)
+        self.kv_spec = self.parallel.dcp.scale_spec(self.kv_spec_dcp1)
         self.kv_caches: list[LayerCache] = []
         if hasattr(model, "allocate_state"):
             # Recurrent per-request state (GDN, PLE): one slot per sequence that can run at once.
@@ -75,13 +81,14 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_run(self) -> None:
         n = min(self.config.token_budget, self.max_model_len)
-        blocks = -(-n // self.config.block_size)
+        block_size = self.kv_spec.block_size
+        blocks = -(-n // block_size)
         scratch = allocate_kv_cache(self.kv_spec, blocks + 1, self.device)
         self.bind_kv_cache(scratch)
         batch = BatchInput(
             input_ids=[0] * n,
             positions=list(range(n)),
-            slot_mapping=[self.config.block_size + i for i in range(n)],
+            slot_mapping=[block_size + i for i in range(n)],
             query_lens=[n],
             seq_lens=[n],
             block_tables=[list(range(1, blocks + 1))],
@@ -117,6 +124,8 @@ class ModelRunner:
             seq_lens_list=batch.seq_lens,
             state_slots=batch.state_slots,
         )
+        if self.parallel.dcp.enabled:
+            meta.dcp = self.parallel.dcp.step_plan(batch.positions, batch.query_lens, batch.seq_lens, batch.block_tables, dev)
         input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
         positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)
         hidden = self.model(input_ids, positions, meta)

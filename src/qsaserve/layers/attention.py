@@ -29,6 +29,7 @@ class AttentionMetadata:
     query_lens: list[int]  # host copies, for the reference backend and planning
     seq_lens_list: list[int]
     state_slots: list[int]  # recurrent-state slot of each sequence (hybrid models)
+    dcp: object = None  # parallel.dcp.DcpStepPlan under decode context parallelism, else None
 
     @property
     def num_seqs(self) -> int:

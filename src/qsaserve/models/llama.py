@@ -1,6 +1,10 @@
 """Llama-family decoder (Llama, SmolLM2, Qwen2, Qwen3): GQA, RoPE, RMSNorm, SwiGLU, optional
 q/k norm (Qwen3) and qkv bias (Qwen2), tied or separate LM head. Plain PyTorch over the
-engine's paged Attention layer. Weights use HF names; q/k/v and gate/up are fused on load."""
+engine's paged Attention layer. Weights use HF names; q/k/v and gate/up are fused on load.
+
+Tensor parallel (parallel/tp.py): q/k/v and gate/up keep this rank's heads / intermediate rows,
+o_proj and down_proj the matching columns (outputs all-reduced); embedding and LM head are split
+by vocabulary rows. Under DCP, attention runs over this rank's token shard (layers/dcp_attention.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -12,8 +16,12 @@ from torch import nn
 
 from qsaserve.cache.kv_cache import KVCacheSpec
 from qsaserve.layers.attention import Attention, AttentionMetadata
+from qsaserve.layers.dcp_attention import DcpAttention
 from qsaserve.layers.rmsnorm import RMSNorm
 from qsaserve.layers.rotary import RotaryEmbedding
+from qsaserve.parallel.state import ParallelContext
+from qsaserve.parallel.tp import (even_range, kv_head_range, shard_vocab, take, vocab_parallel_embedding,
+                                  vocab_parallel_logits, vocab_shard_rows)
 
 
 @dataclass(frozen=True)
@@ -58,17 +66,22 @@ class LlamaConfig:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, c: LlamaConfig, rotary: RotaryEmbedding):
+    def __init__(self, c: LlamaConfig, rotary: RotaryEmbedding, ctx: ParallelContext):
         super().__init__()
-        self.q_size = c.num_attention_heads * c.head_dim
-        self.kv_size = c.num_key_value_heads * c.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.ctx = ctx
+        self.num_heads = c.num_attention_heads // ctx.tp_size
+        self.num_kv_heads = -(-c.num_key_value_heads // ctx.tp_size)  # one (duplicated) head when T > Hkv
+        self.head_dim = c.head_dim
+        self.q_size, self.kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
         self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
         self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.head_dim**-0.5)
+        if ctx.dcp.enabled:
+            self.attn = DcpAttention(self.num_heads, self.num_kv_heads, c.head_dim, c.head_dim**-0.5, ctx)
+        else:
+            self.attn = Attention(self.num_heads, self.num_kv_heads, c.head_dim, c.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
@@ -78,27 +91,29 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q), self.rotary(positions, k)
-        return self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta))
+        return self.ctx.all_reduce(self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta)))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, c: LlamaConfig):
+    def __init__(self, c: LlamaConfig, ctx: ParallelContext):
         super().__init__()
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.ctx = ctx
+        inter = c.intermediate_size // ctx.tp_size
+        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.ctx.all_reduce(self.down_proj(F.silu(gate) * up))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, c: LlamaConfig, rotary: RotaryEmbedding):
+    def __init__(self, c: LlamaConfig, rotary: RotaryEmbedding, ctx: ParallelContext):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = LlamaAttention(c, rotary)
+        self.self_attn = LlamaAttention(c, rotary, ctx)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = LlamaMLP(c)
+        self.mlp = LlamaMLP(c, ctx)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, meta)
@@ -106,31 +121,34 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, c: LlamaConfig, max_positions: int):
+    def __init__(self, c: LlamaConfig, max_positions: int, ctx: ParallelContext | None = None):
         super().__init__()
         self.config = c
+        self.ctx = ctx = ctx or ParallelContext()
         rotary = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling)
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(c, rotary) for _ in range(c.num_hidden_layers))
+        vocab_rows = vocab_shard_rows(c.vocab_size, ctx.tp_size)
+        self.embed_tokens = nn.Embedding(vocab_rows, c.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, rotary, ctx) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, vocab_rows, bias=False)
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """This rank's pages at DCP1 (B tokens each); the runner scales it for DCP."""
         c = self.config
-        return KVCacheSpec(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, dtype, block_size)
+        return KVCacheSpec(c.num_hidden_layers, self.layers[0].self_attn.num_kv_heads, c.head_dim, dtype, block_size)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = vocab_parallel_embedding(self.embed_tokens.weight, input_ids, self.config.vocab_size, self.ctx)
         for layer in self.layers:
             x = layer(x, positions, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return vocab_parallel_logits(hidden, weight, self.config.vocab_size, self.ctx)
 
     # ---- weights ----
     def init_dummy_weights(self, seed: int) -> None:
@@ -154,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
+            tensor = self._shard(name, tensor)
             parts = name.split(".")
             fused = self._FUSED.get(parts[-2]) if len(parts) >= 2 else None
             if fused is not None:
@@ -186,7 +205,33 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"model: checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
     def _fused_sizes(self, fused_name: str) -> list[int]:
-        c = self.config
+        attn = self.layers[0].self_attn
         if fused_name == "qkv_proj":
-            return [c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim, c.num_key_value_heads * c.head_dim]
-        return [c.intermediate_size, c.intermediate_size]
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        inter = self.layers[0].mlp.down_proj.in_features
+        return [inter, inter]
+
+    def _shard(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full checkpoint tensor (HF name)."""
+        ctx, c = self.ctx, self.config
+        if ctx.tp_size == 1:
+            return tensor
+        t, r = ctx.tp_size, ctx.tp_rank
+        proj = name.split(".")[-2] if "." in name else ""
+        d = c.head_dim
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return shard_vocab(tensor, c.vocab_size, t, r)
+        if proj == "q_proj":
+            a, b = even_range(c.num_attention_heads, t, r)
+            return take(tensor, 0, [(a * d, b * d)])
+        if proj in ("k_proj", "v_proj"):
+            a, b = kv_head_range(c.num_key_value_heads, t, r)
+            return take(tensor, 0, [(a * d, b * d)])
+        if proj == "o_proj":
+            a, b = even_range(c.num_attention_heads, t, r)
+            return take(tensor, 1, [(a * d, b * d)])
+        if proj in ("gate_proj", "up_proj"):
+            return take(tensor, 0, [even_range(c.intermediate_size, t, r)])
+        if proj == "down_proj":
+            return take(tensor, 1, [even_range(c.intermediate_size, t, r)])
+        return tensor  # norms: replicated

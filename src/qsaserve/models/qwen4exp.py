@@ -36,6 +36,7 @@ from qsaserve.ops.gdn.reference import causal_conv1d_reference
 from qsaserve.ops.qsa_attention.reference import sparse_attention_reference
 from qsaserve.ops.qsa_indexer.paged import select_paged, update_block_keys
 from qsaserve.ops.qsa_indexer.reference import indexer_project, rope_cos_sin, rope_inv_freq
+from qsaserve.parallel.state import ParallelContext
 
 logger = logging.getLogger("qsaserve")
 
@@ -147,8 +148,11 @@ class _LayerState:
 
 
 class Qwen4ExpForCausalLM(nn.Module):
-    def __init__(self, hf_config: dict, max_positions: int):
+    def __init__(self, hf_config: dict, max_positions: int, parallel: ParallelContext | None = None):
         super().__init__()
+        self.ctx = parallel or ParallelContext()
+        if self.ctx.tp_size > 1:
+            raise NotImplementedError("tensor parallelism for Qwen4Exp is not implemented yet")
         cfg = parse_config(hf_config)
         self.cfg = cfg
         self.ple_tables: dict[int, object] = {}  # layer index -> row lookup, set by the loader

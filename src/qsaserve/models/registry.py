@@ -25,12 +25,13 @@ def is_hybrid(hf_config: dict) -> bool:
     return hf_config.get("model_type", "") in _HYBRID
 
 
-def build_model(hf_config: dict, max_positions: int) -> nn.Module:
+def build_model(hf_config: dict, max_positions: int, parallel=None) -> nn.Module:
+    """parallel: this rank's ParallelContext (None: a single rank)."""
     model_type = hf_config.get("model_type", "")
     if model_type in _LLAMA_FAMILY:
-        return LlamaForCausalLM(LlamaConfig.from_hf(hf_config), max_positions)
+        return LlamaForCausalLM(LlamaConfig.from_hf(hf_config), max_positions, parallel)
     if model_type in _HYBRID:
         from qsaserve.models.qwen4exp import Qwen4ExpForCausalLM
 
-        return Qwen4ExpForCausalLM(hf_config, max_positions)
+        return Qwen4ExpForCausalLM(hf_config, max_positions, parallel)
     raise InvalidRequestError("model", f"unsupported model_type {model_type!r}; supported: {', '.join(_LLAMA_FAMILY + _HYBRID)}")

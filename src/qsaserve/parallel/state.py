@@ -1,0 +1,92 @@
+"""One rank's view of the parallel layout, and the collectives the models call.
+
+A ParallelContext is handed to the model at construction. With tensor_parallel_size 1 every
+collective is the identity, so models have one code path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from qsaserve.ops.qsa_attention.reference import merge_attention_partials
+from qsaserve.parallel.dcp import DcpGeometry
+
+
+@dataclass
+class ParallelContext:
+    tp_size: int = 1
+    tp_rank: int = 0
+    dcp: DcpGeometry = field(default_factory=DcpGeometry)
+    dcp_backend: str = "ag_rs"
+    tp_group: object = None  # torch.distributed ProcessGroup (None: single rank)
+    dcp_group: object = None
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.tp_size > 1
+
+    # ---- tensor parallel ----
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum of x over the TP ranks (row-parallel outputs)."""
+        if self.tp_size > 1:
+            dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., n] on every rank -> [..., tp_size * n], rank order (column-parallel outputs)."""
+        if self.tp_size == 1:
+            return x
+        out = _all_gather(x, self.tp_size, self.tp_group)
+        return out.movedim(0, -2).flatten(-2)
+
+    # ---- decode context parallel ----
+    def dcp_gather_heads(self, q: torch.Tensor) -> torch.Tensor:
+        """[T, Hl, Dh] query heads of this rank -> [T, D*Hl, Dh]: the heads of the whole DCP group,
+        which all read this rank's KV head (DCP ranks hold shards of the same head)."""
+        d = self.dcp.size
+        if d == 1:
+            return q
+        return _all_gather(q, d, self.dcp_group).transpose(0, 1).flatten(1, 2)
+
+    def dcp_merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+        """Partial attention of the group's heads over this rank's tokens (out [T, D*Hl, Dh] fp32,
+        base-2 lse [T, D*Hl], -inf where the rank holds no attended token) -> the exact attention
+        of this rank's own Hl heads over all tokens, [T, Hl, Dh] fp32."""
+        d = self.dcp.size
+        if d == 1:
+            return out
+        t, hg, dh = out.shape
+        hl = hg // d
+        if self.dcp_backend == "a2a":
+            # One all-to-all: rank i receives every rank's partial (out | lse) for its heads, merges locally.
+            packed = torch.cat([out, lse[..., None]], dim=-1).view(t, d, hl, dh + 1).transpose(0, 1).contiguous()
+            recv = torch.empty_like(packed)
+            dist.all_to_all_single(recv, packed, group=self.dcp_group)
+            return merge_attention_partials(recv[..., :dh], recv[..., dh])[0]
+        # AG+RS: every rank learns all LSEs, rescales its own partial to its final weight, and a
+        # reduce-scatter over heads sums the rescaled partials into each rank's heads.
+        lses = _all_gather(lse, d, self.dcp_group)
+        m = lses.amax(dim=0)
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+        total = torch.exp2(lses - m).sum(dim=0)
+        w = torch.exp2(lse - m) / total.clamp_min(torch.finfo(torch.float32).tiny)
+        # Zero empty partials explicitly: w is 0 there but 0 * NaN would survive.
+        scaled = torch.where((w > 0)[..., None], out, torch.zeros_like(out)) * w[..., None]
+        send = scaled.view(t, d, hl, dh).transpose(0, 1).contiguous()
+        recv = out.new_empty((t, hl, dh))
+        _reduce_scatter(recv, send.flatten(0, 1), group=self.dcp_group)
+        return recv
+
+
+def _all_gather(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    """[*s] on every rank -> [world, *s] in rank order."""
+    out = x.new_empty((world * x.shape[0],) + x.shape[1:])
+    _all_gather_single(out, x.contiguous(), group=group)
+    return out.view((world,) + x.shape)
+
+
+# torch 2.13 renamed the flat-tensor collectives; older releases only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
