@@ -10,14 +10,11 @@ import torch
 
 from qsaserve import LLM, SamplingParams
 
-from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig  # noqa: E402
+from qwen4exp_testing import QSA_TYPE, build_random_model
+from transformers import Qwen4ExpTextConfig
 
 EOS = 3
 TOL = 2e-4
-
-
-# The installed transformers' own name for the QSA layer type (it changed across releases).
-QSA_TYPE = next(t for t in Qwen4ExpTextConfig().layer_types if t != "linear_attention")
 
 
 def make_config(budget=12, ple_layer_ids=(1,), hc_count=3, num_experts=4, top_k=2, layers=5):
@@ -36,24 +33,7 @@ def make_config(budget=12, ple_layer_ids=(1,), hc_count=3, num_experts=4, top_k=
 
 
 def build(cfg, seed):
-    torch.manual_seed(seed)
-    model = Qwen4ExpForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(0.1, 2.0, generator=gen).log())
-            elif name.endswith("linear_attn.norm.weight"):
-                p.copy_(torch.empty(p.shape).uniform_(0.5, 1.5, generator=gen))
-            elif "norm" in name:
-                p.copy_(torch.empty(p.shape).uniform_(-0.5, 0.5, generator=gen))
-            elif name.endswith("embed_tokens.weight") or "ngram_embedding" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
-            elif name == "lm_head.weight":
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2 * 25)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / p.shape[-1] ** 0.5))
-    return model
+    return build_random_model(cfg, seed)
 
 
 def save(model, path):

@@ -20,10 +20,8 @@ from qsaserve.models.qwen4exp_ple import PLEHashParams, TensorRowTable, ple_laye
 from qsaserve.ops.qsa_indexer import rope_inv_freq
 
 transformers = pytest.importorskip("transformers")
-from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig  # noqa: E402
-
-# The installed transformers' name for the QSA layer type (it changed across releases).
-QSA_TYPE = next(t for t in Qwen4ExpTextConfig().layer_types if t != "linear_attention")
+from transformers import Qwen4ExpTextConfig  # noqa: E402
+from qwen4exp_testing import QSA_TYPE, build_random_model  # noqa: E402
 
 EOS = 3
 
@@ -44,26 +42,7 @@ def _config(hc_count, budget, num_experts, top_k, norm_topk_prob):
 
 
 def _build(cfg, seed):
-    torch.manual_seed(seed)
-    model = Qwen4ExpForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        # transformers' init zeroes the 1-centred norms and the PLE conv: overwrite everything.
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(0.1, 2.0, generator=gen).log())
-            elif name.endswith("linear_attn.norm.weight"):
-                p.copy_(torch.empty(p.shape).uniform_(0.5, 1.5, generator=gen))
-            elif "norm" in name:
-                p.copy_(torch.empty(p.shape).uniform_(-0.5, 0.5, generator=gen))
-            elif name.endswith("embed_tokens.weight") or "ngram_embedding" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
-            elif name == "lm_head.weight":
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.2 * 25)  # clear greedy margins
-            else:
-                fan_in = p.shape[-1]
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / fan_in**0.5))
-    return model
+    return build_random_model(cfg, seed)
 
 
 class _RequestState:
