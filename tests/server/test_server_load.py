@@ -26,8 +26,8 @@ TOPICS = ["the sea", "mountains", "a cat", "rain", "coffee", "the moon", "trains
 
 @pytest.fixture(scope="module")
 def server():
-    # ~90 KV blocks of 16 tokens for up to 48 running requests: the scheduler must preempt.
-    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=256, kv_cache_memory=64 * 2**20), progress=False)
+    # ~56 KV blocks of 16 tokens for 48 clients: requests queue and get preempted under load.
+    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=256, kv_cache_memory=40 * 2**20), progress=False)
     aengine = AsyncLLMEngine(engine, max_waiting_requests=1024)
     srv = BackgroundServer(build_app(aengine, MODEL))
     srv.aengine = aengine
@@ -81,21 +81,30 @@ async def worker(client: openai.AsyncOpenAI, rng: random.Random, deadline: float
             stats["errors"].append((kind, "connection", repr(e)[:200]))
 
 
-async def run_load(url: str) -> dict:
-    stats = {"ok": 0, "aborted": 0, "bad": 0, "errors": []}
-    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+async def run_load(srv) -> dict:
+    stats = {"ok": 0, "aborted": 0, "bad": 0, "errors": [], "max_waiting": 0, "max_kv_usage": 0.0}
+
+    async def monitor(deadline):  # same process: read the engine's snapshot to see the pressure
+        while time.monotonic() < deadline:
+            snap = srv.aengine.snapshot
+            stats["max_waiting"] = max(stats["max_waiting"], snap.num_requests_waiting)
+            stats["max_kv_usage"] = max(stats["max_kv_usage"], snap.kv_cache_usage)
+            await asyncio.sleep(0.05)
+
+    async with openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
         deadline = time.monotonic() + LOAD_SECONDS
-        await asyncio.gather(*(worker(client, random.Random(i), deadline, stats) for i in range(CLIENTS)))
+        await asyncio.gather(monitor(deadline), *(worker(client, random.Random(i), deadline, stats) for i in range(CLIENTS)))
     return stats
 
 
 def test_concurrent_load_with_aborts(server):
     start = time.monotonic()
-    stats = asyncio.run(run_load(server.url))
+    stats = asyncio.run(run_load(server))
     elapsed = time.monotonic() - start
     assert stats["errors"] == [], stats["errors"][:5]
     assert stats["ok"] >= CLIENTS and stats["aborted"] >= 5 and stats["bad"] >= 5, stats
     assert elapsed < LOAD_SECONDS + 60
+    assert stats["max_waiting"] > 0 and stats["max_kv_usage"] > 0.5, stats  # the KV cache was the bottleneck
 
     # Aborts reach the engine asynchronously: wait until it has drained.
     def state(e):
@@ -123,4 +132,5 @@ def test_concurrent_load_with_aborts(server):
     preemptions = next(s.value for s in samples if s.name == "qsaserve:num_preemptions_total")
     hits = next(s.value for s in samples if s.name == "qsaserve:prefix_cache_hits_total")
     print(f"load: {stats['ok']} ok, {stats['aborted']} aborted, {stats['bad']} bad in {elapsed:.1f} s; "
+          f"peak {stats['max_waiting']} waiting, KV {stats['max_kv_usage']:.0%}; "
           f"{preemptions:.0f} preemptions, {hits:.0f} prefix-cache hit tokens")
