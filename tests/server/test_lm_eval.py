@@ -3,7 +3,6 @@ choice = loglikelihood, generate_until) with lm-eval's `local-completions` model
 remote tokenizer endpoints; every per-item score must match the offline LLM's (prompt_logprobs
 for loglikelihoods, greedy generation for generate_until)."""
 import json
-import os
 import textwrap
 
 import pytest
@@ -37,9 +36,10 @@ MAX_GEN_TOKS = 12
 @pytest.fixture(scope="module")
 def lm_eval():
     # Everything is local: never let datasets / huggingface_hub reach for the network.
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    return pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install lm-eval)")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_DATASETS_OFFLINE", "1")
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        yield pytest.importorskip("lm_eval", reason='lm-eval is not installed (pip install "lm-eval[api]")')
 
 
 @pytest.fixture(scope="module")
