@@ -37,6 +37,8 @@ from qsaserve.ops.qsa_attention.reference import sparse_attention_reference
 from qsaserve.ops.qsa_indexer.paged import select_paged, update_block_keys
 from qsaserve.ops.qsa_indexer.reference import indexer_project, rope_cos_sin, rope_inv_freq
 from qsaserve.parallel.state import ParallelContext
+from qsaserve.parallel.tp import (even_range, kv_head_range, shard_vocab, take, vocab_parallel_embedding,
+                                  vocab_parallel_logits)
 
 logger = logging.getLogger("qsaserve")
 
@@ -151,24 +153,30 @@ class Qwen4ExpForCausalLM(nn.Module):
     def __init__(self, hf_config: dict, max_positions: int, parallel: ParallelContext | None = None):
         super().__init__()
         self.ctx = parallel or ParallelContext()
-        if self.ctx.tp_size > 1:
-            raise NotImplementedError("tensor parallelism for Qwen4Exp is not implemented yet")
         cfg = parse_config(hf_config)
         self.cfg = cfg
+        # This rank's head counts (tensor parallel; see _tp_shard). KV / GDN key heads are duplicated
+        # when there are fewer than ranks.
+        t, r = self.ctx.tp_size, self.ctx.tp_rank
+        self.num_heads = cfg.num_attention_heads // t
+        self.num_kv_heads = -(-cfg.num_key_value_heads // t)
+        self.gdn_key_heads = -(-cfg.linear_num_key_heads // t)
+        self.gdn_value_heads = cfg.linear_num_value_heads // t
         self.ple_tables: dict[int, object] = {}  # layer index -> row lookup, set by the loader
         self.ple_params = {i: PLEHashParams.from_config(cfg, i) for i in range(cfg.num_hidden_layers) if i + 1 in cfg.ple_layer_ids}
         for i in self.ple_params:
             if cfg.layer_types[i] != GDN:
                 raise ValueError(f"model: PLE layer {i + 1} must be a linear_attention layer")
-        # Parameters are kept by HF name; torch.empty: every one is overwritten on load.
-        self.weights: dict[str, torch.Tensor] = {n: torch.empty(s) for n, s in weight_shapes(cfg).items()}
+        # Parameters are kept by HF name, this rank's shard; torch.empty: every one is overwritten on load.
+        self.weights: dict[str, torch.Tensor] = {
+            n: torch.empty(self._tp_shard(n, torch.empty(s, device="meta")).shape) for n, s in weight_shapes(cfg).items()}
         if cfg.tie_word_embeddings:
             self.weights["lm_head.weight"] = self.weights["embed_tokens.weight"]
         self.layer_weights = [self._sub(f"layers.{i}.") for i in range(cfg.num_hidden_layers)]
         unknown = sorted(set(cfg.layer_types) - {GDN, *QSA_NAMES})
         if unknown:
             raise ValueError(f"model: unsupported Qwen4Exp layer types {unknown}")
-        self.qsa_layers = {i: QSACacheLayer(cfg.num_key_value_heads, cfg.head_dim) for i, k in enumerate(cfg.layer_types) if k != GDN}
+        self.qsa_layers = {i: QSACacheLayer(self.num_kv_heads, cfg.head_dim) for i, k in enumerate(cfg.layer_types) if k != GDN}
         rotary = int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
         self.inv_freq = rope_inv_freq(cfg.head_dim, rotary / cfg.head_dim, cfg.rope_parameters["rope_theta"])
         self.state: list[_LayerState] = [_LayerState() for _ in cfg.layer_types]
@@ -178,8 +186,9 @@ class Qwen4ExpForCausalLM(nn.Module):
 
     # ---- caches and state ----
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """This rank's pages at DCP1 (B tokens each); the runner scales it for DCP."""
         c = self.cfg
-        return KVCacheSpec(len(self.qsa_layers), c.num_key_value_heads, c.head_dim, dtype, block_size,
+        return KVCacheSpec(len(self.qsa_layers), self.num_kv_heads, c.head_dim, dtype, block_size,
                            index_head_dim=c.indexer_head_dim, index_ratio=c.indexer_compress_ratio)
 
     def attention_layers(self) -> list[QSACacheLayer]:
@@ -188,14 +197,14 @@ class Qwen4ExpForCausalLM(nn.Module):
     def allocate_state(self, num_slots: int, device: torch.device) -> None:
         c = self.cfg
         dtype = self.weights["embed_tokens.weight"].dtype
-        conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+        conv_dim = 2 * self.gdn_key_heads * c.linear_key_head_dim + self.gdn_value_heads * c.linear_value_head_dim
         total = 0
         for i, kind in enumerate(c.layer_types):
             if kind != GDN:
                 continue
             st = self.state[i]
             st.conv = torch.zeros(num_slots, conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
-            st.recurrent = torch.zeros(num_slots, c.linear_num_value_heads, c.linear_key_head_dim,
+            st.recurrent = torch.zeros(num_slots, self.gdn_value_heads, c.linear_key_head_dim,
                                        c.linear_value_head_dim, dtype=torch.float32, device=device)
             total += st.conv.nbytes + st.recurrent.nbytes
             if i in self.ple_params:
@@ -227,7 +236,8 @@ class Qwen4ExpForCausalLM(nn.Module):
         slots = meta.state_slots
         self._reset_fresh_slots(slots, meta)
         spans = _spans(meta.query_lens)
-        hyper = hc_expand(self.weights["embed_tokens.weight"][input_ids], c.hc_count)
+        embeds = vocab_parallel_embedding(self.weights["embed_tokens.weight"], input_ids, c.vocab_size, self.ctx)
+        hyper = hc_expand(embeds, c.hc_count)
         for i, kind in enumerate(c.layer_types):
             w = self.layer_weights[i]
             if i in self.ple_params:
@@ -237,7 +247,8 @@ class Qwen4ExpForCausalLM(nn.Module):
             hyper = hc_inject(hyper, out, inject)
             mixed, inject = self._mix(w, "mlp_hyper_connection.", hyper)
             mlp = {k[4:]: v for k, v in w.items() if k.startswith("mlp.")}
-            hyper = hc_inject(hyper, sparse_moe_block(mixed, mlp, c.num_experts_per_tok, c.norm_topk_prob, c.hidden_act), inject)
+            moe = sparse_moe_block(mixed, mlp, c.num_experts_per_tok, c.norm_topk_prob, c.hidden_act)
+            hyper = hc_inject(hyper, self.ctx.all_reduce(moe), inject)
         return hyper
 
     def compute_logits(self, hyper: torch.Tensor) -> torch.Tensor:
@@ -246,7 +257,7 @@ class Qwen4ExpForCausalLM(nn.Module):
             self.weights["hyper_connection_mixer.input_mix_weight_down.weight"],
             self.weights["hyper_connection_mixer.input_mix_weight_up.weight"], None, self.cfg.hc_count, self.cfg.rms_norm_eps,
         )
-        return (final @ self.weights["lm_head.weight"].t()).float()
+        return vocab_parallel_logits(final, self.weights["lm_head.weight"], self.cfg.vocab_size, self.ctx)
 
     def _mix(self, w: dict, prefix: str, hyper: torch.Tensor):
         return hc_gated_residual(
@@ -273,7 +284,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         """All sequences of the step in one packed call; each continues from its state slot."""
         c, st = self.cfg, self.state[i]
         w = {k[len("linear_attn."):]: v for k, v in self.layer_weights[i].items() if k.startswith("linear_attn.")}
-        Hk, Hv, Dk, Dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+        Hk, Hv, Dk, Dv = self.gdn_key_heads, self.gdn_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         t = x.shape[0]
         slot_idx = torch.tensor(slots, device=x.device)
         cu_seqlens = torch.tensor([0] + [b for _, b in spans], device=x.device)
@@ -292,10 +303,14 @@ class Qwen4ExpForCausalLM(nn.Module):
         )
         st.recurrent[slot_idx] = final.float()
         o = gated_rms_norm(o[0], z, w["norm.weight"], c.rms_norm_eps, c.output_gate_type or c.hidden_act)
-        return F.linear(o.reshape(t, Hv * Dv), w["out_proj.weight"])
+        return self.ctx.all_reduce(F.linear(o.reshape(t, Hv * Dv), w["out_proj.weight"]))
 
     def _qsa(self, i: int, x: torch.Tensor, positions: torch.Tensor, spans, meta: AttentionMetadata) -> torch.Tensor:
-        c = self.cfg
+        """Under DCP the indexer caches and the top-k are replicated (identical on every rank); the
+        selection is then localized to this rank's K/V shard, the DCP group's query heads attend
+        over it, partials are merged, and the output gate is applied after the merge."""
+        c, ctx = self.cfg, self.ctx
+        dcp = ctx.dcp
         w = {k[len("self_attn."):]: v for k, v in self.layer_weights[i].items() if k.startswith("self_attn.")}
         cache = self.qsa_layers[i].cache
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
@@ -305,18 +320,82 @@ class Qwen4ExpForCausalLM(nn.Module):
         )
         iq, raw = indexer_project(x, w["indexer.index_qk_proj.weight"], w["indexer.q_layernorm.weight"],
                                   c.indexer_n_heads, c.indexer_head_dim, cos, sin, c.rms_norm_eps)
-        write_kv_reference(k, v, cache.kv, meta.slot_mapping)
+        if dcp.enabled:
+            plan = meta.dcp
+            write_kv_reference(k[plan.write_rows], v[plan.write_rows], cache.kv, plan.write_slots)
+            q = ctx.dcp_gather_heads(q)
+        else:
+            write_kv_reference(k, v, cache.kv, meta.slot_mapping)
         cache.index_keys.view(-1, c.indexer_head_dim).index_copy_(0, meta.slot_mapping, raw.to(cache.index_keys.dtype))
         r = c.indexer_compress_ratio
-        attn = torch.empty_like(q, dtype=torch.float32)
+        attn = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
         for s, (a, b) in enumerate(spans):
             length, table = meta.seq_lens_list[s], meta.block_tables[s]
             update_block_keys(cache.index_keys, cache.block_keys, table, length - (b - a), length,
                               w["indexer.k_layernorm.weight"], self.inv_freq, r, c.rms_norm_eps)
             selected = select_paged(iq[a:b], cache.block_keys, table, positions[a:b], r, c.indexer_budget)
+            if dcp.enabled:
+                length = plan.local_seq_lens[s]
+                selected = dcp.localize(selected)
+                if length == 0:
+                    continue  # nothing of this sequence here: out 0, lse -inf
             k_ctx, v_ctx = gather_context(cache.kv, table, length)
-            attn[a:b], _ = sparse_attention_reference(q[a:b], k_ctx, v_ctx, selected, scale=c.head_dim**-0.5)
-        return qsa_attention_output(attn, gate, w["o_proj.weight"])
+            attn[a:b], lse[a:b] = sparse_attention_reference(q[a:b], k_ctx, v_ctx, selected, scale=c.head_dim**-0.5)
+        attn = ctx.dcp_merge(attn, lse)
+        return ctx.all_reduce(qsa_attention_output(attn, gate, w["o_proj.weight"]))
+
+    def _tp_shard(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full tensor (our name, e.g. layers.3.self_attn.q_proj.weight).
+        Attention / GDN / expert and shared-expert intermediate dims are split; the indexer,
+        hyper-connection mixers, norms, router and PLE are replicated."""
+        ctx, c = self.ctx, self.cfg
+        if ctx.tp_size == 1:
+            return t
+        n, r = ctx.tp_size, ctx.tp_rank
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return shard_vocab(t, c.vocab_size, n, r)
+        sub = name.split(".", 2)[2] if name.startswith("layers.") else ""
+        d = c.head_dim
+        qa, qb = even_range(c.num_attention_heads, n, r)
+        if sub in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
+            return take(t, 0, [(qa * 2 * d, qb * 2 * d)])  # per head: D query rows then D gate rows
+        if sub.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
+            ka, kb = kv_head_range(c.num_key_value_heads, n, r)
+            return take(t, 0, [(ka * d, kb * d)])
+        if sub == "self_attn.o_proj.weight":
+            return take(t, 1, [(qa * d, qb * d)])
+        dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+        ka, kb = kv_head_range(c.linear_num_key_heads, n, r)
+        va, vb = even_range(c.linear_num_value_heads, n, r)
+        if sub in ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight"):
+            key = c.linear_num_key_heads * dk  # channels: q | k | v
+            return take(t, 0, [(ka * dk, kb * dk), (key + ka * dk, key + kb * dk), (2 * key + va * dv, 2 * key + vb * dv)])
+        if sub == "linear_attn.in_proj_z.weight":
+            return take(t, 0, [(va * dv, vb * dv)])
+        if sub in ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight", "linear_attn.dt_bias", "linear_attn.A_log"):
+            return take(t, 0, [(va, vb)])
+        if sub == "linear_attn.out_proj.weight":
+            return take(t, 1, [(va * dv, vb * dv)])
+        inter = c.moe_intermediate_size
+        ia, ib = even_range(inter, n, r)
+        if sub == "mlp.experts.gate_up_proj":
+            return take(t, 1, [(ia, ib), (inter + ia, inter + ib)])
+        if sub == "mlp.experts.down_proj":
+            return take(t, 2, [(ia, ib)])
+        sa, sb = even_range(c.shared_expert_intermediate_size, n, r)
+        if sub in ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"):
+            return take(t, 0, [(sa, sb)])
+        if sub == "mlp.shared_expert.down_proj.weight":
+            return take(t, 1, [(sa, sb)])
+        return t
+
+    def _tp_shard_expert(self, proj: str, t: torch.Tensor) -> torch.Tensor:
+        """One expert's gate_proj / up_proj [I, H] or down_proj [H, I] -> this rank's I slice."""
+        if self.ctx.tp_size == 1:
+            return t
+        rows = even_range(self.cfg.moe_intermediate_size, self.ctx.tp_size, self.ctx.tp_rank)
+        return take(t, 1 if proj == "down_proj" else 0, [rows])
 
     # ---- weights ----
     def init_dummy_weights(self, seed: int) -> None:
@@ -337,7 +416,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         tensors are fused; PLE table shards and mtp.* are left to their own loaders."""
         loaded: set[str] = set()
         num_experts = self.cfg.num_experts
-        inter = self.cfg.moe_intermediate_size
+        inter = self.cfg.moe_intermediate_size // self.ctx.tp_size
         skipped_vision = 0
         self.mtp_weights: dict[str, torch.Tensor] = {}  # the MTP draft head, for speculative decoding
         device = self.weights["embed_tokens.weight"].device
@@ -354,6 +433,7 @@ class Qwen4ExpForCausalLM(nn.Module):
             if ".mlp.experts." in name and name.split(".mlp.experts.")[1].split(".")[0].isdigit():
                 layer_prefix, rest = name.split(".mlp.experts.")
                 e, proj = int(rest.split(".")[0]), rest.split(".")[1]
+                tensor = self._tp_shard_expert(proj, tensor)
                 if proj == "down_proj":
                     self.weights[f"{layer_prefix}.mlp.experts.down_proj"][e].copy_(tensor)
                 else:
@@ -364,6 +444,7 @@ class Qwen4ExpForCausalLM(nn.Module):
             if name not in self.weights:
                 raise ValueError(f"model: checkpoint tensor {name!r} has no place in Qwen4Exp")
             target = self.weights[name]
+            tensor = self._tp_shard(name, tensor)
             if tuple(target.shape) != tuple(tensor.shape):
                 raise ValueError(f"model: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
             target.copy_(tensor)
