@@ -136,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
     try:
+        if getattr(args, "node_rank", 0):
+            # Nodes other than 0 only host worker ranks; node 0's engine drives them.
+            from qsaserve.parallel.executor import run_worker_node
+
+            return run_worker_node(engine_config_from_args(args))
         return args.func(args)
     except InvalidRequestError as e:
         print(f"error: {e}", file=sys.stderr)
