@@ -1,4 +1,15 @@
-"""OpenAI-compatible HTTP server: `build_app` makes the FastAPI app, `qsaserve serve` runs it."""
-from qsaserve.server.app import build_app
+"""OpenAI-compatible HTTP server: `build_app` makes the FastAPI app, `qsaserve serve` runs it.
 
-__all__ = ["build_app"]
+Importing this package stays light (no FastAPI) so the main CLI can add `serve` cheaply."""
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+
+__all__ = ["build_app", "DEFAULT_MAX_REQUEST_BYTES"]
+
+
+def __getattr__(name: str):
+    if name == "build_app":
+        from qsaserve.server.app import build_app
+
+        return build_app
+    raise AttributeError(f"module 'qsaserve.server' has no attribute {name!r}")

@@ -32,6 +32,7 @@ from qsaserve.entrypoints.llm import LLM, validate_messages
 from qsaserve.errors import EngineDeadError, InvalidRequestError
 from qsaserve.outputs import PositionLogprobs, RequestOutput
 from qsaserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from qsaserve.server import DEFAULT_MAX_REQUEST_BYTES
 from qsaserve.server import metrics as metrics_mod
 from qsaserve.server.protocol import (
     ChatChoice,
@@ -65,7 +66,6 @@ from qsaserve.server.protocol import (
 
 logger = logging.getLogger("qsaserve")
 
-DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 _OPEN_PATHS = {"/health"}  # reachable without the API key (load balancers probe it)
 _ROUTES = {
     "/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",

@@ -10,8 +10,10 @@ import logging
 import os
 import sys
 
-from qsaserve.cli import add_engine_args, engine_config_from_args
 from qsaserve.errors import InvalidRequestError
+from qsaserve.server import DEFAULT_MAX_REQUEST_BYTES
+
+# qsaserve.cli is imported inside the functions: it imports this module to add `serve`.
 
 API_KEY_ENV = "QSASERVE_API_KEY"
 DEFAULT_MAX_WAITING_REQUESTS = 512
@@ -19,7 +21,6 @@ DEFAULT_MAX_WAITING_REQUESTS = 512
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     from qsaserve.sampling_params import MAX_LOGPROBS
-    from qsaserve.server.app import DEFAULT_MAX_REQUEST_BYTES
 
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="model to serve (same as --model)")
     group = parser.add_argument_group("server")
@@ -42,6 +43,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Adds the `serve` subcommand to the main CLI's subparsers."""
+    from qsaserve.cli import add_engine_args
+
     parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                                    description="Serve a model over an OpenAI-compatible HTTP API.")
     add_server_args(parser)
@@ -65,6 +68,7 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def build_server_app(args: argparse.Namespace):
     """Loads the engine and builds the app from parsed `serve` arguments."""
+    from qsaserve.cli import engine_config_from_args
     from qsaserve.engine.async_engine import AsyncLLMEngine
     from qsaserve.engine.llm_engine import LLMEngine
     from qsaserve.server.app import build_app
@@ -119,6 +123,8 @@ class BackgroundServer:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from qsaserve.cli import add_engine_args
+
     parser = argparse.ArgumentParser(prog="qsaserve-serve", description="Serve a model over an OpenAI-compatible HTTP API.")
     parser.add_argument("--log-level", default="INFO")
     add_server_args(parser)
