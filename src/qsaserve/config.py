@@ -1,11 +1,13 @@
 """Engine configuration: one validated dataclass; every field is also a CLI flag (see cli.py)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, fields
 
 import torch
 
 from qsaserve.errors import InvalidRequestError
+from qsaserve.quant.kv_scales import KV_CACHE_DTYPES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -25,6 +27,10 @@ class EngineConfig:
     seed: int = 0
     ple_placement: str = "disk"  # Qwen4Exp PLE tables: disk (mmap), host (RAM) or gpu
     load_format: str = "auto"  # auto: read the checkpoint; dummy: random weights (model = preset or HF dir)
+    # KV pages (quant/kv_scales.py): auto = the model dtype, or fp8_e4m3 when calibrated scales are present.
+    kv_cache_dtype: str = "auto"
+    kv_scales: str | None = None  # overlay JSON of per-layer k/v scales (`qsaserve calibrate`)
+    strict_kv_scales: bool = False  # every scale required under FP8 (always on when auto picks FP8)
     # Parallelism (see parallel/): rank 0 is the engine process, other ranks are worker processes.
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1  # shards each request's KV over D of the TP ranks
@@ -62,7 +68,22 @@ class EngineConfig:
             raise InvalidRequestError("load_format", f"must be auto or dummy; got {self.load_format!r}")
         if self.ple_placement not in ("disk", "host", "gpu"):
             raise InvalidRequestError("ple_placement", f"must be disk, host or gpu; got {self.ple_placement!r}")
+        self._check_kv_cache()
         self._check_parallel()
+
+    def _check_kv_cache(self) -> None:
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
+        if isinstance(self.kv_scales, os.PathLike):
+            self.kv_scales = os.fspath(self.kv_scales)
+        if self.kv_scales is not None and (not isinstance(self.kv_scales, str) or not self.kv_scales):
+            raise InvalidRequestError("kv_scales", f"must be a path to a JSON file, got {self.kv_scales!r}")
+        if not isinstance(self.strict_kv_scales, bool):
+            raise InvalidRequestError("strict_kv_scales", f"must be true or false, got {self.strict_kv_scales!r}")
+        if self.kv_cache_dtype == "fp8_e4m3" and self.decode_context_parallel_size != 1:
+            raise InvalidRequestError(
+                "kv_cache_dtype", "fp8_e4m3 is not supported with decode_context_parallel_size > 1 yet "
+                "(the DCP attention path reads the cache in the model dtype)")
 
     def _check_parallel(self) -> None:
         """Model-independent checks; the KV-head constraints are checked once the model config is known."""

@@ -1,13 +1,15 @@
 """Paged KV cache: geometry, sizing from a memory budget, allocation.
 
 Layout per attention layer: one tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
-(K then V). A token's slot is block_id * block_size + offset; kernels gather by block table.
+(K then V), in `kv_dtype` (e.g. FP8 E4M3 with per-layer scales, see quant/) or the model dtype.
+A token's slot is block_id * block_size + offset; kernels gather by block table.
 QSA layers add two index pages per block, addressed by the same block table: raw index keys
 [num_blocks, block_size, Di] and pooled block keys [num_blocks, block_size / r, Di].
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -22,6 +24,7 @@ class KVCacheSpec:
     index_head_dim: int = 0  # QSA indexer key width (0: no index pages)
     index_ratio: int = 1  # tokens pooled into one block key
     kv_block_size: int = 0  # K/V tokens per page on this rank; 0: block_size (differs under DCP, see parallel/dcp.py)
+    kv_dtype: torch.dtype | None = None  # K/V pages only (index pages stay in `dtype`); None: dtype
 
     def __post_init__(self) -> None:
         if self.index_head_dim and self.block_size % self.index_ratio:
@@ -34,11 +37,16 @@ class KVCacheSpec:
         return self.kv_block_size or self.block_size
 
     @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
+
+    @property
     def bytes_per_block(self) -> int:
-        per_layer = 2 * self.kv_tokens_per_block * self.num_kv_heads * self.head_dim
+        per_layer = 2 * self.kv_tokens_per_block * self.num_kv_heads * self.head_dim * self.kv_cache_dtype.itemsize
         if self.index_head_dim:
-            per_layer += self.block_size * self.index_head_dim + (self.block_size // self.index_ratio) * self.index_head_dim
-        return self.num_layers * per_layer * self.dtype.itemsize
+            index = self.block_size * self.index_head_dim + (self.block_size // self.index_ratio) * self.index_head_dim
+            per_layer += index * self.dtype.itemsize
+        return self.num_layers * per_layer
 
     @property
     def bytes_per_token(self) -> float:
@@ -53,16 +61,20 @@ class LayerCache:
     kv: torch.Tensor  # [2, num_blocks, block_size, Hkv, D]
     index_keys: torch.Tensor | None = None  # [num_blocks, block_size, Di]
     block_keys: torch.Tensor | None = None  # [num_blocks, block_size // r, Di]
+    k_scale: torch.Tensor | None = None  # 0-d fp32 device tensors, set when kv is FP8 E4M3
+    v_scale: torch.Tensor | None = None
+    observer: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # sees each write's (K, V) [T, Hkv, D] (calibration)
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[LayerCache]:
     # Zero-filled so the null block (block 0) holds finite values.
-    def zeros(*shape):
-        return torch.zeros(shape, dtype=spec.dtype, device=device)
+    def zeros(*shape, dtype=spec.dtype):
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     caches = []
     for _ in range(spec.num_layers):
-        cache = LayerCache(zeros(2, num_blocks, spec.kv_tokens_per_block, spec.num_kv_heads, spec.head_dim))
+        kv = zeros(2, num_blocks, spec.kv_tokens_per_block, spec.num_kv_heads, spec.head_dim, dtype=spec.kv_cache_dtype)
+        cache = LayerCache(kv)
         if spec.index_head_dim:
             cache.index_keys = zeros(num_blocks, spec.block_size, spec.index_head_dim)
             cache.block_keys = zeros(num_blocks, spec.block_size // spec.index_ratio, spec.index_head_dim)

@@ -6,6 +6,7 @@ engine asked for. Sampling stays in the engine (rank 0), so other ranks need no 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import torch
@@ -19,6 +20,7 @@ from qsaserve.models.ple_table import dummy_ple_tables, is_table_tensor, open_pl
 from qsaserve.models.registry import build_model
 from qsaserve.parallel.dcp import DcpGeometry
 from qsaserve.parallel.state import ParallelContext
+from qsaserve.quant.kv_scales import CheckpointScales, attention_layer_ids, resolve_kv_cache
 
 logger = logging.getLogger("qsaserve")
 
@@ -35,6 +37,7 @@ class ModelRunner:
         self.dtype = config.torch_dtype
         self.max_model_len = max_model_len
         torch.manual_seed(config.seed)
+        ckpt_scales = CheckpointScales()  # *.k_scale / *.v_scale tensors are taken out of the weight stream
         with torch.device(self.device), _default_dtype(self.dtype):
             model = build_model(checkpoint.hf_config, max_model_len, self.parallel)
         if checkpoint.format == "dummy":
@@ -43,14 +46,18 @@ class ModelRunner:
                 model.ple_tables = dummy_ple_tables(model.ple_params, model.cfg, config.ple_placement, self.device, self.dtype)
         elif hasattr(model, "ple_params"):
             # PLE tables are gathered by row from their placement, never loaded as weights.
-            model.load_weights(_progress(checkpoint.weights(self.dtype, skip=is_table_tensor), checkpoint, progress))
+            weights = ckpt_scales.filter(checkpoint.weights(self.dtype, skip=is_table_tensor))
+            model.load_weights(_progress(weights, checkpoint, progress))
             model.ple_tables = open_ple_tables(checkpoint, model.ple_params, config.ple_placement, self.device, self.dtype)
         else:
-            model.load_weights(_progress(checkpoint.weights(self.dtype), checkpoint, progress))
+            model.load_weights(_progress(ckpt_scales.filter(checkpoint.weights(self.dtype)), checkpoint, progress))
         self.model = model.eval()
         self.attention_layers = model.attention_layers()
+        # K/V page dtype and FP8 scales (device tensors, made once here).
+        self.kv_quant = resolve_kv_cache(config, checkpoint.identity, attention_layer_ids(model), ckpt_scales.scales,
+                                         self.dtype, self.device)
         # Per-rank pages of block_size tokens; under DCP an engine block spans block_size * D tokens.
-        self.kv_spec_dcp1 = model.kv_cache_spec(config.block_size, self.dtype)
+        self.kv_spec_dcp1 = dataclasses.replace(model.kv_cache_spec(config.block_size, self.dtype), kv_dtype=self.kv_quant.dtype)
         self.kv_spec = self.parallel.dcp.scale_spec(self.kv_spec_dcp1)
         self.kv_caches: list[LayerCache] = []
         if hasattr(model, "allocate_state"):
@@ -83,7 +90,7 @@ class ModelRunner:
         n = min(self.config.token_budget, self.max_model_len)
         block_size = self.kv_spec.block_size
         blocks = -(-n // block_size)
-        scratch = allocate_kv_cache(self.kv_spec, blocks + 1, self.device)
+        scratch = self.kv_quant.attach(allocate_kv_cache(self.kv_spec, blocks + 1, self.device))
         self.bind_kv_cache(scratch)
         batch = BatchInput(
             input_ids=[0] * n,
@@ -100,7 +107,7 @@ class ModelRunner:
         del scratch
 
     def init_kv_cache(self, num_blocks: int) -> None:
-        self.bind_kv_cache(allocate_kv_cache(self.kv_spec, num_blocks, self.device))
+        self.bind_kv_cache(self.kv_quant.attach(allocate_kv_cache(self.kv_spec, num_blocks, self.device)))
 
     def bind_kv_cache(self, caches: list[LayerCache]) -> None:
         self.kv_caches = caches

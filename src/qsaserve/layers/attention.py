@@ -52,10 +52,15 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if _triton is not None and q.is_cuda:
+        cache = self.cache
+        if cache.observer is not None:
+            cache.observer(k, v)
+        # The Triton kernels do not read FP8 pages yet: an FP8 cache takes the reference path.
+        if _triton is not None and q.is_cuda and cache.k_scale is None:
             _triton.write_kv(k, v, self.kv_cache, meta.slot_mapping)
             out = _triton.paged_attention(q, self.kv_cache, meta, self.scale)
         else:
-            write_kv_reference(k, v, self.kv_cache, meta.slot_mapping)
-            out = paged_attention_reference(q, self.kv_cache, meta.block_tables, meta.query_lens, meta.seq_lens_list, self.scale)
+            write_kv_reference(k, v, cache.kv, meta.slot_mapping, cache.k_scale, cache.v_scale)
+            out = paged_attention_reference(q, cache.kv, meta.block_tables, meta.query_lens, meta.seq_lens_list, self.scale,
+                                            k_scale=cache.k_scale, v_scale=cache.v_scale)
         return out.reshape(t, self.num_heads * self.head_dim)

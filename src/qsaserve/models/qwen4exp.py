@@ -320,12 +320,14 @@ class Qwen4ExpForCausalLM(nn.Module):
         )
         iq, raw = indexer_project(x, w["indexer.index_qk_proj.weight"], w["indexer.q_layernorm.weight"],
                                   c.indexer_n_heads, c.indexer_head_dim, cos, sin, c.rms_norm_eps)
+        if cache.observer is not None:
+            cache.observer(k, v)
         if dcp.enabled:
             plan = meta.dcp
             write_kv_reference(k[plan.write_rows], v[plan.write_rows], cache.kv, plan.write_slots)
             q = ctx.dcp_gather_heads(q)
         else:
-            write_kv_reference(k, v, cache.kv, meta.slot_mapping)
+            write_kv_reference(k, v, cache.kv, meta.slot_mapping, cache.k_scale, cache.v_scale)
         cache.index_keys.view(-1, c.indexer_head_dim).index_copy_(0, meta.slot_mapping, raw.to(cache.index_keys.dtype))
         r = c.indexer_compress_ratio
         attn = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -340,7 +342,7 @@ class Qwen4ExpForCausalLM(nn.Module):
                 selected = dcp.localize(selected)
                 if length == 0:
                     continue  # nothing of this sequence here: out 0, lse -inf
-            k_ctx, v_ctx = gather_context(cache.kv, table, length)
+            k_ctx, v_ctx = gather_context(cache.kv, table, length, cache.k_scale, cache.v_scale)
             attn[a:b], lse[a:b] = sparse_attention_reference(q[a:b], k_ctx, v_ctx, selected, scale=c.head_dim**-0.5)
         attn = ctx.dcp_merge(attn, lse)
         return ctx.all_reduce(qsa_attention_output(attn, gate, w["o_proj.weight"]))

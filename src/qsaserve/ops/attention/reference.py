@@ -2,27 +2,36 @@
 
 One entry point covers prefill, chunked prefill over a cached prefix, and decode: each
 sequence's new queries attend causally over its whole context, read from pages through its
-block table. Math in float32.
+block table. Math in float32. An FP8 E4M3 cache is quantized on write and dequantized on read
+with the layer's per-tensor k_scale / v_scale (quant/fp8.py).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from qsaserve.quant.fp8 import is_fp8, load_rows, store_rows
 
-def write_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]; slot_mapping: [T]."""
+
+def write_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]; slot_mapping: [T].
+    Scales are required (and only used) for an FP8 cache."""
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    flat[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    flat[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+    store_rows(flat[0], slot_mapping, k, k_scale)
+    store_rows(flat[1], slot_mapping, v, v_scale)
 
 
-def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first `length` tokens of one sequence's K and V: [length, Hkv, D] each."""
+def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, length: int,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `length` tokens of one sequence's K and V: [length, Hkv, D] each (float32,
+    dequantized, when the cache is FP8; else the cache dtype)."""
     block_size = kv_cache.shape[2]
     blocks = block_table[: -(-length // block_size)].long()
     k = kv_cache[0, blocks].flatten(0, 1)[:length]
     v = kv_cache[1, blocks].flatten(0, 1)[:length]
+    if is_fp8(kv_cache.dtype):
+        k, v = load_rows(k, k_scale), load_rows(v, v_scale)
     return k, v
 
 
@@ -33,21 +42,24 @@ def paged_attention_reference(
     query_lens: list[int],
     seq_lens: list[int],
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [T, Hq, D] (sequences concatenated); seq_lens[i] counts sequence i's context
     including its query_lens[i] new tokens, which are its last ones. Returns [T, Hq, D].
 
     All sequences go through one padded SDPA call. Key rows past a sequence's length are
     zeroed, not just masked: a page's stale or padding bytes may decode to NaN, and a masked
-    NaN still poisons P@V (0 * NaN = NaN)."""
+    NaN still poisons P@V (0 * NaN = NaN). Under FP8 this covers the null block and free pages,
+    whose bytes may be E4M3 NaN (0x7F / 0xFF): they are dequantized, then replaced by zeros."""
     dev = q.device
     num_seqs, n_max, l_max = len(query_lens), max(query_lens), max(seq_lens)
     block_size = kv_cache.shape[2]
     q_lens = torch.tensor(query_lens, device=dev)
     s_lens = torch.tensor(seq_lens, device=dev)
     tables = block_tables[:, : -(-l_max // block_size)].long()
-    k = kv_cache[0][tables].flatten(1, 2)[:, :l_max].float()  # [B, L, Hkv, D]
-    v = kv_cache[1][tables].flatten(1, 2)[:, :l_max].float()
+    k = load_rows(kv_cache[0][tables].flatten(1, 2)[:, :l_max], k_scale)  # [B, L, Hkv, D] fp32
+    v = load_rows(kv_cache[1][tables].flatten(1, 2)[:, :l_max], v_scale)
     key_pos = torch.arange(l_max, device=dev)
     valid = key_pos[None, :] < s_lens[:, None]  # [B, L]
     k = torch.where(valid[:, :, None, None], k, 0.0)

@@ -1,0 +1,257 @@
+"""Per-layer KV scales and the KV-cache dtype decision.
+
+Scales come from two places, merged per entry (the overlay wins):
+  - the checkpoint: tensors named `...layers.<i>....k_scale` / `...v_scale` (vLLM's convention),
+    taken out of the weight stream before the model sees it;
+  - an overlay JSON written by `qsaserve calibrate` (`--kv-scales PATH`), bound to one model by
+    its `Checkpoint.identity`.
+Layer keys are the model's own layer numbers (for Qwen4Exp, the QSA layers' indices).
+
+The dtype decision (`resolve_kv_cache`):
+  - an explicit bfloat16 / float16 / float32 always wins (an overlay is still validated);
+  - fp8_e4m3: missing scales are 1.0 with a warning, or an error with --strict-kv-scales;
+  - auto: E4M3 when this model has any calibrated scale, and then strict (every scale required,
+    since a 1.0 guess is how FP8 caches produce garbage); otherwise the model dtype.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import torch
+
+from qsaserve.errors import InvalidRequestError
+from qsaserve.quant.fp8 import FP8_E4M3, is_fp8
+
+logger = logging.getLogger("qsaserve")
+
+FILE_FORMAT = "qsaserve-kv-scales"
+FILE_VERSION = 1
+HIGH_PRECISION = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = ("auto", *HIGH_PRECISION, "fp8_e4m3")
+
+_SCALE_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\..*?\b([kv])_scale$")
+
+
+@dataclass
+class ScaleSet:
+    """k/v scales by layer number, and where they came from."""
+
+    k: dict[int, float] = field(default_factory=dict)
+    v: dict[int, float] = field(default_factory=dict)
+    source: str = ""
+
+    def __bool__(self) -> bool:
+        return bool(self.k or self.v)
+
+    def merged(self, overlay: "ScaleSet") -> "ScaleSet":
+        sources = " + ".join(s for s in (self.source if self else "", overlay.source if overlay else "") if s)
+        return ScaleSet({**self.k, **overlay.k}, {**self.v, **overlay.v}, sources)
+
+
+# ---- overlay files ----
+def write_scales_file(path: str, *, identity: str, k: dict[int, float], v: dict[int, float], meta: dict) -> dict:
+    doc = {
+        "format": FILE_FORMAT,
+        "version": FILE_VERSION,
+        "model_identity": identity,
+        **meta,
+        "layers": {str(i): {"k_scale": k[i], "v_scale": v[i]} for i in sorted(k)},
+    }
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(doc, fh, indent=2)
+        fh.write("\n")
+    os.replace(tmp, path)
+    return doc
+
+
+def read_scales_file(path: str, identity: str) -> ScaleSet:
+    """Reads and validates an overlay; its identity must be this checkpoint's."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+    except OSError as e:
+        raise InvalidRequestError("kv_scales", f"cannot read {path}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise InvalidRequestError("kv_scales", f"{path} is not valid JSON: {e}") from None
+    if not isinstance(doc, dict) or doc.get("format") != FILE_FORMAT:
+        raise InvalidRequestError("kv_scales", f"{path} is not a {FILE_FORMAT} file (write one with `qsaserve calibrate`)")
+    if doc.get("version") != FILE_VERSION:
+        raise InvalidRequestError("kv_scales", f"{path} has version {doc.get('version')!r}; this qsaserve reads {FILE_VERSION}")
+    if doc.get("model_identity") != identity:
+        raise InvalidRequestError(
+            "kv_scales",
+            f"{path} was calibrated for model identity {str(doc.get('model_identity'))[:16]}..., but this model's identity "
+            f"is {identity[:16]}...: scales of another model (or another quantization of it) do not apply",
+        )
+    layers = doc.get("layers")
+    if not isinstance(layers, dict):
+        raise InvalidRequestError("kv_scales", f"{path}: 'layers' must be an object of layer -> {{k_scale, v_scale}}")
+    out = ScaleSet(source=f"overlay {path}")
+    for key, entry in layers.items():
+        if not str(key).isdigit() or not isinstance(entry, dict):
+            raise InvalidRequestError("kv_scales", f"{path}: bad layer entry {key!r}")
+        for kind, target in (("k_scale", out.k), ("v_scale", out.v)):
+            if kind in entry:
+                target[int(key)] = _check_scale(entry[kind], f"{path}: layer {key} {kind}")
+    return out
+
+
+def _check_scale(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise InvalidRequestError("kv_scales", f"{what} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
+# ---- checkpoint tensors ----
+class CheckpointScales:
+    """Takes `*.k_scale` / `*.v_scale` tensors out of a weight stream (the models have no parameter
+    for them) and keeps them as a ScaleSet."""
+
+    def __init__(self) -> None:
+        self.scales = ScaleSet(source="checkpoint")
+
+    def filter(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            m = _SCALE_NAME.search(name)
+            if m is None or name.startswith(("mtp.", "model.mtp.")):
+                yield name, tensor
+                continue
+            if tensor.numel() != 1:
+                raise InvalidRequestError("kv_scales", f"checkpoint tensor {name} must hold one per-tensor scale, "
+                                          f"has shape {tuple(tensor.shape)}")
+            target = self.scales.k if m.group(2) == "k" else self.scales.v
+            target[int(m.group(1))] = _check_scale(float(tensor.float().item()), f"checkpoint tensor {name}")
+
+
+def attention_layer_ids(model) -> list[int]:
+    """Layer number of each of model.attention_layers(), in order. Qwen4Exp keeps its QSA layers
+    keyed by layer index; in Llama-family models every layer is an attention layer."""
+    qsa = getattr(model, "qsa_layers", None)
+    if qsa is not None:
+        return list(qsa)
+    return list(range(len(model.attention_layers())))
+
+
+# ---- the decision ----
+@dataclass
+class KVCacheQuant:
+    """The chosen K/V page dtype and, for E4M3, one (k_scale, v_scale) device tensor pair per
+    attention layer, created once and shared by every allocation."""
+
+    dtype: torch.dtype
+    name: str  # as --kv-cache-dtype spells it
+    k_scales: list[torch.Tensor] | None = None
+    v_scales: list[torch.Tensor] | None = None
+    reason: str = ""
+
+    @property
+    def is_fp8(self) -> bool:
+        return is_fp8(self.dtype)
+
+    def attach(self, caches: list) -> list:
+        """Gives each LayerCache its layer's scales; returns the list."""
+        if self.is_fp8:
+            for cache, k, v in zip(caches, self.k_scales, self.v_scales, strict=True):
+                cache.k_scale, cache.v_scale = k, v
+        return caches
+
+
+def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_scales: ScaleSet | None,
+                     model_dtype: torch.dtype, device: torch.device) -> KVCacheQuant:
+    """config: EngineConfig (kv_cache_dtype, kv_scales, strict_kv_scales, decode_context_parallel_size)."""
+    overlay = read_scales_file(config.kv_scales, identity) if config.kv_scales else ScaleSet()
+    extra = sorted((set(overlay.k) | set(overlay.v)) - set(layer_ids))
+    if extra:
+        raise InvalidRequestError("kv_scales", f"{config.kv_scales} has scales for layers {extra}, which are not attention "
+                                  f"layers of this model (attention layers: {layer_ids})")
+    ckpt = checkpoint_scales or ScaleSet()
+    ignored = sorted((set(ckpt.k) | set(ckpt.v)) - set(layer_ids))
+    if ignored:
+        logger.warning("kv_scales: checkpoint scales for non-attention layers %s ignored", ignored)
+    scales = ckpt.merged(overlay)
+    requested = config.kv_cache_dtype
+    model_name = _dtype_name(model_dtype)
+
+    if requested in HIGH_PRECISION:
+        if scales:
+            logger.info("kv_scales: %s present but kv_cache_dtype=%s was requested explicitly; scales unused",
+                        scales.source, requested)
+        return KVCacheQuant(HIGH_PRECISION[requested], requested, reason="explicit")
+    if requested == "auto":
+        if not scales:
+            return KVCacheQuant(model_dtype, model_name, reason="auto: no calibrated KV scales for this model")
+        if config.decode_context_parallel_size > 1:
+            logger.warning("kv_cache_dtype auto: calibrated scales found, but FP8 KV is not supported with decode context "
+                           "parallelism yet; using %s", model_name)
+            return KVCacheQuant(model_dtype, model_name, reason="auto: FP8 unsupported under DCP")
+        strict, reason = True, f"auto: calibrated scales from {scales.source} (strict)"
+    else:
+        strict = bool(config.strict_kv_scales)
+        reason = "explicit" + (" (strict)" if strict else "") + (f", scales from {scales.source}" if scales else "")
+
+    required = [(i, kind) for i in layer_ids for kind in ("k_scale", "v_scale")]
+    missing = [(i, kind) for i, kind in required if i not in (scales.k if kind == "k_scale" else scales.v)]
+    if missing and strict:
+        raise InvalidRequestError(
+            "kv_scales",
+            f"FP8 KV cache with strict scales: loaded {len(required) - len(missing)} of {len(required)} required "
+            f"k/v scales ({len(layer_ids)} attention layers); missing {_describe(missing)}. "
+            + ("kv_cache_dtype=auto chose fp8_e4m3 because calibrated scales are present, and then every scale is required; "
+               "complete the overlay (qsaserve calibrate) or pass --kv-cache-dtype explicitly"
+               if requested == "auto" else "give a complete --kv-scales overlay or drop --strict-kv-scales"),
+        )
+    if missing:
+        logger.warning("kv_scales: no calibrated scale for %s; using 1.0 (values beyond +-448 saturate, tiny ones flush "
+                       "to zero; run `qsaserve calibrate`)", _describe(missing))
+
+    def tensors(table: dict[int, float]) -> list[torch.Tensor]:
+        return [torch.tensor(table.get(i, 1.0), dtype=torch.float32, device=device) for i in layer_ids]
+
+    return KVCacheQuant(FP8_E4M3, "fp8_e4m3", tensors(scales.k), tensors(scales.v), reason=reason)
+
+
+def _describe(missing: list[tuple[int, str]]) -> str:
+    by_kind: dict[str, list[int]] = {}
+    for i, kind in missing:
+        by_kind.setdefault(kind, []).append(i)
+    return "; ".join(f"{kind} of layers {_ranges(ids)}" for kind, ids in by_kind.items())
+
+
+def _ranges(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    parts, start = [], None
+    for n, i in enumerate(ids):
+        if start is None:
+            start = i
+        if n + 1 == len(ids) or ids[n + 1] != i + 1:
+            parts.append(f"{start}-{i}" if i != start else str(i))
+            start = None
+    return ", ".join(parts)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def capacity_report(spec, budget_bytes: int, quant: KVCacheQuant) -> str:
+    """One log line: tokens the budget holds with the chosen K/V dtype, and with the model dtype.
+    spec: the KVCacheSpec in use (its `dtype` is the model dtype)."""
+    def tokens(s) -> int:
+        return max(s.num_blocks_for(budget_bytes) - 1, 0) * s.block_size  # minus the null block
+
+    ours = tokens(spec)
+    line = (f"KV cache dtype {quant.name} ({quant.reason}): {ours} tokens in {budget_bytes / 2**20:.1f} MiB, "
+            f"{spec.bytes_per_token:.0f} bytes/token")
+    if spec.kv_cache_dtype != spec.dtype:
+        base = dataclasses.replace(spec, kv_dtype=None)
+        line += (f"; the model dtype ({_dtype_name(spec.dtype)}) would hold {tokens(base)} tokens "
+                 f"({base.bytes_per_token:.0f} bytes/token) in the same budget, x{ours / max(tokens(base), 1):.2f}")
+    return line
