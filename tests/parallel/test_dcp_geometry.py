@@ -10,9 +10,10 @@ from qsaserve import InvalidRequestError
 from qsaserve.cache.kv_cache import KVCacheSpec, allocate_kv_cache
 from qsaserve.config import EngineConfig
 from qsaserve.ops.attention.dcp_reference import paged_attention_partial
-from qsaserve.ops.attention.reference import paged_attention_reference
+from qsaserve.ops.attention.reference import paged_attention_reference, write_kv_reference
 from qsaserve.ops.qsa_attention.reference import merge_attention_partials, sparse_attention_reference
 from qsaserve.parallel.dcp import DcpGeometry, check_dcp_config
+from qsaserve.quant.fp8 import FP8_E4M3, quantize_fp8
 
 LAYOUTS = [(d, i, b) for d in (1, 2, 3, 4) for i in (1, 2, 4) for b in (4, 8) if b % i == 0]
 
@@ -72,11 +73,12 @@ def test_step_plan_writes_owned_tokens_only():
     assert plan.local_seq_lens == [g.local_len(10), g.local_len(4)] == [4, 2]
 
 
-@pytest.mark.parametrize("d,i,b", [(2, 1, 4), (2, 4, 4), (4, 2, 4), (3, 1, 8)])
-def test_partials_over_simulated_ranks_merge_to_full_attention(d, i, b):
+@pytest.mark.parametrize("d,i,b,fp8", [(2, 1, 4, False), (2, 4, 4, False), (4, 2, 4, False), (3, 1, 8, False),
+                                       (2, 2, 4, True)])
+def test_partials_over_simulated_ranks_merge_to_full_attention(d, i, b, fp8):
     """Paged K/V split by the geometry over d ranks, each rank's partial (all query heads) merged
-    with the LSE rule == paged attention over the whole cache; with chunked queries and a rank
-    that owns nothing of a short sequence."""
+    with the LSE rule == paged attention over the whole cache; with chunked queries, a rank that
+    owns nothing of a short sequence, and FP8 E4M3 pages (unwritten slots hold E4M3 NaN)."""
     torch.manual_seed(0)
     hq, hkv, dh = 4, 1, 8
     seq_lens, query_lens = [1, 2 * d * b + 3, d * b + 1], [1, 5, 1]  # the first: one token, on rank 0 only
@@ -90,19 +92,23 @@ def test_partials_over_simulated_ranks_merge_to_full_attention(d, i, b):
             blk = tables[s, t // engine_block]
             full[0, blk, t % engine_block], full[1, blk, t % engine_block] = k[s][t], v[s][t]
     q = torch.randn(sum(query_lens), hq, dh)
-    ref = paged_attention_reference(q, full, tables, query_lens, seq_lens, dh**-0.5)
+    scales = (torch.tensor(0.01), torch.tensor(0.02)) if fp8 else (None, None)
+    if fp8:
+        full = torch.stack([quantize_fp8(full[0], scales[0]), quantize_fp8(full[1], scales[1])])
+    ref = paged_attention_reference(q, full, tables, query_lens, seq_lens, dh**-0.5, *scales)
     outs, lses = [], []
     for r in range(d):
         g = DcpGeometry(d, r, i, b)
         shard = torch.full((2, 8, b, hkv, dh), float("nan"))  # unwritten slots must never be read
+        if fp8:
+            shard = torch.full(shard.shape, 0x7F, dtype=torch.uint8).view(FP8_E4M3)  # E4M3 NaN
         for s, n in enumerate(seq_lens):
-            for t in range(n):
-                if g.owner(t) == r:
-                    slot = g.local_slot(t, tables[s].tolist())
-                    shard[0].view(-1, hkv, dh)[slot], shard[1].view(-1, hkv, dh)[slot] = k[s][t], v[s][t]
+            rows = torch.tensor([t for t in range(n) if g.owner(t) == r], dtype=torch.long)
+            slots = torch.tensor([g.local_slot(t, tables[s].tolist()) for t in rows.tolist()], dtype=torch.long)
+            write_kv_reference(k[s][rows], v[s][rows], shard, slots, *scales)
         local = [g.local_len(n) for n in seq_lens]
         out, lse = paged_attention_partial(q, shard, tables, query_lens, seq_lens, local,
-                                           g.key_positions(max(local), "cpu"), dh**-0.5)
+                                           g.key_positions(max(local), "cpu"), dh**-0.5, *scales)
         outs.append(out)
         lses.append(lse)
     merged, _ = merge_attention_partials(outs, lses)

@@ -28,9 +28,12 @@ class DcpAttention(nn.Module):
         t, plan = q.shape[0], meta.dcp
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        write_kv_reference(k[plan.write_rows], v[plan.write_rows], self.kv_cache, plan.write_slots)
+        cache = self.cache
+        if cache.observer is not None:  # KV-scale calibration sees every new K/V, owned here or not
+            cache.observer(k, v)
+        write_kv_reference(k[plan.write_rows], v[plan.write_rows], cache.kv, plan.write_slots, cache.k_scale, cache.v_scale)
         q_group = self.ctx.dcp_gather_heads(q.view(t, self.num_heads, self.head_dim))
         keys = self.ctx.dcp.key_positions(max(plan.local_seq_lens), q.device)
-        out, lse = paged_attention_partial(q_group, self.kv_cache, meta.block_tables, meta.query_lens,
-                                           meta.seq_lens_list, plan.local_seq_lens, keys, self.scale)
+        out, lse = paged_attention_partial(q_group, cache.kv, meta.block_tables, meta.query_lens, meta.seq_lens_list,
+                                           plan.local_seq_lens, keys, self.scale, cache.k_scale, cache.v_scale)
         return self.ctx.dcp_merge(out, lse).to(q.dtype).reshape(t, -1)

@@ -324,7 +324,7 @@ class Qwen4ExpForCausalLM(nn.Module):
             cache.observer(k, v)
         if dcp.enabled:
             plan = meta.dcp
-            write_kv_reference(k[plan.write_rows], v[plan.write_rows], cache.kv, plan.write_slots)
+            write_kv_reference(k[plan.write_rows], v[plan.write_rows], cache.kv, plan.write_slots, cache.k_scale, cache.v_scale)
             q = ctx.dcp_gather_heads(q)
         else:
             write_kv_reference(k, v, cache.kv, meta.slot_mapping, cache.k_scale, cache.v_scale)

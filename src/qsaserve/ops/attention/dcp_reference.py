@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from qsaserve.quant.fp8 import load_rows
+
 _LOG2E = 1.0 / math.log(2.0)
 
 
@@ -23,11 +25,14 @@ def paged_attention_partial(
     local_lens: list[int],
     key_positions: torch.Tensor,
     scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D] (sequences concatenated; their queries are the last query_lens[i] of
     seq_lens[i] global positions); kv_cache [2, N, B, Hkv, D] this rank's pages, local row j of
     a sequence at page block_tables[i, j // B]; local_lens[i] rows held for sequence i;
     key_positions [>= max(local_lens)] global position of local row j.
+    k_scale / v_scale: the layer's scales when the pages are FP8 E4M3.
     Returns out [T, Hq, D] fp32 and lse [T, Hq] fp32 (base 2)."""
     dev = q.device
     t, hq, d = q.shape
@@ -41,8 +46,8 @@ def paged_attention_partial(
     tables = block_tables[:, : -(-l_max // block_size)].long()
     valid = torch.arange(l_max, device=dev)[None, :] < torch.tensor(local_lens, device=dev)[:, None]  # [B, L]
     # Zero rows past each shard's length, not just mask them: stale pages may hold NaN.
-    k = torch.where(valid[:, :, None, None], kv_cache[0][tables].flatten(1, 2)[:, :l_max].float(), 0.0)
-    v = torch.where(valid[:, :, None, None], kv_cache[1][tables].flatten(1, 2)[:, :l_max].float(), 0.0)
+    k = torch.where(valid[:, :, None, None], load_rows(kv_cache[0][tables].flatten(1, 2)[:, :l_max], k_scale), 0.0)
+    v = torch.where(valid[:, :, None, None], load_rows(kv_cache[1][tables].flatten(1, 2)[:, :l_max], v_scale), 0.0)
     group = hq // k.shape[2]
     k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
 
