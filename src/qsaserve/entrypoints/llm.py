@@ -71,15 +71,7 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None) -> list[int]:
-        validate_messages(messages)
-        tokenizer = self.engine.tokenizer
-        if chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise InvalidRequestError("messages", "this model has no chat template; use generate() with a plain prompt")
-        text = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
-        )
-        # The template already wrote any BOS it wants.
-        return tokenizer.encode(text, add_special_tokens=False)
+        return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt, chat_template)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)
@@ -99,6 +91,20 @@ class LLM:
         finally:
             bar.close()
         return [results[r] for r in request_ids]
+
+
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                        chat_template: str | None = None) -> list[int]:
+    """Prompt token ids of a conversation, rendered with the model's chat template (shared by
+    LLM.chat and the server so both send the model identical tokens)."""
+    validate_messages(messages)
+    if tokenizer is None or (chat_template is None and not getattr(tokenizer, "chat_template", None)):
+        raise InvalidRequestError("messages", "this model has no chat template; use generate() with a plain prompt")
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+    )
+    # The template already wrote any BOS it wants.
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 _ROLES = ("system", "user", "assistant", "tool", "developer")

@@ -15,7 +15,6 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any, AsyncIterator, Iterable, Sequence
 
 import jinja2
@@ -28,7 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import qsaserve
 from qsaserve.engine.async_engine import AsyncLLMEngine, EngineOverloadedError, RequestStream
 from qsaserve.engine.llm_engine import LLMEngine
-from qsaserve.entrypoints.llm import LLM, validate_messages
+from qsaserve.entrypoints.llm import apply_chat_template, validate_messages
 from qsaserve.errors import EngineDeadError, InvalidRequestError
 from qsaserve.outputs import PositionLogprobs, RequestOutput
 from qsaserve.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -127,16 +126,14 @@ class ServerTokenizer:
     def __init__(self, tokenizer):
         self.tok = copy.deepcopy(tokenizer)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="qsaserve-tokenizer")
-        self._templater = SimpleNamespace(engine=SimpleNamespace(tokenizer=self.tok))
 
     async def call(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-        # LLM.apply_chat_template only needs `.engine.tokenizer`: reusing it keeps served and
-        # offline chat prompts token-identical.
+        # The same function LLM.chat uses: served and offline chat prompts are token-identical.
         try:
-            return LLM.apply_chat_template(self._templater, messages, add_generation_prompt)
+            return apply_chat_template(self.tok, messages, add_generation_prompt)
         except jinja2.TemplateError as e:
             raise InvalidRequestError("messages", f"the chat template rejected the conversation: {e}") from e
 
