@@ -131,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     from qsaserve.server.cli import add_serve_parser
 
     add_serve_parser(sub)
+    from qsaserve.qualify.cli import add_qualify_parser
+    from qsaserve.quant.cli import add_calibrate_parser
+
+    add_calibrate_parser(sub)
+    add_qualify_parser(sub)
     return parser
 
 

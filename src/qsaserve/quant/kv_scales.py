@@ -56,13 +56,14 @@ class ScaleSet:
 
 
 # ---- overlay files ----
-def write_scales_file(path: str, *, identity: str, k: dict[int, float], v: dict[int, float], meta: dict) -> dict:
+def write_scales_file(path: str, *, identity: str, layers: dict[int, dict], meta: dict) -> dict:
+    """layers: layer number -> {"k_scale", "v_scale", and any record such as the observed absmax}."""
     doc = {
         "format": FILE_FORMAT,
         "version": FILE_VERSION,
         "model_identity": identity,
         **meta,
-        "layers": {str(i): {"k_scale": k[i], "v_scale": v[i]} for i in sorted(k)},
+        "layers": {str(i): layers[i] for i in sorted(layers)},
     }
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:

@@ -1,0 +1,88 @@
+"""FP8 E4M3 KV quality on the default model (SmolLM2-135M-Instruct, float32 weights/activations).
+
+1. `qsaserve calibrate` on the calibration part of CPython's pydoc topics -> a scales file;
+2. `qsaserve qualify` on the held-out part: FP8 KV with calibrated scales and with unit scales
+   (1.0 everywhere) against a bfloat16 KV baseline, same token stream (plus, with
+   --with-fp32-reference, a float32 KV row showing what the bf16 baseline itself costs);
+3. writes benchmarks/results/fp8_quality_smollm2_<date>.json (and the scales beside it) with
+   the command line, targets and whether each was met.
+
+CPU: about 3-5 minutes on 2 cores with the defaults.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import sys
+import time
+
+import torch
+
+from qsaserve import LLM, __version__
+from qsaserve.quant.calibrate import DEFAULT_MARGIN, calibrate, calibration_config
+from qsaserve.quant.dataset import pydoc_topics
+from qsaserve.qualify.cli import format_table, run_qualify
+from qsaserve.config import EngineConfig
+
+TARGETS = {"ppl_change_pct_below": 1.0, "top1_agreement_at_least": 0.97}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--calib-tokens", type=int, default=4096)
+    p.add_argument("--eval-tokens", type=int, default=3072)
+    p.add_argument("--window", type=int, default=512)
+    p.add_argument("--margin", type=float, default=DEFAULT_MARGIN)
+    p.add_argument("--with-fp32-reference", action="store_true", help="also score a float32 KV cache")
+    p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
+    p.add_argument("--date", default=datetime.date.today().isoformat())
+    args = p.parse_args()
+
+    t0 = time.perf_counter()
+    common = {"dtype": "float32", "max_model_len": args.window, "kv_cache_memory": 64 << 20, "enable_prefix_caching": False}
+    scales_path = os.path.join(args.out_dir, f"kv_scales_smollm2_{args.date}.json")
+    cal_llm = LLM(progress=False, **calibration_config(EngineConfig(**common)).__dict__)
+    cal = calibrate(cal_llm, pydoc_topics("calibration"), scales_path, num_tokens=args.calib_tokens,
+                    seq_len=args.window, margin=args.margin)
+    del cal_llm
+    t_cal = time.perf_counter() - t0
+
+    candidates = {
+        "fp8_e4m3_calibrated": {"kv_cache_dtype": "fp8_e4m3", "kv_scales": scales_path},
+        "fp8_e4m3_unit_scales": {"kv_cache_dtype": "fp8_e4m3"},
+    }
+    if args.with_fp32_reference:
+        candidates["float32_kv_reference"] = {"kv_cache_dtype": "float32"}
+    report = run_qualify(common, {"kv_cache_dtype": "bfloat16"}, candidates, pydoc_topics("evaluation"),
+                         num_tokens=args.eval_tokens, window=args.window)
+    c, u = report["candidates"]["fp8_e4m3_calibrated"], report["candidates"]["fp8_e4m3_unit_scales"]
+    report["targets"] = TARGETS
+    report["targets_met"] = {
+        "calibrated_ppl_change_below_1pct": abs(c["ppl_change_pct"]) < TARGETS["ppl_change_pct_below"],
+        "calibrated_top1_agreement_at_least_97pct": c["top1_agreement"] >= TARGETS["top1_agreement_at_least"],
+        "calibrated_no_worse_than_unit_ppl": c["perplexity"] <= u["perplexity"],
+        "calibrated_no_worse_than_unit_kl": c["kl_mean"] <= u["kl_mean"],
+        "calibrated_no_worse_than_unit_top1": c["top1_agreement"] >= u["top1_agreement"],
+    }
+    report["calibration"] = {k: cal[k] for k in ("margin", "num_tokens", "seq_len", "dataset", "scale_rule")}
+    report["scales_file"] = os.path.relpath(scales_path, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    report["command"] = shlex.join(["python", "benchmarks/fp8_quality.py", *sys.argv[1:]])
+    report["date"] = args.date
+    report["versions"] = {"qsaserve": __version__, "torch": torch.__version__, "python": sys.version.split()[0]}
+    report["total_s"] = round(time.perf_counter() - t0, 1)
+    report["calibrate_s"] = round(t_cal, 1)
+    out = os.path.join(args.out_dir, f"fp8_quality_smollm2_{args.date}.json")
+    with open(out, "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=2)
+        fh.write("\n")
+    print(format_table(report))
+    print(json.dumps(report["targets_met"], indent=2))
+    print(f"wrote {out} ({report['total_s']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""KV-scale calibration: run text through the model and record, per attention layer, the largest
+|K| (as stored: after k-norm and RoPE) and |V| written to the cache.
+
+scale = absmax * margin / 448, so the calibration maximum lands at 448 / margin. The margin
+(default 1.25) leaves headroom for values beyond what the calibration text produced: clamping
+an outlier key (attention sinks are exactly such keys) costs far more than the quarter binade
+of precision given up at the small end, where E4M3 keeps its relative precision down to
+2^-6 * scale anyway.
+
+Observation happens in the layers' cache-write hook (LayerCache.observer), on device, with no
+host sync per step; the cache itself runs in the model dtype while calibrating.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+
+import torch
+
+from qsaserve.errors import InvalidRequestError
+from qsaserve.quant.dataset import TextSet, token_windows
+from qsaserve.quant.fp8 import FP8_E4M3_MAX
+from qsaserve.quant.kv_scales import attention_layer_ids, write_scales_file
+
+logger = logging.getLogger("qsaserve")
+
+DEFAULT_MARGIN = 1.25
+DEFAULT_NUM_TOKENS = 8192
+DEFAULT_SEQ_LEN = 512
+
+
+class AbsMaxObserver:
+    """Running max of |K| and |V| over every cache write of one layer (0-d device tensors)."""
+
+    def __init__(self, device: torch.device):
+        self.k = torch.zeros((), dtype=torch.float32, device=device)
+        self.v = torch.zeros((), dtype=torch.float32, device=device)
+        self.tokens = 0
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k = torch.maximum(self.k, k.detach().abs().amax().float())
+        self.v = torch.maximum(self.v, v.detach().abs().amax().float())
+        self.tokens += k.shape[0]
+
+
+def calibration_config(config):
+    """The engine config to calibrate with: a cache in the model dtype (the observer must see
+    unquantized K/V upstream too), no overlay, one rank (a TP rank sees only its own heads)."""
+    if config.tensor_parallel_size != 1:
+        raise InvalidRequestError("tensor_parallel_size", "calibrate runs on one rank (a TP rank observes only its own heads)")
+    dtype = str(config.torch_dtype).removeprefix("torch.")
+    if config.kv_cache_dtype not in ("auto", dtype) or config.kv_scales:
+        logger.info("calibrate: the KV cache runs in the model dtype (%s); kv_cache_dtype/kv_scales are ignored", dtype)
+    return dataclasses.replace(config, kv_cache_dtype=dtype, kv_scales=None, strict_kv_scales=False)
+
+
+def observe(llm, windows: list[list[int]], progress: bool = False) -> dict[int, AbsMaxObserver]:
+    """Runs each window as one prompt (prefill only) with observers on every attention layer's
+    cache; returns them by layer number."""
+    from qsaserve.sampling_params import SamplingParams
+
+    engine = llm.engine
+    runner = engine.executor.runner
+    layer_ids = attention_layer_ids(runner.model)
+    observers = {i: AbsMaxObserver(runner.device) for i in layer_ids}
+    for i, cache in zip(layer_ids, runner.kv_caches, strict=True):
+        cache.observer = observers[i]
+    try:
+        llm.generate([{"prompt_token_ids": w} for w in windows], SamplingParams(max_tokens=1, temperature=0), use_tqdm=progress)
+    finally:
+        for cache in runner.kv_caches:
+            cache.observer = None
+    return observers
+
+
+def calibrate(llm, dataset: TextSet, output: str, *, num_tokens: int = DEFAULT_NUM_TOKENS, seq_len: int = DEFAULT_SEQ_LEN,
+              margin: float = DEFAULT_MARGIN, progress: bool = False) -> dict:
+    """Tokenizes `dataset` into windows of seq_len tokens (num_tokens in all), calibrates on them,
+    writes the scales file for llm's model to `output` and returns its contents."""
+    engine = llm.engine
+    if engine.tokenizer is None:
+        raise InvalidRequestError("model", "calibrate needs a model with a tokenizer (or use calibrate_windows with token ids)")
+    seq_len = min(seq_len, engine.max_model_len - 1)
+    windows = token_windows(engine.tokenizer, dataset.texts, seq_len, num_tokens)
+    return calibrate_windows(llm, windows, output, dataset.description, margin=margin, progress=progress)
+
+
+def calibrate_windows(llm, windows: list[list[int]], output: str, dataset_description: dict, *,
+                      margin: float = DEFAULT_MARGIN, progress: bool = False) -> dict:
+    """Calibrates on token-id windows (each one prompt) and writes the scales file."""
+    if margin < 1:
+        raise InvalidRequestError("margin", f"must be >= 1 (below 1 the calibration maximum itself would clamp), got {margin}")
+    engine = llm.engine
+    if engine.executor.runner.kv_quant.is_fp8:
+        raise InvalidRequestError("kv_cache_dtype", "calibrate needs a high-precision KV cache (see calibration_config)")
+    if not windows:
+        raise InvalidRequestError("dataset", "yields no tokens")
+    observers = observe(llm, windows, progress)
+    layers = {}
+    for i, obs in observers.items():
+        k_max, v_max = obs.k.item(), obs.v.item()
+        if obs.tokens == 0 or not (0 < k_max < float("inf") and 0 < v_max < float("inf")):
+            raise RuntimeError(f"calibrate: layer {i} observed {obs.tokens} tokens with |K| max {k_max}, |V| max {v_max}; "
+                               "cannot derive a scale")
+        layers[i] = {"k_scale": k_max * margin / FP8_E4M3_MAX, "v_scale": v_max * margin / FP8_E4M3_MAX,
+                     "k_absmax": k_max, "v_absmax": v_max}
+    from qsaserve import __version__
+
+    meta = {
+        "kv_cache_dtype": "fp8_e4m3",
+        "scale_rule": f"scale = absmax * margin / {FP8_E4M3_MAX:g} (per layer, per tensor, K after norm and RoPE)",
+        "margin": margin,
+        "tool": f"qsaserve {__version__} calibrate",
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model": engine.checkpoint.path,
+        "model_dtype": str(engine.executor.runner.dtype).removeprefix("torch."),
+        "dataset": dataset_description,
+        "num_tokens": sum(len(w) for w in windows),
+        "seq_len": max(len(w) for w in windows),
+    }
+    doc = write_scales_file(output, identity=engine.checkpoint.identity, layers=layers, meta=meta)
+    logger.info("calibrate: %d tokens in %d windows; wrote %d layers' k/v scales to %s", meta["num_tokens"], len(windows),
+                len(layers), output)
+    return doc
