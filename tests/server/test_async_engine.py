@@ -274,3 +274,23 @@ def test_dead_engine_loop_makes_health_503(make_server, llm_engine, monkeypatch)
     assert conn.getresponse().status == 200
     # The dying loop released what the engine held.
     assert_idle(llm_engine)
+
+
+def test_dead_worker_while_idle_makes_health_503(make_server, llm_engine, monkeypatch):
+    """A worker rank that dies between steps is reported by /health before any request fails
+    (the multi-process executor's check_health raises EngineDeadError naming the rank)."""
+    from qsaserve.errors import EngineDeadError
+
+    srv = make_server()
+    conn = http.client.HTTPConnection(srv.host, srv.port, timeout=10)
+    conn.request("GET", "/health")
+    ok = conn.getresponse()
+    assert ok.status == 200 and ok.read()
+
+    def dead_worker():
+        raise EngineDeadError("worker rank 1 exited with code -9")
+
+    monkeypatch.setattr(llm_engine.executor, "check_health", dead_worker, raising=False)
+    conn.request("GET", "/health")
+    health = conn.getresponse()
+    assert health.status == 503 and "rank 1" in json.loads(health.read())["error"]["message"]

@@ -145,13 +145,21 @@ class AsyncLLMEngine:
             self._thread.start()
 
     def is_healthy(self) -> bool:
-        return self._dead is None and self._thread.is_alive() and not self._stopping
+        return self.dead_error is None and self._thread.is_alive() and not self._stopping
 
     @property
     def dead_error(self) -> EngineDeadError | None:
-        """Why the engine stopped serving (None while healthy)."""
+        """Why the engine stopped serving (None while healthy). Also asks the executor, so a
+        worker rank that died while the engine was idle shows up before the next step."""
         if self._dead is None and self._thread.ident is not None and not self._thread.is_alive():
             return EngineDeadError("the engine loop thread is not running")
+        if self._dead is None:
+            check = getattr(self.engine.executor, "check_health", None)
+            if check is not None:
+                try:
+                    check()
+                except EngineDeadError as e:
+                    return e
         return self._dead
 
     def shutdown(self, timeout: float = 30.0, shutdown_engine: bool = True) -> None:
