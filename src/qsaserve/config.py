@@ -80,10 +80,6 @@ class EngineConfig:
             raise InvalidRequestError("kv_scales", f"must be a path to a JSON file, got {self.kv_scales!r}")
         if not isinstance(self.strict_kv_scales, bool):
             raise InvalidRequestError("strict_kv_scales", f"must be true or false, got {self.strict_kv_scales!r}")
-        if self.kv_cache_dtype == "fp8_e4m3" and self.decode_context_parallel_size != 1:
-            raise InvalidRequestError(
-                "kv_cache_dtype", "fp8_e4m3 is not supported with decode_context_parallel_size > 1 yet "
-                "(the DCP attention path reads the cache in the model dtype)")
 
     def _check_parallel(self) -> None:
         """Model-independent checks; the KV-head constraints are checked once the model config is known."""

@@ -136,8 +136,6 @@ def test_config_and_cli_flags():
 
     with pytest.raises(InvalidRequestError, match="^kv_cache_dtype: "):
         EngineConfig(kv_cache_dtype="fp8")
-    with pytest.raises(InvalidRequestError, match="^kv_cache_dtype: .*decode_context_parallel_size"):
-        EngineConfig(kv_cache_dtype="fp8_e4m3", tensor_parallel_size=2, decode_context_parallel_size=2)
     args = build_parser().parse_args(["generate", "hi", "--kv-cache-dtype", "fp8_e4m3", "--kv-scales", "s.json",
                                       "--strict-kv-scales"])
     config = engine_config_from_args(args)

@@ -167,7 +167,7 @@ class KVCacheQuant:
 
 def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_scales: ScaleSet | None,
                      model_dtype: torch.dtype, device: torch.device) -> KVCacheQuant:
-    """config: EngineConfig (kv_cache_dtype, kv_scales, strict_kv_scales, decode_context_parallel_size)."""
+    """config: EngineConfig (kv_cache_dtype, kv_scales, strict_kv_scales)."""
     overlay = read_scales_file(config.kv_scales, identity) if config.kv_scales else ScaleSet()
     extra = sorted((set(overlay.k) | set(overlay.v)) - set(layer_ids))
     if extra:
@@ -189,10 +189,6 @@ def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_sca
     if requested == "auto":
         if not scales:
             return KVCacheQuant(model_dtype, model_name, reason="auto: no calibrated KV scales for this model")
-        if config.decode_context_parallel_size > 1:
-            logger.warning("kv_cache_dtype auto: calibrated scales found, but FP8 KV is not supported with decode context "
-                           "parallelism yet; using %s", model_name)
-            return KVCacheQuant(model_dtype, model_name, reason="auto: FP8 unsupported under DCP")
         strict, reason = True, f"auto: calibrated scales from {scales.source} (strict)"
     else:
         strict = bool(config.strict_kv_scales)
