@@ -343,7 +343,15 @@ class MultiprocExecutor:
     def _abort(self) -> None:
         self._closed = True
         _stop(self.workers, 0.0)
-        _destroy_bounded()
+        if dist.is_initialized():
+            _destroy_bounded()
+        else:
+            # init_process_group numbers groups from a process-global counter that it bumps on entry
+            # and only a destroy resets: an init left hanging on a dead worker would make the next
+            # world's rank 0 wait on keys its fresh workers never write.
+            from torch.distributed import distributed_c10d
+
+            distributed_c10d._world.group_count = 0
 
     def shutdown(self) -> None:
         if self._closed:
