@@ -15,7 +15,7 @@ from parallel_helpers import assert_same_outputs, run_engine, tiny_llama
 TOL = 2e-4
 PROMPTS = [[5 + (i * 7 + j * 13) % 200 for j in range(30 + 9 * i)] for i in range(3)]
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0, prompt_logprobs=0)
-ENGINE = dict(max_model_len=128, kv_cache_memory=1 << 21, block_size=4, max_num_batched_tokens=24)
+ENGINE = dict(max_model_len=128, kv_cache_memory=1 << 21, block_size=4, max_num_batched_tokens=24, distributed_timeout_s=120)
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_bad_layouts_name_the_parameter(gqa):
 
 
 def test_dead_worker_fails_fast_with_engine_dead_error(gqa):
-    llm = LLM(gqa, dtype="float32", progress=False, tensor_parallel_size=2, distributed_timeout_s=60, **ENGINE)
+    llm = LLM(gqa, dtype="float32", progress=False, tensor_parallel_size=2, **ENGINE)
     try:
         llm.engine.check_health()
         worker = llm.engine.executor.workers[0]
@@ -90,8 +90,8 @@ def test_worker_failing_at_startup_is_reported(gqa, tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     start = time.monotonic()
     with pytest.raises(EngineDeadError, match=r"worker rank 1 \(pid \d+\) exited with code 7"):
-        LLM(gqa, dtype="float32", progress=False, tensor_parallel_size=2, distributed_timeout_s=60, **ENGINE)
+        LLM(gqa, dtype="float32", progress=False, tensor_parallel_size=2, **ENGINE)
     assert time.monotonic() - start < 20
     monkeypatch.undo()
-    out = run_engine(gqa, PROMPTS[:1], PARAMS, tensor_parallel_size=2, distributed_timeout_s=60, **ENGINE)
+    out = run_engine(gqa, PROMPTS[:1], PARAMS, tensor_parallel_size=2, **ENGINE)
     assert len(out[0].outputs[0].token_ids) == PARAMS.max_tokens

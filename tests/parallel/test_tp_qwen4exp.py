@@ -16,7 +16,7 @@ from parallel_helpers import assert_same_outputs, run_engine, tiny_qwen4exp
 
 TOL = 1e-4
 PARAMS = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0, prompt_logprobs=0)
-ENGINE = dict(max_model_len=128, kv_cache_memory=1 << 21, block_size=8, max_num_batched_tokens=16)
+ENGINE = dict(max_model_len=128, kv_cache_memory=1 << 21, block_size=8, max_num_batched_tokens=16, distributed_timeout_s=120)
 
 
 def prompts():

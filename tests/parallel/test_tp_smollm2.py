@@ -12,7 +12,7 @@ def test_tp3_matches_tp1(smollm2_gguf_path):
     tokenizer = load_checkpoint(smollm2_gguf_path, progress=False).tokenizer
     prompts = [tokenizer.encode(p) for p in ("The capital of France is", "def fibonacci(n):")]
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, prompt_logprobs=0)
-    engine = dict(max_model_len=256, kv_cache_memory=1 << 24)
+    engine = dict(max_model_len=256, kv_cache_memory=1 << 24, distributed_timeout_s=120)
     base = run_engine(smollm2_gguf_path, prompts, params, **engine)
     tp3 = run_engine(smollm2_gguf_path, prompts, params, tensor_parallel_size=3, **engine)
     assert_same_outputs(base, tp3, 1e-4)
