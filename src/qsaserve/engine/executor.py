@@ -21,16 +21,9 @@ def make_executor(config: EngineConfig, checkpoint, max_model_len: int, progress
     return MultiprocExecutor(config, checkpoint, max_model_len, progress=progress)
 
 
-class InProcessExecutor:
-    """A single rank, running in the engine's own process."""
-
-    def __init__(self, config: EngineConfig, checkpoint, max_model_len: int, progress: bool = False):
-        self.runner = ModelRunner(config, checkpoint, max_model_len, progress=progress)
-        self.kv_spec = self.runner.kv_spec
-        self.kv_budget_bytes = self.runner.kv_cache_budget_bytes()
-        self.num_kv_blocks = self.kv_spec.num_blocks_for(self.kv_budget_bytes)
-        if self.num_kv_blocks >= 2:
-            self.runner.init_kv_cache(self.num_kv_blocks)
+class Rank0Views:
+    """What every executor exposes about rank 0, which lives in the engine's process. Subclasses
+    set self.runner, self.kv_spec and self.kv_budget_bytes."""
 
     @property
     def device(self) -> torch.device:
@@ -44,6 +37,18 @@ class InProcessExecutor:
     def capacity(self, max_model_len: int):
         """(this layout, DCP1) KV capacity at the same per-rank memory (parallel.dcp.KVCapacity)."""
         return self.runner.parallel.dcp.capacity(self.runner.kv_spec_dcp1, self.kv_budget_bytes, max_model_len)
+
+
+class InProcessExecutor(Rank0Views):
+    """A single rank, running in the engine's own process."""
+
+    def __init__(self, config: EngineConfig, checkpoint, max_model_len: int, progress: bool = False):
+        self.runner = ModelRunner(config, checkpoint, max_model_len, progress=progress)
+        self.kv_spec = self.runner.kv_spec
+        self.kv_budget_bytes = self.runner.kv_cache_budget_bytes()
+        self.num_kv_blocks = self.kv_spec.num_blocks_for(self.kv_budget_bytes)
+        if self.num_kv_blocks >= 2:
+            self.runner.init_kv_cache(self.num_kv_blocks)
 
     def check_health(self) -> None:
         """Raises EngineDeadError when a rank is dead; one in-process rank is alive while we are."""

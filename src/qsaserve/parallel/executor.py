@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from qsaserve.config import EngineConfig
+from qsaserve.engine.executor import Rank0Views
 from qsaserve.errors import EngineDeadError
 from qsaserve.parallel.dcp import DcpGeometry
 from qsaserve.parallel.state import ParallelContext
@@ -235,7 +236,7 @@ def _stop(workers: list[_Worker], timeout: float) -> None:
             w.join(2.0)
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(Rank0Views):
     """Same interface as engine.executor.InProcessExecutor, over tensor_parallel_size ranks."""
 
     def __init__(self, config: EngineConfig, checkpoint, max_model_len: int, progress: bool = False):
@@ -319,17 +320,6 @@ class MultiprocExecutor:
             raise EngineDeadError("tensor-parallel engine was shut down")
 
     # ---- the engine's interface ----
-    @property
-    def device(self) -> torch.device:
-        return self.runner.device
-
-    @property
-    def block_size(self) -> int:
-        return self.kv_spec.block_size
-
-    def capacity(self, max_model_len: int):
-        return self.runner.parallel.dcp.capacity(self.runner.kv_spec_dcp1, self.kv_budget_bytes, max_model_len)
-
     def execute(self, batch) -> torch.Tensor:
         self.check_health()
         try:
