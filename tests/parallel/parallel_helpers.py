@@ -59,7 +59,8 @@ def assert_same_outputs(a, b, tol, rel=1e-5):
 def tiny_qwen4exp(path, *, kv_heads=2, budget=12, seed=0):
     """A random Qwen4Exp (2 GDN + 2 QSA layers, PLE, MoE, hyper-connections) with every parameter
     overwritten by non-trivial values (transformers' init zeroes 1-centred norms) and a scaled LM head."""
-    from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+    from qwen4exp_testing import build_random_model
+    from transformers import Qwen4ExpTextConfig
 
     qsa = next(t for t in Qwen4ExpTextConfig().layer_types if t != "linear_attention")  # the installed release's name
     cfg = Qwen4ExpTextConfig(
@@ -72,22 +73,6 @@ def tiny_qwen4exp(path, *, kv_heads=2, budget=12, seed=0):
         indexer_compress_ratio=4, eos_token_id=3, max_position_embeddings=512,
         rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
     )
-    torch.manual_seed(seed)
-    model = Qwen4ExpForCausalLM(cfg).eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(0.1, 2.0, generator=gen).log())
-            elif name.endswith("linear_attn.norm.weight"):
-                p.copy_(torch.empty(p.shape).uniform_(0.5, 1.5, generator=gen))
-            elif "norm" in name:
-                p.copy_(torch.empty(p.shape).uniform_(-0.5, 0.5, generator=gen))
-            elif name.endswith("embed_tokens.weight") or "ngram_embedding" in name:
-                p.copy_(torch.randn(p.shape, generator=gen))
-            elif name == "lm_head.weight":
-                p.copy_(torch.randn(p.shape, generator=gen) * 5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / p.shape[-1] ** 0.5))
+    model = build_random_model(cfg, seed, lm_head_scale=5.0)
     model.save_pretrained(path)
     return str(path)
