@@ -42,6 +42,8 @@ PRESETS: dict[str, dict] = {
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
     ),
 }
+# The decode-context-parallel shape: one KV head, so TP2 would otherwise duplicate it on both ranks.
+PRESETS["qwen4exp-small-1kv"] = dict(PRESETS["qwen4exp-small"], num_key_value_heads=1)
 
 
 def preset_config(name: str) -> dict:
