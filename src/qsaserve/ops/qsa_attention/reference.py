@@ -12,7 +12,9 @@ import math
 
 import torch
 
-__all__ = ["sparse_attention_reference", "merge_attention_partials"]
+from qsaserve.quant.fp8 import load_rows
+
+__all__ = ["sparse_attention_reference", "sparse_attention_paged_reference", "merge_attention_partials"]
 
 _LOG2E = 1.0 / math.log(2.0)
 
@@ -50,9 +52,42 @@ def sparse_attention_reference(
         return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
     valid = token_indices >= 0
     rows = token_indices.clamp_min(0).long()
-    # Gather then zero unselected rows so garbage (e.g. NaN in null slots) cannot leak via 0 * NaN.
-    k = k_cache[rows].float().masked_fill(~valid[..., None, None], 0.0)  # [Tq, M, Hkv, D]
-    v = v_cache[rows].float().masked_fill(~valid[..., None, None], 0.0)
+    return _attend(q, k_cache[rows].float(), v_cache[rows].float(), valid, scale)
+
+
+def sparse_attention_paged_reference(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_positions: torch.Tensor,
+    scale: float | None = None,
+    seq_ids: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same attention read straight from the paged cache (reference of the Triton kernel).
+
+    ``kv_cache`` ``[2, num_blocks, page, Hkv, D]`` (FP8 E4M3 pages need ``k_scale``/``v_scale``);
+    ``token_positions`` ``[Tq, M]`` positions in the row's sequence (``-1`` = unused), found at
+    ``block_tables[seq, p // page] * page + p % page``; ``seq_ids`` ``[Tq]`` maps rows to block
+    table rows (default: row t is sequence t). Device tensors only: no host syncs."""
+    page = kv_cache.shape[2]
+    tables = block_tables.long() if seq_ids is None else block_tables.long()[seq_ids.long()]
+    valid = token_positions >= 0
+    pos = token_positions.long().clamp_min(0)
+    slots = tables.gather(1, pos // page) * page + pos % page
+    flat = kv_cache.flatten(1, 2)  # [2, slots, Hkv, D]
+    k = load_rows(flat[0][slots], k_scale)
+    v = load_rows(flat[1][slots], v_scale)
+    return _attend(q, k, v, valid, q.shape[-1] ** -0.5 if scale is None else scale)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float):
+    """q [Tq, Hq, D], gathered fp32 k/v [Tq, M, Hkv, D], valid [Tq, M] -> (out, base-2 lse)."""
+    Hq, Hkv = q.shape[1], k.shape[2]
+    # Zero unselected rows so garbage (e.g. NaN in null slots) cannot leak via 0 * NaN.
+    k = k.masked_fill(~valid[..., None, None], 0.0)
+    v = v.masked_fill(~valid[..., None, None], 0.0)
     group = Hq // Hkv
     k = k.repeat_interleave(group, dim=2)
     v = v.repeat_interleave(group, dim=2)

@@ -1,0 +1,207 @@
+"""Triton sparse (selected-token) GQA attention over the paged K/V cache.
+
+Each query row (a decode token, or one token of a multi-token row) attends only to its listed
+token positions, read in place from the pages [2, num_blocks, page, Hkv, D] through its
+sequence's block table: position p lives at block_table[p // page] * page + p % page. The cost is
+the selection's size (budget + r - 1), not the context's.
+
+Grid (row, kv_head, split): the G query heads sharing a KV head form the rows of one Q tile, so
+each selected K/V row is loaded once per KV head; the selection is split so that small batches
+still fill the GPU, and a second kernel merges the fp32 partials by their base-2 LSE.
+FP8 E4M3 pages are converted in registers and their per-tensor scales folded into the scores
+(k_scale) and the output (v_scale). Loads are masked with other=0, so padding bytes (NaN under
+E4M3) never reach the math. A row with nothing selected gets out = 0 and lse = -inf.
+
+Reference: `reference.sparse_attention_paged_reference`.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+# The running max starts finite so that a tile with no selected token keeps alpha = exp2(0) = 1.
+_M_INIT = tl.constexpr(-1.0e30)
+BLOCK_N = 32
+TARGET_PROGRAMS = 2  # per SM: enough splits that a batch of one still fills the GPU
+
+
+@triton.jit
+def _sparse_kernel(
+    q_ptr, kv_ptr, bt_ptr, idx_ptr, seq_ids_ptr, k_scale_ptr, v_scale_ptr, part_o_ptr, part_lse_ptr,
+    qk_scale, M,
+    stride_qt, stride_qh, stride_c2, stride_cb, stride_ct, stride_ch, stride_bt, stride_it,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    D: tl.constexpr, D_POW2: tl.constexpr, PAGE: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    if HAS_SEQ_IDS:
+        seq = tl.load(seq_ids_ptr + t).to(tl.int64)
+    else:
+        seq = t.to(tl.int64)
+    rows = tl.arange(0, BLOCK_M)
+    head = kvh * G + rows
+    row_ok = rows < G
+    d = tl.arange(0, D_POW2)
+    d_ok = d < D
+    q = tl.load(q_ptr + t.to(tl.int64) * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    scale = qk_scale
+    if FP8:
+        scale = scale * tl.load(k_scale_ptr)
+
+    m_i = tl.full([BLOCK_M], _M_INIT, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_POW2], tl.float32)
+    offs = tl.arange(0, BLOCK_N)
+    bt_row = bt_ptr + seq * stride_bt
+    idx_row = idx_ptr + t.to(tl.int64) * stride_it
+    k_base = kv_ptr + kvh * stride_ch + d[None, :]
+    start = split * (TILES * BLOCK_N)
+    end = tl.minimum(start + TILES * BLOCK_N, M)
+    for i in range(0, TILES):  # the split's tiles; n < end masks the last one
+        n = start + i * BLOCK_N + offs
+        pos = tl.load(idx_row + n, mask=n < end, other=-1)
+        ok = pos >= 0
+        page = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
+        tok = page * stride_cb + (pos % PAGE) * stride_ct
+        kv_mask = ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + tok[:, None], mask=kv_mask, other=0.0)
+        v = tl.load(k_base + stride_c2 + tok[:, None], mask=kv_mask, other=0.0)
+        if FP8:  # E4M3 -> the query dtype is exact; the scales are applied outside the dots
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        s = tl.where(ok[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if FP8:
+        o = o * tl.load(v_scale_ptr)
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    o_ptrs = part_o_ptr + t.to(tl.int64) * stride_pt + head[:, None] * stride_ph + split * stride_ps + d[None, :]
+    tl.store(o_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(part_lse_ptr + t.to(tl.int64) * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, S,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh, stride_st,
+    S_POW2: tl.constexpr, D: tl.constexpr, D_POW2: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, S_POW2)
+    s_ok = s < S
+    lses = tl.load(part_lse_ptr + t.to(tl.int64) * stride_lt + h * stride_lh + s, mask=s_ok, other=float("-inf"))
+    m = tl.max(lses, 0)
+    m_safe = tl.where(m > float("-inf"), m, 0.0)
+    w = tl.where(lses > float("-inf"), tl.exp2(lses - m_safe), 0.0)  # empty splits weigh exactly 0
+    total = tl.sum(w, 0)
+    d = tl.arange(0, D_POW2)
+    d_ok = d < D
+    o = tl.load(part_o_ptr + t.to(tl.int64) * stride_pt + h * stride_ph + s[:, None] * stride_ps + d[None, :],
+                mask=(s_ok & (w > 0.0))[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, out, mask=d_ok)
+    tl.store(lse_ptr + t.to(tl.int64) * stride_st + h, tl.where(total > 0.0, m_safe + tl.log2(total), float("-inf")))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter runs: any plausible value
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def num_splits(rows: int, kv_heads: int, width: int, num_sms: int) -> int:
+    """Splits of a row's selection so that rows * kv_heads * splits ~ TARGET_PROGRAMS per SM
+    (each split keeps at least one BLOCK_N tile). Shapes only: no data-dependent grid."""
+    tiles = max(1, triton.cdiv(width, BLOCK_N))
+    return max(1, min(tiles, triton.cdiv(TARGET_PROGRAMS * num_sms, max(1, rows * kv_heads))))
+
+
+def sparse_attention_paged_triton(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    token_positions: torch.Tensor,
+    scale: float | None = None,
+    seq_ids: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D]; kv_cache [2, num_blocks, page, Hkv, D] (model dtype or FP8 E4M3 with 0-d fp32
+    k_scale / v_scale device tensors); block_tables [B, max_blocks]; token_positions [T, M]
+    (positions in the row's sequence, -1 = none); seq_ids [T] (row -> block table row; default
+    row t is sequence t). Returns fp32 out [T, Hq, D] and base-2 lse [T, Hq]."""
+    t, hq, d = q.shape
+    hkv = kv_cache.shape[3]
+    if hq % hkv:
+        raise ValueError(f"q: {hq} heads is not a multiple of the cache's {hkv} KV heads")
+    if kv_cache.shape[-1] != d:
+        raise ValueError(f"kv_cache: head dim {kv_cache.shape[-1]} != q's {d}")
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("k_scale: an fp8_e4m3 KV cache needs its layer's k_scale and v_scale")
+    scale = d ** -0.5 if scale is None else scale
+    m = token_positions.shape[1]
+    out = torch.empty((t, hq, d), dtype=torch.float32, device=q.device)
+    lse = torch.empty((t, hq), dtype=torch.float32, device=q.device)
+    if t == 0:
+        return out, lse
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    token_positions = token_positions.contiguous()
+    s = splits or num_splits(t, hkv, m, _num_sms(q.device))
+    chunk = triton.cdiv(triton.cdiv(max(m, 1), s), BLOCK_N) * BLOCK_N
+    s = max(1, triton.cdiv(m, chunk))
+    part_o = torch.empty((t, hq, s, d), dtype=torch.float32, device=q.device)
+    part_lse = torch.empty((t, hq, s), dtype=torch.float32, device=q.device)
+    group = hq // hkv
+    d_pow2 = max(16, triton.next_power_of_2(d))
+    ids = seq_ids if seq_ids is not None else token_positions  # dummy pointer when unused
+    ks = k_scale if fp8 else out
+    vs = v_scale if fp8 else out
+    _sparse_kernel[(t, hkv, s)](
+        q, kv_cache, block_tables, token_positions, ids, ks, vs, part_o, part_lse,
+        scale * _LOG2E, m,
+        q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0), token_positions.stride(0),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        G=group, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, TILES=chunk // BLOCK_N,
+        D=d, D_POW2=d_pow2,
+        PAGE=kv_cache.shape[2], HAS_SEQ_IDS=seq_ids is not None, FP8=fp8, IEEE=q.dtype == torch.float32,
+        num_warps=4 if d <= 128 else 8, num_stages=2,
+    )
+    _merge_kernel[(t, hq)](
+        part_o, part_lse, out, lse, s,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0),
+        S_POW2=triton.next_power_of_2(s), D=d, D_POW2=d_pow2, num_warps=4,
+    )
+    return out, lse
+
+
+__all__ = ["sparse_attention_paged_triton", "num_splits"]

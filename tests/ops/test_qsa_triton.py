@@ -1,0 +1,164 @@
+"""QSA Triton kernels (indexer scoring, sparse paged attention) against their torch references.
+
+The same checks run twice: on CPU under the Triton interpreter (a subprocess with
+TRITON_INTERPRET=1, which must be set before triton is imported; small shapes) and on a CUDA GPU
+(marked gpu; bf16 plus the real qwen4exp-small head shapes). Tolerances: fp32 operands use IEEE
+dots (1e-4); bf16 operands with fp32 accumulation compare by relative Frobenius error < 1.5e-2.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qsaserve.ops.qsa_attention import merge_attention_partials, sparse_attention_paged_reference
+from qsaserve.ops.qsa_indexer.paged import decode_index_scores, select_decode_tokens
+from qsaserve.quant.fp8 import FP8_E4M3, quantize_fp8
+
+
+def _layout(lengths, page, gen, extra_cols=2):
+    need = [-(-n // page) for n in lengths]
+    ids = (torch.randperm(sum(need), generator=gen) + 1).tolist()
+    tables = torch.zeros(len(lengths), max(need) + extra_cols, dtype=torch.int32)
+    for b, n in enumerate(need):
+        tables[b, :n] = torch.tensor([ids.pop() for _ in range(n)], dtype=torch.int32)
+    return tables, 1 + sum(need)
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def check_scores(device, dtype, hi=3, di=12, r=4, page=16, lengths=(1, 3, 4, 37, 150), block_g=16):
+    from qsaserve.ops.qsa_indexer.triton_score import decode_index_scores_triton
+
+    gen = torch.Generator().manual_seed(hi * di + r)
+    tables, num_blocks = _layout(list(lengths), page, gen)
+    keys = torch.randn(num_blocks, page // r, di, generator=gen)
+    keys[0] = float("nan")  # null block: never read
+    q = torch.randn(len(lengths), hi, di, generator=gen)
+    positions = torch.tensor([n - 1 for n in lengths] + [-1])  # a padding row sees nothing
+    tables = torch.cat([tables, torch.zeros(1, tables.shape[1], dtype=torch.int32)])
+    q = torch.cat([q, torch.randn(1, hi, di, generator=gen)])
+    keys, q = keys.to(dtype), q.to(dtype)
+    ref = decode_index_scores(q, keys, tables, positions, r)
+    got = decode_index_scores_triton(q.to(device), keys.to(device), tables.to(device), positions.to(device), r,
+                                     block_g=block_g).cpu()
+    assert got.shape == ref.shape
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got[fin], ref[fin], atol=1e-4, rtol=1e-4)
+    else:
+        assert _rel(got[fin], ref[fin]) < 1.5e-2
+    # Selection on the kernel's scores keeps the reference's order and tail layout.
+    sel = select_decode_tokens(got.to(device), positions.to(device), r, 8).cpu()
+    assert sel.shape == (len(positions), 8 + r - 1) and (sel[-1] == -1).all()
+
+
+def _sparse_case(gen, lengths, hq, hkv, d, page, m, fp8, rows_per_seq=1):
+    tables, num_blocks = _layout(lengths, page, gen)
+    cache = torch.full((2, num_blocks, page, hkv, d), float("nan"))
+    for b, n in enumerate(lengths):
+        p = torch.arange(n)
+        slots = tables[b][p // page].long() * page + p % page
+        cache[0].view(-1, hkv, d)[slots] = torch.randn(n, hkv, d, generator=gen)
+        cache[1].view(-1, hkv, d)[slots] = torch.randn(n, hkv, d, generator=gen)
+    k_scale = v_scale = None
+    if fp8:
+        k_scale, v_scale = torch.tensor(0.02), torch.tensor(0.015)
+        q8 = torch.empty(cache.shape, dtype=FP8_E4M3)
+        q8[0], q8[1] = quantize_fp8(cache[0], k_scale), quantize_fp8(cache[1], v_scale)
+        q8.view(torch.uint8)[:, 0] = 0x7F  # E4M3 NaN bytes in the null block
+        cache = q8
+    seq_ids = torch.arange(len(lengths)).repeat_interleave(rows_per_seq)
+    sel = torch.full((len(seq_ids), m), -1, dtype=torch.long)
+    for t, s in enumerate(seq_ids.tolist()):
+        n = lengths[s]
+        k = int(torch.randint(0, min(n, m) + 1, (1,), generator=gen)) if t % 3 else min(n, m)
+        sel[t, torch.randperm(m, generator=gen)[:k]] = torch.randperm(n, generator=gen)[:k]  # holes anywhere
+    sel[-1] = -1  # one row with nothing selected
+    q = torch.randn(len(seq_ids), hq, d, generator=gen)
+    return q, cache, tables, sel, seq_ids, k_scale, v_scale
+
+
+def check_sparse(device, dtype, fp8=False, hq=4, hkv=2, d=16, page=8, m=45, lengths=(9, 70, 33), rows_per_seq=2,
+                 splits=None):
+    from qsaserve.ops.qsa_attention.triton_sparse import sparse_attention_paged_triton
+
+    gen = torch.Generator().manual_seed(d + m + int(fp8))
+    q, cache, tables, sel, seq_ids, ks, vs = _sparse_case(gen, list(lengths), hq, hkv, d, page, m, fp8, rows_per_seq)
+    q = q.to(dtype)
+    if not fp8:
+        cache = cache.to(dtype)
+    ref_out, ref_lse = sparse_attention_paged_reference(q, cache, tables, sel, None, seq_ids, ks, vs)
+    dev = lambda x: None if x is None else x.to(device)  # noqa: E731
+    out, lse = sparse_attention_paged_triton(dev(q), dev(cache), dev(tables), dev(sel), None, dev(seq_ids), dev(ks),
+                                             dev(vs), splits=splits)
+    out, lse = out.cpu(), lse.cpu()
+    assert out.dtype == lse.dtype == torch.float32
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    assert (out[-1] == 0).all() and torch.isneginf(lse[-1]).all()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse[fin], ref_lse[fin], atol=1e-4, rtol=1e-4)
+    else:
+        assert _rel(out, ref_out) < 1.5e-2
+        assert (lse[fin] - ref_lse[fin]).abs().max() < 0.05
+    # Partials over two halves of the selection merge to the whole (mergeable LSE).
+    half = m // 2
+    a = torch.where(torch.arange(m) < half, sel, -1)
+    b = torch.where(torch.arange(m) >= half, sel, -1)
+    parts = [sparse_attention_paged_triton(dev(q), dev(cache), dev(tables), dev(x), None, dev(seq_ids), dev(ks), dev(vs))
+             for x in (a, b)]
+    merged, merged_lse = merge_attention_partials([p[0].cpu() for p in parts], [p[1].cpu() for p in parts])
+    torch.testing.assert_close(merged, out, atol=2e-3 if dtype != torch.float32 else 1e-4, rtol=1e-3)
+    torch.testing.assert_close(merged_lse[fin], lse[fin], atol=2e-3, rtol=1e-4)
+
+
+INTERPRETER_CHECKS = [
+    ("scores_fp32", lambda: check_scores("cpu", torch.float32)),
+    ("scores_pow2_many_tiles", lambda: check_scores("cpu", torch.float32, hi=16, di=32, page=8, block_g=8)),
+    ("sparse_fp32", lambda: check_sparse("cpu", torch.float32)),
+    ("sparse_fp32_one_split", lambda: check_sparse("cpu", torch.float32, splits=1)),
+    ("sparse_fp8", lambda: check_sparse("cpu", torch.float32, fp8=True, hq=6, hkv=3)),
+    ("sparse_head_dim_256", lambda: check_sparse("cpu", torch.float32, hq=4, hkv=1, d=256, m=20, lengths=(30, 12),
+                                                 rows_per_seq=1)),
+]
+
+
+def run_interpreter_checks() -> None:
+    for name, fn in INTERPRETER_CHECKS:
+        fn()
+        print("ok", name, flush=True)
+
+
+def test_kernels_match_references_under_triton_interpreter():
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_qsa_triton as t; t.run_interpreter_checks()"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok ") == len(INTERPRETER_CHECKS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scores_on_gpu(dtype):
+    check_scores("cuda", dtype)
+    # qwen4exp-small indexer: 16 heads x 128, r 4, 4K context over 64-token pages.
+    check_scores("cuda", dtype, hi=16, di=128, r=4, page=64, lengths=(4096, 1000, 3, 4), block_g=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sparse_attention_on_gpu(dtype, fp8):
+    check_sparse("cuda", dtype, fp8=fp8)
+    # qwen4exp-small attention: 16 q heads, 2 KV heads, head_dim 256, budget 2048 + r - 1 over 64-token pages.
+    check_sparse("cuda", dtype, fp8=fp8, hq=16, hkv=2, d=256, page=64, m=2051, lengths=(5000, 2100, 300), rows_per_seq=3)
