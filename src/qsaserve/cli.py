@@ -35,6 +35,8 @@ _HELP = {
     "master_addr": "address of node 0's rendezvous (default: $MASTER_ADDR or 127.0.0.1)",
     "master_port": "port of node 0's rendezvous (default: $MASTER_PORT, or a free port on one node)",
     "distributed_timeout_s": "seconds one collective may wait before the engine is declared dead",
+    "enforce_eager": "run every step eagerly (no CUDA graphs for decode steps; graphs are always off on CPU)",
+    "cuda_graph_sizes": "comma-separated decode batch sizes to capture as CUDA graphs (default 1,2,4,8,16,24,...,256 capped at --max-num-seqs)",
 }
 
 

@@ -41,6 +41,9 @@ class EngineConfig:
     master_addr: str | None = None  # None: $MASTER_ADDR, else 127.0.0.1
     master_port: int | None = None  # None: $MASTER_PORT, else (one node) a free port
     distributed_timeout_s: int = 600  # longest wait of one collective before the engine is declared dead
+    # CUDA graphs for decode-only steps (engine/cuda_graph.py); always off on CPU.
+    enforce_eager: bool = False
+    cuda_graph_sizes: str | None = None  # comma-separated batch sizes to capture; None: 1,2,4,8,16,24,...,256
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):
@@ -70,6 +73,9 @@ class EngineConfig:
             raise InvalidRequestError("ple_placement", f"must be disk, host or gpu; got {self.ple_placement!r}")
         self._check_kv_cache()
         self._check_parallel()
+        if not isinstance(self.enforce_eager, bool):
+            raise InvalidRequestError("enforce_eager", f"must be true or false, got {self.enforce_eager!r}")
+        self.cuda_graph_sizes = _normalize_sizes(self.cuda_graph_sizes)
 
     def _check_kv_cache(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -130,6 +136,18 @@ class EngineConfig:
         return 8192 if self.torch_device.type == "cuda" else 2048
 
     @property
+    def cuda_graph_capture_sizes(self) -> list[int]:
+        """Decode batch sizes that get a CUDA graph, ascending, none above max_num_seqs (which is
+        itself captured when it falls between two default sizes)."""
+        if self.cuda_graph_sizes is not None:
+            sizes = [int(s) for s in self.cuda_graph_sizes.split(",")]
+        else:
+            sizes = [1, 2, 4, 8] + list(range(16, 257, 8))
+            if self.max_num_seqs < sizes[-1]:
+                sizes.append(self.max_num_seqs)
+        return sorted({s for s in sizes if s <= self.max_num_seqs})
+
+    @property
     def num_state_slots(self) -> int:
         """Recurrent-state slots: one per sequence that can run at once, plus the padding slot 0."""
         return self.max_num_seqs + 1
@@ -137,6 +155,30 @@ class EngineConfig:
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def _normalize_sizes(value) -> str | None:
+    """cuda_graph_sizes as a canonical "1,2,4" string (a list of ints is accepted too)."""
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        items = list(value)
+    elif isinstance(value, str):
+        items = [v.strip() for v in value.split(",") if v.strip()]
+    else:
+        raise InvalidRequestError("cuda_graph_sizes", f"must be comma-separated integers, got {value!r}")
+    sizes = []
+    for item in items:
+        try:
+            size = int(item)
+        except (TypeError, ValueError):
+            raise InvalidRequestError("cuda_graph_sizes", f"must be comma-separated integers, got {value!r}") from None
+        if isinstance(item, bool) or size < 1 or str(size) != str(item).strip():
+            raise InvalidRequestError("cuda_graph_sizes", f"every size must be an integer >= 1, got {item!r}")
+        sizes.append(size)
+    if not sizes:
+        raise InvalidRequestError("cuda_graph_sizes", "must name at least one batch size")
+    return ",".join(str(s) for s in sorted(set(sizes)))
 
 
 def _check_int(name: str, value, minimum: int | None) -> None:

@@ -2,6 +2,8 @@
 
 It turns a BatchInput into device tensors, runs the model and returns the logits rows the
 engine asked for. Sampling stays in the engine (rank 0), so other ranks need no request state.
+Step inputs travel through pinned staging buffers with non_blocking copies, so a step never
+waits on the device; decode-only steps replay CUDA graphs (engine/cuda_graph.py) when enabled.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from tqdm.auto import tqdm
 from qsaserve.cache.kv_cache import LayerCache, allocate_kv_cache
 from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput
-from qsaserve.layers.attention import AttentionMetadata
+from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata
 from qsaserve.models.ple_table import dummy_ple_tables, is_table_tensor, open_ple_tables
 from qsaserve.models.registry import build_model
 from qsaserve.parallel.dcp import DcpGeometry
@@ -61,8 +63,33 @@ class ModelRunner:
         self.kv_spec = self.parallel.dcp.scale_spec(self.kv_spec_dcp1)
         self.kv_caches: list[LayerCache] = []
         if hasattr(model, "allocate_state"):
-            # Recurrent per-request state (GDN, PLE): one slot per sequence that can run at once.
+            # Recurrent per-request state (GDN, PLE): one slot per sequence that can run at once,
+            # plus slot 0, the scratch slot of padding rows.
             model.allocate_state(config.num_state_slots, self.device)
+        self._stage64 = PinnedStaging(torch.long, 4096, self.device)
+        self._stage32 = PinnedStaging(torch.int32, 4096, self.device)
+        self.graphs: DecodeGraphs | None = None
+        self.graphs_off_reason = self._graphs_off_reason()
+        if self.graphs_off_reason and self.device.type == "cuda" and not config.enforce_eager:
+            logger.info("CUDA graphs off: %s", self.graphs_off_reason)
+
+    def _graphs_off_reason(self) -> str | None:
+        """Why decode steps cannot use CUDA graphs here, or None when they can."""
+        from qsaserve.models.llama import LlamaForCausalLM
+
+        if self.device.type != "cuda":
+            return "not a CUDA device"
+        if self.config.enforce_eager:
+            return "enforce_eager"
+        if self.parallel.tp_size > 1 or self.parallel.dcp.enabled:
+            return "tensor / decode-context parallelism"
+        if self.kv_quant.is_fp8:
+            return "an FP8 KV cache (reference attention path)"
+        if not isinstance(self.model, LlamaForCausalLM) and not getattr(self.model, "supports_cuda_graph", False):
+            return f"{type(self.model).__name__} does not declare supports_cuda_graph"
+        if not self.config.cuda_graph_capture_sizes:
+            return "no capture size <= max_num_seqs"
+        return None
 
     def kv_cache_budget_bytes(self) -> int:
         """Bytes the KV cache may take: the explicit budget, else the GPU's free share after a
@@ -108,35 +135,62 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.bind_kv_cache(self.kv_quant.attach(allocate_kv_cache(self.kv_spec, num_blocks, self.device)))
+        if self.graphs_off_reason is None:
+            graphs = DecodeGraphs(self.model, self.config.cuda_graph_capture_sizes, self.max_model_len,
+                                  self.kv_spec.block_size, self.device)
+            graphs.capture()
+            self.graphs = graphs
 
     def bind_kv_cache(self, caches: list[LayerCache]) -> None:
+        self.graphs = None  # captured graphs point at the old cache
         self.kv_caches = caches
         for i, layer in enumerate(self.attention_layers):
             layer.cache = caches[i] if caches else None
 
     @torch.inference_mode()
     def execute(self, batch: BatchInput) -> torch.Tensor:
-        dev = self.device
-        max_blocks = max(len(t) for t in batch.block_tables)
-        tables = [t + [0] * (max_blocks - len(t)) for t in batch.block_tables]
+        """Returns the logits rows batch.logits_indices asks for ([N, V] float32). After a graph
+        replay this is a view of the graph's output buffer, valid until the next execute."""
+        if self.graphs is not None and not self._observing():
+            bucket = self.graphs.bucket_for(batch)
+            if bucket is not None:
+                return self.graphs.replay(batch, bucket)
+        return self._execute_eager(batch)
+
+    def _observing(self) -> bool:
+        """A cache-write observer (calibration) runs host code a graph would skip."""
+        return any(layer.cache is not None and layer.cache.observer is not None for layer in self.attention_layers)
+
+    def _execute_eager(self, batch: BatchInput) -> torch.Tensor:
+        t, b, n_rows = len(batch.input_ids), len(batch.query_lens), len(batch.logits_indices)
+        width = max(len(tb) for tb in batch.block_tables)
+        states = [0 if s is None else s for s in batch.state_slots]
+        d64 = self._stage64.upload(batch.input_ids + batch.positions + batch.slot_mapping + batch.logits_indices + states)
         cu = [0]
         for n in batch.query_lens:
             cu.append(cu[-1] + n)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(batch.slot_mapping, dtype=torch.long, device=dev),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(batch.seq_lens, dtype=torch.int32, device=dev),
-            cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=dev),
+        flat = batch.seq_lens + cu
+        for table in batch.block_tables:
+            flat += table
+            flat += [0] * (width - len(table))
+        d32 = self._stage32.upload(flat)
+        meta = StepMetadata(
+            slot_mapping=d64[2 * t : 3 * t],
+            block_tables=d32[2 * b + 1 :].view(b, width),
+            seq_lens=d32[:b],
+            cu_query_lens=d32[b : 2 * b + 1],
             query_lens=batch.query_lens,
             seq_lens_list=batch.seq_lens,
             state_slots=batch.state_slots,
+            state_slots_t=d64[3 * t + n_rows :],
         )
         if self.parallel.dcp.enabled:
-            meta.dcp = self.parallel.dcp.step_plan(batch.positions, batch.query_lens, batch.seq_lens, batch.block_tables, dev)
-        input_ids = torch.tensor(batch.input_ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(batch.positions, dtype=torch.long, device=dev)
-        hidden = self.model(input_ids, positions, meta)
-        rows = torch.tensor(batch.logits_indices, dtype=torch.long, device=dev)
+            meta.dcp = self.parallel.dcp.step_plan(batch.positions, batch.query_lens, batch.seq_lens, batch.block_tables,
+                                                   self.device)
+        hidden = self.model(d64[:t], d64[t : 2 * t], meta)
+        rows = d64[3 * t : 3 * t + n_rows]
+        if n_rows == t and batch.logits_indices == list(range(t)):
+            return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[rows])
 
 

@@ -1,0 +1,198 @@
+"""Host-sync-free step inputs and CUDA graphs for decode-only steps.
+
+A decode step of a small model is bound by kernel launches, not by the GPU: replaying a
+captured graph launches the whole forward pass (and the LM head) with one call. A graph
+reads fixed device addresses, so every step copies its inputs into static buffers first,
+from pinned host memory with non_blocking copies: the host never waits on the device here.
+
+One graph per batch-size bucket; a batch of B sequences runs in the smallest bucket >= B and
+the extra rows are padding that the attention kernels skip: slot -1 (no KV write), seq_len 0
+(no KV read), a block table of null blocks, and the scratch recurrent-state slot 0 that the
+block manager never hands to a request.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from qsaserve.engine.batch import BatchInput
+from qsaserve.layers.attention import AttentionMetadata
+
+logger = logging.getLogger("qsaserve")
+
+PAD_SLOT = -1  # KV cache slot of a padding row: nothing is written
+PAD_STATE_SLOT = 0  # recurrent-state slot of a padding row (reserved scratch slot)
+
+
+@dataclass
+class StepMetadata(AttentionMetadata):
+    """AttentionMetadata plus the state slots as a device tensor: a graph-safe model reads
+    `state_slots_t` (int64 [B]) instead of the host list, whose values a graph cannot see."""
+
+    state_slots_t: torch.Tensor | None = None
+
+
+class PinnedStaging:
+    """One pinned host buffer and its device twin: a step's integers are written on the host and
+    land on the device with a single non_blocking copy. Before the host buffer is rewritten the
+    previous copy must be done; its event has completed by then in steady state (the previous
+    step's sampled tokens were read back), so the wait costs nothing."""
+
+    def __init__(self, dtype: torch.dtype, capacity: int, device: torch.device, growable: bool = True):
+        self.dtype, self.device, self.growable = dtype, device, growable
+        self._pinned = device.type == "cuda"
+        self._event = torch.cuda.Event() if self._pinned else None
+        self._recorded = False
+        self._alloc(max(capacity, 1))
+
+    def _alloc(self, capacity: int) -> None:
+        self.host = torch.empty(capacity, dtype=self.dtype, pin_memory=self._pinned)
+        # On CPU the host buffer is the step's tensor: no copy to make.
+        self.dev = torch.empty(capacity, dtype=self.dtype, device=self.device) if self._pinned else self.host
+
+    def upload(self, values: list[int]) -> torch.Tensor:
+        """Copies `values` to the device; returns the device view [len(values)]. The view stays
+        valid until the next upload."""
+        n = len(values)
+        if self._recorded:
+            self._event.synchronize()
+        if n > self.host.numel():
+            if not self.growable:
+                raise ValueError(f"staging: {n} values exceed the fixed capacity {self.host.numel()}")
+            self._alloc(1 << (n - 1).bit_length())
+        if n:
+            self.host[:n].copy_(torch.tensor(values, dtype=self.dtype))
+            if self._pinned:
+                self.dev[:n].copy_(self.host[:n], non_blocking=True)
+        if self._pinned:
+            self._event.record()
+            self._recorded = True
+        return self.dev[:n]
+
+
+def default_capture_sizes(max_num_seqs: int) -> list[int]:
+    from qsaserve.config import EngineConfig
+
+    return EngineConfig(max_num_seqs=max_num_seqs, device="cpu").cuda_graph_capture_sizes
+
+
+def pick_bucket(batch_size: int, sizes: list[int]) -> int | None:
+    """The smallest captured size >= batch_size (sizes ascending), or None when it is too big."""
+    i = bisect.bisect_left(sizes, batch_size)
+    return sizes[i] if i < len(sizes) else None
+
+
+def is_pure_decode(batch: BatchInput) -> bool:
+    """Every sequence adds exactly one token and wants its logits row, in order."""
+    b = len(batch.query_lens)
+    return b > 0 and len(batch.input_ids) == b and batch.logits_indices == list(range(b))
+
+
+@dataclass
+class PaddedDecode:
+    """A decode batch padded to `bucket` rows, laid out as the graph's staging expects."""
+
+    bucket: int
+    width: int  # block-table columns uploaded (the batch's longest table)
+    int64: list[int]  # [input_ids | positions | slot_mapping | state_slots], bucket each
+    int32: list[int]  # [seq_lens (bucket) | block tables (bucket x width, row-major)]
+
+
+def pad_decode(batch: BatchInput, bucket: int) -> PaddedDecode:
+    b = len(batch.query_lens)
+    if b > bucket:
+        raise ValueError(f"bucket: batch of {b} sequences does not fit bucket {bucket}")
+    pad = bucket - b
+    width = max(len(t) for t in batch.block_tables)
+    states = [PAD_STATE_SLOT if s is None else s for s in batch.state_slots]
+    int64 = (batch.input_ids + [0] * pad) + (batch.positions + [0] * pad) + (batch.slot_mapping + [PAD_SLOT] * pad) \
+        + (states + [PAD_STATE_SLOT] * pad)
+    int32 = batch.seq_lens + [0] * pad
+    for table in batch.block_tables:
+        int32 += table
+        int32 += [0] * (width - len(table))
+    int32 += [0] * (pad * width)
+    return PaddedDecode(bucket, width, int64, int32)
+
+
+class DecodeGraphs:
+    """Captured decode graphs, one per bucket, sharing one memory pool and one set of static
+    input buffers. Logits for every bucket row are computed inside the graph."""
+
+    def __init__(self, model, sizes: list[int], max_model_len: int, block_size: int, device: torch.device):
+        if not sizes:
+            raise ValueError("cuda_graph_sizes: no batch size to capture")
+        self.model, self.sizes, self.max_model_len, self.device = model, sorted(sizes), max_model_len, device
+        self.max_bs = self.sizes[-1]
+        self.max_blocks = -(-max_model_len // block_size)
+        self.stage64 = PinnedStaging(torch.long, 4 * self.max_bs, device, growable=False)
+        self.stage32 = PinnedStaging(torch.int32, self.max_bs * (1 + self.max_blocks), device, growable=False)
+        self.block_tables = torch.zeros(self.max_bs, self.max_blocks, dtype=torch.int32, device=device)
+        self.cu_query_lens = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
+        """The static views a bucket's graph reads (fixed addresses inside the staging buffers)."""
+        b, d64, d32 = bucket, self.stage64.dev, self.stage32.dev
+        meta = StepMetadata(
+            slot_mapping=d64[2 * b : 3 * b],
+            block_tables=self.block_tables[:b],
+            seq_lens=d32[:b],
+            cu_query_lens=self.cu_query_lens[: b + 1],
+            query_lens=[1] * b,
+            seq_lens_list=[self.max_model_len] * b,  # a static upper bound; the device lengths are exact
+            state_slots=[PAD_STATE_SLOT] * b,
+            state_slots_t=d64[3 * b : 4 * b],
+        )
+        return d64[:b], d64[b : 2 * b], meta
+
+    def _stage(self, padded: PaddedDecode) -> None:
+        self.stage64.upload(padded.int64)
+        d32 = self.stage32.upload(padded.int32)
+        b, w = padded.bucket, padded.width
+        self.block_tables[:b, :w].copy_(d32[b:].view(b, w))
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        input_ids, positions, meta = self._inputs(bucket)
+        return self.model.compute_logits(self.model(input_ids, positions, meta))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Captures every bucket, largest first so the smaller graphs reuse its pool memory.
+        Inputs are all padding rows while capturing; the graphs never depend on their values."""
+        with torch.cuda.device(self.device):
+            torch.cuda.synchronize()
+            free_before = torch.cuda.mem_get_info()[0]
+            start = time.perf_counter()
+            self.pool = torch.cuda.graph_pool_handle()
+            empty = BatchInput([], [], [], [], [], [[]], [], [])
+            for bucket in reversed(self.sizes):
+                self._stage(pad_decode(empty, bucket))
+                self._forward(bucket)  # warm-up: compiles kernels, sizes workspaces outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.logits[bucket] = self._forward(bucket)
+                self.graphs[bucket] = graph
+            torch.cuda.synchronize()
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info("CUDA graphs: captured %d decode sizes (1..%d) in %.1f s, %.1f MiB of graph memory",
+                    len(self.sizes), self.max_bs, time.perf_counter() - start, used / 2**20)
+
+    def bucket_for(self, batch: BatchInput) -> int | None:
+        if not is_pure_decode(batch):
+            return None
+        return pick_bucket(len(batch.query_lens), self.sizes)
+
+    def replay(self, batch: BatchInput, bucket: int) -> torch.Tensor:
+        """Runs a decode batch through its bucket's graph; returns a view [B, V] of the graph's
+        logits buffer, valid until the next replay."""
+        self._stage(pad_decode(batch, bucket))
+        self.graphs[bucket].replay()
+        return self.logits[bucket][: len(batch.query_lens)]
