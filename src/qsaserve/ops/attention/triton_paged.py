@@ -1,11 +1,25 @@
 """Triton paged attention: KV cache write, split-KV decode (flash-decoding) and varlen causal prefill.
 
-Cache layout per layer: [2, num_blocks, block_size, Hkv, D] (K then V); block 0 is the null
-block that pads block tables. Every kernel loads cache rows with a mask on the sequence length,
-so padding rows and stale page bytes are never read (they may hold NaN once the cache is FP8).
+Cache layout per layer: [2, num_blocks, block_size, Hkv, D] (K then V) in bf16/fp16/fp32 or FP8
+E4M3 (`torch.float8_e4m3fn`, per-layer 0-d fp32 k_scale / v_scale, see quant/fp8.py); block 0 is
+the null block that pads block tables. Every cache load is masked (other=0) on the sequence
+length, so padding rows, the null block and stale page bytes are never read: they may hold E4M3
+NaN bytes (0x7F / 0xFF), and a NaN multiplied by a zero mask would still be NaN.
 
-Nothing here touches CUDA at import time; host-side planning uses only the metadata's host lists
-(decode never syncs: no .item()/.tolist()/boolean indexing on device tensors).
+FP8 pages are dequantized in registers: E4M3 -> the query dtype is exact, and the per-tensor
+scales are folded into the scores (k_scale) and the normalized output (v_scale), so the math is
+that of x * scale with fp32 accumulation and fp32 split-KV partials.
+
+Decode context parallelism (`ShardKeys`): the pages hold only this rank's interleaved token
+shard, so key lengths are the shard's and the causal mask compares global positions; the
+kernels then also return the base-2 log-sum-exp so the ranks' partials can be merged.
+
+Nothing here touches CUDA at import time; host-side planning uses only the metadata's host lists.
+CUDA-graph contract (decode): a batch where every row decodes builds no host tensor and never
+syncs (no .item()/.tolist()/boolean indexing); `meta.seq_lens_list` may be a static upper bound
+of the device `meta.seq_lens` (it only sizes the split grid; splits past a row's true length
+contribute nothing); a padding row (seq_len 0, null-block table, slot -1) writes nothing and
+yields zeros.
 """
 from __future__ import annotations
 
@@ -21,17 +35,38 @@ _LOG2E = 1.4426950408889634
 # Online-softmax running max starts finite, so a row that sees only masked keys in a tile keeps
 # alpha = exp2(0) = 1 instead of exp2(-inf - -inf) = NaN.
 _M_INIT = tl.constexpr(-1.0e30)
+_FP8 = torch.float8_e4m3fn
+_E4M3_MAX = tl.constexpr(448.0)
+_SIGN_BIT = tl.constexpr(-2147483648)  # 0x80000000 as int32
+_RNE_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23: (t + M) - M rounds |t| < 2**22 to nearest even
 
 
 # ----------------------------------------------------------------------------------------------
 # KV cache write (reshape_and_cache)
 # ----------------------------------------------------------------------------------------------
 @triton.jit
+def _quantize_e4m3(x, scale):
+    """fp32 x -> x / scale clamped to +-448 and rounded to nearest-even on the E4M3 grid, as an
+    fp32 value that E4M3 holds exactly (so the final cast cannot round differently). Bit-equal to
+    torch's `(x / scale).clamp(-448, 448).to(float8_e4m3fn)`, on every backend."""
+    y = tl.math.div_rn(x, scale)  # IEEE division, like torch
+    y = tl.minimum(tl.maximum(y, -_E4M3_MAX), _E4M3_MAX)
+    bits = y.to(tl.int32, bitcast=True)
+    # Spacing of E4M3 values around y: 2**(e - 3) for normals (3 mantissa bits), 2**-9 below 2**-6.
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6) - 3
+    ulp = ((e + 127) << 23).to(tl.float32, bitcast=True)
+    inv_ulp = ((127 - e) << 23).to(tl.float32, bitcast=True)
+    r = ((y * inv_ulp + _RNE_MAGIC) - _RNE_MAGIC) * ulp  # scaling by powers of two is exact
+    return (r.to(tl.int32, bitcast=True) | (bits & _SIGN_BIT)).to(tl.float32, bitcast=True)  # keep -0
+
+
+@triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, cache_ptr, slot_ptr,
+    k_ptr, v_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, k_off_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_c2, stride_cb, stride_ct, stride_ch,
     H: tl.constexpr, H_POW2: tl.constexpr, D: tl.constexpr, D_POW2: tl.constexpr, PAGE: tl.constexpr,
+    IS_FP8: tl.constexpr, HAS_K_OFFSET: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -42,42 +77,103 @@ def _write_kv_kernel(
     mask = (h < H) & (d < D)
     k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
+    if HAS_K_OFFSET:  # K is stored relative to a per-channel offset; softmax does not see it
+        k = k.to(tl.float32) - tl.load(k_off_ptr + h * D + d, mask=mask, other=0.0)
+    if IS_FP8:
+        k = _quantize_e4m3(k.to(tl.float32), tl.load(k_scale_ptr))
+        v = _quantize_e4m3(v.to(tl.float32), tl.load(v_scale_ptr))
     dst = cache_ptr + (slot // PAGE) * stride_cb + (slot % PAGE) * stride_ct + h * stride_ch + d
     tl.store(dst, k.to(cache_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + stride_c2, v.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]; slot_mapping: [T] (<0 skips)."""
+def _check_scales(kv_cache: torch.Tensor, k_scale, v_scale) -> bool:
+    """True when the cache is FP8 (then both scales must be 1-element fp32 tensors on its device).
+    Checks only host-side metadata: nothing syncs."""
+    if kv_cache.dtype != _FP8:
+        return False
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(s, torch.Tensor):
+            raise ValueError(f"{name}: an fp8_e4m3 KV cache needs its layer's {name} (0-d float32 tensor), got {s!r}")
+        if s.numel() != 1 or s.dtype != torch.float32 or s.device != kv_cache.device:
+            raise ValueError(f"{name}: must be a 1-element float32 tensor on {kv_cache.device}, "
+                             f"got shape {tuple(s.shape)} {s.dtype} on {s.device}")
+    return True
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+             k_offset: torch.Tensor | None = None) -> None:
+    """k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]; slot_mapping: [T] (<0 skips).
+
+    FP8 cache: stores E4M3 of clamp(x / scale, +-448) (scales 0-d fp32 device tensors, read by the
+    kernel). k_offset: optional float32 [Hkv, D]; K is stored as (k - k_offset) (then quantized)."""
     t, h, d = k.shape
     if t == 0:
         return
-    assert k.stride(-1) == 1 and v.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    if k.stride(-1) != 1 or v.stride(-1) != 1 or kv_cache.stride(-1) != 1:
+        raise ValueError("k, v, kv_cache: the last (head_dim) dimension must be contiguous")
+    fp8 = _check_scales(kv_cache, k_scale, v_scale)
+    if k_offset is not None:
+        if k_offset.shape != (h, d) or k_offset.dtype != torch.float32 or k_offset.device != k.device:
+            raise ValueError(f"k_offset: must be float32 [{h}, {d}] on {k.device}, "
+                             f"got {tuple(k_offset.shape)} {k_offset.dtype} on {k_offset.device}")
+        k_offset = k_offset.contiguous()
+    dummy = slot_mapping  # any pointer for the unused arguments
     _write_kv_kernel[(t,)](
         k, v, kv_cache, slot_mapping,
+        k_scale if fp8 else dummy, v_scale if fp8 else dummy, k_offset if k_offset is not None else dummy,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         H=h, H_POW2=triton.next_power_of_2(h), D=d, D_POW2=triton.next_power_of_2(d), PAGE=kv_cache.shape[2],
+        IS_FP8=fp8, HAS_K_OFFSET=k_offset is not None,
         num_warps=4 if h * d >= 1024 else 1,
     )
 
 
 # ----------------------------------------------------------------------------------------------
+# Key positions under decode context parallelism (DCP_SIZE == 1: local row == position)
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _key_position(j, rank, DCP_SIZE: tl.constexpr, DCP_I: tl.constexpr):
+    """Global position of this rank's local row j (parallel/dcp.py: DcpGeometry.global_position)."""
+    if DCP_SIZE == 1:
+        p = j
+    else:
+        p = (j // DCP_I) * (DCP_SIZE * DCP_I) + rank * DCP_I + j % DCP_I
+    return p
+
+
+@triton.jit
+def _local_len(n, rank, DCP_SIZE: tl.constexpr, DCP_I: tl.constexpr):
+    """How many of positions [0, n) this rank holds (DcpGeometry.local_len)."""
+    if DCP_SIZE == 1:
+        m = n
+    else:
+        rem = n % (DCP_SIZE * DCP_I) - rank * DCP_I
+        m = (n // (DCP_SIZE * DCP_I)) * DCP_I + tl.minimum(tl.maximum(rem, 0), DCP_I)
+    return m
+
+
+# ----------------------------------------------------------------------------------------------
 # Decode: grid (seq, kv_head, split). Rows of the Q tile are (query token j, head g of the group),
 # so each K/V tile is loaded once for every query head sharing it and for up to QLEN_MAX tokens.
+# Split 0 always runs, so a row with no keys (padding row, empty shard) still gets out 0 and
+# lse -inf; later splits past the row's key count return at once and the merge never reads them.
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _decode_kernel(
-    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, seq_ids_ptr,
-    out_ptr, part_o_ptr, part_lse_ptr,
-    qk_scale, chunk,
+    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, key_lens_ptr, cu_q_ptr, seq_ids_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
+    qk_scale, chunk, dcp_rank,
     stride_qt, stride_qh,
     stride_c2, stride_cb, stride_ct, stride_ch,
-    stride_bt, stride_ot, stride_oh,
+    stride_bt, stride_ot, stride_oh, stride_et, stride_eh,
     stride_pr, stride_ph, stride_ps, stride_lr, stride_lh,
     G: tl.constexpr, QLEN_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, D_POW2: tl.constexpr, PAGE: tl.constexpr,
-    HAS_SEQ_IDS: tl.constexpr, SINGLE_SPLIT: tl.constexpr,
+    HAS_SEQ_IDS: tl.constexpr, SINGLE_SPLIT: tl.constexpr, IS_FP8: tl.constexpr, WRITE_LSE: tl.constexpr,
+    DCP_SIZE: tl.constexpr, DCP_I: tl.constexpr,
 ):
     idx = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -86,11 +182,15 @@ def _decode_kernel(
         seq = tl.load(seq_ids_ptr + idx)
     else:
         seq = idx
-    seq_len = tl.load(seq_lens_ptr + seq)
+    seq_len = tl.load(seq_lens_ptr + seq)  # global context length: the causal limit
+    if DCP_SIZE == 1:
+        key_len = seq_len
+    else:
+        key_len = tl.load(key_lens_ptr + seq)  # rows of this rank's shard
     start = split * chunk
-    if start >= seq_len:  # this split lies past the sequence; the merge never reads it
+    if (start >= key_len) & (split > 0):  # past the keys: the merge never reads this split
         return
-    end = tl.minimum(start + chunk, seq_len)
+    end = tl.minimum(start + chunk, key_len)
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
 
@@ -105,6 +205,10 @@ def _decode_kernel(
         q_ptr + (q_start + j).to(tl.int64)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
         mask=row_ok[:, None] & d_ok[None, :], other=0.0,
     )
+    if IS_FP8:
+        qk = qk_scale * tl.load(k_scale_ptr)  # k dequantized in the scores
+    else:
+        qk = qk_scale
 
     m_i = tl.full([BLOCK_M], _M_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -120,8 +224,9 @@ def _decode_kernel(
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + tok[:, None], mask=kv_mask, other=0.0)
         v = tl.load(k_base + stride_c2 + tok[:, None], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
-        s = tl.where(n_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk
+        kpos = _key_position(pos, dcp_rank, DCP_SIZE, DCP_I)
+        s = tl.where(n_ok[None, :] & (kpos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -129,25 +234,29 @@ def _decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
 
-    has = l_i > 0.0  # a row may see no key in this split (multi-token causal)
+    has = l_i > 0.0  # a row may see no key in this split (multi-token causal, empty shard)
     o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if IS_FP8:
+        o = o * tl.load(v_scale_ptr)  # v dequantized in the output
+    lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     if SINGLE_SPLIT:
         o_ptrs = out_ptr + (q_start + j).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+        if WRITE_LSE:
+            tl.store(lse_ptr + (q_start + j).to(tl.int64) * stride_et + head * stride_eh, lse, mask=row_ok)
     else:
         prow = (idx * QLEN_MAX + j).to(tl.int64)
         p_ptrs = part_o_ptr + prow[:, None] * stride_pr + head[:, None] * stride_ph + split * stride_ps + d[None, :]
         tl.store(p_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + prow * stride_lr + head * stride_lh + split, lse, mask=row_ok)
 
 
 @triton.jit
 def _merge_kernel(
-    out_ptr, part_o_ptr, part_lse_ptr, seq_lens_ptr, cu_q_ptr, seq_ids_ptr, chunk,
-    stride_ot, stride_oh, stride_pr, stride_ph, stride_ps, stride_lr, stride_lh,
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, key_lens_ptr, cu_q_ptr, seq_ids_ptr, chunk,
+    stride_ot, stride_oh, stride_et, stride_eh, stride_pr, stride_ph, stride_ps, stride_lr, stride_lh,
     QLEN_MAX: tl.constexpr, S_POW2: tl.constexpr, S_BLOCK: tl.constexpr,
-    D: tl.constexpr, D_POW2: tl.constexpr, HAS_SEQ_IDS: tl.constexpr,
+    D: tl.constexpr, D_POW2: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     prow = tl.program_id(0)
     head = tl.program_id(1)
@@ -160,10 +269,11 @@ def _merge_kernel(
     q_start = tl.load(cu_q_ptr + seq)
     if j >= tl.load(cu_q_ptr + seq + 1) - q_start:
         return
-    n_active = tl.cdiv(tl.load(seq_lens_ptr + seq), chunk)  # splits the decode kernel wrote
+    n_active = tl.maximum(tl.cdiv(tl.load(key_lens_ptr + seq), chunk), 1)  # splits the decode kernel wrote
     lse_row = part_lse_ptr + prow.to(tl.int64) * stride_lr + head * stride_lh
     s_all = tl.arange(0, S_POW2)
     m = tl.max(tl.load(lse_row + s_all, mask=s_all < n_active, other=float("-inf")), 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no key anywhere: every weight below is 0
     d = tl.arange(0, D_POW2)
     d_ok = d < D
     acc = tl.zeros([D_POW2], tl.float32)
@@ -176,9 +286,13 @@ def _merge_kernel(
         o = tl.load(o_row + s[:, None] * stride_ps + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
         acc += tl.sum(w[:, None] * o, 0)
         w_sum += w
-    out = acc / tl.sum(w_sum, 0)
+    total = tl.sum(w_sum, 0)
+    out = acc / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + (q_start + j).to(tl.int64) * stride_ot + head * stride_oh + d,
              out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    if WRITE_LSE:
+        lse = tl.where(total > 0.0, m + tl.log2(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+        tl.store(lse_ptr + (q_start + j).to(tl.int64) * stride_et + head * stride_eh, lse)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,12 +302,14 @@ def _merge_kernel(
 # ----------------------------------------------------------------------------------------------
 @triton.jit
 def _prefill_kernel(
-    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, cu_q_ptr, tiles_ptr, out_ptr, qk_scale,
+    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, key_lens_ptr, cu_q_ptr, tiles_ptr, k_scale_ptr, v_scale_ptr,
+    out_ptr, lse_ptr, qk_scale, dcp_rank,
     stride_qt, stride_qh,
     stride_c2, stride_cb, stride_ct, stride_ch,
-    stride_bt, stride_ot, stride_oh,
+    stride_bt, stride_ot, stride_oh, stride_et, stride_eh,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, D_POW2: tl.constexpr, PAGE: tl.constexpr,
+    IS_FP8: tl.constexpr, WRITE_LSE: tl.constexpr, DCP_SIZE: tl.constexpr, DCP_I: tl.constexpr,
 ):
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -201,6 +317,10 @@ def _prefill_kernel(
     m0 = tl.load(tiles_ptr + 2 * tile + 1)
     kvh = head // G
     seq_len = tl.load(seq_lens_ptr + seq)
+    if DCP_SIZE == 1:
+        key_len = seq_len
+    else:
+        key_len = tl.load(key_lens_ptr + seq)
     q_start = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_start
     ctx = seq_len - q_len
@@ -214,6 +334,10 @@ def _prefill_kernel(
         q_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_qt + head * stride_qh + d[None, :],
         mask=m_ok[:, None] & d_ok[None, :], other=0.0,
     )
+    if IS_FP8:
+        qk = qk_scale * tl.load(k_scale_ptr)
+    else:
+        qk = qk_scale
 
     m_i = tl.full([BLOCK_M], _M_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -223,8 +347,8 @@ def _prefill_kernel(
     k_base = cache_ptr + kvh * stride_ch + d[None, :]
     d_mask = d_ok[None, :] | (offs_n[:, None] < 0)  # [BLOCK_N, D_POW2]
 
-    # Keys [0, full_end) are < every row's position and < seq_len: no masks.
-    full_end = ((ctx + m0) // BLOCK_N) * BLOCK_N
+    # Key rows [0, full_end) sit before every row's position and inside the key count: no masks.
+    full_end = (_local_len(ctx + m0, dcp_rank, DCP_SIZE, DCP_I) // BLOCK_N) * BLOCK_N
     for n0 in range(0, full_end, BLOCK_N):
         pos = n0 + offs_n
         page = tl.load(bt_row + pos // PAGE).to(tl.int64)
@@ -235,7 +359,7 @@ def _prefill_kernel(
         else:
             k = tl.load(k_base + tok[:, None], mask=d_mask, other=0.0)
             v = tl.load(k_base + stride_c2 + tok[:, None], mask=d_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -243,18 +367,19 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
 
-    # Diagonal tiles: causal and length masks.
-    hi = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
+    # Diagonal tiles: causal and length masks. Key rows past `hi` lie after every row of the tile.
+    hi = tl.minimum(key_len, _local_len(ctx + m0 + BLOCK_M, dcp_rank, DCP_SIZE, DCP_I))
     for n0 in range(full_end, hi, BLOCK_N):
         pos = n0 + offs_n
-        n_ok = pos < seq_len
+        n_ok = pos < key_len
         page = tl.load(bt_row + pos // PAGE, mask=n_ok, other=0).to(tl.int64)
         tok = page * stride_cb + (pos % PAGE) * stride_ct
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + tok[:, None], mask=kv_mask, other=0.0)
         v = tl.load(k_base + stride_c2 + tok[:, None], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk_scale
-        s = tl.where(n_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk
+        kpos = _key_position(pos, dcp_rank, DCP_SIZE, DCP_I)
+        s = tl.where(n_ok[None, :] & (kpos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -262,9 +387,15 @@ def _prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
 
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    has = l_i > 0.0
+    o = acc / tl.where(has, l_i, 1.0)[:, None]
+    if IS_FP8:
+        o = o * tl.load(v_scale_ptr)
     o_ptrs = out_ptr + (q_start + offs_m).to(tl.int64)[:, None] * stride_ot + head * stride_oh + d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    if WRITE_LSE:
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + (q_start + offs_m).to(tl.int64) * stride_et + head * stride_eh, lse, mask=m_ok)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -284,6 +415,19 @@ class PrefillConfig:
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class ShardKeys:
+    """This rank's K/V shard under decode context parallelism (parallel/dcp.py): local row j of a
+    sequence sits at global position (j // interleave) * size * interleave + rank * interleave
+    + j % interleave, and sequence i has lens[i] local rows (lens_list: the same on the host)."""
+
+    size: int
+    rank: int
+    interleave: int
+    lens: torch.Tensor  # [B] int32, on the device
+    lens_list: list[int]
 
 
 DECODE_CONFIG = DecodeConfig()
@@ -345,7 +489,7 @@ class _Plan:
     decode_ids: torch.Tensor | None  # None: every sequence decodes, program i is sequence i
     num_decode: int
     qlen_max: int
-    max_decode_len: int
+    max_decode_len: int  # host bound on the decode rows' key counts: sizes the split grid only
     tiles: torch.Tensor | None  # [n, 2] int32 (seq, first query row), heaviest first
     num_tiles: int
 
@@ -356,6 +500,8 @@ def decode_qlen_cap(group: int) -> int:
 
 
 def _make_plan(query_lens: list[int], seq_lens: list[int], group: int, block_m: int, device) -> _Plan:
+    """Pure Python over host lists; a tensor is built only for a batch that does not all decode.
+    seq_lens may be upper bounds of the true lengths (CUDA-graph capture)."""
     cap = decode_qlen_cap(group)
     dec = [i for i, n in enumerate(query_lens) if 0 < n <= cap]
     pre = [i for i, n in enumerate(query_lens) if n > cap]
@@ -372,29 +518,40 @@ def _make_plan(query_lens: list[int], seq_lens: list[int], group: int, block_m: 
     return _Plan(decode_ids, len(dec), qlen_max, max_dec, tiles_t, len(tiles))
 
 
-def _plan(meta, group: int, block_m: int, device) -> _Plan:
+def _plan(meta, group: int, block_m: int, device, shard: ShardKeys | None = None) -> _Plan:
     # Built once per step and shared by every layer: the metadata object carries the cache.
     cache = meta.__dict__.setdefault("_triton_plans", {})
-    key = (group, block_m)
+    key = (group, block_m, shard is not None)
     if key not in cache:
-        cache[key] = _make_plan(list(meta.query_lens), list(meta.seq_lens_list), group, block_m, device)
+        lens = shard.lens_list if shard is not None else meta.seq_lens_list
+        cache[key] = _make_plan(list(meta.query_lens), list(lens), group, block_m, device)
     return cache[key]
+
+
+def _dcp_args(shard: ShardKeys | None, seq_lens: torch.Tensor):
+    """(key_lens tensor, rank, DCP_SIZE, DCP_I) for the kernels."""
+    if shard is None or shard.size == 1:
+        return seq_lens, 0, 1, 1
+    return shard.lens, shard.rank, shard.size, shard.interleave
 
 
 def paged_decode(
     q, kv_cache, block_tables, seq_lens, cu_query_lens, out, scale, *, num_seqs, max_seq_len, qlen_max=1,
     seq_ids=None, config: DecodeConfig | None = None, num_splits: int | None = None,
+    k_scale=None, v_scale=None, lse=None, shard: ShardKeys | None = None,
 ) -> torch.Tensor:
     """Decode rows (<= qlen_max query tokens per sequence) into `out` [T, Hq, D].
 
     num_seqs: programs along the batch (len(seq_ids) if given); max_seq_len: a host bound on
-    their context lengths, used only to size the split grid."""
+    their key counts (context lengths, or shard lengths under `shard`), used only to size the
+    split grid. lse: optional [T, Hq] fp32 output of the base-2 log-sum-exp of the scaled scores."""
     _, hq, d = q.shape
     hkv = kv_cache.shape[3]
     cfg = config or decode_config(num_seqs * hkv)
     group = hq // hkv
     if num_seqs == 0:
         return out
+    fp8 = _check_scales(kv_cache, k_scale, v_scale)
     if num_splits is None:
         num_splits = num_decode_splits(num_seqs * hkv, max_seq_len, _num_sms(q.device), cfg.block_n, cfg.ctas_per_sm)
     chunk = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), cfg.block_n) * cfg.block_n
@@ -409,24 +566,28 @@ def paged_decode(
         part_lse = torch.empty((rows, hq, num_splits), dtype=torch.float32, device=q.device)
         ps = (part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1))
     ids = seq_ids if seq_ids is not None else seq_lens  # dummy pointer when unused
+    key_lens, rank, dcp_size, dcp_i = _dcp_args(shard, seq_lens)
+    ks, vs = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)
+    lse_t, es = (lse, (lse.stride(0), lse.stride(1))) if lse is not None else (out, (0, 0))
     d_pow2 = triton.next_power_of_2(d)
     _decode_kernel[(num_seqs, hkv, num_splits)](
-        q, kv_cache, block_tables, seq_lens, cu_query_lens, ids, out, part_o, part_lse,
-        scale * _LOG2E, chunk,
+        q, kv_cache, block_tables, seq_lens, key_lens, cu_query_lens, ids, ks, vs, out, lse_t, part_o, part_lse,
+        scale * _LOG2E, chunk, rank,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_tables.stride(0), out.stride(0), out.stride(1), *ps,
+        block_tables.stride(0), out.stride(0), out.stride(1), *es, *ps,
         G=group, QLEN_MAX=qlen_max, BLOCK_M=max(16, triton.next_power_of_2(group * qlen_max)),
         BLOCK_N=cfg.block_n, D=d, D_POW2=d_pow2, PAGE=kv_cache.shape[2],
-        HAS_SEQ_IDS=seq_ids is not None, SINGLE_SPLIT=single,
+        HAS_SEQ_IDS=seq_ids is not None, SINGLE_SPLIT=single, IS_FP8=fp8, WRITE_LSE=lse is not None,
+        DCP_SIZE=dcp_size, DCP_I=dcp_i,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not single:
         _merge_kernel[(rows, hq)](
-            out, part_o, part_lse, seq_lens, cu_query_lens, ids, chunk,
-            out.stride(0), out.stride(1), *ps,
+            out, lse_t, part_o, part_lse, key_lens, cu_query_lens, ids, chunk,
+            out.stride(0), out.stride(1), *es, *ps,
             QLEN_MAX=qlen_max, S_POW2=triton.next_power_of_2(num_splits), S_BLOCK=min(16, triton.next_power_of_2(num_splits)),
-            D=d, D_POW2=d_pow2, HAS_SEQ_IDS=seq_ids is not None,
+            D=d, D_POW2=d_pow2, HAS_SEQ_IDS=seq_ids is not None, WRITE_LSE=lse is not None,
             num_warps=4 if d >= 128 else 2,
         )
     return out
@@ -434,30 +595,40 @@ def paged_decode(
 
 def paged_prefill(
     q, kv_cache, block_tables, seq_lens, cu_query_lens, out, scale, *, tiles, num_tiles,
-    config: PrefillConfig | None = None,
+    config: PrefillConfig | None = None, k_scale=None, v_scale=None, lse=None, shard: ShardKeys | None = None,
 ) -> torch.Tensor:
-    """Causal attention for the (seq, first row) query tiles in `tiles` into `out` [T, Hq, D]."""
+    """Causal attention for the (seq, first row) query tiles in `tiles` into `out` [T, Hq, D]
+    (and the base-2 log-sum-exp into `lse` [T, Hq] fp32 when given)."""
     if num_tiles == 0:
         return out
     _, hq, d = q.shape
     hkv = kv_cache.shape[3]
     cfg = config or _prefill_config(d)
+    fp8 = _check_scales(kv_cache, k_scale, v_scale)
+    key_lens, rank, dcp_size, dcp_i = _dcp_args(shard, seq_lens)
+    ks, vs = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)
+    lse_t, es = (lse, (lse.stride(0), lse.stride(1))) if lse is not None else (out, (0, 0))
     _prefill_kernel[(hq, num_tiles)](
-        q, kv_cache, block_tables, seq_lens, cu_query_lens, tiles, out, scale * _LOG2E,
+        q, kv_cache, block_tables, seq_lens, key_lens, cu_query_lens, tiles, ks, vs, out, lse_t, scale * _LOG2E, rank,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), *es,
         G=hq // hkv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, D=d, D_POW2=triton.next_power_of_2(d),
-        PAGE=kv_cache.shape[2], num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PAGE=kv_cache.shape[2], IS_FP8=fp8, WRITE_LSE=lse is not None, DCP_SIZE=dcp_size, DCP_I=dcp_i,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, out: torch.Tensor | None = None,
-                    decode_config: DecodeConfig | None = None, prefill_config: PrefillConfig | None = None) -> torch.Tensor:
+                    decode_config: DecodeConfig | None = None, prefill_config: PrefillConfig | None = None, *,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    lse: torch.Tensor | None = None, shard: ShardKeys | None = None) -> torch.Tensor:
     """q: [T, Hq, D] -> [T, Hq, D]. Same contract as paged_attention_reference; `meta` is an
     AttentionMetadata. Short queries (decode, spec-decode verify) take the split-KV decode
-    kernel, longer ones the prefill kernel; a mixed batch runs both, each on its own sequences."""
+    kernel, longer ones the prefill kernel; a mixed batch runs both, each on its own sequences.
+    k_scale / v_scale: the layer's scales when the cache is FP8 E4M3. lse / shard: see
+    paged_attention_partial."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     if out is None:
@@ -465,16 +636,31 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float,
     hq, d = q.shape[1], q.shape[2]
     group = hq // kv_cache.shape[3]
     pcfg = prefill_config or _prefill_config(d)
-    plan = _plan(meta, group, pcfg.block_m, q.device)
+    plan = _plan(meta, group, pcfg.block_m, q.device, shard)
+    kw = dict(k_scale=k_scale, v_scale=v_scale, lse=lse, shard=shard)
     if plan.num_decode:
         paged_decode(
             q, kv_cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, scale,
             num_seqs=plan.num_decode, max_seq_len=plan.max_decode_len, qlen_max=plan.qlen_max,
-            seq_ids=plan.decode_ids, config=decode_config,
+            seq_ids=plan.decode_ids, config=decode_config, **kw,
         )
     if plan.num_tiles:
         paged_prefill(
             q, kv_cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, scale,
-            tiles=plan.tiles, num_tiles=plan.num_tiles, config=pcfg,
+            tiles=plan.tiles, num_tiles=plan.num_tiles, config=pcfg, **kw,
         )
     return out
+
+
+def paged_attention_partial(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float, shard: ShardKeys | None,
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of q [T, Hq, D] over the keys in kv_cache (this rank's shard when `shard` is
+    given) as a mergeable partial: out [T, Hq, D] fp32 and the base-2 log-sum-exp [T, Hq] fp32 of
+    the scaled scores; a row that sees no key gets out 0 and lse -inf. Same contract as
+    dcp_reference.paged_attention_partial."""
+    t, hq, d = q.shape
+    out = torch.empty((t, hq, d), dtype=torch.float32, device=q.device)
+    lse = torch.empty((t, hq), dtype=torch.float32, device=q.device)
+    paged_attention(q, kv_cache, meta, scale, out=out, k_scale=k_scale, v_scale=v_scale, lse=lse, shard=shard)
+    return out, lse
