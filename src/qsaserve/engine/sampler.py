@@ -4,6 +4,10 @@ Order, as in vLLM: logprobs are taken from the raw model distribution; then pena
 min_tokens masking, temperature, top-k, top-p and min-p shape the distribution that is sampled.
 Greedy rows (temperature 0) take the argmax after penalties. Seeded requests draw from their
 own generator, so their output does not depend on what else is in the batch.
+
+Everything runs on the logits' device; decisions that depend on request parameters are taken
+on the host from those parameters, never from device values. The one wait per step is reading
+the packed results back (tokens, finiteness, logprobs) with a single copy.
 """
 from __future__ import annotations
 
@@ -23,6 +27,27 @@ class SampledToken:
     finite: bool  # False: the row's logits held NaN/inf; the sequence must end with an error
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor without a host wait (pinned memory, non_blocking copy)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def read_back(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor on the host: one non_blocking copy into pinned memory, then a wait on
+    that copy alone (an event, not a stream or device synchronize)."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record(torch.cuda.current_stream(t.device))
+    done.synchronize()
+    return host
+
+
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty]
     if not rows:
@@ -31,11 +56,11 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     for i in rows:
         p, s = seqs[i].params, seqs[i]
         row = logits[i]
-        out_ids = torch.tensor([t for t in s.output_token_ids if t < vocab], dtype=torch.long, device=logits.device)
+        out_ids = to_device([t for t in s.output_token_ids if t < vocab], torch.long, logits.device)
         counts = torch.zeros(vocab, device=logits.device).index_add_(0, out_ids, torch.ones_like(out_ids, dtype=torch.float))
         if p.repetition_penalty != 1.0:
             seen = counts > 0
-            prompt_ids = torch.tensor([t for t in s.token_ids[: s.num_prompt_tokens] if t < vocab], dtype=torch.long, device=logits.device)
+            prompt_ids = to_device([t for t in s.token_ids[: s.num_prompt_tokens] if t < vocab], torch.long, logits.device)
             seen[prompt_ids] = True
             penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
             row = torch.where(seen, penalized, row)
@@ -50,16 +75,16 @@ def mask_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int
             banned = set(s.params.stop_token_ids or ()) | (set() if s.params.ignore_eos else eos_ids)
             banned = [t for t in banned if t < logits.shape[-1]]
             if banned:
-                logits[i, banned] = float("-inf")
+                logits[i].index_fill_(0, to_device(banned, torch.long, logits.device), float("-inf"))
 
 
 def filter_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Sets filtered-out tokens to -inf. logits are already temperature-scaled."""
-    vocab = logits.shape[-1]
-    top_k = torch.tensor([s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs], device=logits.device)
-    top_p = torch.tensor([s.params.top_p for s in seqs], device=logits.device, dtype=torch.float32)
-    min_p = torch.tensor([s.params.min_p for s in seqs], device=logits.device, dtype=torch.float32)
-    if bool((top_k < vocab).any()) or bool((top_p < 1).any()):
+    vocab, dev = logits.shape[-1], logits.device
+    top_k_list = [s.params.top_k if 0 < s.params.top_k < vocab else vocab for s in seqs]
+    if any(k < vocab for k in top_k_list) or any(s.params.top_p < 1 for s in seqs):
+        top_k = to_device(top_k_list, torch.long, dev)
+        top_p = to_device([s.params.top_p for s in seqs], torch.float32, dev)
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(vocab, device=logits.device)[None, :]
         drop = ranks >= top_k[:, None]
@@ -68,7 +93,8 @@ def filter_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torc
         mass_before = probs.cumsum(dim=-1) - probs
         drop |= mass_before >= top_p[:, None]
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    if bool((min_p > 0).any()):
+    if any(s.params.min_p > 0 for s in seqs):
+        min_p = to_device([s.params.min_p for s in seqs], torch.float32, dev)
         probs = logits.softmax(dim=-1)
         threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
@@ -86,10 +112,10 @@ def sample(
 
     logits = apply_penalties(logits, seqs)
     mask_min_tokens(logits, seqs, eos_ids)
-    greedy = torch.tensor([s.params.greedy for s in seqs], device=logits.device)
     tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
-        temps = torch.tensor([s.params.temperature if not s.params.greedy else 1.0 for s in seqs], device=logits.device)
+    if not all(s.params.greedy for s in seqs):
+        greedy = to_device([s.params.greedy for s in seqs], torch.bool, logits.device)
+        temps = to_device([s.params.temperature if not s.params.greedy else 1.0 for s in seqs], torch.float32, logits.device)
         probs = filter_top_k_top_p_min_p(logits / temps[:, None], seqs).softmax(dim=-1)
         # Gumbel-style race: argmax(p / E) with E ~ Exp(1) is a draw from p.
         noise = torch.empty_like(probs).exponential_(generator=generator)
@@ -99,23 +125,27 @@ def sample(
         sampled = (probs / noise).argmax(dim=-1)
         tokens = torch.where(greedy, tokens, sampled)
 
-    results = []
-    tokens_list = tokens.tolist()
-    finite_list = finite.tolist()
+    # One readback: [token, finite, (logprob, rank, top ids..., top logprobs...)] per row, float64
+    # (exact for token ids and ranks).
+    columns = [tokens[:, None].double(), finite[:, None].double()]
     if raw_logprobs is not None:
-        chosen = raw_logprobs.gather(-1, tokens[:, None]).squeeze(-1)
-        ranks = (raw_logprobs > chosen[:, None]).sum(dim=-1) + 1
-        top_vals, top_ids = raw_logprobs.topk(max_n, dim=-1) if max_n > 0 else (None, None)
-        chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
-        top_vals_l = top_vals.tolist() if top_vals is not None else None
-        top_ids_l = top_ids.tolist() if top_ids is not None else None
-    for i, s in enumerate(seqs):
+        chosen = raw_logprobs.gather(-1, tokens[:, None])
+        ranks = (raw_logprobs > chosen).sum(dim=-1, keepdim=True) + 1
+        columns += [chosen.double(), ranks.double()]
+        if max_n > 0:
+            top_vals, top_ids = raw_logprobs.topk(max_n, dim=-1)
+            columns += [top_ids.double(), top_vals.double()]
+    rows = read_back(torch.cat(columns, dim=1)).tolist()
+    results = []
+    for s, row in zip(seqs, rows):
+        token, finite_row = int(row[0]), bool(row[1])
         n = s.params.logprobs
         if n is None or raw_logprobs is None:
-            results.append(SampledToken(tokens_list[i], None, None, None, finite_list[i]))
+            results.append(SampledToken(token, None, None, None, finite_row))
         else:
-            top = list(zip(top_ids_l[i][:n], top_vals_l[i][:n])) if n > 0 else []
-            results.append(SampledToken(tokens_list[i], chosen_l[i], ranks_l[i], top, finite_list[i]))
+            top_ids_row, top_vals_row = row[4 : 4 + max_n], row[4 + max_n :]
+            top = [(int(t), v) for t, v in zip(top_ids_row[:n], top_vals_row[:n])]
+            results.append(SampledToken(token, row[2], int(row[3]), top, finite_row))
     return results
 
 
@@ -124,12 +154,15 @@ def prompt_logprobs_for(
 ) -> list[tuple[float, int, list[tuple[int, float]]]]:
     """Per row: (logprob of the target token, its rank, top-n). logits[j] predicts target_ids[j]."""
     logprobs = logits.float().log_softmax(dim=-1)
-    targets = torch.tensor(target_ids, device=logits.device)
-    chosen = logprobs.gather(-1, targets[:, None]).squeeze(-1)
-    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    targets = to_device(target_ids, torch.long, logits.device)
+    chosen = logprobs.gather(-1, targets[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1, keepdim=True) + 1
+    columns = [chosen.double(), ranks.double()]
     if n > 0:
         vals, ids = logprobs.topk(n, dim=-1)
-        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
-    else:
-        tops = [[] for _ in target_ids]
-    return list(zip(chosen.tolist(), ranks.tolist(), tops))
+        columns += [ids.double(), vals.double()]
+    out = []
+    for row in read_back(torch.cat(columns, dim=1)).tolist():
+        top = [(int(t), v) for t, v in zip(row[2 : 2 + n], row[2 + n :])] if n > 0 else []
+        out.append((row[0], int(row[1]), top))
+    return out
