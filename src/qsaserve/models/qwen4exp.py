@@ -11,6 +11,7 @@ a fresh state, so preemption by recompute needs nothing special.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -33,12 +34,20 @@ from qsaserve.models.qwen4exp_ple import PLEHashParams, ple_initial_context, ple
 from qsaserve.ops.attention.reference import gather_context, write_kv_reference
 from qsaserve.ops.gdn.dispatch import gated_delta_rule
 from qsaserve.ops.gdn.reference import causal_conv1d_reference
-from qsaserve.ops.qsa_attention.reference import sparse_attention_reference
-from qsaserve.ops.qsa_indexer.paged import select_paged, update_block_keys
+from qsaserve.ops.qsa_attention.reference import sparse_attention_paged_reference, sparse_attention_reference
+from qsaserve.ops.qsa_indexer.paged import (decode_index_scores, pool_completed_groups, select_decode_tokens,
+                                           select_paged, update_block_keys)
 from qsaserve.ops.qsa_indexer.reference import indexer_project, rope_cos_sin, rope_inv_freq
 from qsaserve.parallel.state import ParallelContext
 from qsaserve.parallel.tp import (even_range, kv_head_range, shard_vocab, take, vocab_parallel_embedding,
                                   vocab_parallel_logits)
+
+try:  # Triton kernels for CUDA tensors; CPU-only installs keep the references
+    from qsaserve.ops.attention import triton_paged as _triton_paged
+    from qsaserve.ops.qsa_attention.triton_sparse import sparse_attention_paged_triton
+    from qsaserve.ops.qsa_indexer.triton_score import decode_index_scores_triton
+except ImportError:
+    _triton_paged = sparse_attention_paged_triton = decode_index_scores_triton = None
 
 logger = logging.getLogger("qsaserve")
 
@@ -150,6 +159,10 @@ class _LayerState:
 
 
 class Qwen4ExpForCausalLM(nn.Module):
+    # Steps where every sequence decodes one token take a path free of host syncs and of
+    # data-dependent shapes (see _decode_step), which a runner may capture in a CUDA graph.
+    supports_cuda_graph = True
+
     def __init__(self, hf_config: dict, max_positions: int, parallel: ParallelContext | None = None):
         super().__init__()
         self.ctx = parallel or ParallelContext()
@@ -208,7 +221,11 @@ class Qwen4ExpForCausalLM(nn.Module):
                                        c.linear_value_head_dim, dtype=torch.float32, device=device)
             total += st.conv.nbytes + st.recurrent.nbytes
             if i in self.ple_params:
-                params = self.ple_params[i]
+                # Hash constants live where the ids are, so hashing never copies them host->device.
+                params = self.ple_params[i] = dataclasses.replace(
+                    self.ple_params[i], multipliers=self.ple_params[i].multipliers.to(device),
+                    head_vocab_sizes=self.ple_params[i].head_vocab_sizes.to(device),
+                    head_offsets=self.ple_params[i].head_offsets.to(device))
                 st.ngram_context = ple_initial_context(params, num_slots, device)
                 span = (c.ple_conv_kernel_size - 1) * c.ngram_size
                 st.ple_conv = torch.zeros(num_slots, c.hc_count * c.hidden_size, span, dtype=dtype, device=device)
@@ -233,23 +250,54 @@ class Qwen4ExpForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         c = self.cfg
         self.inv_freq = self.inv_freq.to(input_ids.device)
-        slots = meta.state_slots
-        self._reset_fresh_slots(slots, meta)
-        spans = _spans(meta.query_lens)
+        step = self._decode_step(input_ids, meta) if _is_decode(input_ids, meta) else self._prefill_step(input_ids, meta)
         embeds = vocab_parallel_embedding(self.weights["embed_tokens.weight"], input_ids, c.vocab_size, self.ctx)
         hyper = hc_expand(embeds, c.hc_count)
         for i, kind in enumerate(c.layer_types):
             w = self.layer_weights[i]
             if i in self.ple_params:
-                hyper = hyper + self._ple(i, hyper, input_ids, spans, slots)
+                hyper = hyper + self._ple(i, hyper, input_ids, step)
             mixed, inject = self._mix(w, "attn_hyper_connection.", hyper)
-            out = self._gdn(i, mixed, spans, slots) if kind == GDN else self._qsa(i, mixed, positions, spans, meta)
+            if kind == GDN:
+                out = self._gdn(i, mixed, step)
+            elif step.decode:
+                out = self._qsa_decode(i, mixed, positions, meta, step)
+            else:
+                out = self._qsa(i, mixed, positions, step.spans, meta)
             hyper = hc_inject(hyper, out, inject)
             mixed, inject = self._mix(w, "mlp_hyper_connection.", hyper)
             mlp = {k[4:]: v for k, v in w.items() if k.startswith("mlp.")}
-            moe = sparse_moe_block(mixed, mlp, c.num_experts_per_tok, c.norm_topk_prob, c.hidden_act)
+            moe = sparse_moe_block(mixed, mlp, c.num_experts_per_tok, c.norm_topk_prob, c.hidden_act,
+                                   sync_free=step.decode)
             hyper = hc_inject(hyper, self.ctx.all_reduce(moe), inject)
         return hyper
+
+    def _prefill_step(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> "_Step":
+        """Any step with a multi-token query: per-sequence loops over host lists."""
+        self._reset_fresh_slots(meta.state_slots, meta)
+        spans = _spans(meta.query_lens)
+        dev = input_ids.device
+        return _Step(decode=False, spans=spans, slots=list(meta.state_slots),
+                     slot_idx=torch.tensor(meta.state_slots, device=dev), cu_seqlens=torch.tensor([0] + [b for _, b in spans], device=dev))
+
+    def _decode_step(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> "_Step":
+        """One token per sequence: everything comes from device tensors, shapes from tensor shapes,
+        so the step has no host syncs and can be captured in a CUDA graph. Padding rows (seq_len 0,
+        slot -1, null block table, a scratch state slot) see nothing and write no real cache."""
+        slot_idx = getattr(meta, "state_slots_t", None)
+        if slot_idx is None:  # built once per step, shared by every layer
+            slot_idx = torch.tensor(meta.state_slots, dtype=torch.long, device=input_ids.device)
+        seq_lens = meta.seq_lens.long()
+        valid = seq_lens > 0
+        step = _Step(decode=True, slot_idx=slot_idx.long(), valid=valid,
+                     fresh=seq_lens == 1,  # a one-token prompt: its state starts here
+                     query_pos=torch.where(valid, seq_lens - 1, -1))
+        dcp = self.ctx.dcp
+        if dcp.enabled:
+            step.kv_slots = dcp.decode_slots(meta.slot_mapping)
+        else:
+            step.kv_slots = meta.slot_mapping
+        return step
 
     def compute_logits(self, hyper: torch.Tensor) -> torch.Tensor:
         final, _ = hc_gated_residual(
@@ -266,13 +314,23 @@ class Qwen4ExpForCausalLM(nn.Module):
             self.cfg.hc_count, self.cfg.rms_norm_eps,
         )
 
-    def _ple(self, i: int, hyper, input_ids, spans, slots) -> torch.Tensor:
+    def _ple(self, i: int, hyper, input_ids, step: "_Step") -> torch.Tensor:
         st, w = self.state[i], self.layer_weights[i]
         ple_w = {k[4:]: v for k, v in w.items() if k.startswith("ple.")}
+        params = self.ple_params[i]
+        if step.decode:  # every sequence at once: [B, 1] chunks continuing from their slots
+            slots, fresh = step.slot_idx, step.fresh[:, None]
+            ctx = torch.where(fresh, params.eos_token_id, st.ngram_context[slots])
+            conv = torch.where(fresh[:, :, None], 0, st.ple_conv[slots])
+            delta, ctx, conv = ple_layer_forward(hyper[:, None], input_ids[:, None], ple_w, params, self.ple_tables[i],
+                                                 self.cfg.hc_count, self.cfg.rms_norm_eps, ctx, conv)
+            st.ngram_context[slots] = ctx
+            st.ple_conv[slots] = conv
+            return delta[:, 0]
         out = torch.empty_like(hyper)
-        for (a, b), slot in zip(spans, slots):
+        for (a, b), slot in zip(step.spans, step.slots):
             delta, ctx, conv = ple_layer_forward(
-                hyper[None, a:b], input_ids[None, a:b], ple_w, self.ple_params[i], self.ple_tables[i], self.cfg.hc_count,
+                hyper[None, a:b], input_ids[None, a:b], ple_w, params, self.ple_tables[i], self.cfg.hc_count,
                 self.cfg.rms_norm_eps, st.ngram_context[slot : slot + 1], st.ple_conv[slot : slot + 1],
             )
             out[a:b] = delta[0]
@@ -280,39 +338,47 @@ class Qwen4ExpForCausalLM(nn.Module):
             st.ple_conv[slot] = conv[0]
         return out
 
-    def _gdn(self, i: int, x: torch.Tensor, spans, slots) -> torch.Tensor:
+    def _gdn(self, i: int, x: torch.Tensor, step: "_Step") -> torch.Tensor:
         """All sequences of the step in one packed call; each continues from its state slot."""
         c, st = self.cfg, self.state[i]
         w = {k[len("linear_attn."):]: v for k, v in self.layer_weights[i].items() if k.startswith("linear_attn.")}
         Hk, Hv, Dk, Dv = self.gdn_key_heads, self.gdn_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         t = x.shape[0]
-        slot_idx = torch.tensor(slots, device=x.device)
-        cu_seqlens = torch.tensor([0] + [b for _, b in spans], device=x.device)
+        slot_idx = step.slot_idx
         mixed = F.linear(x, w["in_proj_qkv.weight"])
         z = F.linear(x, w["in_proj_z.weight"]).view(t, Hv, Dv)
         beta = torch.sigmoid(F.linear(x, w["in_proj_b.weight"]))
         # Decay in fp32: exp(A_log) may overflow half precision.
         g = -w["A_log"].float().exp() * F.softplus(F.linear(x, w["in_proj_a.weight"]).float() + w["dt_bias"].float())
-        conv, new_conv = causal_conv1d_reference(mixed.t()[None], w["conv1d.weight"], None, st.conv[slot_idx],
-                                                 activation=c.hidden_act, cu_seqlens=cu_seqlens)
-        st.conv[slot_idx] = new_conv
-        q, k, v = torch.split(conv[0].t(), [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
-        o, final = gated_delta_rule(
-            q.reshape(1, t, Hk, Dk), k.reshape(1, t, Hk, Dk), v.reshape(1, t, Hv, Dv), g[None], beta[None],
-            st.recurrent[slot_idx], cu_seqlens, single_token=t == len(spans),
-        )
+        if step.decode:
+            fresh = step.fresh[:, None, None]
+            conv_state = torch.where(fresh, 0, st.conv[slot_idx])
+            recurrent = torch.where(fresh[..., None], 0, st.recurrent[slot_idx])
+            conv, new_conv = _conv1d_decode(mixed, w["conv1d.weight"], conv_state, c.hidden_act)
+            st.conv[slot_idx] = new_conv
+            q, k, v = torch.split(conv, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+            o, final = gated_delta_rule(  # one token per sequence: batch of t, no cu_seqlens to read back
+                q.reshape(t, 1, Hk, Dk), k.reshape(t, 1, Hk, Dk), v.reshape(t, 1, Hv, Dv), g[:, None], beta[:, None],
+                recurrent, None, single_token=True,
+            )
+            o = o[:, 0]
+        else:
+            conv, new_conv = causal_conv1d_reference(mixed.t()[None], w["conv1d.weight"], None, st.conv[slot_idx],
+                                                     activation=c.hidden_act, cu_seqlens=step.cu_seqlens)
+            st.conv[slot_idx] = new_conv
+            q, k, v = torch.split(conv[0].t(), [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
+            o, final = gated_delta_rule(
+                q.reshape(1, t, Hk, Dk), k.reshape(1, t, Hk, Dk), v.reshape(1, t, Hv, Dv), g[None], beta[None],
+                st.recurrent[slot_idx], step.cu_seqlens, single_token=t == len(step.spans),
+            )
+            o = o[0]
         st.recurrent[slot_idx] = final.float()
-        o = gated_rms_norm(o[0], z, w["norm.weight"], c.rms_norm_eps, c.output_gate_type or c.hidden_act)
+        o = gated_rms_norm(o, z, w["norm.weight"], c.rms_norm_eps, c.output_gate_type or c.hidden_act)
         return self.ctx.all_reduce(F.linear(o.reshape(t, Hv * Dv), w["out_proj.weight"]))
 
-    def _qsa(self, i: int, x: torch.Tensor, positions: torch.Tensor, spans, meta: AttentionMetadata) -> torch.Tensor:
-        """Under DCP the indexer caches and the top-k are replicated (identical on every rank); the
-        selection is then localized to this rank's K/V shard, the DCP group's query heads attend
-        over it, partials are merged, and the output gate is applied after the merge."""
-        c, ctx = self.cfg, self.ctx
-        dcp = ctx.dcp
+    def _qsa_inputs(self, i: int, x: torch.Tensor, positions: torch.Tensor):
+        c = self.cfg
         w = {k[len("self_attn."):]: v for k, v in self.layer_weights[i].items() if k.startswith("self_attn.")}
-        cache = self.qsa_layers[i].cache
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         q, gate, k, v = qsa_attention_qkv(
             x, w["q_proj.weight"], w["k_proj.weight"], w["v_proj.weight"], w["q_norm.weight"], w["k_norm.weight"],
@@ -320,14 +386,24 @@ class Qwen4ExpForCausalLM(nn.Module):
         )
         iq, raw = indexer_project(x, w["indexer.index_qk_proj.weight"], w["indexer.q_layernorm.weight"],
                                   c.indexer_n_heads, c.indexer_head_dim, cos, sin, c.rms_norm_eps)
+        return w, q, gate, k, v, iq, raw
+
+    def _qsa(self, i: int, x: torch.Tensor, positions: torch.Tensor, spans, meta: AttentionMetadata) -> torch.Tensor:
+        """Under DCP the indexer caches and the top-k are replicated (identical on every rank); the
+        selection is then localized to this rank's K/V shard, the DCP group's query heads attend
+        over it, partials are merged, and the output gate is applied after the merge."""
+        c, ctx = self.cfg, self.ctx
+        dcp = ctx.dcp
+        cache = self.qsa_layers[i].cache
+        w, q, gate, k, v, iq, raw = self._qsa_inputs(i, x, positions)
         if cache.observer is not None:
             cache.observer(k, v)
         if dcp.enabled:
             plan = meta.dcp
-            write_kv_reference(k[plan.write_rows], v[plan.write_rows], cache.kv, plan.write_slots, cache.k_scale, cache.v_scale)
+            _write_kv(cache, k[plan.write_rows], v[plan.write_rows], plan.write_slots)
             q = ctx.dcp_gather_heads(q)
         else:
-            write_kv_reference(k, v, cache.kv, meta.slot_mapping, cache.k_scale, cache.v_scale)
+            _write_kv(cache, k, v, meta.slot_mapping)
         cache.index_keys.view(-1, c.indexer_head_dim).index_copy_(0, meta.slot_mapping, raw.to(cache.index_keys.dtype))
         r = c.indexer_compress_ratio
         attn = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -344,6 +420,39 @@ class Qwen4ExpForCausalLM(nn.Module):
                     continue  # nothing of this sequence here: out 0, lse -inf
             k_ctx, v_ctx = gather_context(cache.kv, table, length, cache.k_scale, cache.v_scale)
             attn[a:b], lse[a:b] = sparse_attention_reference(q[a:b], k_ctx, v_ctx, selected, scale=c.head_dim**-0.5)
+        attn = ctx.dcp_merge(attn, lse)
+        return ctx.all_reduce(qsa_attention_output(attn, gate, w["o_proj.weight"]))
+
+    def _qsa_decode(self, i: int, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                    step: "_Step") -> torch.Tensor:
+        """One token per sequence, all sequences at once: pool the block a token completes, score
+        every visible block through the block tables, top-k on device, and attend over only the
+        selected tokens (Triton on CUDA, the paged torch reference elsewhere). Cost follows the
+        budget, not the context. Under DCP the selection is localized as in `_qsa`."""
+        c, ctx = self.cfg, self.ctx
+        cache = self.qsa_layers[i].cache
+        w, q, gate, k, v, iq, raw = self._qsa_inputs(i, x, positions)
+        if cache.observer is not None:
+            cache.observer(k, v)
+        _write_kv(cache, k, v, step.kv_slots)
+        if ctx.dcp.enabled:
+            q = ctx.dcp_gather_heads(q)
+        # Padding rows (slot -1) write their raw key into the null block, which nothing reads.
+        cache.index_keys.view(-1, c.indexer_head_dim).index_copy_(
+            0, meta.slot_mapping.clamp_min(0), raw.to(cache.index_keys.dtype))
+        r, tables, pos = c.indexer_compress_ratio, meta.block_tables, step.query_pos
+        pool_completed_groups(cache.index_keys, cache.block_keys, tables, pos, step.valid,
+                              w["indexer.k_layernorm.weight"], self.inv_freq, r, c.rms_norm_eps)
+        iq = iq.to(cache.block_keys.dtype)
+        if _use_triton(q):
+            scores = decode_index_scores_triton(iq, cache.block_keys, tables, pos, r)
+        else:
+            scores = decode_index_scores(iq, cache.block_keys, tables, pos, r)
+        selected = select_decode_tokens(scores, pos, r, c.indexer_budget)
+        if ctx.dcp.enabled:
+            selected = ctx.dcp.localize(selected)
+        sparse = sparse_attention_paged_triton if _use_triton(q) else sparse_attention_paged_reference
+        attn, lse = sparse(q, cache.kv, tables, selected, c.head_dim**-0.5, None, cache.k_scale, cache.v_scale)
         attn = ctx.dcp_merge(attn, lse)
         return ctx.all_reduce(qsa_attention_output(attn, gate, w["o_proj.weight"]))
 
@@ -486,3 +595,53 @@ def _spans(query_lens: list[int]) -> list[tuple[int, int]]:
         spans.append((start, start + n))
         start += n
     return spans
+
+
+@dataclass
+class _Step:
+    """What every layer of one forward needs about the step's sequences (built once per step)."""
+
+    decode: bool
+    slot_idx: torch.Tensor  # [B] state slot of each sequence
+    spans: list[tuple[int, int]] | None = None  # prefill: each sequence's rows
+    slots: list[int] | None = None  # prefill: host copy of slot_idx
+    cu_seqlens: torch.Tensor | None = None  # prefill: packed sequence boundaries
+    valid: torch.Tensor | None = None  # decode: real rows (CUDA-graph padding rows are False)
+    fresh: torch.Tensor | None = None  # decode: rows whose state starts at this token
+    query_pos: torch.Tensor | None = None  # decode: each row's position, -1 for padding
+    kv_slots: torch.Tensor | None = None  # decode: this rank's K/V slot of each new token, -1 = none
+
+
+def _is_decode(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Every sequence of the step brings one token (host lists only; CUDA-graph padding rows
+    count as one-token sequences)."""
+    return input_ids.shape[0] == meta.num_seqs and all(n == 1 for n in meta.query_lens)
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda and decode_index_scores_triton is not None
+
+
+def _write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store K/V rows at `slots` (-1: not stored here). The Triton writer skips -1 slots; the
+    reference path (CPU, FP8 pages, K offsets) sends them to the null block's slot 0, which no
+    reader ever attends to."""
+    k_offset = getattr(cache, "k_offset", None)
+    if _triton_paged is not None and k.is_cuda and cache.k_scale is None and k_offset is None:
+        _triton_paged.write_kv(k, v, cache.kv, slots)
+        return
+    extra = {} if k_offset is None else {"k_offset": k_offset}
+    write_kv_reference(k, v, cache.kv, slots.clamp_min(0), cache.k_scale, cache.v_scale, **extra)
+
+
+def _conv1d_decode(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, activation: str):
+    """Depthwise causal conv for one token per sequence: x [B, C], state [B, C, S] (previous
+    inputs, oldest first) -> (act(y) [B, C], new state). fp32, like causal_conv1d_reference."""
+    w = weight.reshape(weight.shape[0], -1).float()  # [C, W]
+    ext = torch.cat([state.float(), x.float()[:, :, None]], dim=-1)
+    y = (ext[:, :, ext.shape[-1] - w.shape[-1]:] * w).sum(-1)
+    if activation in ("silu", "swish"):
+        y = F.silu(y)
+    elif activation is not None:
+        raise ValueError(f"unsupported activation {activation!r}")
+    return y.to(x.dtype), ext[:, :, 1:].to(state.dtype)

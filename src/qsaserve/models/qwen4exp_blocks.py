@@ -41,6 +41,7 @@ __all__ = [
     "hc_inject",
     "moe_router",
     "moe_experts",
+    "moe_experts_sync_free",
     "dense_mlp",
     "sparse_moe_block",
     "qsa_attention_qkv",
@@ -172,6 +173,35 @@ def moe_experts(
     return out
 
 
+def moe_experts_sync_free(
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """`moe_experts` without reading the routing back to the host (decode steps, CUDA graphs).
+
+    Few rows (N * k < E): each row's k experts' weights are gathered and applied with batched
+    matmuls. Many rows: every expert runs on every row and the routing weights (0 for experts not
+    chosen) combine them; each expert's weights are then read once. Which branch runs depends on
+    shapes only."""
+    act = _act(activation)
+    n, k = indices.shape
+    num_experts, two_i, _ = gate_up_proj.shape
+    if n * k < num_experts:
+        gu = torch.bmm(gate_up_proj[indices.flatten()], x.repeat_interleave(k, dim=0)[:, :, None])[:, :, 0]
+        gate, up = gu.chunk(2, dim=-1)
+        y = torch.bmm(down_proj[indices.flatten()], (act(gate) * up)[:, :, None])[:, :, 0]  # [N*k, H]
+        return (y.view(n, k, -1) * weights[:, :, None]).sum(dim=1).to(x.dtype)
+    dense_w = torch.zeros(n, num_experts, dtype=weights.dtype, device=x.device).scatter_(1, indices, weights)
+    gu = torch.einsum("nh,eih->nei", x, gate_up_proj)
+    gate, up = gu.split(two_i // 2, dim=-1)
+    y = torch.einsum("nei,ehi->neh", act(gate) * up, down_proj)
+    return (y * dense_w[:, :, None]).sum(dim=1).to(x.dtype)
+
+
 def dense_mlp(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
               activation: str = "silu") -> torch.Tensor:
     """SwiGLU MLP (the shared expert): ``down(act(gate x) * up x)``."""
@@ -179,16 +209,19 @@ def dense_mlp(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, d
 
 
 def sparse_moe_block(
-    x: torch.Tensor, p: Mapping[str, torch.Tensor], top_k: int, norm_topk_prob: bool, activation: str = "silu"
+    x: torch.Tensor, p: Mapping[str, torch.Tensor], top_k: int, norm_topk_prob: bool, activation: str = "silu",
+    sync_free: bool = False,
 ) -> torch.Tensor:
     """``Qwen4ExpTextSparseMoeBlock``; ``p`` keys relative to ``layers.{i}.mlp.``.
 
     routed experts + ``sigmoid(shared_expert_gate x) * shared_expert(x)``; ``x`` ``[..., H]``.
+    ``sync_free`` routes with :func:`moe_experts_sync_free` (same math, no host reads).
     """
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     _, w, idx = moe_router(flat, p["gate.weight"], top_k, norm_topk_prob)
-    routed = moe_experts(flat, idx, w, p["experts.gate_up_proj"], p["experts.down_proj"], activation)
+    experts = moe_experts_sync_free if sync_free else moe_experts
+    routed = experts(flat, idx, w, p["experts.gate_up_proj"], p["experts.down_proj"], activation)
     shared = dense_mlp(
         flat,
         p["shared_expert.gate_proj.weight"],

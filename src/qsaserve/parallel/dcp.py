@@ -12,11 +12,13 @@ the engine's block table unchanged and only the slot inside the page is local. I
 (QSA) are replicated and keep engine-level slots: B*D tokens per page.
 
 Everything else asks this module: owner and local slot of a token, per-rank lengths, the global
-position of a local row, the step's write plan, KV-spec scaling and capacity.
+position of a local row, the step's write plan (host lists, or device tensors for decode steps),
+KV-spec scaling and capacity.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,13 +44,40 @@ def check_dcp_config(tp_size: int, dcp_size: int, num_kv_heads: int) -> None:
             f"multiple of decode_context_parallel_size")
 
 
-@dataclass(frozen=True)
 class DcpStepPlan:
-    """This rank's share of one step: which new tokens it stores, where, and per-sequence local lengths."""
+    """This rank's share of one step: which new tokens it stores, where, and per-sequence local lengths.
 
-    write_rows: torch.Tensor  # [n] int64: rows of the step's tokens this rank owns
-    write_slots: torch.Tensor  # [n] int64: their local KV slots
-    local_seq_lens: list[int]  # tokens of each sequence's context held by this rank
+    Built from the runner's host lists; the write tensors are made (one H2D copy each) only when a
+    path asks for them. Decode steps of the Qwen4Exp fast path use `DcpGeometry.decode_slots` and
+    `local_lens` on device tensors instead, so they never trigger these copies."""
+
+    def __init__(self, geometry: "DcpGeometry", positions: list[int], query_lens: list[int],
+                 block_tables: list[list[int]], local_seq_lens: list[int], device):
+        self._args = (geometry, positions, query_lens, block_tables, device)
+        self.local_seq_lens = local_seq_lens  # tokens of each sequence's context held by this rank
+
+    @functools.cached_property
+    def _writes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        g, positions, query_lens, block_tables, device = self._args
+        rows, slots = [], []
+        row = 0
+        for n, table in zip(query_lens, block_tables):
+            for i in range(row, row + n):
+                if g.owner(positions[i]) == g.rank:
+                    rows.append(i)
+                    slots.append(g.local_slot(positions[i], table))
+            row += n
+        return (torch.tensor(rows, dtype=torch.long, device=device), torch.tensor(slots, dtype=torch.long, device=device))
+
+    @property
+    def write_rows(self) -> torch.Tensor:
+        """[n] int64: rows of the step's tokens this rank owns."""
+        return self._writes[0]
+
+    @property
+    def write_slots(self) -> torch.Tensor:
+        """[n] int64: their local KV slots."""
+        return self._writes[1]
 
 
 @dataclass(frozen=True)
@@ -142,19 +171,26 @@ class DcpGeometry:
 
     def step_plan(self, positions: list[int], query_lens: list[int], seq_lens: list[int],
                   block_tables: list[list[int]], device) -> DcpStepPlan:
-        rows, slots = [], []
-        row = 0
-        for n, table in zip(query_lens, block_tables):
-            for i in range(row, row + n):
-                if self.owner(positions[i]) == self.rank:
-                    rows.append(i)
-                    slots.append(self.local_slot(positions[i], table))
-            row += n
-        return DcpStepPlan(
-            write_rows=torch.tensor(rows, dtype=torch.long, device=device),
-            write_slots=torch.tensor(slots, dtype=torch.long, device=device),
-            local_seq_lens=[self.local_len(n) for n in seq_lens],
-        )
+        return DcpStepPlan(self, positions, query_lens, block_tables, [self.local_len(n) for n in seq_lens], device)
+
+    # ---- device tensors (no host syncs, shapes fixed by the inputs: CUDA-graph safe) ----
+    def local_lens(self, seq_lens: torch.Tensor) -> torch.Tensor:
+        """local_len of every entry of a device tensor of context lengths."""
+        span = self.size * self.interleave
+        rem = (seq_lens % span - self.rank * self.interleave).clamp(0, self.interleave)
+        return (seq_lens // span) * self.interleave + rem
+
+    def decode_slots(self, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """Engine-level slots of new tokens ([T], -1 = padding; what the replicated index pages use)
+        -> this rank's K/V slots, -1 where another rank owns the token.
+
+        An engine block holds B*D tokens and its K/V page the B local ones (see the module
+        docstring), so the engine slot alone gives the block and the position inside it."""
+        span, i = self.size * self.interleave, self.interleave
+        block, rem = slot_mapping // self.engine_block_size, slot_mapping % self.engine_block_size
+        local = block * self.block_size + (rem // span) * i + rem % i
+        mine = (slot_mapping >= 0) & ((rem // i) % self.size == self.rank)
+        return torch.where(mine, local, torch.full_like(slot_mapping, -1))
 
     # ---- cache geometry and capacity ----
     def scale_spec(self, spec: KVCacheSpec) -> KVCacheSpec:

@@ -1,0 +1,115 @@
+"""The vectorized decode step of Qwen4Exp (every sequence brings one token) against the
+per-sequence prefill path, and CUDA-graph style padding rows (seq_len 0, slot -1, null block
+table, scratch state slot 0) that must change neither the real rows' outputs nor any real
+cache or state. The model is driven directly with hand-built metadata on the engine's caches."""
+import pytest
+import torch
+
+import qsaserve.models.qwen4exp as qwen4exp
+from qsaserve import LLM
+from qsaserve.layers.attention import AttentionMetadata
+
+from test_qwen4exp_engine import make_config, save
+from qwen4exp_testing import build_random_model
+
+BLOCK = 8
+
+
+@pytest.fixture(scope="module")
+def runner(tmp_path_factory):
+    model = build_random_model(make_config(budget=12, ple_layer_ids=(1, 3)), seed=4)
+    path = save(model, tmp_path_factory.mktemp("decode_path"))
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=128, block_size=BLOCK, progress=False)
+    return llm.engine.executor.runner
+
+
+def _meta(rows):
+    """rows: (query_len, seq_len, block table, state slot, positions); a padding row is (1, 0, [], 0, [-1])."""
+    width = max(max(len(t) for _, _, t, _, _ in rows), 1)
+    slots, cu = [], [0]
+    for n, length, table, _, pos in rows:
+        slots += [table[p // BLOCK] * BLOCK + p % BLOCK if p >= 0 else -1 for p in pos]
+        cu.append(cu[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots), block_tables=torch.tensor([t + [0] * (width - len(t)) for _, _, t, _, _ in rows],
+                                                                     dtype=torch.int32),
+        seq_lens=torch.tensor([r[1] for r in rows], dtype=torch.int32), cu_query_lens=torch.tensor(cu, dtype=torch.int32),
+        query_lens=[r[0] for r in rows], seq_lens_list=[r[1] for r in rows], state_slots=[r[3] for r in rows])
+
+
+def _run(model, rows, ids):
+    positions = torch.tensor([max(p, 0) for r in rows for p in r[4]])
+    with torch.inference_mode():
+        return model.compute_logits(model(torch.tensor(ids), positions, _meta(rows)))
+
+
+def _snapshot(runner):
+    caches = [(c.kv.clone(), c.index_keys.clone(), c.block_keys.clone()) for c in runner.kv_caches]
+    states = [[t.clone() for t in (s.conv, s.recurrent, s.ngram_context, s.ple_conv) if t is not None]
+              for s in runner.model.state]
+    return caches, states
+
+
+def _restore(runner, snap):
+    caches, states = snap
+    for c, (kv, ik, bk) in zip(runner.kv_caches, caches):
+        c.kv.copy_(kv), c.index_keys.copy_(ik), c.block_keys.copy_(bk)
+    for s, saved in zip(runner.model.state, states):
+        for t, v in zip([t for t in (s.conv, s.recurrent, s.ngram_context, s.ple_conv) if t is not None], saved):
+            t.copy_(v)
+
+
+def _real_parts(runner, tables, slots):
+    """Every real page and state slot (the null block 0 and scratch slot 0 excluded)."""
+    blocks = torch.tensor(sorted({b for t in tables for b in t}))
+    idx = torch.tensor(slots)
+    out = []
+    for c in runner.kv_caches:
+        out += [c.kv[:, blocks], c.index_keys[blocks], c.block_keys[blocks]]
+    for s in runner.model.state:
+        out += [t[idx] for t in (s.conv, s.recurrent, s.ngram_context, s.ple_conv) if t is not None]
+    return out
+
+
+def test_decode_path_matches_prefill_path_and_ignores_padding(runner, monkeypatch):
+    model = runner.model
+    gen = torch.Generator().manual_seed(0)
+    lengths = [15, 23, 11]  # 15 + 1 = 16 completes a group: the decode step pools a block key
+    tables = [[1, 2, 3], [4, 5, 6, 7], [8, 9]]
+    slots = [1, 2, 3]
+    prompts = [torch.randint(4, 120, (n,), generator=gen).tolist() for n in lengths]
+    _run(model, [(n, n, t, s, list(range(n))) for n, t, s in zip(lengths, tables, slots)], sum(prompts, []))
+    nxt = [int(x) for x in torch.randint(4, 120, (3,), generator=gen)]
+    decode_rows = [(1, n + 1, t, s, [n]) for n, t, s in zip(lengths, tables, slots)]
+    # A one-token prompt decodes alongside them: its state must start fresh (slot 4 holds junk).
+    for st in model.state:
+        if st.conv is not None:
+            st.conv[4] = 1.0
+            st.recurrent[4] = 1.0
+    decode_rows.append((1, 1, [10], 4, [0]))
+    nxt.append(7)
+    snap = _snapshot(runner)
+
+    calls = []
+    monkeypatch.setattr(model, "_qsa_decode", lambda *a, **k: calls.append(1) or type(model)._qsa_decode(model, *a, **k))
+    fast = _run(model, decode_rows, nxt)
+    assert calls, "the vectorized decode path did not run"
+    fast_state = [t.clone() for t in _real_parts(runner, tables + [[10]], slots + [4])]
+
+    _restore(runner, snap)
+    monkeypatch.setattr(qwen4exp, "_is_decode", lambda *a: False)
+    slow = _run(model, decode_rows, nxt)
+    torch.testing.assert_close(fast, slow, atol=2e-4, rtol=1e-4)
+    for a, b in zip(fast_state, _real_parts(runner, tables + [[10]], slots + [4])):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    monkeypatch.undo()
+
+    # Padding rows interleaved with the real ones: same logits, same real caches and states.
+    _restore(runner, snap)
+    pad = (1, 0, [], 0, [-1])
+    padded_rows = [pad, decode_rows[0], pad, decode_rows[1], decode_rows[2], decode_rows[3], pad]
+    padded = _run(model, padded_rows, [0, nxt[0], 0, nxt[1], nxt[2], nxt[3], 0])
+    assert torch.isfinite(padded).all()
+    torch.testing.assert_close(padded[[1, 3, 4, 5]], fast, atol=1e-5, rtol=1e-5)
+    for a, b in zip(fast_state, _real_parts(runner, tables + [[10]], slots + [4])):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
