@@ -193,3 +193,21 @@ def test_group_ranks_are_consecutive_runs():
     assert DcpGeometry.group_ranks(4, 1) == [[0], [1], [2], [3]]
     assert [DcpGeometry.for_tp_rank(r, 2, 1, 16).rank for r in range(4)] == [0, 1, 0, 1]
     assert list(itertools.chain(*DcpGeometry.group_ranks(8, 4))) == list(range(8))
+
+
+@pytest.mark.parametrize("d,i,b", LAYOUTS)
+def test_device_decode_slots_and_lengths_match_host_geometry(d, i, b):
+    """The decode step's device-side geometry equals the host rules: from the engine-level slots of
+    the index pages alone, each rank finds its local K/V slot (or -1), and per-rank lengths."""
+    engine = b * d
+    tables = [[5, 2, 7, 1], [3, 6, 4, 8]]
+    positions = [0, 1, i, engine - 1, engine, 3 * engine + 1, 2 * engine + d * i - 1]
+    for rank in range(d):
+        g = DcpGeometry(d, rank, i, b)
+        rows = [(s, p) for s in range(2) for p in positions]
+        engine_slots = torch.tensor([tables[s][p // engine] * engine + p % engine for s, p in rows] + [-1])
+        got = g.decode_slots(engine_slots).tolist()
+        want = [g.local_slot(p, tables[s]) if g.owner(p) == rank else -1 for s, p in rows] + [-1]
+        assert got == want
+        lengths = torch.arange(0, 4 * engine + 3)
+        assert g.local_lens(lengths).tolist() == [g.local_len(int(n)) for n in lengths]
