@@ -1,4 +1,4 @@
-"""Command line: `qsaserve generate|chat ...`. Engine flags mirror vLLM's names."""
+"""Command line: `qsaserve generate|chat|serve|bench ...`. Engine flags mirror vLLM's names."""
 from __future__ import annotations
 
 import argparse
@@ -138,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_calibrate_parser(sub)
     add_qualify_parser(sub)
+    from qsaserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

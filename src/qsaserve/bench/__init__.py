@@ -1,0 +1,1 @@
+"""`qsaserve bench latency|throughput`: engine speed on random-weight models, printed as JSON."""

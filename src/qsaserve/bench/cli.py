@@ -1,0 +1,87 @@
+"""`qsaserve bench latency|throughput MODEL [engine flags] [bench flags]`: prints one JSON document."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from qsaserve.errors import InvalidRequestError
+
+
+def _int_list(name: str):
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name}: must be comma-separated integers, got {text!r}") from None
+        if not values:
+            raise argparse.ArgumentTypeError(f"{name}: must name at least one value")
+        return values
+    return parse
+
+
+def add_bench_parser(sub) -> None:
+    from qsaserve.cli import add_engine_args
+
+    bench = sub.add_parser("bench", help="benchmark the engine (JSON on stdout)")
+    kinds = bench.add_subparsers(dest="bench_kind", required=True)
+
+    lat = kinds.add_parser("latency", help="decode tok/s by batch size, TTFT by prompt length, roofline fraction")
+    _common(lat)
+    lat.add_argument("--batch-sizes", type=_int_list("batch_sizes"), default=[1, 8, 32, 64])
+    lat.add_argument("--prompt-lens", type=_int_list("prompt_lens"), default=[128, 1024, 4096],
+                     help="TTFT prompt lengths (capped at max_model_len - 1)")
+    lat.add_argument("--decode-context", type=int, default=128, help="prompt length of the decode runs")
+    lat.add_argument("--decode-steps", type=int, default=64, help="timed decode steps per batch size")
+    lat.add_argument("--warmup-steps", type=int, default=8)
+    lat.add_argument("--ttft-trials", type=int, default=3)
+    lat.set_defaults(func=cmd_latency)
+
+    thr = kinds.add_parser("throughput", help="nano-vllm workload: output tok/s and total time")
+    _common(thr)
+    thr.add_argument("--num-prompts", type=int, default=256)
+    thr.add_argument("--min-len", type=int, default=100, help="shortest input and output length")
+    thr.add_argument("--max-input-len", type=int, default=1024)
+    thr.add_argument("--max-output-len", type=int, default=1024)
+    thr.add_argument("--temperature", type=float, default=0.6)
+    thr.add_argument("--peer-num-prompts", type=int, default=32, help="prompts the HF peer runs (the first ones)")
+    thr.add_argument("--peer-batch-size", type=int, default=32)
+    thr.set_defaults(func=cmd_throughput)
+    for p in (lat, thr):
+        add_engine_args(p)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="model or preset (same as --model)")
+    parser.add_argument("--peer", choices=["hf"], default=None, help="also run transformers on the same shapes")
+    parser.add_argument("--bench-seed", type=int, default=0, help="seed of the random prompts")
+
+
+def _config(args):
+    from qsaserve.cli import engine_config_from_args
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise InvalidRequestError("model", f"given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    return engine_config_from_args(args)
+
+
+def cmd_latency(args) -> int:
+    from qsaserve.bench.latency import run_latency
+
+    report = run_latency(_config(args), args.batch_sizes, args.prompt_lens, decode_context=args.decode_context,
+                         decode_steps=args.decode_steps, warmup_steps=args.warmup_steps, ttft_trials=args.ttft_trials,
+                         peer=args.peer, seed=args.bench_seed)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_throughput(args) -> int:
+    from qsaserve.bench.throughput import run_throughput
+
+    report = run_throughput(_config(args), num_prompts=args.num_prompts, min_len=args.min_len,
+                            max_input_len=args.max_input_len, max_output_len=args.max_output_len,
+                            temperature=args.temperature, peer=args.peer, peer_num_prompts=args.peer_num_prompts,
+                            peer_batch_size=args.peer_batch_size, seed=args.bench_seed)
+    print(json.dumps(report, indent=2))
+    return 0

@@ -1,0 +1,121 @@
+"""What both benchmarks share: the run's provenance (device, versions, commit, date, config),
+random prompts, a memory-bandwidth probe and the bytes one decode step must read."""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import platform
+import random
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from qsaserve.config import EngineConfig
+
+
+def provenance(config: EngineConfig, with_transformers: bool = False) -> dict:
+    device = config.torch_device
+    info = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "config": dataclasses.asdict(config),
+    }
+    if with_transformers:
+        info["transformers"] = _version("transformers")
+    return info
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def random_prompt(rng: random.Random, length: int, vocab_size: int) -> list[int]:
+    """Token ids uniform in [0, min(10000, vocab)), as the nano-vllm benchmark draws them."""
+    high = min(10000, vocab_size) - 1
+    return [rng.randint(0, high) for _ in range(length)]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_bandwidth(device: torch.device, nbytes: int | None = None, iters: int = 10) -> dict:
+    """Memory bandwidth of this device, measured now: a read-only reduction over a large buffer
+    (bytes read / time) and a copy (bytes read + written / time). The roofline uses the larger."""
+    if nbytes is None:
+        if device.type == "cuda":
+            free = torch.cuda.mem_get_info(device)[0]
+            nbytes = min(2 << 30, free // 4)
+        else:
+            nbytes = 64 << 20
+    nbytes -= nbytes % 4096
+    src = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    words = src.view(torch.float32)
+
+    def timed(fn) -> float:
+        fn()
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync(device)
+        return (time.perf_counter() - start) / iters
+
+    read_s = timed(lambda: words.sum())
+    copy_s = timed(lambda: dst.copy_(src))
+    del src, dst, words
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    read, copy = nbytes / read_s / 1e9, 2 * nbytes / copy_s / 1e9
+    return {"buffer_bytes": nbytes, "read_gb_s": round(read, 1), "copy_gb_s": round(copy, 1),
+            "used_gb_s": round(max(read, copy), 1)}
+
+
+def decode_weight_bytes(model) -> int:
+    """Weight bytes one decode step reads: every parameter once (shared tensors once), except
+    the input embedding table when a separate LM head exists (a step reads only B of its rows).
+    For mixture-of-experts models this counts every expert, an upper bound at small batch."""
+    tensors = dict(model.named_parameters()) or dict(getattr(model, "weights", {}))
+    unique = {t.data_ptr(): t.numel() * t.element_size() for t in tensors.values()}
+    total = sum(unique.values())
+    embed = next((t for n, t in tensors.items() if n.endswith("embed_tokens.weight")), None)
+    head = next((t for n, t in tensors.items() if n.endswith("lm_head.weight")), None)
+    if head is None:
+        head = getattr(getattr(model, "lm_head", None), "weight", None)
+    if embed is not None and head is not None and head.data_ptr() != embed.data_ptr():
+        total -= embed.numel() * embed.element_size()
+    return total
+
+
+def median(values: list[float]) -> float:
+    s = sorted(values)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def release_memory(device: torch.device) -> None:
+    """Frees what a shut-down engine held, so a peer run in the same process has the memory."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

@@ -1,0 +1,121 @@
+"""`qsaserve bench latency`: steady-state decode speed by batch size, time to first token by
+prompt length, and how close batch-1 decode comes to the memory-bandwidth roofline."""
+from __future__ import annotations
+
+import random
+import time
+
+from qsaserve.bench.common import (decode_weight_bytes, measure_bandwidth, median, provenance, random_prompt,
+                                   release_memory)
+from qsaserve.config import EngineConfig
+from qsaserve.engine.llm_engine import LLMEngine
+from qsaserve.errors import InvalidRequestError
+from qsaserve.sampling_params import SamplingParams
+
+
+def _decode(engine: LLMEngine, batch: int, context: int, steps: int, warmup: int, rng: random.Random) -> dict:
+    """B requests prefilled, then `warmup` untimed and `steps` timed decode steps (each step ends
+    with the sampled tokens on the host, so wall time is device time plus host overhead)."""
+    params = SamplingParams(temperature=0, max_tokens=warmup + steps + 2, ignore_eos=True)
+    ids = [f"decode-{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, {"prompt_token_ids": random_prompt(rng, context, engine.vocab_size)}, params)
+    seqs = [engine.requests[rid].seqs[0] for rid in ids]
+    while any(s.num_output_tokens == 0 for s in seqs):
+        engine.step()
+    for _ in range(warmup):
+        engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    elapsed = time.perf_counter() - start
+    produced = sum(s.num_output_tokens for s in seqs)
+    for rid in ids:
+        engine.abort_request(rid)
+    if produced != batch * (1 + warmup + steps):
+        raise RuntimeError(f"batch_sizes: batch {batch} did not decode every sequence each step ({produced} tokens)")
+    return {"batch_size": batch, "context": context, "steps": steps, "ms_per_step": round(elapsed / steps * 1e3, 3),
+            "tok_s": round(batch * steps / elapsed, 1)}
+
+
+def _ttft(engine: LLMEngine, length: int, trials: int, rng: random.Random) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    times = []
+    for trial in range(trials + 1):  # the first is warm-up
+        rid = f"ttft-{length}-{trial}"
+        start = time.perf_counter()
+        engine.add_request(rid, {"prompt_token_ids": random_prompt(rng, length, engine.vocab_size)}, params)
+        while rid in engine.requests:
+            engine.step()
+        if trial:
+            times.append(time.perf_counter() - start)
+    return {"prompt_len": length, "trials": trials, "ttft_ms": round(median(times) * 1e3, 3),
+            "ttft_ms_min": round(min(times) * 1e3, 3)}
+
+
+def run_latency(config: EngineConfig, batch_sizes: list[int], prompt_lens: list[int], decode_context: int = 128,
+                decode_steps: int = 64, warmup_steps: int = 8, ttft_trials: int = 3, peer: str | None = None,
+                seed: int = 0) -> dict:
+    if not batch_sizes or any(b < 1 for b in batch_sizes):
+        raise InvalidRequestError("batch_sizes", f"must be integers >= 1, got {batch_sizes}")
+    if max(batch_sizes) > config.max_num_seqs:
+        raise InvalidRequestError("batch_sizes", f"{max(batch_sizes)} exceeds max_num_seqs ({config.max_num_seqs})")
+    if not prompt_lens or any(n < 1 for n in prompt_lens):
+        raise InvalidRequestError("prompt_lens", f"must be integers >= 1, got {prompt_lens}")
+    for name, value in (("decode_steps", decode_steps), ("ttft_trials", ttft_trials), ("decode_context", decode_context)):
+        if value < 1:
+            raise InvalidRequestError(name, f"must be >= 1, got {value}")
+    if warmup_steps < 0:
+        raise InvalidRequestError("warmup_steps", f"must be >= 0, got {warmup_steps}")
+    device = config.torch_device
+    report = {"bench": "latency", **provenance(config, with_transformers=peer == "hf")}
+    rng = random.Random(seed)
+    bandwidth = measure_bandwidth(device)  # before the engine takes its share of memory
+
+    engine = LLMEngine(config, progress=False)
+    try:
+        max_len = engine.max_model_len
+        context = min(decode_context, max_len - warmup_steps - decode_steps - 2)
+        if context < 1:
+            raise InvalidRequestError("max_model_len", f"{max_len} leaves no room for {decode_steps} decode steps")
+        lens = sorted({min(n, max_len - 1) for n in prompt_lens})
+        runner = engine.executor.runner
+        decode = [_decode(engine, b, context, decode_steps, warmup_steps, rng) for b in sorted(set(batch_sizes))]
+        ttft = [_ttft(engine, n, ttft_trials, rng) for n in lens]
+        weight_bytes = decode_weight_bytes(runner.model)
+        kv_bytes = int(engine.executor.kv_spec.bytes_per_token * (context + warmup_steps + decode_steps / 2))
+        cuda_graphs = runner.graphs is not None
+        hf_config, vocab_size = engine.checkpoint.hf_config, engine.vocab_size
+        del runner
+    finally:
+        engine.shutdown()
+        del engine
+        release_memory(device)
+
+    report["params"] = {"batch_sizes": sorted(set(batch_sizes)), "prompt_lens": lens, "decode_context": context,
+                        "decode_steps": decode_steps, "warmup_steps": warmup_steps, "ttft_trials": ttft_trials,
+                        "seed": seed, "cuda_graphs": cuda_graphs}
+    report["decode"] = decode
+    report["ttft"] = ttft
+    step_bytes = weight_bytes + kv_bytes
+    roofline_tok_s = bandwidth["used_gb_s"] * 1e9 / step_bytes
+    b1 = next((d for d in decode if d["batch_size"] == 1), None)
+    report["roofline"] = {
+        "weight_bytes_per_step": weight_bytes, "kv_bytes_per_step_batch1": kv_bytes, "bandwidth": bandwidth,
+        "roofline_tok_s_batch1": round(roofline_tok_s, 1),
+        "fraction_batch1": round(b1["tok_s"] / roofline_tok_s, 4) if b1 else None,
+    }
+    if peer == "hf":
+        from qsaserve.bench.hf_peer import HfPeer
+
+        hf = HfPeer(hf_config, device, config.torch_dtype)
+        try:
+            peer_decode = hf.decode_tok_s(1, context, decode_steps, lambda n: random_prompt(rng, n, vocab_size))
+        finally:
+            hf.close()
+        report["peer"] = {"name": "hf", "method": "transformers generate, cache_implementation=static, greedy; "
+                          "decode tok/s from the difference of two generate lengths", "decode_batch1": peer_decode}
+        if b1:
+            report["ratios"] = {"decode_batch1_tok_s_vs_hf": round(b1["tok_s"] / peer_decode["tok_s"], 3)}
+    return report
+
