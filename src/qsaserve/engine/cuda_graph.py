@@ -69,7 +69,7 @@ class PinnedStaging:
             if self._pinned:
                 self.dev[:n].copy_(self.host[:n], non_blocking=True)
         if self._pinned:
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(self.device))
             self._recorded = True
         return self.dev[:n]
 

@@ -1,0 +1,66 @@
+"""The bench commands on a tiny random-weight model (CPU, a few prompts): one JSON document
+with the documented fields."""
+import json
+
+import pytest
+
+from qsaserve.cli import main
+
+TINY = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
+        "eos_token_id": 2, "bos_token_id": 1, "tie_word_embeddings": True}
+ENGINE = ["--load-format", "dummy", "--device", "cpu", "--kv-cache-memory", "4000000"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    (path / "config.json").write_text(json.dumps(TINY))
+    return str(path)
+
+
+def _run(capsys, argv) -> dict:
+    assert main(["--log-level", "WARNING", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _check_provenance(report):
+    for key in ("device", "torch", "triton", "git_commit", "date", "config"):
+        assert key in report
+    assert report["config"]["load_format"] == "dummy"
+
+
+def test_bench_latency(tiny, capsys):
+    r = _run(capsys, ["bench", "latency", tiny, *ENGINE, "--batch-sizes", "1,3", "--prompt-lens", "16,4096",
+                      "--decode-context", "24", "--decode-steps", "3", "--warmup-steps", "1", "--ttft-trials", "1",
+                      "--peer", "hf"])
+    assert r["bench"] == "latency"
+    _check_provenance(r)
+    assert r["transformers"]
+    assert [d["batch_size"] for d in r["decode"]] == [1, 3]
+    assert all(d["tok_s"] > 0 and d["context"] == 24 for d in r["decode"])
+    assert [t["prompt_len"] for t in r["ttft"]] == [16, 511]  # capped at max_model_len - 1
+    assert all(t["ttft_ms"] > 0 for t in r["ttft"])
+    roof = r["roofline"]
+    assert roof["weight_bytes_per_step"] == sum(4 * n for n in (512 * 64, 2 * (64 + 64 * 128 + 64 * 64 + 64 * 256 + 128 * 64 + 64), 64))
+    assert roof["bandwidth"]["used_gb_s"] > 0 and 0 < roof["fraction_batch1"]
+    assert r["peer"]["decode_batch1"]["tok_s"] > 0
+    assert r["ratios"]["decode_batch1_tok_s_vs_hf"] == pytest.approx(r["decode"][0]["tok_s"] / r["peer"]["decode_batch1"]["tok_s"], rel=1e-2)
+
+
+def test_bench_throughput(tiny, capsys):
+    r = _run(capsys, ["bench", "throughput", tiny, *ENGINE, "--num-prompts", "3", "--min-len", "4",
+                      "--max-input-len", "20", "--max-output-len", "8", "--peer", "hf", "--peer-num-prompts", "2",
+                      "--peer-batch-size", "2"])
+    assert r["bench"] == "throughput"
+    _check_provenance(r)
+    res = r["results"]
+    assert res["output_tokens"] >= 3 * 4 and res["output_tok_s"] > 0 and res["total_time_s"] > 0
+    assert r["params"]["num_prompts"] == 3 and r["params"]["ignore_eos"]
+    assert r["peer"]["num_prompts"] == 2 and r["peer"]["batch_size"] == 2 and r["peer"]["output_tok_s"] > 0
+    assert "output_tok_s_vs_hf" in r["ratios"]
+
+
+def test_bench_bad_batch_size_names_parameter(tiny, capsys):
+    assert main(["bench", "latency", tiny, *ENGINE, "--batch-sizes", "1,300"]) == 2
+    assert "batch_sizes" in capsys.readouterr().err

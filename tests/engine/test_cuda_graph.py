@@ -1,0 +1,134 @@
+"""Decode CUDA graphs: bucket choice and padding layout (CPU), and on a GPU that replayed graphs
+give the eager path's greedy tokens and logprobs, padding rows included."""
+import pytest
+import torch
+
+from qsaserve.config import EngineConfig
+from qsaserve.engine.batch import BatchInput
+from qsaserve.engine.cuda_graph import PAD_SLOT, PAD_STATE_SLOT, DecodeGraphs, is_pure_decode, pad_decode, pick_bucket
+from qsaserve.errors import InvalidRequestError
+
+
+def test_capture_sizes_default_and_capped():
+    assert EngineConfig(device="cpu").cuda_graph_capture_sizes == [1, 2, 4, 8] + list(range(16, 257, 8))
+    assert EngineConfig(device="cpu", max_num_seqs=20).cuda_graph_capture_sizes == [1, 2, 4, 8, 16, 20]
+    assert EngineConfig(device="cpu", max_num_seqs=16, cuda_graph_sizes="32, 1,4").cuda_graph_capture_sizes == [1, 4]
+    assert EngineConfig(device="cpu", cuda_graph_sizes=[8, 2]).cuda_graph_sizes == "2,8"
+
+
+@pytest.mark.parametrize("bad", ["", "1,x", "0", "2,-4", 3.5])
+def test_capture_sizes_bad_input_names_parameter(bad):
+    with pytest.raises(InvalidRequestError) as e:
+        EngineConfig(device="cpu", cuda_graph_sizes=bad)
+    assert e.value.param == "cuda_graph_sizes"
+
+
+def test_enforce_eager_must_be_bool():
+    with pytest.raises(InvalidRequestError) as e:
+        EngineConfig(device="cpu", enforce_eager="yes")
+    assert e.value.param == "enforce_eager"
+
+
+def test_pick_bucket():
+    sizes = [1, 2, 4, 8, 16, 24]
+    assert [pick_bucket(b, sizes) for b in (1, 2, 3, 5, 16, 17, 24, 25)] == [1, 2, 4, 8, 16, 24, 24, None]
+
+
+def _decode_batch(n: int) -> BatchInput:
+    return BatchInput(
+        input_ids=[10 + i for i in range(n)], positions=[5 + i for i in range(n)],
+        slot_mapping=[100 + i for i in range(n)], query_lens=[1] * n, seq_lens=[6 + i for i in range(n)],
+        block_tables=[[i + 1] * (1 + i % 2) for i in range(n)], logits_indices=list(range(n)),
+        state_slots=[i + 1 for i in range(n)])
+
+
+def test_is_pure_decode():
+    assert is_pure_decode(_decode_batch(3))
+    prefill = _decode_batch(2)
+    prefill.query_lens, prefill.input_ids = [2, 1], [1, 2, 3]
+    assert not is_pure_decode(prefill)
+    reordered = _decode_batch(2)
+    reordered.logits_indices = [1, 0]
+    assert not is_pure_decode(reordered)
+
+
+def test_pad_decode_layout():
+    batch = _decode_batch(3)
+    p = pad_decode(batch, 4)
+    b = 4
+    assert p.bucket == 4 and p.width == 2
+    ids, pos, slots, states = (p.int64[i * b : (i + 1) * b] for i in range(4))
+    assert ids == [10, 11, 12, 0] and pos == [5, 6, 7, 0]
+    assert slots == [100, 101, 102, PAD_SLOT]
+    assert states == [1, 2, 3, PAD_STATE_SLOT]
+    assert p.int32[:b] == [6, 7, 8, 0]  # padding rows have seq_len 0
+    tables = [p.int32[b + r * 2 : b + (r + 1) * 2] for r in range(b)]
+    assert tables == [[1, 0], [2, 2], [3, 0], [0, 0]]  # null-block padded
+    with pytest.raises(ValueError, match="bucket"):
+        pad_decode(batch, 2)
+
+
+def test_cpu_runner_has_no_graphs():
+    from qsaserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model="qwen4exp-tiny", load_format="dummy", device="cpu", max_model_len=64,
+                                    kv_cache_memory=1 << 20), progress=False)
+    assert engine.executor.runner.graphs is None
+    assert engine.executor.runner.graphs_off_reason == "not a CUDA device"
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+def _generate(model: str, enforce_eager: bool, batch: int, replays: list | None = None):
+    from qsaserve.engine.llm_engine import LLMEngine
+    from qsaserve.sampling_params import SamplingParams
+
+    config = EngineConfig(model=model, load_format="dummy", device="cuda", dtype="float32", max_model_len=256,
+                          kv_cache_memory=256 << 20, enforce_eager=enforce_eager, cuda_graph_sizes="1,2,4,8,16,24")
+    engine = LLMEngine(config, progress=False)
+    runner = engine.executor.runner
+    assert (runner.graphs is None) == enforce_eager
+    if runner.graphs is not None and replays is not None:
+        original = runner.graphs.replay
+        runner.graphs.replay = lambda b, bucket: (replays.append(bucket), original(b, bucket))[1]
+    gen = torch.Generator().manual_seed(batch)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    for i in range(batch):
+        prompt = torch.randint(3, 1000, (5 + 7 * i,), generator=gen).tolist()
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0]
+    engine.shutdown()
+    del engine, runner
+    torch.cuda.empty_cache()
+    return [done[str(i)] for i in range(batch)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["smollm2-135m", "llama-1b"])
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_graph_equals_eager(model, batch):
+    replays: list[int] = []
+    graph = _generate(model, enforce_eager=False, batch=batch, replays=replays)
+    eager = _generate(model, enforce_eager=True, batch=batch)
+    expected_bucket = pick_bucket(batch, [1, 2, 4, 8, 16, 24])
+    assert replays and set(replays) == {expected_bucket}  # decode steps replayed the padded bucket
+    for g, e in zip(graph, eager):
+        assert g.token_ids == e.token_ids
+        for lg, le in zip(g.logprobs, e.logprobs):
+            tok = next(iter(lg))
+            assert lg[tok].logprob == pytest.approx(le[tok].logprob, abs=2e-3)
+
+
+@pytest.mark.gpu
+def test_graph_memory_is_released_on_rebind():
+    from qsaserve.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model="smollm2-135m", load_format="dummy", device="cuda", max_model_len=256,
+                                    kv_cache_memory=64 << 20, cuda_graph_sizes="1,2"), progress=False)
+    runner = engine.executor.runner
+    assert isinstance(runner.graphs, DecodeGraphs) and sorted(runner.graphs.graphs) == [1, 2]
+    engine.shutdown()
+    assert runner.graphs is None
