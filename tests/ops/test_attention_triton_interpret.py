@@ -28,32 +28,15 @@ import pytest
 import torch
 
 from qsaserve.ops.attention.dcp_reference import paged_attention_partial as partial_reference
-from qsaserve.ops.attention.reference import paged_attention_reference, write_kv_reference
+from qsaserve.ops.attention.reference import write_kv_reference
 from qsaserve.parallel.dcp import DcpGeometry
-from qsaserve.quant.fp8 import FP8_E4M3, quantize_fp8
+from qsaserve.quant.fp8 import FP8_E4M3
 
-from test_attention_triton import check_close, make_case
+from test_attention_triton import check_close
+from test_attention_triton_fp8 import fp8_case, nan_bytes, ref_fp8
 
 BF16 = torch.bfloat16
 F16 = torch.float16
-
-
-def nan_bytes(shape, byte=0x7F):
-    return torch.full(shape, byte, dtype=torch.uint8).view(FP8_E4M3)
-
-
-def fp8_case(specs, hq, hkv, d, page, seed, k_scale, v_scale):
-    """make_case's layout with E4M3 pages: context tokens quantized with the scales, every unused
-    byte (null block 0, free blocks, page tails) an E4M3 NaN (0x7F, the null block 0xFF)."""
-    q, k, v, cache32, meta = make_case(specs, hq, hkv, d, page, torch.float32, "cpu", seed=seed, poison=float("nan"))
-    cache = torch.stack([quantize_fp8(cache32[0], k_scale), quantize_fp8(cache32[1], v_scale)])
-    cache[:, 0] = nan_bytes(cache[:, 0].shape, 0xFF)
-    return q.to(F16), k, v, cache, meta
-
-
-def ref_fp8(q, cache, meta, scale, k_scale, v_scale):
-    return paged_attention_reference(q.float(), cache, meta.block_tables, meta.query_lens, meta.seq_lens_list, scale,
-                                     k_scale=k_scale, v_scale=v_scale)
 
 
 def check_write_kv_fp8_bit_equal_to_reference(tp):
@@ -96,7 +79,7 @@ def check_fp8_decode_and_prefill_poisoned_pages(tp):
     hq, hkv, d, page = 4, 2, 32, 8
     ks, vs = torch.tensor(0.02), torch.tensor(0.015)
     specs = [(1, 1), (1, 75), (2, 130), (40, 90), (1, 9)]
-    q, k, v, cache, meta = fp8_case(specs, hq, hkv, d, page, seed=3, k_scale=ks, v_scale=vs)
+    q, k, v, cache, meta = fp8_case(specs, hq, hkv, d, page, 3, ks, vs, qdtype=F16)
     tp.write_kv(k.to(F16), v.to(F16), cache, meta.slot_mapping, ks, vs)
     out = tp.paged_attention(q, cache, meta, d**-0.5, k_scale=ks, v_scale=vs)
     ref = ref_fp8(q, cache, meta, d**-0.5, ks, vs)
@@ -117,7 +100,7 @@ def check_padding_rows_and_bound_seq_lens(tp):
     hq, hkv, d, page = 8, 2, 32, 8
     ks, vs = torch.tensor(0.03), torch.tensor(0.02)
     specs = [(1, 300), (1, 3), (1, 41)]
-    q, k, v, cache, meta = fp8_case(specs, hq, hkv, d, page, seed=5, k_scale=ks, v_scale=vs)
+    q, k, v, cache, meta = fp8_case(specs, hq, hkv, d, page, 5, ks, vs, qdtype=F16)
     ref_cache = cache.clone()
     tp.write_kv(k.to(F16), v.to(F16), ref_cache, meta.slot_mapping, ks, vs)
     ref = ref_fp8(q, ref_cache, meta, d**-0.5, ks, vs)

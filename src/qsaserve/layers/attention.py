@@ -6,6 +6,7 @@ Triton kernels on GPU); models only see this module.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,26 @@ try:  # Triton kernels for CUDA tensors; CPU-only installs keep the reference
     from qsaserve.ops.attention import triton_paged as _triton
 except ImportError:
     _triton = None
+
+# The reference writer learns `k_offset` with the K-offset calibration; until then the offset is
+# subtracted here, which is the same arithmetic.
+_REF_TAKES_K_OFFSET = "k_offset" in inspect.signature(write_kv_reference).parameters
+
+
+def write_kv_ref(k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor) -> None:
+    """Reference cache write of a layer's K/V with its FP8 scales and K offset (if any)."""
+    k_offset = getattr(cache, "k_offset", None)
+    if _REF_TAKES_K_OFFSET:
+        write_kv_reference(k, v, cache.kv, slots, cache.k_scale, cache.v_scale, k_offset=k_offset)
+        return
+    if k_offset is not None:
+        k = k.float() - k_offset
+    write_kv_reference(k, v, cache.kv, slots, cache.k_scale, cache.v_scale)
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Triton kernels for CUDA tensors (any KV dtype, FP8 E4M3 included); the reference elsewhere."""
+    return _triton is not None and x.is_cuda
 
 
 @dataclass
@@ -55,12 +76,12 @@ class Attention(nn.Module):
         cache = self.cache
         if cache.observer is not None:
             cache.observer(k, v)
-        # The Triton kernels do not read FP8 pages yet: an FP8 cache takes the reference path.
-        if _triton is not None and q.is_cuda and cache.k_scale is None:
-            _triton.write_kv(k, v, self.kv_cache, meta.slot_mapping)
-            out = _triton.paged_attention(q, self.kv_cache, meta, self.scale)
+        if use_triton(q):
+            _triton.write_kv(k, v, cache.kv, meta.slot_mapping, cache.k_scale, cache.v_scale,
+                             k_offset=getattr(cache, "k_offset", None))
+            out = _triton.paged_attention(q, cache.kv, meta, self.scale, k_scale=cache.k_scale, v_scale=cache.v_scale)
         else:
-            write_kv_reference(k, v, cache.kv, meta.slot_mapping, cache.k_scale, cache.v_scale)
+            write_kv_ref(k, v, cache, meta.slot_mapping)
             out = paged_attention_reference(q, cache.kv, meta.block_tables, meta.query_lens, meta.seq_lens_list, self.scale,
                                             k_scale=cache.k_scale, v_scale=cache.v_scale)
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -1,15 +1,31 @@
 """Attention under decode context parallelism: each rank stores the K/V of the tokens it owns
 (parallel/dcp.py says which), attends the DCP group's query heads over that shard, and the
-partials are merged so each rank ends with its own heads' exact attention."""
+partials are merged so each rank ends with its own heads' exact attention.
+
+The shard attention is the Triton kernels' partial mode on CUDA (fp32 out + base-2 LSE over the
+rank's local rows, causal on global positions) and the plain-torch dcp_reference elsewhere."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from qsaserve.cache.kv_cache import LayerCache
-from qsaserve.layers.attention import AttentionMetadata
+from qsaserve.layers.attention import AttentionMetadata, _triton, use_triton, write_kv_ref
 from qsaserve.ops.attention.dcp_reference import paged_attention_partial
-from qsaserve.ops.attention.reference import write_kv_reference
+
+
+def shard_keys(meta: AttentionMetadata, dcp, device: torch.device):
+    """This step's triton_paged.ShardKeys for the rank (`dcp`: a DcpGeometry): built once per step
+    (one host-to-device copy of the local lengths) and shared by every layer through `meta`."""
+    key = ("_dcp_shard_keys", str(device))
+    keys = meta.__dict__.get(key)
+    if keys is None:
+        lens = meta.dcp.local_seq_lens
+        t = torch.tensor(lens, dtype=torch.int32)
+        t = t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+        keys = _triton.ShardKeys(dcp.size, dcp.rank, dcp.interleave, t, list(lens))
+        meta.__dict__[key] = keys
+    return keys
 
 
 class DcpAttention(nn.Module):
@@ -31,9 +47,17 @@ class DcpAttention(nn.Module):
         cache = self.cache
         if cache.observer is not None:  # KV-scale calibration sees every new K/V, owned here or not
             cache.observer(k, v)
-        write_kv_reference(k[plan.write_rows], v[plan.write_rows], cache.kv, plan.write_slots, cache.k_scale, cache.v_scale)
         q_group = self.ctx.dcp_gather_heads(q.view(t, self.num_heads, self.head_dim))
-        keys = self.ctx.dcp.key_positions(max(plan.local_seq_lens), q.device)
-        out, lse = paged_attention_partial(q_group, cache.kv, meta.block_tables, meta.query_lens, meta.seq_lens_list,
-                                           plan.local_seq_lens, keys, self.scale, cache.k_scale, cache.v_scale)
+        if use_triton(q):
+            _triton.write_kv(k[plan.write_rows], v[plan.write_rows], cache.kv, plan.write_slots, cache.k_scale,
+                             cache.v_scale, k_offset=getattr(cache, "k_offset", None))
+            out, lse = _triton.paged_attention_partial(q_group, cache.kv, meta, self.scale,
+                                                       shard_keys(meta, self.ctx.dcp, q.device),
+                                                       cache.k_scale, cache.v_scale)
+        else:
+            write_kv_ref(k[plan.write_rows], v[plan.write_rows], cache, plan.write_slots)
+            keys = self.ctx.dcp.key_positions(max(plan.local_seq_lens), q.device)
+            out, lse = paged_attention_partial(q_group, cache.kv, meta.block_tables, meta.query_lens,
+                                               meta.seq_lens_list, plan.local_seq_lens, keys, self.scale,
+                                               cache.k_scale, cache.v_scale)
         return self.ctx.dcp_merge(out, lse).to(q.dtype).reshape(t, -1)
