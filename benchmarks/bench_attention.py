@@ -5,7 +5,12 @@ paged cache with shuffled blocks vs SDPA over contiguous K/V (enable_gqa). Prefi
 TFLOP/s (4*Hq*D per visible query-key pair) vs SDPA's flash backend. Timing: triton's do_bench
 (L2 flushed between runs), median.
 
-    python benchmarks/bench_attention.py [--sections env,copy,decode,sweep,prefill,write] [--out f.json]
+FP8 (section fp8): bf16 vs FP8 E4M3 pages for the same decode (batch 8 at 8K/32K/128K): time,
+effective TB/s of the K/V bytes each dtype reads, the fp8/bf16 speedup, and the KV capacity in
+tokens each dtype gives at one byte budget (KVCacheSpec.num_blocks_for); SDPA over contiguous
+bf16 K/V is the peer. `--sections env,fp8` takes well under 3 minutes on an H200.
+
+    python benchmarks/bench_attention.py [--sections env,copy,decode,fp8,sweep,prefill,write] [--out f.json]
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
+from qsaserve.cache.kv_cache import KVCacheSpec
 from qsaserve.ops.attention import triton_paged as tp
 
 HQ, HKV, D = 32, 8, 128
@@ -227,6 +233,49 @@ def decode_diag(args):
     return rows
 
 
+def kv_capacity(budget_gib: float, num_layers: int, page: int) -> dict:
+    """Tokens of KV that fit in budget_gib for a model of num_layers layers of this geometry."""
+    out = {"budget_gib": budget_gib, "num_layers": num_layers, "block_size": page}
+    for name, dtype in (("bf16", DT), ("fp8", torch.float8_e4m3fn)):
+        spec = KVCacheSpec(num_layers=num_layers, num_kv_heads=HKV, head_dim=D, dtype=DT, block_size=page, kv_dtype=dtype)
+        out[f"{name}_tokens"] = spec.num_blocks_for(int(budget_gib * 2**30)) * page
+    out["fp8_over_bf16"] = out["fp8_tokens"] / out["bf16_tokens"]
+    return out
+
+
+def fp8_table(args):
+    """bf16 vs FP8 E4M3 pages, same decode batch, same shuffled block tables."""
+    b, page = 8, 16
+    ks = torch.tensor(0.05, device="cuda")
+    vs = torch.tensor(0.05, device="cuda")
+    rows = []
+    for ctx in (8192, 32768, 131072):
+        meta, nb = make_meta([1] * b, [ctx] * b, page, "cuda", seed=ctx)
+        q = rand_(torch.empty(b, HQ, D, dtype=DT, device="cuda"))
+        out = torch.empty_like(q)
+        elems = b * ctx * HKV * D * 2  # K and V values read
+        row = {"batch": b, "ctx": ctx, "kv_gb_bf16": elems * 2 / 1e9, "kv_gb_fp8": elems / 1e9}
+        cache = rand_(torch.empty(2, nb, page, HKV, D, dtype=DT, device="cuda"))
+        t = bench(lambda: tp.paged_attention(q, cache, meta, D**-0.5, out=out))
+        row.update(bf16_us=t * 1e6, bf16_tb_s=elems * 2 / t / 1e12)
+        cache8 = (cache / 0.05).to(torch.float8_e4m3fn)  # |x| <= 80: finite E4M3
+        del cache
+        t8 = bench(lambda: tp.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=vs))
+        row.update(fp8_us=t8 * 1e6, fp8_tb_s=elems / t8 / 1e12, fp8_speedup=t / t8)
+        big = tp.DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=1)
+        tb = bench(lambda: tp.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=vs, decode_config=big))
+        row.update(fp8_bn128_us=tb * 1e6, fp8_bn128_tb_s=elems / tb / 1e12)
+        del cache8
+        torch.cuda.empty_cache()
+        ts = sdpa_decode_time(b, ctx)
+        row.update(sdpa_bf16_us=ts * 1e6, sdpa_bf16_tb_s=elems * 2 / ts / 1e12, fp8_over_sdpa=ts / t8)
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return {"rows": rows, "capacity": kv_capacity(args.kv_budget_gib, args.num_layers, page),
+            "scales": {"k": 0.05, "v": 0.05}}
+
+
 def prefill_flops(q_lens, s_lens):
     pairs = sum(sum(s - q + j + 1 for j in range(q)) for q, s in zip(q_lens, s_lens))
     return 4 * HQ * D * pairs
@@ -306,7 +355,9 @@ def write_bench(args):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sections", default="env,copy,decode,prefill,write")
+    ap.add_argument("--sections", default="env,copy,decode,fp8,prefill,write")
+    ap.add_argument("--kv-budget-gib", type=float, default=100.0, help="byte budget for the fp8 section's KV capacity")
+    ap.add_argument("--num-layers", type=int, default=32, help="attention layers for the fp8 section's KV capacity")
     ap.add_argument("--pages", default="16", help="block sizes for the decode table, e.g. 16,32")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=None)
@@ -325,6 +376,9 @@ def main():
         print(json.dumps(res["copy"]), flush=True)
     if "decode" in secs:
         res["decode"] = decode_table(args)
+    if "fp8" in secs:
+        res["fp8_decode"] = fp8_table(args)
+        print(json.dumps(res["fp8_decode"]["capacity"]), flush=True)
     if "diag" in secs:
         res["decode_diag"] = decode_diag(args)
     if "prefill" in secs:
@@ -347,6 +401,14 @@ def main():
         p = args.pages[0]
         print(f"decode B{r['batch']:>3} ctx{r['ctx']:>7}: triton {r[f'triton_p{p}_tb_s']:.2f} TB/s  sdpa {r['sdpa_tb_s']:.2f}  "
               f"ratio {r[f'ratio_p{p}']:.2f}  splits {r['splits']}")
+    if "fp8_decode" in res:
+        for r in res["fp8_decode"]["rows"]:
+            print(f"fp8 decode B{r['batch']} ctx{r['ctx']:>7}: bf16 {r['bf16_us']:.0f}us ({r['bf16_tb_s']:.2f} TB/s)  "
+                  f"fp8 {r['fp8_us']:.0f}us ({r['fp8_tb_s']:.2f} TB/s, bn128 {r['fp8_bn128_tb_s']:.2f})  "
+                  f"speedup {r['fp8_speedup']:.2f}  sdpa bf16 {r['sdpa_bf16_us']:.0f}us")
+        c = res["fp8_decode"]["capacity"]
+        print(f"KV capacity at {c['budget_gib']} GiB, {c['num_layers']} layers: bf16 {c['bf16_tokens']} tokens, "
+              f"fp8 {c['fp8_tokens']} tokens ({c['fp8_over_bf16']:.2f}x)")
     for r in res.get("decode_diag", []):
         print(f"diag B{r['batch']} ctx{r['ctx']}: host {r['host_us_per_call']:.0f}us eager {r['eager_us']:.0f}us graph {r['graph_us']:.0f}us "
               f"(sdpa eager {r['sdpa_eager_us']:.0f} graph {r['sdpa_graph_us']:.0f}) graph ratio {r['graph_ratio']:.2f} "
