@@ -141,7 +141,8 @@ def run_interpreter_checks() -> None:
 def test_kernels_match_references_under_triton_interpreter():
     pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    code = f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); import test_qsa_triton as t; t.run_interpreter_checks()"
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_qsa_triton as t; t.run_interpreter_checks()"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("ok ") == len(INTERPRETER_CHECKS)

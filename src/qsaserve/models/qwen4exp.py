@@ -278,7 +278,8 @@ class Qwen4ExpForCausalLM(nn.Module):
         spans = _spans(meta.query_lens)
         dev = input_ids.device
         return _Step(decode=False, spans=spans, slots=list(meta.state_slots),
-                     slot_idx=torch.tensor(meta.state_slots, device=dev), cu_seqlens=torch.tensor([0] + [b for _, b in spans], device=dev))
+                     slot_idx=torch.tensor(meta.state_slots, device=dev),
+                     cu_seqlens=torch.tensor([0] + [b for _, b in spans], device=dev))
 
     def _decode_step(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> "_Step":
         """One token per sequence: everything comes from device tensors, shapes from tensor shapes,

@@ -113,3 +113,48 @@ def test_decode_path_matches_prefill_path_and_ignores_padding(runner, monkeypatc
     torch.testing.assert_close(padded[[1, 3, 4, 5]], fast, atol=1e-5, rtol=1e-5)
     for a, b in zip(fast_state, _real_parts(runner, tables + [[10]], slots + [4])):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [3, 40])  # gathered experts (rows * k < E) and every expert at once
+def test_sync_free_moe_equals_looped_experts(rows):
+    from qsaserve.models.qwen4exp_blocks import moe_experts, moe_experts_sync_free, moe_router
+
+    gen = torch.Generator().manual_seed(rows)
+    h, inter, e, k = 16, 8, 12, 3
+    x = torch.randn(rows, h, generator=gen)
+    gate_up, down = torch.randn(e, 2 * inter, h, generator=gen), torch.randn(e, h, inter, generator=gen)
+    _, w, idx = moe_router(x, torch.randn(e, h, generator=gen), k, True)
+    torch.testing.assert_close(moe_experts_sync_free(x, idx, w, gate_up, down), moe_experts(x, idx, w, gate_up, down),
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_decode_step_has_no_host_sync_on_gpu(tmp_path):
+    """A decode step (with padding rows) on CUDA runs under torch's sync debug mode "error"."""
+    model = build_random_model(make_config(budget=12, ple_layer_ids=(1, 3)), seed=4)
+    llm = LLM(save(model, tmp_path), dtype="bfloat16", device="cuda", max_model_len=128, block_size=BLOCK, progress=False,
+              gpu_memory_utilization=0.3)
+    runner = llm.engine.executor.runner
+    m = runner.model
+    prompt_rows = [(15, 15, [1, 2], 1, list(range(15))), (9, 9, [3, 4], 2, list(range(9)))]
+
+    def run(rows, ids, sync_check):
+        meta = _meta(rows)
+        for f in ("slot_mapping", "block_tables", "seq_lens", "cu_query_lens"):
+            setattr(meta, f, getattr(meta, f).cuda())
+        meta.state_slots_t = torch.tensor(meta.state_slots, device="cuda")
+        positions = torch.tensor([max(p, 0) for r in rows for p in r[4]], device="cuda")
+        ids = torch.tensor(ids, device="cuda")
+        torch.cuda.synchronize()
+        with torch.inference_mode():
+            torch.cuda.set_sync_debug_mode("error" if sync_check else "default")
+            try:
+                out = m(ids, positions, meta)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            return m.compute_logits(out)
+
+    run(prompt_rows, list(range(5, 20)) + list(range(5, 14)), False)
+    pad = (1, 0, [], 0, [-1])
+    logits = run([(1, 16, [1, 2], 1, [15]), pad, (1, 10, [3, 4], 2, [9]), pad], [7, 0, 9, 0], True)
+    assert torch.isfinite(logits).all()

@@ -36,7 +36,8 @@ def _sparse_kernel(
     stride_qt, stride_qh, stride_c2, stride_cb, stride_ct, stride_ch, stride_bt, stride_it,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
-    D: tl.constexpr, D_POW2: tl.constexpr, PAGE: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, FP8: tl.constexpr, IEEE: tl.constexpr,
+    D: tl.constexpr, D_POW2: tl.constexpr, PAGE: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, FP8: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     t = tl.program_id(0)
     kvh = tl.program_id(1)

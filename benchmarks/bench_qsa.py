@@ -1,0 +1,185 @@
+"""One QSA layer's decode attention vs dense paged decode over the same context. Prints JSON.
+
+qwen4exp-small shapes (models/presets.py): 16 query heads, 2 KV heads, head_dim 256, indexer 16
+heads x 128, budget 2048, r 4; bf16 pages of 16 tokens over shuffled blocks. QSA = indexer
+scoring of every visible block key + top-k and token list on device + sparse attention over the
+selected budget + r - 1 tokens (the model's decode path, ops only). Dense = the Triton split-KV
+paged decode (ops/attention/triton_paged.paged_decode) over the whole context. Contexts 8K-256K at
+batch 1 and 8; CUDA-event timing (median of repeats), eager and, for QSA, replayed as a CUDA graph.
+Optionally (--model) one whole-model decode step of qwen4exp-small (load_format="dummy") through LLM.
+
+    PYTHONPATH=src python benchmarks/bench_qsa.py [--out f.json] [--model]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from qsaserve.ops.attention.triton_paged import paged_decode
+from qsaserve.ops.qsa_attention.triton_sparse import sparse_attention_paged_triton
+from qsaserve.ops.qsa_indexer.paged import select_decode_tokens
+from qsaserve.ops.qsa_indexer.triton_score import decode_index_scores_triton
+
+HQ, HKV, D, HI, DI, BUDGET, R, PAGE = 16, 2, 256, 16, 128, 2048, 4, 16
+CONTEXTS = [8192, 32768, 131072, 262144]
+BATCHES = [1, 8]
+DT = torch.bfloat16
+
+
+def time_ms(fn, iters=30, repeats=5) -> float:
+    """Median over `repeats` of the mean time of `iters` back-to-back calls (CUDA events)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        out.append(start.elapsed_time(end) / iters)
+    return statistics.median(out)
+
+
+def graph_ms(fn) -> float | None:
+    """The same call captured in a CUDA graph and replayed (launch overhead removed)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay)
+
+
+def make_case(batch: int, context: int, num_blocks: int, dev, seed: int):
+    """Block tables of `batch` sequences of `context` tokens over shuffled blocks; decode queries."""
+    per_seq = context // PAGE
+    rng = random.Random(seed)
+    ids = list(range(1, num_blocks))
+    rng.shuffle(ids)
+    tables = torch.tensor([ids[b * per_seq:(b + 1) * per_seq] for b in range(batch)], dtype=torch.int32, device=dev)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn(batch, HQ, D, generator=gen, device=dev).to(DT)
+    iq = torch.randn(batch, HI, DI, generator=gen, device=dev).to(DT)
+    return tables, seq_lens, q, iq
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--model", action="store_true", help="also time a whole-model decode step (qwen4exp-small, dummy)")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    results = run_ops(torch.device("cuda"))
+    torch.cuda.empty_cache()
+    summary = {}
+    for batch in BATCHES:
+        by_ctx = {r["context"]: r for r in results if r["batch"] == batch}
+        summary[f"b{batch}"] = dict(
+            qsa_t256k_over_t8k=by_ctx[262144]["qsa_ms"] / by_ctx[8192]["qsa_ms"],
+            dense_t256k_over_t8k=by_ctx[262144]["dense_ms"] / by_ctx[8192]["dense_ms"],
+            dense_over_qsa_128k=by_ctx[131072]["dense_ms"] / by_ctx[131072]["qsa_ms"],
+        )
+    report = dict(
+        date=datetime.datetime.now().isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        shapes=dict(hq=HQ, hkv=HKV, head_dim=D, indexer_heads=HI, indexer_dim=DI, budget=BUDGET, ratio=R, page=PAGE,
+                    dtype=str(DT)),
+        results=results, summary=summary,
+    )
+    if args.model:
+        report["model_decode"] = model_decode_step()
+    report["wall_s"] = time.perf_counter() - t_start
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+def run_ops(dev: torch.device) -> list[dict]:
+    """Every (batch, context) case over one shared page pool; one JSON line per case as it ends."""
+    max_tokens = max(CONTEXTS) * max(BATCHES)
+    num_blocks = max_tokens // PAGE + 1
+    # One pool for every case, filled with random values (null block 0 included).
+    kv = torch.randn(2, num_blocks, PAGE, HKV, D, device=dev, dtype=DT)
+    block_keys = torch.randn(num_blocks, PAGE // R, DI, device=dev, dtype=DT)
+    scale = D ** -0.5
+    results = []
+    for batch in BATCHES:
+        for context in CONTEXTS:
+            tables, seq_lens, q, iq = make_case(batch, context, num_blocks, dev, seed=batch * 7 + context)
+            pos = (seq_lens - 1).long()
+            cu = torch.arange(batch + 1, dtype=torch.int32, device=dev)
+            dense_out = torch.empty_like(q)
+            state = {}
+
+            def score():
+                state["scores"] = decode_index_scores_triton(iq, block_keys, tables, pos, R)
+
+            def select():
+                state["sel"] = select_decode_tokens(state["scores"], pos, R, BUDGET)
+
+            def attend():
+                state["out"] = sparse_attention_paged_triton(q, kv, tables, state["sel"], scale)
+
+            def qsa():
+                score()
+                select()
+                attend()
+
+            def dense():
+                paged_decode(q, kv, tables, seq_lens, cu, dense_out, scale, num_seqs=batch, max_seq_len=context)
+
+            qsa()
+            row = dict(batch=batch, context=context, selected_tokens=int((state["sel"] >= 0).sum(1).max()),
+                       score_ms=time_ms(score), select_ms=time_ms(select), attention_ms=time_ms(attend),
+                       qsa_ms=time_ms(qsa), dense_ms=time_ms(dense))
+            try:
+                row["qsa_graph_ms"] = graph_ms(qsa)
+            except RuntimeError as e:  # keep the eager numbers if capture fails
+                row["qsa_graph_ms"] = None
+                row["graph_error"] = str(e)[:200]
+            row["dense_over_qsa"] = row["dense_ms"] / row["qsa_ms"]
+            results.append(row)
+            print(json.dumps(row), flush=True)
+    return results
+
+
+def model_decode_step(prompt_len: int = 8192, batch: int = 8, new_tokens: int = 16) -> dict:
+    """Whole qwen4exp-small (random weights) through LLM: time per decode step at a given context."""
+    from qsaserve import LLM, SamplingParams
+
+    llm = LLM("qwen4exp-small", load_format="dummy", max_model_len=prompt_len + new_tokens + 8, progress=False,
+              gpu_memory_utilization=0.8)
+    prompts = [{"prompt_token_ids": [random.Random(i).randrange(4, 1000) for _ in range(prompt_len)]} for i in range(batch)]
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate(prompts[:1], first, use_tqdm=False)  # warm up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    llm.generate(prompts, first, use_tqdm=False)
+    torch.cuda.synchronize()
+    prefill = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens + 1, ignore_eos=True), use_tqdm=False)
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    step = (total - prefill) / new_tokens
+    return dict(prompt_len=prompt_len, batch=batch, new_tokens=new_tokens, prefill_s=prefill, decode_step_ms=step * 1e3,
+                decode_tok_s=batch / step)
+
+
+if __name__ == "__main__":
+    main()
