@@ -624,14 +624,14 @@ def _use_triton(x: torch.Tensor) -> bool:
 
 
 def _write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store K/V rows at `slots` (-1: not stored here). The Triton writer skips -1 slots; the
-    reference path (CPU, FP8 pages, K offsets) sends them to the null block's slot 0, which no
-    reader ever attends to."""
+    """Store K/V rows at `slots` (-1: not stored here), quantizing for FP8 pages and subtracting a
+    K offset when the layer has one. The Triton writer (CUDA) skips -1 slots; the reference path
+    (CPU) sends them to the null block's slot 0, which no reader ever attends to."""
     k_offset = getattr(cache, "k_offset", None)
-    if _triton_paged is not None and k.is_cuda and cache.k_scale is None and k_offset is None:
-        _triton_paged.write_kv(k, v, cache.kv, slots)
-        return
     extra = {} if k_offset is None else {"k_offset": k_offset}
+    if _triton_paged is not None and k.is_cuda:
+        _triton_paged.write_kv(k, v, cache.kv, slots, cache.k_scale, cache.v_scale, **extra)
+        return
     write_kv_reference(k, v, cache.kv, slots.clamp_min(0), cache.k_scale, cache.v_scale, **extra)
 
 
