@@ -49,7 +49,7 @@ def _quantize_e4m3(x, scale):
     """fp32 x -> x / scale clamped to +-448 and rounded to nearest-even on the E4M3 grid, as an
     fp32 value that E4M3 holds exactly (so the final cast cannot round differently). Bit-equal to
     torch's `(x / scale).clamp(-448, 448).to(float8_e4m3fn)`, on every backend."""
-    y = tl.math.div_rn(x, scale)  # IEEE division, like torch
+    y = tl.math.div_rn(x, tl.broadcast_to(scale, x.shape))  # IEEE division, like torch (`/` is approximate)
     y = tl.minimum(tl.maximum(y, -_E4M3_MAX), _E4M3_MAX)
     bits = y.to(tl.int32, bitcast=True)
     # Spacing of E4M3 values around y: 2**(e - 3) for normals (3 mantissa bits), 2**-9 below 2**-6.
