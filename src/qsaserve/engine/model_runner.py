@@ -83,8 +83,9 @@ class ModelRunner:
             return "enforce_eager"
         if self.parallel.tp_size > 1 or self.parallel.dcp.enabled:
             return "tensor / decode-context parallelism"
-        if self.kv_quant.is_fp8:
-            return "an FP8 KV cache (reference attention path)"
+        tables = getattr(self.model, "ple_tables", None) or {}
+        if any(t.placement != "gpu" for t in tables.values()):
+            return "PLE rows are gathered from host RAM or disk each step (--ple-placement gpu allows graphs)"
         if not isinstance(self.model, LlamaForCausalLM) and not getattr(self.model, "supports_cuda_graph", False):
             return f"{type(self.model).__name__} does not declare supports_cuda_graph"
         if not self.config.cuda_graph_capture_sizes:
