@@ -265,3 +265,41 @@ def test_triton_module_imports_without_cuda():
     assert plan.decode_ids.tolist() == [0, 2, 3]
     assert plan.tiles.tolist() == [[1, 256], [1, 128], [1, 0]]
     assert math.isfinite(tp._LOG2E)
+
+
+def test_kernels_compile_for_hopper():
+    """Every kernel variant the engine launches (FP8 E4M3 / bf16 pages, K offset, split-KV merge
+    with LSE, DCP shard positions, head_dim 80) compiles to an sm_90 cubin: the interpreter does
+    not catch what only the compiler rejects. Needs Triton's NVIDIA backend (ptxas ships with it),
+    not a GPU."""
+    triton = pytest.importorskip("triton")
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from qsaserve.ops.attention import triton_paged as tp
+
+    if "nvidia" not in backends:
+        pytest.skip("Triton has no NVIDIA backend here")
+
+    def build(fn, types, consts):
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+        return triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": 3})
+
+    page_args = {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "key_lens_ptr": "*i32", "cu_q_ptr": "*i32",
+                 "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
+    build(tp._write_kv_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "slot_ptr": "*i64",
+                                "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "k_off_ptr": "*fp32"},
+          dict(H=8, H_POW2=8, D=128, D_POW2=128, PAGE=16, IS_FP8=True, HAS_K_OFFSET=True))
+    for fp8, single, dcp in ((True, False, 2), (True, True, 1), (False, False, 1)):
+        build(tp._decode_kernel, {**page_args, "q_ptr": "*bf16", "cache_ptr": "*fp8e4nv" if fp8 else "*bf16",
+                                  "seq_ids_ptr": "*i32", "out_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"},
+              dict(G=4, QLEN_MAX=2, BLOCK_M=16, BLOCK_N=64, D=128, D_POW2=128, PAGE=16, HAS_SEQ_IDS=True,
+                   SINGLE_SPLIT=single, IS_FP8=fp8, WRITE_LSE=dcp > 1, DCP_SIZE=dcp, DCP_I=8))
+    build(tp._merge_kernel, {"out_ptr": "*fp32", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
+                             "key_lens_ptr": "*i32", "cu_q_ptr": "*i32", "seq_ids_ptr": "*i32"},
+          dict(QLEN_MAX=1, S_POW2=64, S_BLOCK=16, D=128, D_POW2=128, HAS_SEQ_IDS=False, WRITE_LSE=True))
+    build(tp._prefill_kernel, {**page_args, "q_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "tiles_ptr": "*i32",
+                               "out_ptr": "*fp32"},
+          dict(G=4, BLOCK_M=128, BLOCK_N=64, D=80, D_POW2=128, PAGE=16, IS_FP8=True, WRITE_LSE=True, DCP_SIZE=2, DCP_I=1))
