@@ -1,6 +1,7 @@
 """Batched QSA decode helpers (plain torch, device-only) against the per-sequence references.
 
-The decode path pools block keys as tokens complete groups, scores one query per sequence over
+The decode path keeps each sequence's open group of raw index keys in its state slot and pools
+block keys as tokens complete groups, scores one query per sequence over
 its pages, selects with the deterministic lowest-index tie rule, and attends through the block
 table. Each piece is compared with the reference it replaces: pool_block_keys, index_scores +
 select_tokens(tie_break="lowest_index"), and sparse_attention_reference over a gathered context.
@@ -40,18 +41,22 @@ def test_decode_pooling_scores_and_selection_match_references(r, page):
     di, hi, budget = 12, 3, 4 * r + 1
     lengths = [1, r - 1, r, 5 * r + 2, 9 * r]
     tables, num_blocks = _paged_layout(lengths, page)
-    raw_cache = torch.randn(num_blocks, page, di, generator=gen)
-    raw_cache[0] = float("nan")  # the null block is never read for real rows
+    raws = [torch.randn(n, di, generator=gen) for n in lengths]
     block_keys = torch.full((num_blocks, page // r, di), float("nan"))
     block_keys[0] = 0.0
     weight = torch.empty(di).uniform_(-0.5, 0.5, generator=gen)
     inv_freq = rope_inv_freq(di, 0.5, 100.0)
+    # Raw keys wait in state slots 1..B (slot 0: the scratch slot of padding rows) until pooled.
+    tails = torch.full((len(lengths) + 1, r, di), float("nan"))
     # Decode every sequence token by token; all rows step together (shorter ones idle as padding).
-    raws = [raw_cache.view(-1, di)[_slots(tables[b], torch.arange(n), page)].clone() for b, n in enumerate(lengths)]
     for p in range(max(lengths)):
         valid = torch.tensor([p < n for n in lengths])
         positions = torch.where(valid, torch.full((len(lengths),), p), torch.full((len(lengths),), -1))
-        pool_completed_groups(raw_cache, block_keys, tables, positions, valid, weight, inv_freq, r, EPS)
+        slots = torch.where(valid, torch.arange(1, len(lengths) + 1), 0)
+        raw = torch.stack([raws[b][p] if p < n else torch.randn(di, generator=gen) for b, n in enumerate(lengths)])
+        pool_completed_groups(tails, slots, raw, block_keys, tables, positions, valid, weight, inv_freq, r, EPS)
+    for b, n in enumerate(lengths):  # the open group's raw keys are where the prefill path reads them
+        torch.testing.assert_close(tails[b + 1, : n % r], raws[b][n - n % r:])
     for b, n in enumerate(lengths):
         expected = pool_block_keys(raws[b], weight, inv_freq, r, EPS)
         got = block_keys.view(-1, di)[[int(tables[b, g * r // page]) * (page // r) + (g * r % page) // r

@@ -3,8 +3,9 @@
 Layout per attention layer: one tensor [2, num_blocks, block_size, num_kv_heads, head_dim]
 (K then V), in `kv_dtype` (e.g. FP8 E4M3 with per-layer scales, see quant/) or the model dtype.
 A token's slot is block_id * block_size + offset; kernels gather by block table.
-QSA layers add two index pages per block, addressed by the same block table: raw index keys
-[num_blocks, block_size, Di] and pooled block keys [num_blocks, block_size / r, Di].
+QSA layers add one index page per block, addressed by the same block table: pooled block keys
+[num_blocks, block_size / r, Di]. Raw index keys are not paged: only the open group's (< r per
+sequence) are kept, in the model's recurrent-state slots.
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
     block_size: int
-    index_head_dim: int = 0  # QSA indexer key width (0: no index pages)
-    index_ratio: int = 1  # tokens pooled into one block key
+    index_head_dim: int = 0  # QSA indexer block-key width (0: no index pages)
+    index_ratio: int = 1  # tokens pooled into one block key (one key per index_ratio tokens)
     kv_block_size: int = 0  # K/V tokens per page on this rank; 0: block_size (differs under DCP, see parallel/dcp.py)
     kv_dtype: torch.dtype | None = None  # K/V pages only (index pages stay in `dtype`); None: dtype
 
@@ -43,9 +44,8 @@ class KVCacheSpec:
     @property
     def bytes_per_block(self) -> int:
         per_layer = 2 * self.kv_tokens_per_block * self.num_kv_heads * self.head_dim * self.kv_cache_dtype.itemsize
-        if self.index_head_dim:
-            index = self.block_size * self.index_head_dim + (self.block_size // self.index_ratio) * self.index_head_dim
-            per_layer += index * self.dtype.itemsize
+        if self.index_head_dim:  # pooled block keys only
+            per_layer += (self.block_size // self.index_ratio) * self.index_head_dim * self.dtype.itemsize
         return self.num_layers * per_layer
 
     @property
@@ -59,10 +59,10 @@ class KVCacheSpec:
 @dataclass
 class LayerCache:
     kv: torch.Tensor  # [2, num_blocks, block_size, Hkv, D]
-    index_keys: torch.Tensor | None = None  # [num_blocks, block_size, Di]
     block_keys: torch.Tensor | None = None  # [num_blocks, block_size // r, Di]
     k_scale: torch.Tensor | None = None  # 0-d fp32 device tensors, set when kv is FP8 E4M3
     v_scale: torch.Tensor | None = None
+    k_offset: torch.Tensor | None = None  # [Hkv, D] fp32 device tensor: keys are stored as k - k_offset (exact for softmax)
     observer: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # sees each write's (K, V) [T, Hkv, D] (calibration)
 
 
@@ -76,7 +76,6 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) 
         kv = zeros(2, num_blocks, spec.kv_tokens_per_block, spec.num_kv_heads, spec.head_dim, dtype=spec.kv_cache_dtype)
         cache = LayerCache(kv)
         if spec.index_head_dim:
-            cache.index_keys = zeros(num_blocks, spec.block_size, spec.index_head_dim)
             cache.block_keys = zeros(num_blocks, spec.block_size // spec.index_ratio, spec.index_head_dim)
         caches.append(cache)
     return caches

@@ -5,8 +5,8 @@ Layers (see docs/qwen4exp.md for the math, checked piecewise against transformer
   per layer: [PLE] -> GatedResidual -> GDN or QSA -> inject -> GatedResidual -> MoE -> inject
   final GatedResidual mixer -> lm_head
 Per-request state lives in slots owned by the engine: GDN conv + recurrent state, PLE n-gram
-context + conv state. QSA layers keep K/V, raw index keys and pooled block keys in pages
-addressed by the request's block table. A sequence whose chunk starts at position 0 begins from
+context + conv state, and per QSA layer the raw index keys of the open group (< r tokens). QSA
+layers keep K/V and pooled block keys in pages addressed by the request's block table. A sequence whose chunk starts at position 0 begins from
 a fresh state, so preemption by recompute needs nothing special.
 """
 from __future__ import annotations
@@ -35,8 +35,8 @@ from qsaserve.ops.attention.reference import gather_context, write_kv_reference
 from qsaserve.ops.gdn.dispatch import gated_delta_rule
 from qsaserve.ops.gdn.reference import causal_conv1d_reference
 from qsaserve.ops.qsa_attention.reference import sparse_attention_paged_reference, sparse_attention_reference
-from qsaserve.ops.qsa_indexer.paged import (decode_index_scores, pool_completed_groups, select_decode_tokens,
-                                           select_paged, update_block_keys)
+from qsaserve.ops.qsa_indexer.paged import (decode_index_scores, pool_chunk_groups, pool_completed_groups,
+                                           select_decode_tokens, select_prefill_tokens)
 from qsaserve.ops.qsa_indexer.reference import indexer_project, rope_cos_sin, rope_inv_freq
 from qsaserve.parallel.state import ParallelContext
 from qsaserve.parallel.tp import (even_range, kv_head_range, shard_vocab, take, vocab_parallel_embedding,
@@ -45,9 +45,9 @@ from qsaserve.parallel.tp import (even_range, kv_head_range, shard_vocab, take, 
 try:  # Triton kernels for CUDA tensors; CPU-only installs keep the references
     from qsaserve.ops.attention import triton_paged as _triton_paged
     from qsaserve.ops.qsa_attention.triton_sparse import sparse_attention_paged_triton
-    from qsaserve.ops.qsa_indexer.triton_score import decode_index_scores_triton
+    from qsaserve.ops.qsa_indexer.triton_score import decode_index_scores_triton, prefill_index_scores_triton
 except ImportError:
-    _triton_paged = sparse_attention_paged_triton = decode_index_scores_triton = None
+    _triton_paged = sparse_attention_paged_triton = decode_index_scores_triton = prefill_index_scores_triton = None
 
 logger = logging.getLogger("qsaserve")
 
@@ -156,6 +156,7 @@ class _LayerState:
     recurrent: torch.Tensor | None = None  # GDN state [slots, Hv, Dk, Dv] fp32
     ngram_context: torch.Tensor | None = None  # PLE [slots, ngram-1] int64
     ple_conv: torch.Tensor | None = None  # PLE [slots, HC, (Kp-1)*ngram]
+    index_tail: torch.Tensor | None = None  # QSA raw index keys [slots, r, Di]: row j = latest position = j (mod r)
 
 
 class Qwen4ExpForCausalLM(nn.Module):
@@ -213,9 +214,14 @@ class Qwen4ExpForCausalLM(nn.Module):
         conv_dim = 2 * self.gdn_key_heads * c.linear_key_head_dim + self.gdn_value_heads * c.linear_value_head_dim
         total = 0
         for i, kind in enumerate(c.layer_types):
-            if kind != GDN:
-                continue
             st = self.state[i]
+            if kind != GDN:
+                # Raw index keys are kept only until their group completes and is pooled into a
+                # block key: the open group's (< r) are read, r rows keep the slot's layout fixed.
+                st.index_tail = torch.zeros(num_slots, c.indexer_compress_ratio, c.indexer_head_dim, dtype=dtype,
+                                            device=device)
+                total += st.index_tail.nbytes
+                continue
             st.conv = torch.zeros(num_slots, conv_dim, c.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
             st.recurrent = torch.zeros(num_slots, self.gdn_value_heads, c.linear_key_head_dim,
                                        c.linear_value_head_dim, dtype=torch.float32, device=device)
@@ -237,6 +243,8 @@ class Qwen4ExpForCausalLM(nn.Module):
         if not fresh:
             return
         for i, st in enumerate(self.state):
+            if st.index_tail is not None:
+                st.index_tail[torch.tensor(fresh, device=st.index_tail.device)] = 0
             if st.conv is None:
                 continue
             idx = torch.tensor(fresh, device=st.conv.device)
@@ -263,7 +271,7 @@ class Qwen4ExpForCausalLM(nn.Module):
             elif step.decode:
                 out = self._qsa_decode(i, mixed, positions, meta, step)
             else:
-                out = self._qsa(i, mixed, positions, step.spans, meta)
+                out = self._qsa(i, mixed, positions, step, meta)
             hyper = hc_inject(hyper, out, inject)
             mixed, inject = self._mix(w, "mlp_hyper_connection.", hyper)
             mlp = {k[4:]: v for k, v in w.items() if k.startswith("mlp.")}
@@ -389,13 +397,21 @@ class Qwen4ExpForCausalLM(nn.Module):
                                   c.indexer_n_heads, c.indexer_head_dim, cos, sin, c.rms_norm_eps)
         return w, q, gate, k, v, iq, raw
 
-    def _qsa(self, i: int, x: torch.Tensor, positions: torch.Tensor, spans, meta: AttentionMetadata) -> torch.Tensor:
-        """Under DCP the indexer caches and the top-k are replicated (identical on every rank); the
+    def _qsa(self, i: int, x: torch.Tensor, positions: torch.Tensor, step: "_Step",
+             meta: AttentionMetadata) -> torch.Tensor:
+        """Prefill and mixed steps. Per sequence: pool the groups its chunk completes (from the
+        open-group raw keys in its state slot plus the chunk's), then select its queries' tokens
+        in row blocks that bound the temporaries. On CUDA: Triton scoring, batched top-k on device
+        ("lowest_index" ties, as decode) and one Triton sparse-attention call for every row of the
+        step, reading the selected positions through the block tables. On CPU: transformers' tie
+        order ("torch") and the gathered-context reference.
+
+        Under DCP the indexer state and the top-k are replicated (identical on every rank); the
         selection is then localized to this rank's K/V shard, the DCP group's query heads attend
         over it, partials are merged, and the output gate is applied after the merge."""
         c, ctx = self.cfg, self.ctx
         dcp = ctx.dcp
-        cache = self.qsa_layers[i].cache
+        cache, tails = self.qsa_layers[i].cache, self.state[i].index_tail
         w, q, gate, k, v, iq, raw = self._qsa_inputs(i, x, positions)
         if cache.observer is not None:
             cache.observer(k, v)
@@ -405,22 +421,36 @@ class Qwen4ExpForCausalLM(nn.Module):
             q = ctx.dcp_gather_heads(q)
         else:
             _write_kv(cache, k, v, meta.slot_mapping)
-        cache.index_keys.view(-1, c.indexer_head_dim).index_copy_(0, meta.slot_mapping, raw.to(cache.index_keys.dtype))
-        r = c.indexer_compress_ratio
-        attn = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-        for s, (a, b) in enumerate(spans):
+        r, budget = c.indexer_compress_ratio, c.indexer_budget
+        fast = _use_triton(q)
+        # Ties: transformers' per-query torch.topk order on CPU, the deterministic lowest index on CUDA.
+        tie_break = "lowest_index" if q.is_cuda else "torch"
+        iq = iq.to(cache.block_keys.dtype)
+        selected = torch.empty((q.shape[0], budget + r - 1), dtype=torch.long, device=q.device)
+        for s, (a, b) in enumerate(step.spans):
             length, table = meta.seq_lens_list[s], meta.block_tables[s]
-            update_block_keys(cache.index_keys, cache.block_keys, table, length - (b - a), length,
+            pool_chunk_groups(tails[step.slots[s]], raw[a:b], length - (b - a), cache.block_keys, table,
                               w["indexer.k_layernorm.weight"], self.inv_freq, r, c.rms_norm_eps)
-            selected = select_paged(iq[a:b], cache.block_keys, table, positions[a:b], r, c.indexer_budget)
-            if dcp.enabled:
-                length = plan.local_seq_lens[s]
-                selected = dcp.localize(selected)
+            selected[a:b] = select_prefill_tokens(
+                iq[a:b], cache.block_keys, table, positions[a:b], r, budget, length // r,
+                tie_break, score_fn=prefill_index_scores_triton if fast else None)
+        if dcp.enabled:
+            selected = dcp.localize(selected)
+        scale = c.head_dim**-0.5
+        if fast:
+            rows = torch.arange(q.shape[0], dtype=meta.cu_query_lens.dtype, device=q.device)
+            seq_ids = torch.searchsorted(meta.cu_query_lens[1:].contiguous(), rows, right=True)
+            attn, lse = sparse_attention_paged_triton(q, cache.kv, meta.block_tables, selected, scale, seq_ids,
+                                                      cache.k_scale, cache.v_scale)
+        else:
+            attn = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+            lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
+            for s, (a, b) in enumerate(step.spans):
+                length = plan.local_seq_lens[s] if dcp.enabled else meta.seq_lens_list[s]
                 if length == 0:
                     continue  # nothing of this sequence here: out 0, lse -inf
-            k_ctx, v_ctx = gather_context(cache.kv, table, length, cache.k_scale, cache.v_scale)
-            attn[a:b], lse[a:b] = sparse_attention_reference(q[a:b], k_ctx, v_ctx, selected, scale=c.head_dim**-0.5)
+                k_ctx, v_ctx = gather_context(cache.kv, meta.block_tables[s], length, cache.k_scale, cache.v_scale)
+                attn[a:b], lse[a:b] = sparse_attention_reference(q[a:b], k_ctx, v_ctx, selected[a:b], scale=scale)
         attn = ctx.dcp_merge(attn, lse)
         return ctx.all_reduce(qsa_attention_output(attn, gate, w["o_proj.weight"]))
 
@@ -438,11 +468,9 @@ class Qwen4ExpForCausalLM(nn.Module):
         _write_kv(cache, k, v, step.kv_slots)
         if ctx.dcp.enabled:
             q = ctx.dcp_gather_heads(q)
-        # Padding rows (slot -1) write their raw key into the null block, which nothing reads.
-        cache.index_keys.view(-1, c.indexer_head_dim).index_copy_(
-            0, meta.slot_mapping.clamp_min(0), raw.to(cache.index_keys.dtype))
+        # The raw key joins its sequence's open group in the state slot (padding rows: the scratch slot).
         r, tables, pos = c.indexer_compress_ratio, meta.block_tables, step.query_pos
-        pool_completed_groups(cache.index_keys, cache.block_keys, tables, pos, step.valid,
+        pool_completed_groups(self.state[i].index_tail, step.slot_idx, raw, cache.block_keys, tables, pos, step.valid,
                               w["indexer.k_layernorm.weight"], self.inv_freq, r, c.rms_norm_eps)
         iq = iq.to(cache.block_keys.dtype)
         if _use_triton(q):

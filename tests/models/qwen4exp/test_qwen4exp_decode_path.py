@@ -44,19 +44,23 @@ def _run(model, rows, ids):
 
 
 def _snapshot(runner):
-    caches = [(c.kv.clone(), c.index_keys.clone(), c.block_keys.clone()) for c in runner.kv_caches]
-    states = [[t.clone() for t in (s.conv, s.recurrent, s.ngram_context, s.ple_conv) if t is not None]
-              for s in runner.model.state]
+    caches = [(c.kv.clone(), c.block_keys.clone()) for c in runner.kv_caches]
+    states = [[t.clone() for t in _state_tensors(s)] for s in runner.model.state]
     return caches, states
 
 
 def _restore(runner, snap):
     caches, states = snap
-    for c, (kv, ik, bk) in zip(runner.kv_caches, caches):
-        c.kv.copy_(kv), c.index_keys.copy_(ik), c.block_keys.copy_(bk)
+    for c, (kv, bk) in zip(runner.kv_caches, caches):
+        c.kv.copy_(kv), c.block_keys.copy_(bk)
     for s, saved in zip(runner.model.state, states):
-        for t, v in zip([t for t in (s.conv, s.recurrent, s.ngram_context, s.ple_conv) if t is not None], saved):
+        for t, v in zip(_state_tensors(s), saved):
             t.copy_(v)
+
+
+def _state_tensors(s):
+    """A layer's per-slot state tensors (GDN, PLE, or the QSA open-group raw index keys)."""
+    return [t for t in (s.conv, s.recurrent, s.ngram_context, s.ple_conv, s.index_tail) if t is not None]
 
 
 def _real_parts(runner, tables, slots):
@@ -65,9 +69,9 @@ def _real_parts(runner, tables, slots):
     idx = torch.tensor(slots)
     out = []
     for c in runner.kv_caches:
-        out += [c.kv[:, blocks], c.index_keys[blocks], c.block_keys[blocks]]
+        out += [c.kv[:, blocks], c.block_keys[blocks]]
     for s in runner.model.state:
-        out += [t[idx] for t in (s.conv, s.recurrent, s.ngram_context, s.ple_conv) if t is not None]
+        out += [t[idx] for t in _state_tensors(s)]
     return out
 
 

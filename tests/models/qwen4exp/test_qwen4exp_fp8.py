@@ -52,7 +52,8 @@ def test_only_attention_kv_pages_are_fp8(case):
     assert runner.kv_quant.name == "fp8_e4m3" and "strict" in runner.kv_quant.reason
     for cache in runner.kv_caches:
         assert cache.kv.dtype == torch.float8_e4m3fn
-        assert cache.index_keys.dtype == cache.block_keys.dtype == torch.float32
+        assert cache.block_keys.dtype == torch.float32
+    assert all(st.index_tail.dtype == torch.float32 for st in runner.model.state if st.index_tail is not None)
     states = [st for st in runner.model.state if st.conv is not None]
     assert states and all(st.conv.dtype == torch.float32 and st.recurrent.dtype == torch.float32 for st in states)
 

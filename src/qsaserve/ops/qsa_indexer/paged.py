@@ -1,6 +1,12 @@
-"""The QSA indexer over paged caches: raw index keys live in pages beside the KV cache, and
-each completed group of r raw keys is pooled into a block key exactly once, when its last token
-is written. Plain torch; the selection itself is `reference.select_tokens`.
+"""The QSA indexer over paged caches: pooled block keys live in pages beside the KV cache,
+addressed by the same block table. Raw index keys are never paged: each completed group of r raw
+keys is pooled into its block key exactly once, when its last token arrives, and the raw keys of
+a sequence's open group (< r of them) wait in its recurrent-state slot (`tails`).
+
+Prefill (`select_prefill_tokens`): one sequence's chunk of queries in row blocks that bound the
+temporaries, scores through the block table (`prefill_index_scores` here, the Triton kernel in
+triton_score.py on CUDA), batched top-k on device with the lowest-index tie rule, or the
+reference's per-query torch.topk when transformers' CPU tie order must be reproduced.
 
 The batched decode helpers at the end take one query per sequence and only device tensors (no
 per-sequence loop, no host syncs, shapes fixed by the block table width), so a decode step can be
@@ -15,55 +21,108 @@ from qsaserve.ops.qsa_indexer.reference import (apply_partial_rope, index_scores
                                                 rope_cos_sin, select_tokens)
 
 
-def slots_for(block_table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    return block_table[positions // block_size].long() * block_size + positions % block_size
-
-
-def update_block_keys(
-    raw_cache: torch.Tensor,
+def pool_chunk_groups(
+    tail: torch.Tensor,
+    raw: torch.Tensor,
+    start: int,
     block_key_cache: torch.Tensor,
     block_table: torch.Tensor,
-    start: int,
-    end: int,
     k_layernorm_weight: torch.Tensor,
     inv_freq: torch.Tensor,
     ratio: int,
     eps: float,
 ) -> None:
-    """Pool the groups that this chunk (positions start..end-1) completed.
+    """Pool the groups that one sequence's chunk (raw keys `raw` [T, Di] at positions
+    start..start+T-1) completes, and keep the raw keys of its open group in `tail`.
 
-    raw_cache [num_blocks, block_size, Di]; block_key_cache [num_blocks, block_size // ratio, Di]."""
-    first, last = start // ratio, end // ratio  # groups [first, last) end inside this chunk
-    if last <= first:
-        return
-    block_size = raw_cache.shape[1]
-    dev = raw_cache.device
-    positions = torch.arange(first * ratio, last * ratio, device=dev)
-    raw = raw_cache.view(-1, raw_cache.shape[-1])[slots_for(block_table, positions, block_size)]
-    keys = pool_block_keys(raw, k_layernorm_weight, inv_freq, ratio, eps, first_block=first)
-    group_slots = slots_for(block_table, torch.arange(first, last, device=dev) * ratio, block_size) // ratio
-    block_key_cache.view(-1, block_key_cache.shape[-1]).index_copy_(0, group_slots, keys.to(block_key_cache.dtype))
+    tail [r, Di]: the sequence's state row; row j holds the raw key of the latest position
+    p = j (mod r), as the decode step (`pool_completed_groups`) leaves it, so rows
+    0..start % r - 1 are the open group before this chunk and, on return, rows 0..end % r - 1 the
+    open group after it. Raw keys are read from nowhere else, so only r of them are ever stored per
+    sequence. block_key_cache [num_blocks, page // r, Di]."""
+    keep = start % ratio
+    keys_in = torch.cat([tail[:keep], raw.to(tail.dtype)]) if keep else raw.to(tail.dtype)
+    first = start // ratio  # keys_in[0] is the first token of group `first`
+    done = keys_in.shape[0] // ratio
+    if done:
+        keys = pool_block_keys(keys_in[: done * ratio], k_layernorm_weight, inv_freq, ratio, eps, first_block=first)
+        gpp = block_key_cache.shape[1]
+        groups = torch.arange(first, first + done, device=raw.device)
+        rows = block_table.long()[groups // gpp] * gpp + groups % gpp
+        block_key_cache.view(-1, block_key_cache.shape[-1]).index_copy_(0, rows, keys.to(block_key_cache.dtype))
+    n = min(keys_in.shape[0], ratio)  # keys_in[i] is at a position = i (mod r): the last r go to rows i % r
+    rows = torch.arange(keys_in.shape[0] - n, keys_in.shape[0], device=raw.device) % ratio
+    tail[rows] = keys_in[keys_in.shape[0] - n:]
 
 
-def select_paged(
+def prefill_index_scores(
+    index_q: torch.Tensor, block_key_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
+    ratio: int, num_groups: int,
+) -> torch.Tensor:
+    """Reference of the Triton prefill scoring kernel: [Tq, num_groups] fp32 scores of one
+    sequence's queries (index_q [Tq, Hi, Di] at `positions` [Tq]) over its groups 0..num_groups-1,
+    read through its block table [max_blocks]; -inf for groups a query cannot see. The caller
+    bounds Tq (the [Tq, Hi, num_groups] fp32 temporary)."""
+    gpp = block_key_cache.shape[1]
+    groups = torch.arange(num_groups, device=index_q.device)
+    keys = block_key_cache.view(-1, block_key_cache.shape[-1])[block_table.long()[groups // gpp] * gpp + groups % gpp]
+    scores = index_scores(index_q, keys)
+    visible = groups[None, :] < ((positions.long() + 1) // ratio)[:, None]
+    return torch.where(visible, scores, torch.full_like(scores, float("-inf")))
+
+
+MAX_TEMP_BYTES = 512 << 20  # bound on a prefill selection's per-block temporaries
+
+
+def prefill_rows_per_block(num_groups: int, heads: int, torch_scores: bool, max_bytes: int = MAX_TEMP_BYTES) -> int:
+    """Query rows scored and selected at once so that the temporaries stay under `max_bytes`:
+    per (row, group) the fp32 score and the int64 selection keys (~40 B), plus the fp32
+    [rows, Hi, groups] products when torch computes the scores."""
+    per = 40 + (4 * heads if torch_scores else 0)
+    return max(1, max_bytes // max(1, num_groups * per))
+
+
+def select_prefill_tokens(
     index_q: torch.Tensor,
     block_key_cache: torch.Tensor,
     block_table: torch.Tensor,
     positions: torch.Tensor,
     ratio: int,
     budget: int,
-    tie_break: str = "torch",
+    num_groups: int,
+    tie_break: str = "lowest_index",
+    score_fn=None,
+    max_bytes: int = MAX_TEMP_BYTES,
 ) -> torch.Tensor:
-    """Token positions each query attends: [Tq, budget + r - 1], -1 padded.
+    """Token positions [Tq, budget + r - 1] (-1 padded, the reference's layout) for one
+    sequence's chunk of queries (index_q [Tq, Hi, Di] at ascending `positions` [Tq]) whose
+    context holds `num_groups` complete groups, all pooled in block_key_cache.
 
-    index_q [Tq, Hi, Di] for one sequence whose queries sit at `positions` (ascending)."""
-    block_size = block_key_cache.shape[1] * ratio
-    num_groups = (int(positions[-1]) + 1) // ratio
-    group_slots = slots_for(block_table, torch.arange(num_groups, device=index_q.device) * ratio, block_size) // ratio
-    keys = block_key_cache.view(-1, block_key_cache.shape[-1])[group_slots]
-    scores = index_scores(index_q, keys)
-    indices, _ = select_tokens(scores, positions, ratio, budget, tie_break)
-    return indices
+    Queries go in row blocks that bound the temporaries (`prefill_rows_per_block`). "lowest_index"
+    stays on device (batched top-k of `select_decode_tokens`, no host syncs); "torch" runs the
+    reference's per-query 1-D torch.topk (transformers' tie order on CPU). score_fn: the Triton
+    kernel (same contract as `prefill_index_scores`); default the torch reference."""
+    if tie_break not in ("lowest_index", "torch"):
+        raise ValueError(f"tie_break: unknown rule {tie_break!r}")
+    tq = index_q.shape[0]
+    width = budget + ratio - 1
+    out = torch.full((tq, width), -1, dtype=torch.long, device=index_q.device)
+    if tq == 0:
+        return out
+    step = prefill_rows_per_block(num_groups, index_q.shape[1], score_fn is None, max_bytes)
+    score = score_fn or prefill_index_scores
+    for a in range(0, tq, step):
+        b = min(tq, a + step)
+        pos = positions[a:b]
+        if num_groups == 0:  # nothing pooled yet: the tail (the query's own tokens) only
+            scores = torch.full((b - a, 1), float("-inf"), device=index_q.device)
+        else:
+            scores = score(index_q[a:b], block_key_cache, block_table, pos, ratio, num_groups)
+        if tie_break == "lowest_index":
+            out[a:b] = select_decode_tokens(scores, pos, ratio, budget)
+        else:
+            out[a:b] = select_tokens(scores[:, :max(num_groups, 1)], pos, ratio, budget, "torch")[0]
+    return out
 
 
 # ---- batched decode (one query per sequence; device tensors only, no host syncs) ----
@@ -74,7 +133,9 @@ def group_rows(block_tables: torch.Tensor, groups: torch.Tensor, groups_per_page
 
 
 def pool_completed_groups(
-    raw_cache: torch.Tensor,
+    tails: torch.Tensor,
+    slots: torch.Tensor,
+    raw: torch.Tensor,
     block_key_cache: torch.Tensor,
     block_tables: torch.Tensor,
     positions: torch.Tensor,
@@ -84,19 +145,21 @@ def pool_completed_groups(
     ratio: int,
     eps: float,
 ) -> None:
-    """Decode rows whose token (at `positions` [B]) completes a group pool it into its block key.
+    """Decode rows append their raw key (`raw` [B, Di], at `positions` [B]) to their sequence's
+    open group in `tails` [num_slots, r, Di] (row `slots` [B], column position % r); a row whose
+    token completes the group pools the group into its block key.
 
     Shapes never depend on the data: every row computes a key, and a row that completes nothing
-    (or is not `valid`, e.g. CUDA-graph padding) writes back the value already at its target."""
-    block_size, di = raw_cache.shape[1], raw_cache.shape[2]
+    (or is not `valid`, e.g. CUDA-graph padding on the scratch slot) writes back the value already
+    at its target."""
+    di = raw.shape[-1]
     p = positions.long().clamp_min(0)
+    tails[slots, p % ratio] = raw.to(tails.dtype)
+    group_raw = tails[slots]  # [B, r, Di]: the open group, this token's key included
     done = valid & ((positions.long() + 1) % ratio == 0)
     group = ((p + 1) // ratio - 1).clamp_min(0)
-    tok = group[:, None] * ratio + torch.arange(ratio, device=p.device)  # [B, r]
-    page = block_tables.long().gather(1, tok // block_size)
-    raw = raw_cache.view(-1, di)[page * block_size + tok % block_size]  # [B, r, Di]
-    pooled = rms_norm_one_centred(raw.float().mean(dim=1).to(raw.dtype), k_layernorm_weight, eps)
-    cos, sin = rope_cos_sin(group * ratio, inv_freq, raw.dtype)
+    pooled = rms_norm_one_centred(group_raw.float().mean(dim=1).to(group_raw.dtype), k_layernorm_weight, eps)
+    cos, sin = rope_cos_sin(group * ratio, inv_freq, group_raw.dtype)
     key = apply_partial_rope(pooled, cos, sin)
     flat = block_key_cache.view(-1, di)
     row = group_rows(block_tables, group[:, None], block_key_cache.shape[1])[:, 0]

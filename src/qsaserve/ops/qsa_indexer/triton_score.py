@@ -1,4 +1,5 @@
-"""Triton QSA indexer scoring for decode: one query per sequence against its pooled block keys.
+"""Triton QSA indexer scoring: decode (one query per sequence) and prefill (one sequence's chunk
+of queries) against pooled block keys.
 
 score[b, g] = sum_h relu(q[b, h] . key[b, g]) / sqrt(Di) for the groups g < (pos_b + 1) // r that
 the query sees, -inf for every other column. Block keys are read in place through the block
@@ -6,9 +7,15 @@ table (block key cache [num_blocks, block_size // r, Di]), never gathered into a
 covers every group the block table can address, so its size comes from tensor shapes only (a
 CUDA graph can capture it); tiles past a sequence's visible groups just store -inf.
 
-The plain-torch reference is `paged.decode_index_scores`; selection is `paged.select_decode_tokens`.
+Prefill (`prefill_index_scores_triton`) scores a row block of one sequence's queries per program,
+all heads in one dot, over a split of its groups; the caller bounds the rows per call.
+
+The plain-torch references are `paged.decode_index_scores` and `paged.prefill_index_scores`;
+selection is `paged.select_decode_tokens` / `paged.select_prefill_tokens`.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -77,3 +84,101 @@ def decode_index_scores_triton(
         num_warps=4,
     )
     return out
+
+
+@triton.jit
+def _prefill_score_kernel(
+    q_ptr, keys_ptr, bt_ptr, pos_ptr, out_ptr, inv_sqrt_d,
+    stride_qt, stride_qh, stride_kb, stride_kr, stride_ot,
+    T, N, GROUPS_PER_SPLIT,
+    TILES: tl.constexpr, RATIO: tl.constexpr, GPP: tl.constexpr, H: tl.constexpr, H_POW2: tl.constexpr,
+    D: tl.constexpr, D_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr,
+):
+    rb = tl.program_id(0)
+    split = tl.program_id(1)
+    rows = rb * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < T
+    nvis = (tl.load(pos_ptr + rows, mask=row_ok, other=-1).to(tl.int32) + 1) // RATIO  # [BLOCK_T]
+    max_vis = tl.max(nvis, 0)  # the rows' last one (positions ascend); keys past it are never read
+    out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_ot
+    g_start = split * GROUPS_PER_SPLIT
+    g_end = tl.minimum(g_start + GROUPS_PER_SPLIT, N)
+    g_seen = tl.minimum(g_end, max_vis)
+    # The row block's queries, every head: rows m = t * H_POW2 + h of one [BLOCK_T * H_POW2, D] tile.
+    m = tl.arange(0, BLOCK_T * H_POW2)
+    q_row = rb * BLOCK_T + m // H_POW2
+    q_head = m % H_POW2
+    d = tl.arange(0, D_POW2)
+    d_ok = d < D
+    q = tl.load(q_ptr + q_row.to(tl.int64)[:, None] * stride_qt + q_head[:, None] * stride_qh + d[None, :],
+                mask=((q_row < T) & (q_head < H))[:, None] & d_ok[None, :], other=0.0)
+    g0 = tl.arange(0, BLOCK_G)
+    for i in range(0, TILES):  # constant trip count; the split's last tiles may lie past N (masked)
+        g = g_start + i * BLOCK_G + g0
+        in_split = g < g_end
+        if g_start + i * BLOCK_G < g_seen:  # some row sees a group of this tile
+            seen = g < g_seen
+            page = tl.load(bt_ptr + g // GPP, mask=seen, other=0).to(tl.int64)
+            keys = tl.load(keys_ptr + page[:, None] * stride_kb + (g % GPP)[:, None] * stride_kr + d[None, :],
+                           mask=seen[:, None] & d_ok[None, :], other=0.0)
+            if IEEE:
+                dots = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [BLOCK_T * H_POW2, BLOCK_G] fp32
+            else:
+                dots = tl.dot(q, tl.trans(keys))
+            score = tl.sum(tl.reshape(tl.maximum(dots, 0.0), [BLOCK_T, H_POW2, BLOCK_G]), axis=1) * inv_sqrt_d + 0.0
+            visible = g[None, :] < nvis[:, None]
+            tl.store(out_rows + g[None, :], tl.where(visible, score, float("-inf")),
+                     mask=row_ok[:, None] & in_split[None, :])
+        else:  # no row sees these
+            tl.store(out_rows + g[None, :], tl.full([BLOCK_T, BLOCK_G], float("-inf"), tl.float32),
+                     mask=row_ok[:, None] & in_split[None, :])
+
+
+def prefill_index_scores_triton(
+    index_q: torch.Tensor, block_key_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
+    ratio: int, num_groups: int, block_g: int = 64, splits: int | None = None,
+) -> torch.Tensor:
+    """One sequence's queries index_q [T, Hi, Di] at ascending `positions` [T] against its groups
+    0..num_groups-1 (block_table [max_blocks]) -> scores [T, num_groups] fp32, -inf where a query
+    cannot see the group. Same contract as `paged.prefill_index_scores`.
+
+    A program scores BLOCK_T rows x every head as one [BLOCK_T * Hi, Di] tile (~128 rows of the
+    dot), so each key tile is loaded once per row block, not once per query; the groups are split
+    across programs when there are few row blocks."""
+    t, h, d = index_q.shape
+    if block_key_cache.shape[-1] != d:
+        raise ValueError(f"block_key_cache: key width {block_key_cache.shape[-1]} != index head dim {d}")
+    if index_q.dtype != block_key_cache.dtype:
+        raise ValueError(f"index_q: dtype {index_q.dtype} differs from the block key cache's {block_key_cache.dtype}")
+    if block_table.dim() != 1:
+        raise ValueError(f"block_table: one sequence's row [max_blocks] expected, got shape {tuple(block_table.shape)}")
+    out = torch.empty((t, num_groups), dtype=torch.float32, device=index_q.device)
+    if t == 0 or num_groups == 0:
+        return out
+    if index_q.stride(-1) != 1:
+        index_q = index_q.contiguous()
+    assert block_key_cache.stride(-1) == 1
+    h_pow2 = triton.next_power_of_2(h)
+    block_t = max(1, 128 // h_pow2)
+    row_blocks = triton.cdiv(t, block_t)
+    tiles = triton.cdiv(num_groups, block_g)
+    if splits is None:
+        splits = max(1, min(tiles, triton.cdiv(2 * _num_sms(index_q.device), row_blocks)))
+    # Tiles per split: a power of two, so that few kernel variants cover every context length.
+    tiles_per_split = triton.next_power_of_2(triton.cdiv(tiles, splits))
+    per_split = tiles_per_split * block_g
+    _prefill_score_kernel[(row_blocks, triton.cdiv(num_groups, per_split))](
+        index_q, block_key_cache, block_table, positions, out, d ** -0.5,
+        index_q.stride(0), index_q.stride(1), block_key_cache.stride(0), block_key_cache.stride(1), out.stride(0),
+        t, num_groups, per_split,
+        TILES=tiles_per_split, RATIO=ratio, GPP=block_key_cache.shape[1], H=h, H_POW2=h_pow2, D=d, D_POW2=max(16, triton.next_power_of_2(d)),
+        BLOCK_T=block_t, BLOCK_G=block_g, IEEE=index_q.dtype == torch.float32, num_warps=8 if d > 64 else 4,
+    )
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter runs: any plausible value
+    return torch.cuda.get_device_properties(device).multi_processor_count
