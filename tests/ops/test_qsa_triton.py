@@ -1,4 +1,4 @@
-"""QSA Triton kernels (indexer scoring, sparse paged attention) against their torch references.
+"""QSA Triton kernels (indexer scoring for decode and prefill, sparse paged attention) against their torch references.
 
 The same checks run twice: on CPU under the Triton interpreter (a subprocess with
 TRITON_INTERPRET=1, which must be set before triton is imported; small shapes) and on a CUDA GPU
@@ -57,6 +57,35 @@ def check_scores(device, dtype, hi=3, di=12, r=4, page=16, lengths=(1, 3, 4, 37,
     # Selection on the kernel's scores keeps the reference's order and tail layout.
     sel = select_decode_tokens(got.to(device), positions.to(device), r, 8).cpu()
     assert sel.shape == (len(positions), 8 + r - 1) and (sel[-1] == -1).all()
+
+
+def check_prefill_scores(device, dtype, hi=3, di=12, r=4, page=16, start=50, length=37, block_g=16, splits=None):
+    """One sequence's chunk of queries (positions start..start+length-1) against its groups."""
+    from qsaserve.ops.qsa_indexer import select_tokens
+    from qsaserve.ops.qsa_indexer.paged import prefill_index_scores, select_prefill_tokens
+    from qsaserve.ops.qsa_indexer.triton_score import prefill_index_scores_triton
+
+    gen = torch.Generator().manual_seed(hi * di + start + length)
+    end = start + length
+    tables, num_blocks = _layout([end], page, gen)
+    keys = torch.randn(num_blocks, page // r, di, generator=gen)
+    keys[0] = float("nan")  # null block: never read
+    q = torch.randn(length, hi, di, generator=gen)
+    keys, q, table, positions = keys.to(dtype), q.to(dtype), tables[0], torch.arange(start, end)
+    n = end // r
+    ref = prefill_index_scores(q, keys, table, positions, r, n)
+    dev = [x.to(device) for x in (q, keys, table, positions)]
+    got = prefill_index_scores_triton(*dev, r, n, block_g=block_g, splits=splits).cpu()
+    assert got.shape == ref.shape == (length, n)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
+    fin = torch.isfinite(ref)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got[fin], ref[fin], atol=1e-4, rtol=1e-4)
+    else:
+        assert _rel(got[fin], ref[fin]) < 1.5e-2
+    # Device top-k on the kernel's scores (one row block) equals the per-query reference on them.
+    sel = select_prefill_tokens(*dev, r, 8, n, "lowest_index", score_fn=lambda *a, **k: got.to(device)).cpu()
+    assert torch.equal(sel, select_tokens(got, positions, r, 8, "lowest_index")[0])
 
 
 def _sparse_case(gen, lengths, hq, hkv, d, page, m, fp8, rows_per_seq=1):
@@ -124,6 +153,10 @@ def check_sparse(device, dtype, fp8=False, hq=4, hkv=2, d=16, page=8, m=45, leng
 INTERPRETER_CHECKS = [
     ("scores_fp32", lambda: check_scores("cpu", torch.float32)),
     ("scores_pow2_many_tiles", lambda: check_scores("cpu", torch.float32, hi=16, di=32, page=8, block_g=8)),
+    ("prefill_scores_fp32", lambda: check_prefill_scores("cpu", torch.float32)),
+    ("prefill_scores_splits_16_heads", lambda: check_prefill_scores("cpu", torch.float32, hi=16, di=32, page=8,
+                                                                    start=0, length=21, block_g=8, splits=3)),
+    ("prefill_scores_no_groups_yet", lambda: check_prefill_scores("cpu", torch.float32, start=0, length=9, block_g=16)),
     ("sparse_fp32", lambda: check_sparse("cpu", torch.float32)),
     ("sparse_fp32_one_split", lambda: check_sparse("cpu", torch.float32, splits=1)),
     ("sparse_fp8", lambda: check_sparse("cpu", torch.float32, fp8=True, hq=6, hkv=3)),
@@ -154,6 +187,15 @@ def test_scores_on_gpu(dtype):
     check_scores("cuda", dtype)
     # qwen4exp-small indexer: 16 heads x 128, r 4, 4K context over 64-token pages.
     check_scores("cuda", dtype, hi=16, di=128, r=4, page=64, lengths=(4096, 1000, 3, 4), block_g=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_prefill_scores_on_gpu(dtype):
+    check_prefill_scores("cuda", dtype)
+    # qwen4exp-small indexer (16 heads x 128, r 4): a 1024-row chunk at 8K context, 64-token pages.
+    check_prefill_scores("cuda", dtype, hi=16, di=128, r=4, page=64, start=7168, length=1024, block_g=64)
+    check_prefill_scores("cuda", dtype, hi=16, di=128, r=4, page=16, start=0, length=600, block_g=64)
 
 
 @pytest.mark.gpu
