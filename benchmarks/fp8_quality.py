@@ -1,13 +1,14 @@
 """FP8 E4M3 KV quality on the default model (SmolLM2-135M-Instruct, float32 weights/activations).
 
-1. `qsaserve calibrate` on the calibration part of CPython's pydoc topics -> a scales file;
+1. `qsaserve calibrate` on the calibration part of CPython's pydoc topics -> a scales file
+   (per layer: k_scale, v_scale and the per-channel K offset; see docs/fp8.md);
 2. `qsaserve qualify` on the held-out part: FP8 KV with calibrated scales and with unit scales
    (1.0 everywhere) against a bfloat16 KV baseline, same token stream (plus, with
    --with-fp32-reference, a float32 KV row showing what the bf16 baseline itself costs);
 3. writes benchmarks/results/fp8_quality_smollm2_<date>.json (and the scales beside it) with
    the command line, targets and whether each was met.
 
-CPU: about 3-5 minutes on 2 cores with the defaults.
+CPU: about 5-8 minutes on 2 cores with the defaults.
 """
 from __future__ import annotations
 
@@ -26,14 +27,15 @@ from qsaserve.quant.calibrate import DEFAULT_MARGIN, calibrate, calibration_conf
 from qsaserve.quant.dataset import pydoc_topics
 from qsaserve.qualify.cli import format_table, run_qualify
 from qsaserve.config import EngineConfig
+from qsaserve.quant.capacity import kv_capacity_report
 
 TARGETS = {"ppl_change_pct_below": 1.0, "top1_agreement_at_least": 0.97}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--calib-tokens", type=int, default=4096)
-    p.add_argument("--eval-tokens", type=int, default=3072)
+    p.add_argument("--calib-tokens", type=int, default=8192)
+    p.add_argument("--eval-tokens", type=int, default=12288)
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN)
     p.add_argument("--with-fp32-reference", action="store_true", help="also score a float32 KV cache")
@@ -47,6 +49,7 @@ def main() -> int:
     cal_llm = LLM(progress=False, **calibration_config(EngineConfig(**common)).__dict__)
     cal = calibrate(cal_llm, pydoc_topics("calibration"), scales_path, num_tokens=args.calib_tokens,
                     seq_len=args.window, margin=args.margin)
+    kv_spec = cal_llm.engine.executor.kv_spec  # model-dtype pages: the geometry kv_capacity_report sizes
     del cal_llm
     t_cal = time.perf_counter() - t0
 
@@ -58,6 +61,9 @@ def main() -> int:
         candidates["float32_kv_reference"] = {"kv_cache_dtype": "float32"}
     report = run_qualify(common, {"kv_cache_dtype": "bfloat16"}, candidates, pydoc_topics("evaluation"),
                          num_tokens=args.eval_tokens, window=args.window)
+    with_offsets = [name for name, over in candidates.items() if over.get("kv_scales")]
+    for name in candidates:
+        report["candidates"][name]["k_offsets"] = name in with_offsets and all("k_offset" in e for e in cal["layers"].values())
     c, u = report["candidates"]["fp8_e4m3_calibrated"], report["candidates"]["fp8_e4m3_unit_scales"]
     report["targets"] = TARGETS
     report["targets_met"] = {
@@ -67,7 +73,11 @@ def main() -> int:
         "calibrated_no_worse_than_unit_kl": c["kl_mean"] <= u["kl_mean"],
         "calibrated_no_worse_than_unit_top1": c["top1_agreement"] >= u["top1_agreement"],
     }
-    report["calibration"] = {k: cal[k] for k in ("margin", "num_tokens", "seq_len", "dataset", "scale_rule")}
+    report["method"] = ("FP8 E4M3 K/V pages, one k_scale and one v_scale per attention layer (absmax * margin / 448); "
+                        "calibrated keys are stored as K - k_offset, k_offset the per-layer, per-KV-head, per-channel "
+                        "mean of K over the calibration text (exact for attention); unit scales: 1.0, no offset")
+    report["calibration"] = {k: cal[k] for k in ("margin", "num_tokens", "seq_len", "dataset", "scale_rule", "k_offset_rule")}
+    report["kv_capacity"] = kv_capacity_report(kv_spec, common["kv_cache_memory"])
     report["scales_file"] = os.path.relpath(scales_path, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     report["command"] = shlex.join(["python", "benchmarks/fp8_quality.py", *sys.argv[1:]])
     report["date"] = args.date

@@ -20,13 +20,14 @@ def test_cli_writes_a_valid_loadable_file(tiny_llama, tiny_identity, tmp_path):
     assert main(["calibrate", tiny_llama, "-o", str(out), "--dataset", str(data), "--num-tokens", "300", "--seq-len", "100",
                  "--dtype", "float32", "--device", "cpu", "--max-model-len", "256", "--kv-cache-memory", str(4 << 20)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["format"] == "qsaserve-kv-scales" and doc["version"] == 1
+    assert doc["format"] == "qsaserve-kv-scales" and doc["version"] == 2
     assert doc["model_identity"] == tiny_identity
     assert doc["tool"].startswith("qsaserve ") and doc["tool"].endswith(" calibrate")
     assert doc["dataset"] == text_file(str(data)).description and doc["num_tokens"] == 300 and doc["margin"] == 1.25
     assert sorted(doc["layers"]) == ["0", "1", "2"]
     for entry in doc["layers"].values():
-        assert entry["k_scale"] == pytest.approx(entry["k_absmax"] * 1.25 / 448)
+        assert entry["k_scale"] == pytest.approx(entry["k_absmax_after_offset"] * 1.25 / 448)
+        assert len(entry["k_offset"]) == 2 and len(entry["k_offset"][0]) == 16
         assert entry["v_scale"] == pytest.approx(entry["v_absmax"] * 1.25 / 448)
         assert entry["k_absmax"] > 0 and entry["v_absmax"] > 0
     # auto + this file -> strict E4M3 with exactly these scales
@@ -39,7 +40,8 @@ def test_cli_writes_a_valid_loadable_file(tiny_llama, tiny_identity, tmp_path):
 
 def test_observed_absmax_is_that_of_the_stored_k_and_v(tiny_llama, tmp_path):
     """One window into a float32 cache that starts at zero: the cache then holds exactly the K
-    (post-RoPE) and V that were written, so its absmax must equal what the observer recorded."""
+    (post-RoPE) and V that were written, so its absmax must equal what the observer recorded
+    (the offset and the absmax after it: tests/quant/test_k_offset.py)."""
     llm = LLM(tiny_llama, dtype="float32", device="cpu", max_model_len=128, kv_cache_memory=4 << 20,
               enable_prefix_caching=False, progress=False)
     window = [int(t) for t in torch.randint(4, 99, (90,), generator=torch.Generator().manual_seed(0))]
@@ -47,7 +49,7 @@ def test_observed_absmax_is_that_of_the_stored_k_and_v(tiny_llama, tmp_path):
     for i, cache in enumerate(llm.engine.executor.runner.kv_caches):
         assert doc["layers"][str(i)]["k_absmax"] == cache.kv[0].abs().max().item()
         assert doc["layers"][str(i)]["v_absmax"] == cache.kv[1].abs().max().item()
-        assert doc["layers"][str(i)]["k_scale"] == pytest.approx(cache.kv[0].abs().max().item() / 448)
+        assert doc["layers"][str(i)]["k_scale"] == pytest.approx(doc["layers"][str(i)]["k_absmax_after_offset"] / 448)
         assert cache.observer is None  # removed after calibration
 
 

@@ -1,7 +1,7 @@
 """The KV dtype / scales contract: auto picks E4M3 only when calibrated scales are present (then
 strict), explicit high precision always wins, non-strict FP8 fills missing scales with 1.0 and
 warns, strict FP8 refuses, an overlay for another model is refused; scales may also come from
-checkpoint tensors; the startup log compares capacity with the model dtype."""
+checkpoint tensors; the startup log gives the capacity of the model dtype and of FP8."""
 import logging
 
 import pytest
@@ -128,7 +128,12 @@ def test_startup_log_compares_capacity_with_the_model_dtype(tiny_llama, tiny_ide
     assert spec.bytes_per_token == 3 * 2 * 2 * 16 * 1  # layers x K,V x heads x head_dim x 1 byte
     assert f"KV cache dtype fp8_e4m3 (auto: calibrated scales from overlay {overlay} (strict)): {fp8_tokens} tokens" in caplog.text
     f32_blocks = (4 << 20) // (spec.bytes_per_block * 4) - 1
-    assert f"the model dtype (float32) would hold {f32_blocks * spec.block_size} tokens" in caplog.text
+    assert (f"the same budget holds float32 {f32_blocks * spec.block_size} tokens (768 bytes/token), "
+            f"fp8_e4m3 {fp8_tokens} tokens (192 bytes/token)") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="qsaserve"):
+        engine(tiny_llama)  # model dtype chosen: the log still gives the FP8 capacity
+    assert f"fp8_e4m3 {fp8_tokens} tokens" in caplog.text and "KV cache dtype float32" in caplog.text
 
 
 def test_config_and_cli_flags():

@@ -1,5 +1,12 @@
-"""KV-scale calibration: run text through the model and record, per attention layer, the largest
-|K| (as stored: after k-norm and RoPE) and |V| written to the cache.
+"""KV-scale calibration: run text through the model and record, per attention layer, the
+per-KV-head, per-channel mean m of K (as written: after k-norm and RoPE), the largest |K - m| and
+the largest |V|.
+
+Keys are stored as K - m (ops/attention/reference.py: exact for attention, since q.m is one
+constant per query). m removes the channels' fixed bias (a few channels of SmolLM2's keys sit far
+from zero), so the stored keys are smaller and E4M3's relative rounding error costs less in q.k.
+The absmax of K - m comes out of the same single pass: per channel it is
+max(max_c - m_c, m_c - min_c), from the running per-channel min, max and sum.
 
 scale = absmax * margin / 448, so the calibration maximum lands at 448 / margin. The margin
 (default 1.25) leaves headroom for values beyond what the calibration text produced: clamping
@@ -30,18 +37,38 @@ DEFAULT_NUM_TOKENS = 8192
 DEFAULT_SEQ_LEN = 512
 
 
-class AbsMaxObserver:
-    """Running max of |K| and |V| over every cache write of one layer (0-d device tensors)."""
+class KVObserver:
+    """Over every cache write of one layer: per-channel running sum, min and max of K ([Hkv, D],
+    sum in float64), running max of |K| and |V| (device tensors, no host sync)."""
 
     def __init__(self, device: torch.device):
+        self.device = device
+        self.k_sum = self.k_min = self.k_max = None
         self.k = torch.zeros((), dtype=torch.float32, device=device)
         self.v = torch.zeros((), dtype=torch.float32, device=device)
         self.tokens = 0
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k = torch.maximum(self.k, k.detach().abs().amax().float())
+        """k, v: [T, Hkv, D]."""
+        k = k.detach().float()
+        if self.k_sum is None:
+            self.k_sum = torch.zeros(k.shape[1:], dtype=torch.float64, device=k.device)
+            self.k_min = torch.full(k.shape[1:], float("inf"), device=k.device)
+            self.k_max = torch.full(k.shape[1:], float("-inf"), device=k.device)
+        self.k_sum += k.sum(0, dtype=torch.float64)
+        self.k_min = torch.minimum(self.k_min, k.amin(0))
+        self.k_max = torch.maximum(self.k_max, k.amax(0))
+        self.k = torch.maximum(self.k, k.abs().amax())
         self.v = torch.maximum(self.v, v.detach().abs().amax().float())
         self.tokens += k.shape[0]
+
+    def k_offset(self) -> torch.Tensor:
+        """The per-channel mean of K, [Hkv, D] float32."""
+        return (self.k_sum / self.tokens).float()
+
+    def k_absmax_after(self, offset: torch.Tensor) -> float:
+        """max |K - offset| over every observed key."""
+        return torch.maximum(self.k_max - offset, offset - self.k_min).amax().item()
 
 
 def calibration_config(config):
@@ -55,7 +82,7 @@ def calibration_config(config):
     return dataclasses.replace(config, kv_cache_dtype=dtype, kv_scales=None, strict_kv_scales=False)
 
 
-def observe(llm, windows: list[list[int]], progress: bool = False) -> dict[int, AbsMaxObserver]:
+def observe(llm, windows: list[list[int]], progress: bool = False) -> dict[int, KVObserver]:
     """Runs each window as one prompt (prefill only) with observers on every attention layer's
     cache; returns them by layer number."""
     from qsaserve.sampling_params import SamplingParams
@@ -63,7 +90,7 @@ def observe(llm, windows: list[list[int]], progress: bool = False) -> dict[int, 
     engine = llm.engine
     runner = engine.executor.runner
     layer_ids = attention_layer_ids(runner.model)
-    observers = {i: AbsMaxObserver(runner.device) for i in layer_ids}
+    observers = {i: KVObserver(runner.device) for i in layer_ids}
     for i, cache in zip(layer_ids, runner.kv_caches, strict=True):
         cache.observer = observers[i]
     try:
@@ -103,13 +130,21 @@ def calibrate_windows(llm, windows: list[list[int]], output: str, dataset_descri
         if obs.tokens == 0 or not (0 < k_max < float("inf") and 0 < v_max < float("inf")):
             raise RuntimeError(f"calibrate: layer {i} observed {obs.tokens} tokens with |K| max {k_max}, |V| max {v_max}; "
                                "cannot derive a scale")
-        layers[i] = {"k_scale": k_max * margin / FP8_E4M3_MAX, "v_scale": v_max * margin / FP8_E4M3_MAX,
-                     "k_absmax": k_max, "v_absmax": v_max}
+        offset = obs.k_offset()
+        k_max_off = obs.k_absmax_after(offset)
+        if not 0 < k_max_off < float("inf"):
+            raise RuntimeError(f"calibrate: layer {i} has |K - mean| max {k_max_off}; cannot derive a scale")
+        layers[i] = {"k_scale": k_max_off * margin / FP8_E4M3_MAX, "v_scale": v_max * margin / FP8_E4M3_MAX,
+                     "k_absmax_after_offset": k_max_off, "k_absmax": k_max, "v_absmax": v_max,
+                     "k_offset": offset.cpu().tolist()}
     from qsaserve import __version__
 
     meta = {
         "kv_cache_dtype": "fp8_e4m3",
-        "scale_rule": f"scale = absmax * margin / {FP8_E4M3_MAX:g} (per layer, per tensor, K after norm and RoPE)",
+        "scale_rule": f"scale = absmax * margin / {FP8_E4M3_MAX:g} (per layer, per tensor; for K the absmax of "
+                      "K - k_offset, K after norm and RoPE)",
+        "k_offset_rule": "per layer, per KV head, per channel mean of K over the calibration tokens; keys are stored "
+                         "as K - k_offset (exact for attention)",
         "margin": margin,
         "tool": f"qsaserve {__version__} calibrate",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

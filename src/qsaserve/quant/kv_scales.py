@@ -6,6 +6,10 @@ Scales come from two places, merged per entry (the overlay wins):
   - an overlay JSON written by `qsaserve calibrate` (`--kv-scales PATH`), bound to one model by
     its `Checkpoint.identity`.
 Layer keys are the model's own layer numbers (for Qwen4Exp, the QSA layers' indices).
+An overlay layer may also carry `k_offset`, a per-KV-head, per-channel vector [Hkv][D] subtracted
+from every key before it is stored (exact for attention, see ops/attention/reference.py); its
+k_scale was then measured after the subtraction, so the two are only used together. Checkpoint
+tensors give no offset; files without offsets (version 1) load with none.
 
 The dtype decision (`resolve_kv_cache`):
   - an explicit bfloat16 / float16 / float32 always wins (an overlay is still validated);
@@ -15,7 +19,6 @@ The dtype decision (`resolve_kv_cache`):
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -32,7 +35,8 @@ from qsaserve.quant.fp8 import FP8_E4M3, is_fp8
 logger = logging.getLogger("qsaserve")
 
 FILE_FORMAT = "qsaserve-kv-scales"
-FILE_VERSION = 1
+FILE_VERSION = 2  # 2: optional per-layer k_offset; version 1 files (scales only) still load
+READABLE_VERSIONS = (1, 2)
 HIGH_PRECISION = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", *HIGH_PRECISION, "fp8_e4m3")
 
@@ -46,18 +50,22 @@ class ScaleSet:
     k: dict[int, float] = field(default_factory=dict)
     v: dict[int, float] = field(default_factory=dict)
     source: str = ""
+    k_offset: dict[int, torch.Tensor] = field(default_factory=dict)  # [Hkv, D] float32 (CPU), overlay only
 
     def __bool__(self) -> bool:
         return bool(self.k or self.v)
 
     def merged(self, overlay: "ScaleSet") -> "ScaleSet":
+        """Per entry, the overlay wins. A layer's offset belongs with the overlay's own k_scale
+        (read_scales_file requires both), so offsets come from the overlay only."""
         sources = " + ".join(s for s in (self.source if self else "", overlay.source if overlay else "") if s)
-        return ScaleSet({**self.k, **overlay.k}, {**self.v, **overlay.v}, sources)
+        return ScaleSet({**self.k, **overlay.k}, {**self.v, **overlay.v}, sources, dict(overlay.k_offset))
 
 
 # ---- overlay files ----
 def write_scales_file(path: str, *, identity: str, layers: dict[int, dict], meta: dict) -> dict:
-    """layers: layer number -> {"k_scale", "v_scale", and any record such as the observed absmax}."""
+    """layers: layer number -> {"k_scale", "v_scale", optional "k_offset" ([Hkv][D] floats), and any
+    record such as the observed absmax}."""
     doc = {
         "format": FILE_FORMAT,
         "version": FILE_VERSION,
@@ -84,8 +92,9 @@ def read_scales_file(path: str, identity: str) -> ScaleSet:
         raise InvalidRequestError("kv_scales", f"{path} is not valid JSON: {e}") from None
     if not isinstance(doc, dict) or doc.get("format") != FILE_FORMAT:
         raise InvalidRequestError("kv_scales", f"{path} is not a {FILE_FORMAT} file (write one with `qsaserve calibrate`)")
-    if doc.get("version") != FILE_VERSION:
-        raise InvalidRequestError("kv_scales", f"{path} has version {doc.get('version')!r}; this qsaserve reads {FILE_VERSION}")
+    if doc.get("version") not in READABLE_VERSIONS:
+        raise InvalidRequestError("kv_scales", f"{path} has version {doc.get('version')!r}; this qsaserve reads "
+                                  f"{', '.join(map(str, READABLE_VERSIONS))}")
     if doc.get("model_identity") != identity:
         raise InvalidRequestError(
             "kv_scales",
@@ -102,7 +111,25 @@ def read_scales_file(path: str, identity: str) -> ScaleSet:
         for kind, target in (("k_scale", out.k), ("v_scale", out.v)):
             if kind in entry:
                 target[int(key)] = _check_scale(entry[kind], f"{path}: layer {key} {kind}")
+        if "k_offset" in entry:
+            if "k_scale" not in entry:
+                raise InvalidRequestError("kv_scales", f"{path}: layer {key} has a k_offset but no k_scale (the scale "
+                                          "is measured after the offset; they are only valid together)")
+            out.k_offset[int(key)] = _check_offset(entry["k_offset"], f"{path}: layer {key} k_offset")
     return out
+
+
+def _check_offset(value, what: str) -> torch.Tensor:
+    """[Hkv][D] finite numbers -> float32 tensor."""
+    ok = (isinstance(value, list) and value and all(isinstance(row, list) and row for row in value)
+          and len({len(row) for row in value}) == 1
+          and all(isinstance(x, (int, float)) and not isinstance(x, bool) for row in value for x in row))
+    if not ok:
+        raise InvalidRequestError("kv_scales", f"{what} must be a non-empty [num_kv_heads][head_dim] list of numbers")
+    t = torch.tensor(value, dtype=torch.float32)
+    if not torch.isfinite(t).all():
+        raise InvalidRequestError("kv_scales", f"{what} must be finite")
+    return t
 
 
 def _check_scale(value, what: str) -> float:
@@ -152,22 +179,32 @@ class KVCacheQuant:
     k_scales: list[torch.Tensor] | None = None
     v_scales: list[torch.Tensor] | None = None
     reason: str = ""
+    k_offsets: list[torch.Tensor | None] | None = None  # per layer [Hkv, D] fp32 device tensor (this rank's heads) or None
+    layer_ids: list[int] | None = None
 
     @property
     def is_fp8(self) -> bool:
         return is_fp8(self.dtype)
 
     def attach(self, caches: list) -> list:
-        """Gives each LayerCache its layer's scales; returns the list."""
+        """Gives each LayerCache its layer's scales and K offset; returns the list. An offset whose
+        [Hkv, D] is not the cache's is refused here, at startup, naming the layer."""
         if self.is_fp8:
-            for cache, k, v in zip(caches, self.k_scales, self.v_scales, strict=True):
-                cache.k_scale, cache.v_scale = k, v
+            offsets = self.k_offsets or [None] * len(self.k_scales)
+            for n, (cache, k, v, m) in enumerate(zip(caches, self.k_scales, self.v_scales, offsets, strict=True)):
+                if m is not None and tuple(m.shape) != tuple(cache.kv.shape[-2:]):
+                    layer = self.layer_ids[n] if self.layer_ids else n
+                    raise InvalidRequestError(
+                        "kv_scales", f"layer {layer} k_offset has shape {tuple(m.shape)} but this rank's KV cache holds "
+                        f"[num_kv_heads, head_dim] = {tuple(cache.kv.shape[-2:])} (scales of another model geometry?)")
+                cache.k_scale, cache.v_scale, cache.k_offset = k, v, m
         return caches
 
 
 def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_scales: ScaleSet | None,
-                     model_dtype: torch.dtype, device: torch.device) -> KVCacheQuant:
-    """config: EngineConfig (kv_cache_dtype, kv_scales, strict_kv_scales)."""
+                     model_dtype: torch.dtype, device: torch.device, tp_size: int = 1, tp_rank: int = 0) -> KVCacheQuant:
+    """config: EngineConfig (kv_cache_dtype, kv_scales, strict_kv_scales). tp_size / tp_rank pick
+    this rank's KV heads out of the (whole-model) K offsets."""
     overlay = read_scales_file(config.kv_scales, identity) if config.kv_scales else ScaleSet()
     extra = sorted((set(overlay.k) | set(overlay.v)) - set(layer_ids))
     if extra:
@@ -216,7 +253,22 @@ def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_sca
     def tensors(table: dict[int, float]) -> list[torch.Tensor]:
         return [torch.tensor(table.get(i, 1.0), dtype=torch.float32, device=device) for i in layer_ids]
 
-    return KVCacheQuant(FP8_E4M3, "fp8_e4m3", tensors(scales.k), tensors(scales.v), reason=reason)
+    offsets = [_rank_heads(scales.k_offset[i], tp_size, tp_rank).to(device) if i in scales.k_offset else None
+               for i in layer_ids]
+    if scales.k_offset:
+        reason += f", K offsets for {len(scales.k_offset)} of {len(layer_ids)} layers"
+    return KVCacheQuant(FP8_E4M3, "fp8_e4m3", tensors(scales.k), tensors(scales.v), reason=reason,
+                        k_offsets=offsets, layer_ids=list(layer_ids))
+
+
+def _rank_heads(offset: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """This TP rank's KV heads of a whole-model [Hkv, D] offset (the same split as the k_proj shards)."""
+    if tp_size == 1:
+        return offset
+    from qsaserve.parallel.tp import kv_head_range
+
+    a, b = kv_head_range(offset.shape[0], tp_size, tp_rank)
+    return offset[a:b].contiguous()
 
 
 def _describe(missing: list[tuple[int, str]]) -> str:
@@ -243,16 +295,15 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def capacity_report(spec, budget_bytes: int, quant: KVCacheQuant) -> str:
-    """One log line: tokens the budget holds with the chosen K/V dtype, and with the model dtype.
-    spec: the KVCacheSpec in use (its `dtype` is the model dtype)."""
+    """One startup log line: tokens the budget holds with the chosen K/V dtype, and with each of
+    the model dtype and fp8_e4m3 (quant/capacity.py). spec: the KVCacheSpec in use."""
+    from qsaserve.quant.capacity import kv_capacity_report
+
     def tokens(s) -> int:
         return max(s.num_blocks_for(budget_bytes) - 1, 0) * s.block_size  # minus the null block
 
-    ours = tokens(spec)
-    line = (f"KV cache dtype {quant.name} ({quant.reason}): {ours} tokens in {budget_bytes / 2**20:.1f} MiB, "
-            f"{spec.bytes_per_token:.0f} bytes/token")
-    if spec.kv_cache_dtype != spec.dtype:
-        base = dataclasses.replace(spec, kv_dtype=None)
-        line += (f"; the model dtype ({_dtype_name(spec.dtype)}) would hold {tokens(base)} tokens "
-                 f"({base.bytes_per_token:.0f} bytes/token) in the same budget, x{ours / max(tokens(base), 1):.2f}")
-    return line
+    report = kv_capacity_report(spec, budget_bytes)
+    each = ", ".join(f"{name} {row['tokens']} tokens ({row['bytes_per_token']:.0f} bytes/token)"
+                     for name, row in report["dtypes"].items())
+    return (f"KV cache dtype {quant.name} ({quant.reason}): {tokens(spec)} tokens in {budget_bytes / 2**20:.1f} MiB, "
+            f"{spec.bytes_per_token:.0f} bytes/token; the same budget holds {each}")

@@ -4,6 +4,12 @@ One entry point covers prefill, chunked prefill over a cached prefix, and decode
 sequence's new queries attend causally over its whole context, read from pages through its
 block table. Math in float32. An FP8 E4M3 cache is quantized on write and dequantized on read
 with the layer's per-tensor k_scale / v_scale (quant/fp8.py).
+
+A layer may also carry a K offset m ([Hkv, D], calibrated per channel): keys are stored as
+k - m. Softmax over keys does not see it (q.(k - m) = q.k - q.m, one constant per query and
+head), so attention is exact while the stored keys lose their per-channel bias and quantize with
+far less error. Readers need not add m back; an LSE comes out shifted by q.m * scale, the same
+constant on every shard of a sequence, so split-K / DCP merges stay exact.
 """
 from __future__ import annotations
 
@@ -14,10 +20,16 @@ from qsaserve.quant.fp8 import is_fp8, load_rows, store_rows
 
 
 def write_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+                       k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                       k_offset: torch.Tensor | None = None) -> None:
     """k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]; slot_mapping: [T].
-    Scales are required (and only used) for an FP8 cache."""
+    Scales are required (and only used) for an FP8 cache; k_offset ([Hkv, D] float32, or None)
+    is subtracted from every key before it is stored."""
     flat = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    if k_offset is not None:
+        if k_offset.shape != k.shape[1:]:
+            raise ValueError(f"k_offset: shape {tuple(k_offset.shape)} does not match the keys' [Hkv, D] {tuple(k.shape[1:])}")
+        k = k.float() - k_offset
     store_rows(flat[0], slot_mapping, k, k_scale)
     store_rows(flat[1], slot_mapping, v, v_scale)
 
