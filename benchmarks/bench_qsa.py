@@ -7,8 +7,11 @@ selected budget + r - 1 tokens (the model's decode path, ops only). Dense = the 
 paged decode (ops/attention/triton_paged.paged_decode) over the whole context. Contexts 8K-256K at
 batch 1 and 8; CUDA-event timing (median of repeats), eager and, for QSA, replayed as a CUDA graph.
 Optionally (--model) one whole-model decode step of qwen4exp-small (load_format="dummy") through LLM.
+Also one QSA layer's prefill ops for an 8192-token chunk at 128K context (the model's prefill path:
+pool the chunk's groups, select in bounded row blocks with Triton scoring + device top-k, one
+sparse-attention call), with the peak of extra memory it allocates; --prefill-only runs just that.
 
-    PYTHONPATH=src python benchmarks/bench_qsa.py [--out f.json] [--model]
+    PYTHONPATH=src python benchmarks/bench_qsa.py [--out f.json] [--model] [--prefill-only]
 """
 from __future__ import annotations
 
@@ -23,8 +26,9 @@ import torch
 
 from qsaserve.ops.attention.triton_paged import paged_decode
 from qsaserve.ops.qsa_attention.triton_sparse import sparse_attention_paged_triton
-from qsaserve.ops.qsa_indexer.paged import select_decode_tokens
-from qsaserve.ops.qsa_indexer.triton_score import decode_index_scores_triton
+from qsaserve.ops.qsa_indexer import rope_inv_freq
+from qsaserve.ops.qsa_indexer.paged import pool_chunk_groups, select_decode_tokens, select_prefill_tokens
+from qsaserve.ops.qsa_indexer.triton_score import decode_index_scores_triton, prefill_index_scores_triton
 
 HQ, HKV, D, HI, DI, BUDGET, R, PAGE = 16, 2, 256, 16, 128, 2048, 4, 16
 CONTEXTS = [8192, 32768, 131072, 262144]
@@ -80,8 +84,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--model", action="store_true", help="also time a whole-model decode step (qwen4exp-small, dummy)")
+    ap.add_argument("--prefill-only", action="store_true", help="only the one-layer prefill chunk timing")
     args = ap.parse_args()
     t_start = time.perf_counter()
+    prefill = prefill_chunk(torch.device("cuda"))
+    print(json.dumps(prefill), flush=True)
+    if args.prefill_only:
+        return
     results = run_ops(torch.device("cuda"))
     torch.cuda.empty_cache()
     summary = {}
@@ -97,7 +106,7 @@ def main() -> None:
         torch=torch.__version__,
         shapes=dict(hq=HQ, hkv=HKV, head_dim=D, indexer_heads=HI, indexer_dim=DI, budget=BUDGET, ratio=R, page=PAGE,
                     dtype=str(DT)),
-        results=results, summary=summary,
+        results=results, summary=summary, prefill_chunk=prefill,
     )
     if args.model:
         report["model_decode"] = model_decode_step()
@@ -156,6 +165,58 @@ def run_ops(dev: torch.device) -> list[dict]:
             results.append(row)
             print(json.dumps(row), flush=True)
     return results
+
+
+def prefill_chunk(dev: torch.device, chunk: int = 8192, context: int = 131072) -> dict:
+    """One QSA layer's prefill ops for the last `chunk` tokens of a `context`-token prompt: pool the
+    groups the chunk completes, select every query's tokens (row blocks, Triton scoring, device
+    top-k), attend over the selection through the block table. Random pages and keys."""
+    num_blocks = context // PAGE + 1
+    kv = torch.randn(2, num_blocks, PAGE, HKV, D, device=dev, dtype=DT)
+    block_keys = torch.randn(num_blocks, PAGE // R, DI, device=dev, dtype=DT)
+    ids = list(range(1, num_blocks))
+    random.Random(0).shuffle(ids)
+    table = torch.tensor(ids, dtype=torch.int32, device=dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(chunk, HQ, D, generator=gen, device=dev).to(DT)
+    iq = torch.randn(chunk, HI, DI, generator=gen, device=dev).to(DT)
+    raw = torch.randn(chunk, DI, generator=gen, device=dev).to(DT)
+    tail = torch.zeros(R, DI, device=dev, dtype=DT)
+    weight = torch.zeros(DI, device=dev, dtype=DT)
+    inv_freq = rope_inv_freq(D, 0.25, 1e7).to(dev)  # the preset's rotary dims (64 of head_dim 256)
+    start = context - chunk
+    positions = torch.arange(start, context, device=dev)
+    seq_ids = torch.zeros(chunk, dtype=torch.long, device=dev)
+    state = {}
+
+    def pool():
+        pool_chunk_groups(tail, raw, start, block_keys, table, weight, inv_freq, R, 1e-6)
+
+    def select():
+        state["sel"] = select_prefill_tokens(iq, block_keys, table, positions, R, BUDGET, context // R,
+                                             score_fn=prefill_index_scores_triton)
+
+    def attend():
+        state["out"] = sparse_attention_paged_triton(q, kv, table[None], state["sel"], D ** -0.5, seq_ids)
+
+    def layer():
+        pool()
+        select()
+        attend()
+
+    layer()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    layer()
+    torch.cuda.synchronize()
+    extra = torch.cuda.max_memory_allocated(dev) - base
+    row = dict(section="prefill_chunk", chunk=chunk, context=context,
+               pool_ms=time_ms(pool, iters=3, repeats=3), select_ms=time_ms(select, iters=3, repeats=3),
+               attention_ms=time_ms(attend, iters=3, repeats=3), layer_ms=time_ms(layer, iters=3, repeats=3),
+               peak_extra_mib=extra / 2**20)
+    row["prompt_s_upper_bound"] = row["layer_ms"] * (context // chunk) / 1e3  # this layer over the whole prompt
+    return row
 
 
 def model_decode_step(prompt_len: int = 8192, batch: int = 8, new_tokens: int = 16) -> dict:
