@@ -1,6 +1,20 @@
 """Shared by the Qwen4Exp tests (tests/ is on sys.path via its conftest): tiny random transformers models that make good oracles."""
 import torch
+import transformers.models.qwen4_exp.modeling_qwen4_exp as _hf_qwen4exp
 from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+
+def _oracle_uses_torch_gdn() -> None:
+    """transformers swaps in fla-core's GDN kernels whenever fla is importable (as on the GPU machine);
+    they need CUDA tensors and are not the oracle. Its own torch functions stay reachable through
+    the wrapper's __wrapped__: put them back so the fp32 CPU oracle is transformers' torch path."""
+    for name in dir(_hf_qwen4exp):
+        fn = getattr(_hf_qwen4exp, name)
+        if name.startswith("torch_") and callable(fn) and hasattr(fn, "__wrapped__"):
+            setattr(_hf_qwen4exp, name, fn.__wrapped__)
+
+
+_oracle_uses_torch_gdn()
 
 # The installed transformers' name for the QSA layer type (it changed across releases).
 QSA_TYPE = next(t for t in Qwen4ExpTextConfig().layer_types if t != "linear_attention")
