@@ -88,8 +88,8 @@ def run_interpreted_branch_check() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         llm = LLM(save(model, tmp), dtype="float32", device="cpu", max_model_len=128, block_size=block, progress=False)
     m = llm.engine.executor.runner.model
-    prompts = _prompts([45, 30], block, 120, seed=1)
-    steps = [[(0, 13), (1, 30)], [(0, 7)], [(0, 1)], [(0, 24)]]  # unaligned chunks; a 1-token chunk in a prefill step
+    prompts = _prompts([27, 12], block, 120, seed=1)
+    steps = [[(0, 9), (1, 10)], [(0, 7)], [(0, 1), (1, 2)], [(0, 10)]]  # unaligned chunks, a 1-token chunk
     ref = _prefill(m, steps, prompts, block, "cpu")
     calls = []
     qwen4exp._use_triton = lambda x: True
