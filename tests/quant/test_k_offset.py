@@ -157,3 +157,21 @@ def test_calibrate_round_trip(tiny_llama, tmp_path):
     for i, cache in enumerate(fp8.engine.executor.runner.kv_caches):
         torch.testing.assert_close(cache.k_offset, torch.tensor(doc["layers"][str(i)]["k_offset"]))
         assert cache.k_scale.item() == pytest.approx(doc["layers"][str(i)]["k_scale"])
+
+
+def test_offset_keeps_sharded_sparse_attention_exact():
+    """QSA sparse attention over two disjoint key shards (as under DCP), merged by LSE: the offset
+    shifts both shards' LSE by the same q.m, so the merged output is unchanged."""
+    from qsaserve.ops.qsa_attention.reference import merge_attention_partials, sparse_attention_reference
+
+    k, bias = biased_keys(40, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    v, q = torch.randn(40, HKV, D, generator=gen), torch.randn(6, HQ, D, generator=gen) * 3
+    sel = torch.stack([torch.randperm(40, generator=gen)[:24] for _ in range(6)])  # [Tq, 24] selected rows
+
+    def sharded(keys):
+        parts = [sparse_attention_reference(q, keys, v, torch.where(sel % 2 == s, sel, -1), scale=D**-0.5) for s in (0, 1)]
+        return merge_attention_partials([p[0] for p in parts], [p[1] for p in parts])[0]
+
+    whole = sparse_attention_reference(q, k, v, sel, scale=D**-0.5)[0]
+    torch.testing.assert_close(sharded(k - bias), whole, atol=1e-5, rtol=1e-5)
