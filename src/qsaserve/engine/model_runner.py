@@ -57,7 +57,8 @@ class ModelRunner:
         self.attention_layers = model.attention_layers()
         # K/V page dtype and FP8 scales (device tensors, made once here).
         self.kv_quant = resolve_kv_cache(config, checkpoint.identity, attention_layer_ids(model), ckpt_scales.scales,
-                                         self.dtype, self.device)
+                                         self.dtype, self.device, tp_size=self.parallel.tp_size,
+                                         tp_rank=self.parallel.tp_rank)
         # Per-rank pages of block_size tokens; under DCP an engine block spans block_size * D tokens.
         self.kv_spec_dcp1 = dataclasses.replace(model.kv_cache_spec(config.block_size, self.dtype), kv_dtype=self.kv_quant.dtype)
         self.kv_spec = self.parallel.dcp.scale_spec(self.kv_spec_dcp1)
@@ -139,7 +140,13 @@ class ModelRunner:
         if self.graphs_off_reason is None:
             graphs = DecodeGraphs(self.model, self.config.cuda_graph_capture_sizes, self.max_model_len,
                                   self.kv_spec.block_size, self.device)
-            graphs.capture()
+            try:
+                graphs.capture()
+            except RuntimeError as exc:  # e.g. an op that syncs inside the capture: serve eagerly, say why
+                torch.cuda.synchronize(self.device)
+                self.graphs_off_reason = f"capture failed ({exc})"
+                logger.warning("CUDA graphs off: %s", self.graphs_off_reason)
+                return
             self.graphs = graphs
 
     def bind_kv_cache(self, caches: list[LayerCache]) -> None:

@@ -136,8 +136,9 @@ def test_sync_free_moe_equals_looped_experts(rows):
 def test_decode_step_has_no_host_sync_on_gpu(tmp_path):
     """A decode step (with padding rows) on CUDA runs under torch's sync debug mode "error"."""
     model = build_random_model(make_config(budget=12, ple_layer_ids=(1, 3)), seed=4)
+    # PLE rows from a GPU table: host/disk placements gather on the host (and keep graphs off).
     llm = LLM(save(model, tmp_path), dtype="bfloat16", device="cuda", max_model_len=128, block_size=BLOCK, progress=False,
-              gpu_memory_utilization=0.3)
+              kv_cache_memory=1 << 26, ple_placement="gpu", enforce_eager=True)
     runner = llm.engine.executor.runner
     m = runner.model
     prompt_rows = [(15, 15, [1, 2], 1, list(range(15))), (9, 9, [3, 4], 2, list(range(9)))]

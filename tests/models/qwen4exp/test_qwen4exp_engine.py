@@ -180,7 +180,7 @@ def test_bf16_on_gpu_with_fla_kernels_tracks_fp32_transformers(case):
 
     model, _, path = case
     llm = LLM(path, dtype="bfloat16", device="cuda", max_model_len=256, block_size=16, progress=False,
-              gpu_memory_utilization=0.3)
+              kv_cache_memory=1 << 26)
     ps = prompts(3, [45, 61, 38], seed=7)
     outs = llm.generate([{"prompt_token_ids": p} for p in ps], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1),
                         use_tqdm=False)
