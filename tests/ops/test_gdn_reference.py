@@ -182,3 +182,26 @@ def test_matches_fla_kernels_on_gpu():
                   use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
         torch.testing.assert_close(o, ref_o, atol=tol, rtol=tol)
         torch.testing.assert_close(s, ref_s, atol=tol * 10, rtol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("single_token", [False, True])
+def test_dispatch_matches_reference_on_gpu(single_token):
+    """Through the engine's entry point (fla on CUDA), prefill and the batched decode form, with
+    more value heads than key heads: the arguments must reach fla's parameters of the same meaning."""
+    from qsaserve.ops.gdn.dispatch import gated_delta_rule
+
+    pytest.importorskip("fla.ops.gated_delta_rule")
+    if single_token:  # decode: a batch of 3 one-token sequences, no cu_seqlens
+        q, k, v, g, beta, _ = (x.cuda() for x in _inputs(3, 1, 2, 4, 16, 16, seed=8))
+        cu = None
+    else:
+        q, k, v, g, beta, _ = (x.cuda() for x in _inputs(1, 50, 2, 4, 16, 16, seed=8))
+        cu = torch.tensor([0, 20, 50], device="cuda")
+    h0 = torch.randn(3 if single_token else 2, 4, 16, 16, device="cuda")
+    ref_fn = gdn_recurrent_reference if single_token else gdn_chunk_reference
+    ref_o, ref_s = ref_fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                          cu_seqlens=cu)
+    o, s = gated_delta_rule(q, k, v, g, beta, h0.clone(), cu, single_token)
+    torch.testing.assert_close(o, ref_o, atol=5e-3, rtol=5e-3)
+    torch.testing.assert_close(s, ref_s, atol=5e-2, rtol=5e-3)

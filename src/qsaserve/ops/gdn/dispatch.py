@@ -29,9 +29,12 @@ def gated_delta_rule(
     """Packed sequences ([1, T, H, D], boundaries in cu_seqlens), each continuing from its
     initial_state [N, Hv, Dk, Dv] fp32. q/k are L2-normalized inside. single_token: every
     sequence has one token (decode), where the recurrent form is cheapest."""
-    kwargs = dict(initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens)
+    # Keywords, not positions: fla's fused_recurrent takes (q, k, v, g, gk, gv, beta, ...), so a
+    # positional beta would land in gk (per-key decay) and silently give wrong outputs.
+    kwargs = dict(g=g, beta=beta, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  cu_seqlens=cu_seqlens)
     if q.is_cuda and chunk_gated_delta_rule is not None:
         kernel = fused_recurrent_gated_delta_rule if single_token else chunk_gated_delta_rule
-        return kernel(q, k, v, g, beta, **kwargs)
+        return kernel(q, k, v, **kwargs)
     kernel = gdn_recurrent_reference if single_token else gdn_chunk_reference
-    return kernel(q, k, v, g, beta, **kwargs)
+    return kernel(q, k, v, **kwargs)
