@@ -1,0 +1,109 @@
+"""Decode context parallelism on two GPUs (NCCL): a DCP2 decode step of a random Qwen4Exp (one
+KV head, TP2) runs with no host synchronisation, under torch.cuda.set_sync_debug_mode("error")
+on both ranks, and gives the same greedy tokens as DCP1 at the same TP.
+
+Each rank is a process built exactly as the engine's workers are (init_rank + build_runner);
+the test drives the runners directly so that only the decode step runs in sync-debug mode."""
+import json
+import os
+import socket
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+BLOCK = 16
+
+
+def _config(tmp_dir: str, dcp: int):
+    from qsaserve.config import EngineConfig
+    from qsaserve.models.presets import preset_config
+
+    cfg = dict(preset_config("qwen4exp-tiny"), num_key_value_heads=1)
+    os.makedirs(tmp_dir, exist_ok=True)
+    with open(os.path.join(tmp_dir, "config.json"), "w", encoding="utf-8") as fh:
+        json.dump(cfg, fh)
+    # PLE on the GPU: host/disk tables are gathered on the host each step (a sync by design).
+    return EngineConfig(model=tmp_dir, load_format="dummy", device="cuda", dtype="bfloat16", tensor_parallel_size=2,
+                        decode_context_parallel_size=dcp, max_model_len=256, block_size=BLOCK,
+                        kv_cache_memory=1 << 26, ple_placement="gpu", enforce_eager=True)
+
+
+def _batches(engine_block: int):
+    """Prefill of two prompts (40 and 25 tokens), then greedy decode steps built by the caller."""
+    from qsaserve.engine.batch import BatchInput
+
+    prompts = [list(range(5, 45)), list(range(60, 85))]
+    tables = [[1, 2, 3], [4, 5]]
+    slots = [1, 2]
+    ids, pos, slot_map = [], [], []
+    for p, t in zip(prompts, tables):
+        ids += p
+        pos += range(len(p))
+        slot_map += [t[i // engine_block] * engine_block + i % engine_block for i in range(len(p))]
+    prefill = BatchInput(ids, pos, slot_map, [len(p) for p in prompts], [len(p) for p in prompts], tables,
+                         [len(prompts[0]) - 1, len(prompts[0]) + len(prompts[1]) - 1], slots)
+    return prompts, tables, slots, prefill
+
+
+def _rank_main(rank: int, port: int, dcp: int, tmp_dir: str, out: dict) -> None:
+    from qsaserve.engine.batch import BatchInput
+    from qsaserve.parallel.executor import WorkerSpec, build_runner, init_rank
+
+    config = _config(tmp_dir, dcp)
+    spec = WorkerSpec(config, None, 256, rank, rank, "127.0.0.1", port)
+    ctx, device, control = init_rank(spec)
+    runner, _, _ = build_runner(spec, ctx, device, control)
+    engine_block = runner.kv_spec.block_size
+    prompts, tables, slots, prefill = _batches(engine_block)
+    logits = runner.execute(prefill)
+    lengths = [len(p) for p in prompts]
+    tokens = [[int(t)] for t in logits.argmax(-1).tolist()]
+    clean = True
+    for _ in range(6):
+        pos = list(lengths)
+        batch = BatchInput([t[-1] for t in tokens], pos,
+                           [tb[p // engine_block] * engine_block + p % engine_block for tb, p in zip(tables, pos)],
+                           [1, 1], [p + 1 for p in pos], tables, [0, 1], slots)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = runner.execute(batch)
+        except RuntimeError as exc:
+            clean = False
+            out[f"error_rank{rank}"] = str(exc)
+            torch.cuda.set_sync_debug_mode("default")
+            break
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        for t, nxt in zip(tokens, logits.argmax(-1).tolist()):
+            t.append(int(nxt))
+        lengths = [n + 1 for n in lengths]
+    out[f"rank{rank}"] = {"tokens": tokens, "sync_free": clean}
+    torch.distributed.destroy_process_group()
+
+
+def _spawn(dcp: int, tmp_path) -> dict:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    manager = mp.Manager()
+    out = manager.dict()
+    mp.spawn(_rank_main, args=(port, dcp, str(tmp_path / f"dcp{dcp}"), out), nprocs=2, join=True)
+    return dict(out)
+
+
+def test_dcp2_decode_step_is_sync_free_and_matches_dcp1(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (NCCL)")
+    dcp2 = _spawn(2, tmp_path)
+    dcp1 = _spawn(1, tmp_path)
+    print(json.dumps({"dcp2": dcp2, "dcp1": dcp1}))
+    for rank in (0, 1):
+        assert dcp2[f"rank{rank}"]["sync_free"], dcp2.get(f"error_rank{rank}")
+    assert dcp2["rank0"]["tokens"] == dcp2["rank1"]["tokens"]
+    assert dcp2["rank0"]["tokens"] == dcp1["rank0"]["tokens"]
