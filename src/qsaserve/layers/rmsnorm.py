@@ -1,8 +1,13 @@
-"""RMSNorm, computed in float32 like the reference models."""
+"""RMSNorm, computed in float32 like the reference models, optionally fused with the residual add.
+
+On CUDA one Triton kernel does the add and the norm (ops/fused); elsewhere the plain-torch
+reference runs, with the same order of casts as before the fusion."""
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from qsaserve.ops import fused
 
 
 class RMSNorm(nn.Module):
@@ -11,7 +16,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * xf).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`: (norm(x + residual), x + residual), the sum being the next residual."""
+        if residual is None:
+            if fused.use_fused(x):
+                return fused.triton_fused.rms_norm(x, self.weight, self.eps)
+            return fused.rms_norm_reference(x, self.weight, self.eps)
+        if fused.use_fused(x):
+            return fused.triton_fused.add_rms_norm(x, residual, self.weight, self.eps)
+        return fused.add_rms_norm_reference(x, residual, self.weight, self.eps)

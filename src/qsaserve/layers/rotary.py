@@ -1,10 +1,15 @@
-"""Rotary position embedding (rotate-half layout, as in HF Llama/Qwen), with llama3 and linear scaling."""
+"""Rotary position embedding (rotate-half layout, as in HF Llama/Qwen), with llama3 and linear scaling.
+
+On CUDA, q and k are rotated in place by one Triton kernel (ops/fused); elsewhere by the
+plain-torch reference."""
 from __future__ import annotations
 
 import math
 
 import torch
 from torch import nn
+
+from qsaserve.ops import fused
 
 
 def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
@@ -38,10 +43,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D]; rotates the first rotary_dim channels of every head."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        rot, rest = x[..., : self.rotary_dim].float(), x[..., self.rotary_dim :]
-        x1, x2 = rot.chunk(2, dim=-1)
-        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
-        return torch.cat((rotated, rest), dim=-1) if rest.numel() else rotated
+        """x: [T, H, D] -> a copy with the first rotary_dim channels of every head rotated."""
+        return fused.rope_reference(x, positions, self.cos, self.sin)
+
+    def rotate_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotated q [T, Hq, D] and k [T, Hk, D]. On CUDA they are rotated in place (views into the
+        qkv output included) and returned; elsewhere new tensors come back."""
+        if fused.use_fused(q):
+            return fused.triton_fused.rope_qk_(q, k, positions, self.cos, self.sin)
+        return self(positions, q), self(positions, k)

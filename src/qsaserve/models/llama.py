@@ -4,17 +4,22 @@ engine's paged Attention layer. Weights use HF names; q/k/v and gate/up are fuse
 
 Tensor parallel (parallel/tp.py): q/k/v and gate/up keep this rank's heads / intermediate rows,
 o_proj and down_proj the matching columns (outputs all-reduced); embedding and LM head are split
-by vocabulary rows. Under DCP, attention runs over this rank's token shard (layers/dcp_attention.py)."""
+by vocabulary rows. Under DCP, attention runs over this rank's token shard (layers/dcp_attention.py).
+
+Per-token ops are fused on CUDA (ops/fused): each residual add joins the next RMSNorm, RoPE
+rotates q and k in place inside the qkv output, and SiLU*up reads the gate_up output directly,
+so a decode step launches few kernels besides the GEMMs and attention. Layers therefore pass
+(hidden, residual) along; the arithmetic is the same as x = x + block(norm(x))."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qsaserve.cache.kv_cache import KVCacheSpec
+from qsaserve.layers.activation import SiluAndMul
 from qsaserve.layers.attention import Attention, AttentionMetadata
 from qsaserve.layers.dcp_attention import DcpAttention
 from qsaserve.layers.rmsnorm import RMSNorm
@@ -90,7 +95,7 @@ class LlamaAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q), self.rotary(positions, k)
+        q, k = self.rotary.rotate_qk(positions, q, k)  # on CUDA in place: q, k stay views of the qkv output
         return self.ctx.all_reduce(self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta)))
 
 
@@ -101,10 +106,10 @@ class LlamaMLP(nn.Module):
         inter = c.intermediate_size // ctx.tp_size
         self.gate_up_proj = nn.Linear(c.hidden_size, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, c.hidden_size, bias=False)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.ctx.all_reduce(self.down_proj(F.silu(gate) * up))
+        return self.ctx.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -115,9 +120,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = LlamaMLP(c, ctx)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's MLP output (the embeddings when residual is None); residual: the
+        residual stream before it. Returns this layer's (MLP output, residual); the next norm adds them."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, positions, meta), residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -142,9 +154,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = vocab_parallel_embedding(self.embed_tokens.weight, input_ids, self.config.vocab_size, self.ctx)
+        residual = None
         for layer in self.layers:
-            x = layer(x, positions, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, meta)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -1,0 +1,173 @@
+"""Triton kernels for the decoder's small per-token ops (references in reference.py).
+
+In a decode step the GEMMs are few and large while RMSNorm, RoPE, SiLU*up and the residual adds
+are chains of 5-15 tiny torch kernels each (casts, pow, mean, rsqrt, index, cat, ...); at batch 1
+those launches cost more device time than the weight reads. Each op here is one launch:
+
+* ``rms_norm`` / ``add_rms_norm``: one program per row; the residual form writes the new residual
+  (x + residual, rounded to the input dtype like the torch add) and normalises that rounded sum.
+* ``rope_qk_``: one program per token rotates all q and k heads in place, cos/sin read once.
+* ``silu_mul``: SiLU(gate) * up straight from the fused gate_up output, no chunk copies.
+
+Math is float32 inside; every rounding to the input dtype happens where the torch path rounds.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_MAX_NORM_COLS = 32768  # one row per program, held whole in registers
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+                     stride_x0, stride_x1, inner, stride_r, stride_o, stride_ro, n_cols, eps,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    # A row is (row // inner, row % inner): 3-D inputs such as per-head q/k views need no copy.
+    x = tl.load(x_ptr + (row // inner) * stride_x0 + (row % inner) * stride_x1 + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    mean_sq = tl.sum(xf * xf, axis=0) / n_cols
+    y = xf * tl.rsqrt(mean_sq + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _norm_launch_config(n_cols: int) -> tuple[int, int]:
+    if n_cols > _MAX_NORM_COLS:
+        raise ValueError(f"x: last dim {n_cols} is too wide for the fused RMSNorm (at most {_MAX_NORM_COLS})")
+    block = triton.next_power_of_2(n_cols)
+    return block, min(16, max(1, block // 256))
+
+
+def _check_weight(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.stride(-1) != 1:
+        raise ValueError("x: the last dimension must be contiguous")
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1] or not weight.is_contiguous():
+        raise ValueError(f"weight: expected a contiguous [{x.shape[-1]}] vector, got {tuple(weight.shape)}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x ([N, D] or [N, H, D], any row strides) -> a new contiguous tensor."""
+    _check_weight(x, weight)
+    if x.dim() == 2:
+        s0, s1, inner = x.stride(0), 0, 1
+    elif x.dim() == 3:
+        s0, s1, inner = x.stride(0), x.stride(1), x.shape[1]
+    else:
+        x = x.reshape(-1, x.shape[-1])
+        s0, s1, inner = x.stride(0), 0, 1
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n_cols = x.shape[-1]
+    rows = x.numel() // n_cols
+    if rows == 0:
+        return out
+    block, warps = _norm_launch_config(n_cols)
+    _rms_norm_kernel[(rows,)](x, x, weight, out, out, s0, s1, inner, 0, n_cols, 0, n_cols, eps,
+                              HAS_RESIDUAL=False, BLOCK=block, num_warps=warps)
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one launch; x, residual: [N, D], same dtype."""
+    _check_weight(x, weight)
+    if x.dim() != 2 or residual.shape != x.shape:
+        raise ValueError(f"residual: expected shape {tuple(x.shape)} of a 2-D x, got {tuple(residual.shape)}")
+    if residual.dtype != x.dtype or residual.stride(-1) != 1:
+        raise ValueError(f"residual: must be {x.dtype} with a contiguous last dim, got {residual.dtype}")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
+    rows, n_cols = x.shape
+    if rows == 0:
+        return out, new_residual
+    block, warps = _norm_launch_config(n_cols)
+    _rms_norm_kernel[(rows,)](x, residual, weight, out, new_residual, x.stride(0), 0, 1, residual.stride(0),
+                              n_cols, n_cols, n_cols, eps, HAS_RESIDUAL=True, BLOCK=block, num_warps=warps)
+    return out, new_residual
+
+
+@triton.jit
+def _rotate_heads(base, stride_h, cos, sin, d, d_ok,
+                  N_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK_H: tl.constexpr):
+    for h0 in range(0, N_HEADS, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        mask = (h < N_HEADS)[:, None] & d_ok[None, :]
+        p1 = base + h[:, None] * stride_h + d[None, :]
+        x1 = tl.load(p1, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(p1 + HALF, mask=mask, other=0.0).to(tl.float32)
+        tl.store(p1, (x1 * cos - x2 * sin).to(base.dtype.element_ty), mask=mask)
+        tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_qk_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos, stride_sin,
+                    HQ: tl.constexpr, HK: tl.constexpr, HALF: tl.constexpr,
+                    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HALF
+    cos = tl.load(cos_ptr + pos * stride_cos + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_sin + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    _rotate_heads(q_ptr + t * stride_qt, stride_qh, cos, sin, d, d_ok, HQ, HALF, BLOCK_H)
+    _rotate_heads(k_ptr + t * stride_kt, stride_kh, cos, sin, d, d_ok, HK, HALF, BLOCK_H)
+
+
+def rope_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotates q [T, Hq, D] and k [T, Hk, D] (views into the qkv output are fine) in place at
+    `positions` [T]; cos/sin: [max_positions, rotary_dim / 2] tables. Returns q, k."""
+    if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q, k: expected [T, Hq, D] and [T, Hk, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or k.dtype != q.dtype:
+        raise ValueError("q, k: same dtype and a contiguous head_dim required")
+    if positions.shape != (q.shape[0],):
+        raise ValueError(f"positions: expected shape ({q.shape[0]},), got {tuple(positions.shape)}")
+    half = cos.shape[-1]
+    if sin.shape != cos.shape or cos.stride(-1) != 1 or sin.stride(-1) != 1 or 2 * half > q.shape[2]:
+        raise ValueError(f"cos, sin: expected equal [P, <= {q.shape[2] // 2}] tables, got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if q.shape[0] == 0:
+        return q, k
+    block_d = triton.next_power_of_2(half)
+    block_h = min(triton.next_power_of_2(max(q.shape[1], k.shape[1])), max(1, 4096 // block_d))
+    _rope_qk_kernel[(q.shape[0],)](
+        q, k, positions, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0), sin.stride(0),
+        HQ=q.shape[1], HK=k.shape[1], HALF=half, BLOCK_H=block_h, BLOCK_D=block_d,
+        num_warps=4 if block_h * block_d >= 1024 else 1,
+    )
+    return q, k
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * stride_x + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    # SiLU rounds to the input dtype before the product, as F.silu(gate) * up does.
+    act = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] (gate | up, any row stride) -> SiLU(gate) * up, a new [T, I] tensor."""
+    if x.dim() != 2 or x.shape[1] % 2 or x.stride(-1) != 1:
+        raise ValueError(f"x: expected [T, 2I] with a contiguous last dim, got {tuple(x.shape)}")
+    rows, inter = x.shape[0], x.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(inter))
+    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter,
+                                                        BLOCK=block, num_warps=4)
+    return out
