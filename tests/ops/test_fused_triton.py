@@ -1,0 +1,169 @@
+"""Fused decoder kernels (ops/fused/triton_fused.py) against their torch references.
+
+The same checks run on CPU under the Triton interpreter (a subprocess with TRITON_INTERPRET=1,
+which must be set before triton is imported; fp16 and fp32, since the interpreter's bf16 is not
+trustworthy) and on a CUDA GPU (marked gpu; bf16, fp16, fp32, plus the llama-1b / llama-8b shapes).
+
+Tolerances: the new residual is bit-equal (one rounding of an exact fp32 sum, like the torch add);
+the other outputs may differ from the reference by the last bit of the output dtype (the fp32 sum
+of squares is reduced in another order, exp/rsqrt/fma differ in their last fp32 bits), so they
+are compared with rtol = 2 ulp of the dtype (1e-5 in fp32).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qsaserve.layers.rotary import RotaryEmbedding
+from qsaserve.ops import fused
+from qsaserve.ops.fused.reference import (add_rms_norm_reference, rms_norm_reference, rope_qk_reference_,
+                                          silu_mul_reference)
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    if dtype == torch.float32:  # a few fp32 ulps: approximate rsqrt/exp, fma, reduction order
+        return dict(rtol=1e-5, atol=1e-5)
+    return dict(rtol=2 * torch.finfo(dtype).eps, atol=1e-3)
+
+
+def check_rms_norm(device, dtype, rows=5, dim=72, heads=3, head_dim=40):
+    from qsaserve.ops.fused import triton_fused as tf
+
+    gen = torch.Generator().manual_seed(dim + rows)
+    x = (torch.randn(rows, dim, generator=gen) * 3).to(dtype).to(device)
+    res = torch.randn(rows, dim, generator=gen).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(dim, generator=gen)).to(dtype).to(device)
+    x_in, res_in = x.clone(), res.clone()
+    torch.testing.assert_close(tf.rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5), **_tol(dtype))
+    out, new_res = tf.add_rms_norm(x, res, w, 1e-6)
+    ref_out, ref_res = add_rms_norm_reference(x, res, w, 1e-6)
+    assert torch.equal(new_res, ref_res)
+    torch.testing.assert_close(out, ref_out, **_tol(dtype))
+    assert torch.equal(x, x_in) and torch.equal(res, res_in)  # inputs are not overwritten
+    # Per-head norm of q inside a wider qkv row (Qwen3 q_norm): a strided 3-D view, no copy needed.
+    qkv = torch.randn(rows, heads * head_dim + 17, generator=gen).to(dtype).to(device)
+    q = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+    wq = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(dtype).to(device)
+    got = tf.rms_norm(q, wq, 1e-6)
+    assert got.shape == q.shape and got.is_contiguous()
+    torch.testing.assert_close(got, rms_norm_reference(q, wq, 1e-6), **_tol(dtype))
+    # A strided 2-D x (a column slice) with a contiguous residual.
+    wide = torch.randn(rows, dim + 8, generator=gen).to(dtype).to(device)[:, 4 : 4 + dim]
+    out, new_res = tf.add_rms_norm(wide, res, w, 1e-6)
+    ref_out, ref_res = add_rms_norm_reference(wide, res, w, 1e-6)
+    assert torch.equal(new_res, ref_res)
+    torch.testing.assert_close(out, ref_out, **_tol(dtype))
+    with pytest.raises(ValueError, match="weight"):
+        tf.rms_norm(x, w[:-1], 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        tf.add_rms_norm(x, res[:-1], w, 1e-6)
+
+
+def check_rope(device, dtype, tokens=7, hq=6, hk=2, head_dim=32, rotary_dim=32, max_pos=5000):
+    from qsaserve.ops.fused import triton_fused as tf
+
+    gen = torch.Generator().manual_seed(hq * head_dim + rotary_dim)
+    rope = RotaryEmbedding(rotary_dim, max_pos, 500000.0, {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 256})
+    cos, sin = rope.cos.to(device), rope.sin.to(device)
+    qs, ks = hq * head_dim, hk * head_dim
+    qkv = (torch.randn(tokens, qs + 2 * ks, generator=gen) * 2).to(dtype).to(device)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(device)
+    positions[0] = 0
+    positions[-1] = max_pos - 1
+    ref, orig = qkv.clone(), qkv.clone()
+    q, k = qkv[:, :qs].view(tokens, hq, head_dim), qkv[:, qs : qs + ks].view(tokens, hk, head_dim)
+    rq, rk = ref[:, :qs].view(tokens, hq, head_dim), ref[:, qs : qs + ks].view(tokens, hk, head_dim)
+    got_q, got_k = tf.rope_qk_(q, k, positions, cos, sin)
+    rope_qk_reference_(rq, rk, positions, cos, sin)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # in place
+    assert torch.equal(qkv[:, qs + ks :], ref[:, qs + ks :])  # v untouched
+    assert torch.equal(q[..., rotary_dim:], rq[..., rotary_dim:])  # channels past rotary_dim untouched
+    torch.testing.assert_close(qkv, ref, **_tol(dtype))
+    # The layer's CPU path (out of place) is the in-place reference, bit for bit.
+    lq, lk = rope.rotate_qk(positions.cpu(), orig[:, :qs].view(tokens, hq, head_dim).cpu(),
+                            orig[:, qs : qs + ks].view(tokens, hk, head_dim).cpu())
+    assert torch.equal(lq, rq.cpu()) and torch.equal(lk, rk.cpu())
+    with pytest.raises(ValueError, match="positions"):
+        tf.rope_qk_(q, k, positions[:-1], cos, sin)
+    with pytest.raises(ValueError, match="q, k"):
+        tf.rope_qk_(q, k[:-1], positions, cos, sin)
+
+
+def check_silu_mul(device, dtype, tokens=3, inter=1500):
+    from qsaserve.ops.fused import triton_fused as tf
+
+    gen = torch.Generator().manual_seed(inter)
+    x = (torch.randn(tokens, 2 * inter + 6, generator=gen) * 4).to(dtype).to(device)[:, 3 : 3 + 2 * inter]
+    got = tf.silu_mul(x)
+    assert got.shape == (tokens, inter) and got.is_contiguous()
+    torch.testing.assert_close(got, silu_mul_reference(x), **_tol(dtype))
+    with pytest.raises(ValueError, match="x"):
+        tf.silu_mul(x[:, :-1])
+
+
+INTERPRETER_CHECKS = [
+    ("rms_norm_fp32", lambda: check_rms_norm("cpu", torch.float32)),
+    ("rms_norm_fp16", lambda: check_rms_norm("cpu", torch.float16)),
+    ("rope_fp32", lambda: check_rope("cpu", torch.float32)),
+    ("rope_fp16_partial_rotary", lambda: check_rope("cpu", torch.float16, hq=5, hk=1, head_dim=48, rotary_dim=24)),
+    ("rope_fp16_head_blocks", lambda: check_rope("cpu", torch.float16, tokens=2, hq=80, hk=8, head_dim=128,
+                                                 rotary_dim=128)),
+    ("silu_mul_fp32", lambda: check_silu_mul("cpu", torch.float32)),
+    ("silu_mul_fp16", lambda: check_silu_mul("cpu", torch.float16)),
+]
+
+
+def run_interpreter_checks() -> None:
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
+    for name, fn in INTERPRETER_CHECKS:
+        fn()
+        print("ok", name, flush=True)
+
+
+def test_kernels_match_references_under_triton_interpreter():
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([os.path.abspath(src), os.environ.get("PYTHONPATH", "")]))
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = f"import sys; sys.path.insert(0, {here!r}); import test_fused_triton as t; t.run_interpreter_checks()"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("ok ") == len(INTERPRETER_CHECKS)
+
+
+def test_cpu_tensors_take_the_torch_path():
+    assert not fused.use_fused(torch.zeros(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rms_norm_on_gpu(dtype):
+    check_rms_norm("cuda", dtype)
+    check_rms_norm("cuda", dtype, rows=33, dim=2048, heads=8, head_dim=128)  # llama-1b hidden, Qwen3 heads
+    check_rms_norm("cuda", dtype, rows=4, dim=4096)  # llama-8b hidden
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_rope_on_gpu(dtype):
+    check_rope("cuda", dtype)
+    check_rope("cuda", dtype, tokens=65, hq=32, hk=8, head_dim=64, rotary_dim=64)  # llama-1b
+    check_rope("cuda", dtype, tokens=9, hq=128, hk=8, head_dim=128, rotary_dim=128)  # several head blocks
+    check_rope("cuda", dtype, hq=5, hk=1, head_dim=48, rotary_dim=24)  # partial rotary
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_silu_mul_on_gpu(dtype):
+    check_silu_mul("cuda", dtype)
+    check_silu_mul("cuda", dtype, tokens=17, inter=8192)  # llama-1b
+
+
+if __name__ == "__main__":
+    run_interpreter_checks()
