@@ -134,7 +134,8 @@ def rope_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: tor
         raise ValueError(f"positions: expected shape ({q.shape[0]},), got {tuple(positions.shape)}")
     half = cos.shape[-1]
     if sin.shape != cos.shape or cos.stride(-1) != 1 or sin.stride(-1) != 1 or 2 * half > q.shape[2]:
-        raise ValueError(f"cos, sin: expected equal [P, <= {q.shape[2] // 2}] tables, got {tuple(cos.shape)}, {tuple(sin.shape)}")
+        raise ValueError(f"cos, sin: expected equal [P, <= {q.shape[2] // 2}] tables, "
+                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
     if q.shape[0] == 0:
         return q, k
     block_d = triton.next_power_of_2(half)
