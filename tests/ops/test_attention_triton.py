@@ -292,11 +292,12 @@ def test_kernels_compile_for_hopper():
     build(tp._write_kv_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "slot_ptr": "*i64",
                                 "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "k_off_ptr": "*fp32"},
           dict(H=8, H_POW2=8, D=128, D_POW2=128, PAGE=16, IS_FP8=True, HAS_K_OFFSET=True))
-    for fp8, single, dcp in ((True, False, 2), (True, True, 1), (False, False, 1)):
+    for fp8, single, dcp, f16, vg in ((True, False, 2, True, 32), (True, True, 1, False, 0), (True, False, 1, True, 0),
+                                      (False, False, 1, False, 0)):
         build(tp._decode_kernel, {**page_args, "q_ptr": "*bf16", "cache_ptr": "*fp8e4nv" if fp8 else "*bf16",
                                   "seq_ids_ptr": "*i32", "out_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"},
               dict(G=4, QLEN_MAX=2, BLOCK_M=16, BLOCK_N=64, D=128, D_POW2=128, PAGE=16, HAS_SEQ_IDS=True,
-                   SINGLE_SPLIT=single, IS_FP8=fp8, WRITE_LSE=dcp > 1, DCP_SIZE=dcp, DCP_I=8))
+                   SINGLE_SPLIT=single, IS_FP8=fp8, WRITE_LSE=dcp > 1, DCP_SIZE=dcp, DCP_I=8, F16_DOT=f16, V_GROUP=vg))
     build(tp._merge_kernel, {"out_ptr": "*fp32", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
                              "key_lens_ptr": "*i32", "cu_q_ptr": "*i32", "seq_ids_ptr": "*i32"},
           dict(QLEN_MAX=1, S_POW2=64, S_BLOCK=16, D=128, D_POW2=128, HAS_SEQ_IDS=False, WRITE_LSE=True))

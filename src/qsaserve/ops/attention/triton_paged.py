@@ -156,6 +156,32 @@ def _local_len(n, rank, DCP_SIZE: tl.constexpr, DCP_I: tl.constexpr):
 
 
 # ----------------------------------------------------------------------------------------------
+# FP8 decode helpers
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _scaled_f16(q, qk):
+    """q * qk rounded to fp16 (finer than bf16: 2**-11 relative), the score's scales folded in so
+    s = dot(q16, k_e4m3) needs no multiply. |q * qk| past fp16's 65504 saturates (no inf, whose
+    product with a zero key would be NaN); a NaN query stays NaN. Below 2**-14 the value is an fp16
+    subnormal: absolute error <= 2**-25 per channel, times |k| <= 448, i.e. < 2e-3 (log2 units) per
+    score at D = 128."""
+    x = q.to(tl.float32) * qk
+    return tl.where(tl.abs(x) > 65504.0, tl.where(x > 0, 65504.0, -65504.0), x).to(tl.float16)
+
+
+@triton.jit
+def _permute_cols(x, ROWS: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
+    """Column j = a * B + b of x [ROWS, A * B] moves to b * A + a (the inverse swaps A and B).
+
+    Why: P @ V reduces over keys, so mma wants each thread's V values paired along keys, while the
+    page stores a key's head_dim contiguously. Reading 8-bit V that way costs one byte per shared
+    load. Permuting V's columns (and un-permuting the output once, after the loop) so that the
+    D / A channels one thread owns per key are adjacent in memory turns those into 32-bit loads:
+    A = 8 * (warps along N) puts the thread's register columns on consecutive channels."""
+    return tl.reshape(tl.permute(tl.reshape(x, [ROWS, A, B]), [0, 2, 1]), [ROWS, A * B])
+
+
+# ----------------------------------------------------------------------------------------------
 # Decode: grid (seq, kv_head, split). Rows of the Q tile are (query token j, head g of the group),
 # so each K/V tile is loaded once for every query head sharing it and for up to QLEN_MAX tokens.
 # Split 0 always runs, so a row with no keys (padding row, empty shard) still gets out 0 and
@@ -173,7 +199,7 @@ def _decode_kernel(
     G: tl.constexpr, QLEN_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, D_POW2: tl.constexpr, PAGE: tl.constexpr,
     HAS_SEQ_IDS: tl.constexpr, SINGLE_SPLIT: tl.constexpr, IS_FP8: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DCP_SIZE: tl.constexpr, DCP_I: tl.constexpr,
+    DCP_SIZE: tl.constexpr, DCP_I: tl.constexpr, F16_DOT: tl.constexpr, V_GROUP: tl.constexpr,
 ):
     idx = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -209,6 +235,9 @@ def _decode_kernel(
         qk = qk_scale * tl.load(k_scale_ptr)  # k dequantized in the scores
     else:
         qk = qk_scale
+    if F16_DOT:  # FP8 pages: E4M3 -> fp16 is native on sm89+ (-> bf16 goes through fp32)
+        q = _scaled_f16(q, qk)
+        qk = 1.0
 
     m_i = tl.full([BLOCK_M], _M_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -224,16 +253,23 @@ def _decode_kernel(
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + tok[:, None], mask=kv_mask, other=0.0)
         v = tl.load(k_base + stride_c2 + tok[:, None], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk
+        if F16_DOT:
+            s = tl.dot(q, tl.trans(k.to(tl.float16)))
+        else:
+            s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk
         kpos = _key_position(pos, dcp_rank, DCP_SIZE, DCP_I)
         s = tl.where(n_ok[None, :] & (kpos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if V_GROUP > 0:
+            v = _permute_cols(v, BLOCK_N, V_GROUP, D_POW2 // V_GROUP)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
 
+    if V_GROUP > 0:  # acc columns are in V's permuted order: back to head_dim order
+        acc = _permute_cols(acc, BLOCK_M, D_POW2 // V_GROUP, V_GROUP)
     has = l_i > 0.0  # a row may see no key in this split (multi-token causal, empty shard)
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     if IS_FP8:
@@ -403,10 +439,25 @@ def _prefill_kernel(
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class DecodeConfig:
+    """Decode launch parameters. The fp8_* fields apply to FP8 E4M3 pages only:
+    fp8_dot "fp16" dequantizes E4M3 tiles to fp16 (one native conversion per pair on sm89+) and
+    runs both dots in fp16, q pre-scaled (_scaled_f16); "query" converts to the query dtype (for
+    bf16 that goes through fp32, several instructions per value). fp8_permute_v reads V 32 bits per
+    key row instead of one byte (_permute_cols). The block-table load takes one pipeline stage, so
+    num_stages 5 double-buffers the K/V tiles and 3 single-buffers them."""
+
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
     ctas_per_sm: int = 2  # resident programs per SM the split heuristic plans for
+    fp8_dot: str = "fp16"
+    fp8_permute_v: bool = True
+
+    def __post_init__(self):
+        if self.fp8_dot not in ("fp16", "query"):
+            raise ValueError(f"fp8_dot: must be 'fp16' or 'query', got {self.fp8_dot!r}")
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n: must be a power of two >= 16, got {self.block_n}")
 
 
 @dataclass(frozen=True)
@@ -435,6 +486,23 @@ DECODE_CONFIG = DecodeConfig()
 # bytes in flight per SM (H200, B1 128K: 3.77 vs 3.23 TB/s). At B8+ 64-token tiles win.
 DECODE_CONFIG_FEW = DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=1)
 FEW_PAIRS = 16
+# FP8 pages, any batch. A tile of E4M3 is half the bytes of bf16, so it takes twice the keys to
+# keep as many bytes in flight; double-buffered. sm_90 build (d128, 4 warps): 128 registers and
+# 73 KiB shared memory, 3 programs per SM. The bf16-dot kernel it replaces used 201 registers
+# (2 programs per SM, 16 KiB tiles, single-buffered: a quarter of bf16's bytes in flight).
+DECODE_CONFIG_FP8 = DecodeConfig(block_n=128, num_warps=4, num_stages=5, ctas_per_sm=3)
+# Candidates the benchmark times side by side (benchmarks/bench_attention.py, section fp8); the GPU
+# tests run each against the reference. "bf16_dot_bn64" is the kernel before the fp16 path.
+FP8_DECODE_CANDIDATES = {
+    "bf16_dot_bn64": DecodeConfig(64, 4, 3, 2, fp8_dot="query", fp8_permute_v=False),
+    "f16_bn64_s3_noperm": DecodeConfig(64, 4, 3, 2, fp8_permute_v=False),
+    "f16_bn64_s3": DecodeConfig(64, 4, 3, 4),
+    "f16_bn64_s5": DecodeConfig(64, 4, 5, 4),
+    "f16_bn128_s3": DecodeConfig(128, 4, 3, 3),
+    "f16_bn128_s5": DECODE_CONFIG_FP8,
+    "f16_bn128_s5_w8": DecodeConfig(128, 8, 5, 2),
+    "f16_bn256_s3": DecodeConfig(256, 4, 3, 2),
+}
 # H200, B1 8K causal d128: (128,64,8,3) 323, (128,64,4,3) 359, (128,128,8,3) 364 TF/s; the
 # 4-warp config is within noise of the best with 2/3 of its shared memory.
 PREFILL_CONFIG = {64: PrefillConfig(128, 64, 4, 3), 128: PrefillConfig(128, 64, 4, 3)}
@@ -453,8 +521,20 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def decode_config(pairs: int) -> DecodeConfig:
+def decode_config(pairs: int, fp8: bool = False) -> DecodeConfig:
+    if fp8:
+        return DECODE_CONFIG_FP8
     return DECODE_CONFIG_FEW if pairs <= FEW_PAIRS else DECODE_CONFIG
+
+
+def _v_group(cfg: DecodeConfig, block_m: int, d_pow2: int) -> int:
+    """_permute_cols' A for V (0: none). For Q tiles of <= 32 rows the mma layout spreads the
+    warps along head_dim in 8-column slices, so a thread's columns are j + 8 * num_warps * r: with
+    A = 8 * num_warps they land on d_pow2 / A adjacent channels (sm_90 build, d128, 4 warps: four
+    32-bit shared loads per 4 keys instead of 16 byte loads, 128 registers instead of 211). Taller
+    tiles already read V in wide loads."""
+    a = 8 * cfg.num_warps
+    return a if cfg.fp8_permute_v and block_m <= 32 and 2 * a <= d_pow2 else 0
 
 
 @functools.lru_cache(maxsize=4096)
@@ -547,11 +627,11 @@ def paged_decode(
     split grid. lse: optional [T, Hq] fp32 output of the base-2 log-sum-exp of the scaled scores."""
     _, hq, d = q.shape
     hkv = kv_cache.shape[3]
-    cfg = config or decode_config(num_seqs * hkv)
+    fp8 = _check_scales(kv_cache, k_scale, v_scale)
+    cfg = config or decode_config(num_seqs * hkv, fp8)
     group = hq // hkv
     if num_seqs == 0:
         return out
-    fp8 = _check_scales(kv_cache, k_scale, v_scale)
     if num_splits is None:
         num_splits = num_decode_splits(num_seqs * hkv, max_seq_len, _num_sms(q.device), cfg.block_n, cfg.ctas_per_sm)
     chunk = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), cfg.block_n) * cfg.block_n
@@ -570,16 +650,18 @@ def paged_decode(
     ks, vs = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)
     lse_t, es = (lse, (lse.stride(0), lse.stride(1))) if lse is not None else (out, (0, 0))
     d_pow2 = triton.next_power_of_2(d)
+    block_m = max(16, triton.next_power_of_2(group * qlen_max))
     _decode_kernel[(num_seqs, hkv, num_splits)](
         q, kv_cache, block_tables, seq_lens, key_lens, cu_query_lens, ids, ks, vs, out, lse_t, part_o, part_lse,
         scale * _LOG2E, chunk, rank,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1), *es, *ps,
-        G=group, QLEN_MAX=qlen_max, BLOCK_M=max(16, triton.next_power_of_2(group * qlen_max)),
+        G=group, QLEN_MAX=qlen_max, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, D=d, D_POW2=d_pow2, PAGE=kv_cache.shape[2],
         HAS_SEQ_IDS=seq_ids is not None, SINGLE_SPLIT=single, IS_FP8=fp8, WRITE_LSE=lse is not None,
-        DCP_SIZE=dcp_size, DCP_I=dcp_i,
+        DCP_SIZE=dcp_size, DCP_I=dcp_i, F16_DOT=fp8 and cfg.fp8_dot == "fp16",
+        V_GROUP=_v_group(cfg, block_m, d_pow2) if fp8 else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not single:
