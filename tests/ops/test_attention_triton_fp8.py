@@ -1,11 +1,17 @@
 """Triton paged attention over FP8 E4M3 pages, the CUDA-graph contract and DCP partials (GPU).
 
-Tolerances: the kernels dequantize E4M3 exactly into the query dtype, fold the per-tensor scales
-into the scores and the output, round q and P to bf16 before the dots (fp32 accumulation) and
-keep fp32 split-KV partials. Against the fp32 reference reading the *same* E4M3 pages, the error
-is that of bf16 attention: relative Frobenius < 1.5e-2, elementwise atol = rtol = 4e-2
-(test_attention_triton.TOL). The quantize-on-write is bit-equal to the reference's. DCP LSE
-(base 2): atol 2e-2, rtol 2e-3 where finite, and -inf exactly where the reference has -inf.
+Tolerances: the kernels dequantize E4M3 exactly, fold the per-tensor scales into the scores and
+the output, accumulate in fp32 and keep fp32 split-KV partials. Against the fp32 reference reading
+the *same* E4M3 pages:
+- prefill, and decode with fp8_dot="query": q and P rounded to bf16 before the dots, the error of
+  bf16 attention: relative Frobenius < 1.5e-2, elementwise atol = rtol = 4e-2
+  (test_attention_triton.TOL);
+- decode with fp8_dot="fp16" (the default): E4M3 -> fp16 is exact, q * scale and P are rounded to
+  fp16 (2**-11, 4x finer than bf16), so the output's own rounding dominates: F16_DOT_TOL, bf16
+  output (1 ulp = 2**-8 relative) relative Frobenius < 5e-3 and atol = rtol = 1e-2; fp16 output
+  < 1e-3 and 2e-3. Range: q * scale * log2(e) * k_scale saturates at fp16's 65504 (never inf).
+The quantize-on-write is bit-equal to the reference's. DCP LSE (base 2): atol 2e-2, rtol 2e-3
+where finite, and -inf exactly where the reference has -inf.
 
 The same properties run at small sizes in Triton's CPU interpreter
 (test_attention_triton_interpret.py).
@@ -29,6 +35,11 @@ from qsaserve.quant.fp8 import FP8_E4M3, quantize_fp8
 from test_attention_triton import check_close, make_case
 
 BF16 = torch.bfloat16
+F16_DOT_TOL = {BF16: (5e-3, 1e-2), torch.float16: (1e-3, 2e-3)}
+# triton_paged.FP8_DECODE_CANDIDATES by name (collecting this file must not need triton; a CPU
+# test checks the two lists agree).
+FP8_CANDIDATES = ["bf16_dot_bn64", "f16_bn64_s3_noperm", "f16_bn64_s3", "f16_bn64_s5", "f16_bn128_s3",
+                  "f16_bn128_s5", "f16_bn128_s5_w8", "f16_bn256_s3"]
 
 
 def nan_bytes(shape, byte=0x7F, device="cpu"):
@@ -136,6 +147,64 @@ def test_fp8_nan_poisoned_pages_change_nothing(page):
     ref = ref_fp8(q, cache, meta, 0.09, ks, vs)
     check_close(outs[2], ref, BF16, "poisoned")
     check_close(outs[3], ref, BF16, "poisoned, 37 splits")
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
+
+
+def _decode(tp, q, cache, meta, scale, cfg, ks, vs, num_splits=None):
+    plan = tp._plan(meta, q.shape[1] // cache.shape[3], tp._prefill_config(q.shape[2]).block_m, q.device)
+    assert plan.num_tiles == 0
+    out = torch.full_like(q, float("nan"))
+    return tp.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, scale,
+                           num_seqs=plan.num_decode, max_seq_len=plan.max_decode_len, qlen_max=plan.qlen_max,
+                           seq_ids=plan.decode_ids, config=cfg, num_splits=num_splits, k_scale=ks, v_scale=vs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", FP8_CANDIDATES)
+@pytest.mark.parametrize("page,d,g,qdtype", [(16, 128, 4, BF16), (16, 80, 2, BF16), (32, 64, 8, torch.float16)])
+def test_fp8_decode_candidates(name, page, d, g, qdtype):
+    """Each FP8 decode candidate the benchmark times equals the reference (F16_DOT_TOL for the
+    fp16-dot ones): long single rows (many splits), many short rows, verify rows."""
+    from qsaserve.ops.attention import triton_paged as tp
+
+    cfg = tp.FP8_DECODE_CANDIDATES[name]
+    tol = F16_DOT_TOL[qdtype] if cfg.fp8_dot == "fp16" else None
+    rng = random.Random(d + g)
+    cases = [[(1, 65536), (1, 1), (1, 17), (1, 4097)], [(1, rng.randint(1, 4096)) for _ in range(64)],
+             [(3, rng.randint(3, 9000)) for _ in range(8)]]
+    ks, vs = _scales()
+    for n, specs in enumerate(cases):
+        q, k, v, cache, meta = fp8_case(specs, g * 2, 2, d, page, n, ks, vs, qdtype=qdtype, device="cuda")
+        tp.write_kv(k.to(qdtype), v.to(qdtype), cache, meta.slot_mapping, ks, vs)
+        ref = ref_fp8(q, cache, meta, d**-0.5, ks, vs)
+        for splits in (None, 7):
+            out = _decode(tp, q, cache, meta, d**-0.5, cfg, ks, vs, splits)
+            check_close(out, ref, qdtype, f"{name} case {n} splits {splits}", tol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", FP8_CANDIDATES)
+def test_fp8_nan_poisoned_pages_candidates(name):
+    """Per candidate: E4M3 NaN bytes in the null block, free blocks and page tails change no bit of
+    the decode output (auto splits and 37 forced splits), which stays finite and close to the
+    reference."""
+    from qsaserve.ops.attention import triton_paged as tp
+
+    cfg = tp.FP8_DECODE_CANDIDATES[name]
+    specs = [(1, 1), (1, 4097), (3, 333), (1, 1030), (1, 65), (2, 20000)]
+    ks, vs = _scales()
+    outs = []
+    for poison in (False, True):
+        q, k, v, cache, meta = fp8_case(specs, 16, 4, 128, 16, 11, ks, vs, device="cuda", poison=poison)
+        tp.write_kv(k.to(BF16), v.to(BF16), cache, meta.slot_mapping, ks, vs)
+        outs += [_decode(tp, q, cache, meta, 0.09, cfg, ks, vs), _decode(tp, q, cache, meta, 0.09, cfg, ks, vs, 37)]
+    assert all(torch.isfinite(o).all() for o in outs)
+    ref = ref_fp8(q, cache, meta, 0.09, ks, vs)
+    tol = F16_DOT_TOL[BF16] if cfg.fp8_dot == "fp16" else None
+    check_close(outs[2], ref, BF16, f"{name} poisoned", tol=tol)
+    check_close(outs[3], ref, BF16, f"{name} poisoned, 37 splits", tol=tol)
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])
 
 

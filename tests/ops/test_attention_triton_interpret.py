@@ -33,7 +33,7 @@ from qsaserve.parallel.dcp import DcpGeometry
 from qsaserve.quant.fp8 import FP8_E4M3
 
 from test_attention_triton import check_close
-from test_attention_triton_fp8 import fp8_case, nan_bytes, ref_fp8
+from test_attention_triton_fp8 import F16_DOT_TOL, FP8_CANDIDATES, fp8_case, nan_bytes, ref_fp8
 
 BF16 = torch.bfloat16
 F16 = torch.float16
@@ -179,8 +179,41 @@ def _dcp_partial(tp, fp8):
         torch.testing.assert_close(lse[~empty], ref_lse[~empty], atol=2e-2, rtol=2e-3)
 
 
+def check_fp8_decode_candidates(tp):
+    """Every FP8 decode candidate (fp16 or query-dtype dots, V permuted or not, 64-256-key tiles)
+    over NaN-poisoned E4M3 pages, with 1 and 3 splits, equals the reference: bf16 queries
+    through the fp16 dots (the interpreter cannot run bf16 dots, so the query-dtype candidate takes
+    fp16 queries). head_dim 48 pads to 64 (V permuted in 2-channel runs, masked channels);
+    head_dim 128 (4-channel runs) runs the default. A NaN query row gives NaN, a huge one saturates
+    and stays finite."""
+    hq, hkv, page = 4, 1, 16
+    ks, vs = torch.tensor(0.02), torch.tensor(0.015)
+    specs = [(1, 1), (1, 300), (2, 130), (1, 17)]
+    runs = [(48, name, cfg) for name, cfg in tp.FP8_DECODE_CANDIDATES.items()]
+    runs.append((128, "default", None))
+    for d, name, cfg in runs:
+        qdtype = F16 if cfg is not None and cfg.fp8_dot == "query" else BF16
+        q, k, v, cache, meta = fp8_case(specs, hq, hkv, d, page, d, ks, vs, qdtype=qdtype)
+        tp.write_kv(k.to(qdtype), v.to(qdtype), cache, meta.slot_mapping, ks, vs)
+        ref = ref_fp8(q, cache, meta, d**-0.5, ks, vs)
+        tol = F16_DOT_TOL[qdtype] if cfg is None or cfg.fp8_dot == "fp16" else None
+        for splits in (1, 3):
+            out = torch.full_like(q, float("nan"))
+            tp.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, d**-0.5,
+                            num_seqs=len(specs), max_seq_len=max(meta.seq_lens_list), qlen_max=2, config=cfg,
+                            num_splits=splits, k_scale=ks, v_scale=vs)
+            check_close(out, ref, qdtype, f"{name} d{d} splits {splits}", tol=tol)
+    q[0, 0, 5] = float("nan")  # sequence 0, query head 0
+    q[1, 2, :] = 3e38  # sequence 1, query head 2: q * scale far past fp16's range
+    out = tp.paged_attention(q, cache, meta, d**-0.5, k_scale=ks, v_scale=vs)
+    assert torch.isnan(out[0, 0]).all()
+    keep = torch.ones(out.shape[:2], dtype=torch.bool)
+    keep[0, 0] = False
+    assert torch.isfinite(out[keep]).all()
+
+
 CHECKS = [check_write_kv_fp8_bit_equal_to_reference, check_fp8_decode_and_prefill_poisoned_pages,
-          check_padding_rows_and_bound_seq_lens, check_dcp_partial_matches_reference]
+          check_padding_rows_and_bound_seq_lens, check_dcp_partial_matches_reference, check_fp8_decode_candidates]
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +231,19 @@ def interpreter_results():
 @pytest.mark.parametrize("name", [c.__name__ for c in CHECKS])
 def test_kernels_in_interpreter(interpreter_results, name):
     assert interpreter_results[name] == "ok", interpreter_results[name]
+
+
+def test_fp8_candidates_match_the_gpu_tests():
+    """The GPU tests parametrize over FP8_CANDIDATES (names, so collection needs no triton)."""
+    pytest.importorskip("triton")
+    from qsaserve.ops.attention import triton_paged as tp
+
+    assert sorted(tp.FP8_DECODE_CANDIDATES) == sorted(FP8_CANDIDATES)
+    assert tp.decode_config(64, fp8=True) is tp.DECODE_CONFIG_FP8 in tp.FP8_DECODE_CANDIDATES.values()
+    with pytest.raises(ValueError, match="fp8_dot"):
+        tp.DecodeConfig(fp8_dot="bf16")
+    with pytest.raises(ValueError, match="block_n"):
+        tp.DecodeConfig(block_n=48)
 
 
 def _interpreter_numpy_shim() -> None:
