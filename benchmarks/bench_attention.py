@@ -8,7 +8,10 @@ TFLOP/s (4*Hq*D per visible query-key pair) vs SDPA's flash backend. Timing: tri
 FP8 (section fp8): bf16 vs FP8 E4M3 pages for the same decode (batch 8 at 8K/32K/128K): time,
 effective TB/s of the K/V bytes each dtype reads, the fp8/bf16 speedup, and the KV capacity in
 tokens each dtype gives at one byte budget (KVCacheSpec.num_blocks_for); SDPA over contiguous
-bf16 K/V is the peer. `--sections env,fp8` takes well under 3 minutes on an H200.
+bf16 K/V is the peer. Each row also times every FP8 launch candidate (fp8_variants: block_n,
+warps, stages, ctas_per_sm, fp8_dot, fp8_permute_v, splits; the default again with 8/16/32/64
+forced splits) and names the fastest (fp8_best); max_abs_diff_vs_default checks each agrees with
+the default's output. `--sections env,fp8` takes well under 3 minutes on an H200.
 
     python benchmarks/bench_attention.py [--sections env,copy,decode,fp8,sweep,prefill,write] [--out f.json]
 """
@@ -243,8 +246,26 @@ def kv_capacity(budget_gib: float, num_layers: int, page: int) -> dict:
     return out
 
 
+def fp8_variant_row(name, cfg, q, cache8, meta, out, ks, vs, ctx, elems, bf16_s, ref, num_splits=None):
+    """One FP8 decode launch configuration timed through paged_decode (the merge included)."""
+    b = q.shape[0]
+    auto = tp.num_decode_splits(b * HKV, ctx, tp._num_sms(q.device), cfg.block_n, cfg.ctas_per_sm)
+    splits = num_splits or auto
+
+    def run():
+        tp.paged_decode(q, cache8, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, D**-0.5,
+                        num_seqs=b, max_seq_len=ctx, config=cfg, num_splits=splits, k_scale=ks, v_scale=vs)
+
+    run()
+    diff = (out.float() - ref).abs().max().item()
+    t = bench(run)
+    return {"name": name, **dataclasses.asdict(cfg), "splits": splits, "splits_forced": num_splits is not None,
+            "us": t * 1e6, "tb_s": elems / t / 1e12, "speedup_vs_bf16": bf16_s / t, "max_abs_diff_vs_default": diff}
+
+
 def fp8_table(args):
-    """bf16 vs FP8 E4M3 pages, same decode batch, same shuffled block tables."""
+    """bf16 vs FP8 E4M3 pages, same decode batch, same shuffled block tables; then every FP8 decode
+    candidate (triton_paged.FP8_DECODE_CANDIDATES) and the default with forced split counts."""
     b, page = 8, 16
     ks = torch.tensor(0.05, device="cuda")
     vs = torch.tensor(0.05, device="cuda")
@@ -260,11 +281,21 @@ def fp8_table(args):
         row.update(bf16_us=t * 1e6, bf16_tb_s=elems * 2 / t / 1e12)
         cache8 = (cache / 0.05).to(torch.float8_e4m3fn)  # |x| <= 80: finite E4M3
         del cache
+        fp8_cfg = tp.decode_config(b * HKV, fp8=True)
+        row["fp8_config"] = dataclasses.asdict(fp8_cfg)
+        row["fp8_splits"] = tp.num_decode_splits(b * HKV, ctx, tp._num_sms(q.device), fp8_cfg.block_n, fp8_cfg.ctas_per_sm)
+        tp.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=vs)
+        ref = out.float().clone()  # the default's output: every variant must agree with it
         t8 = bench(lambda: tp.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=vs))
         row.update(fp8_us=t8 * 1e6, fp8_tb_s=elems / t8 / 1e12, fp8_speedup=t / t8)
-        big = tp.DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=1)
-        tb = bench(lambda: tp.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=vs, decode_config=big))
-        row.update(fp8_bn128_us=tb * 1e6, fp8_bn128_tb_s=elems / tb / 1e12)
+        variants = []
+        for name, cfg in tp.FP8_DECODE_CANDIDATES.items():
+            variants.append(fp8_variant_row(name, cfg, q, cache8, meta, out, ks, vs, ctx, elems, t, ref))
+        for s in (8, 16, 32, 64):
+            variants.append(fp8_variant_row("default", fp8_cfg, q, cache8, meta, out, ks, vs, ctx, elems, t, ref, s))
+        row["fp8_variants"] = variants
+        best = min(variants, key=lambda r: r["us"])
+        row["fp8_best"] = {k: best[k] for k in ("name", "splits", "us", "tb_s", "speedup_vs_bf16")}
         del cache8
         torch.cuda.empty_cache()
         ts = sdpa_decode_time(b, ctx)
@@ -273,7 +304,8 @@ def fp8_table(args):
         rows.append(row)
         print(json.dumps(row), flush=True)
     return {"rows": rows, "capacity": kv_capacity(args.kv_budget_gib, args.num_layers, page),
-            "scales": {"k": 0.05, "v": 0.05}}
+            "scales": {"k": 0.05, "v": 0.05},
+            "targets": {"fp8_speedup_at_131072": 1.6, "fp8_speedup_at_8192": 1.0}}
 
 
 def prefill_flops(q_lens, s_lens):
@@ -368,6 +400,7 @@ def main():
                       "decode_config": dataclasses.asdict(tp.DECODE_CONFIG),
                       "prefill_config_d128": dataclasses.asdict(tp._prefill_config(D)),
                       "decode_config_few_pairs": dataclasses.asdict(tp.DECODE_CONFIG_FEW), "few_pairs": tp.FEW_PAIRS,
+                      "decode_config_fp8": dataclasses.asdict(tp.DECODE_CONFIG_FP8),
                       "pages": args.pages}}
     t0 = time.time()
     res["env"] = env_info(args)
@@ -403,9 +436,14 @@ def main():
               f"ratio {r[f'ratio_p{p}']:.2f}  splits {r['splits']}")
     if "fp8_decode" in res:
         for r in res["fp8_decode"]["rows"]:
+            bst = r["fp8_best"]
             print(f"fp8 decode B{r['batch']} ctx{r['ctx']:>7}: bf16 {r['bf16_us']:.0f}us ({r['bf16_tb_s']:.2f} TB/s)  "
-                  f"fp8 {r['fp8_us']:.0f}us ({r['fp8_tb_s']:.2f} TB/s, bn128 {r['fp8_bn128_tb_s']:.2f})  "
-                  f"speedup {r['fp8_speedup']:.2f}  sdpa bf16 {r['sdpa_bf16_us']:.0f}us")
+                  f"fp8 {r['fp8_us']:.0f}us ({r['fp8_tb_s']:.2f} TB/s, {r['fp8_splits']} splits)  "
+                  f"speedup {r['fp8_speedup']:.2f}  best {bst['name']} x{bst['splits']} {bst['us']:.0f}us "
+                  f"({bst['speedup_vs_bf16']:.2f})  sdpa bf16 {r['sdpa_bf16_us']:.0f}us")
+            for v in r["fp8_variants"]:
+                print(f"    {v['name']:<20} splits {v['splits']:>3}{'*' if v['splits_forced'] else ' '} {v['us']:7.0f}us "
+                      f"{v['tb_s']:.2f} TB/s  x{v['speedup_vs_bf16']:.2f} vs bf16  diff {v['max_abs_diff_vs_default']:.1e}")
         c = res["fp8_decode"]["capacity"]
         print(f"KV capacity at {c['budget_gib']} GiB, {c['num_layers']} layers: bf16 {c['bf16_tokens']} tokens, "
               f"fp8 {c['fp8_tokens']} tokens ({c['fp8_over_bf16']:.2f}x)")
