@@ -6,9 +6,12 @@ the null block that pads block tables. Every cache load is masked (other=0) on t
 length, so padding rows, the null block and stale page bytes are never read: they may hold E4M3
 NaN bytes (0x7F / 0xFF), and a NaN multiplied by a zero mask would still be NaN.
 
-FP8 pages are dequantized in registers: E4M3 -> the query dtype is exact, and the per-tensor
-scales are folded into the scores (k_scale) and the normalized output (v_scale), so the math is
-that of x * scale with fp32 accumulation and fp32 split-KV partials.
+FP8 pages are dequantized in registers: E4M3 -> fp16 (decode, one native instruction per pair)
+or -> the query dtype (prefill) is exact, and the per-tensor scales are folded into the scores
+(k_scale; decode pre-scales q in fp16) and the normalized output (v_scale), so the math is that of
+x * scale with fp32 accumulation and fp32 split-KV partials. FP8 decode has its own launch config
+(DECODE_CONFIG_FP8): a tile of E4M3 is half the bytes, so it takes longer tiles and deeper
+buffering to keep as many bytes in flight as bf16.
 
 Decode context parallelism (`ShardKeys`): the pages hold only this rank's interleaved token
 shard, so key lengths are the shard's and the causal mask compares global positions; the
