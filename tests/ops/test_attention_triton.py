@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -305,3 +306,40 @@ def test_kernels_compile_for_hopper():
     build(tp._prefill_kernel, {**page_args, "q_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "tiles_ptr": "*i32",
                                "out_ptr": "*fp32"},
           dict(G=4, BLOCK_M=128, BLOCK_N=64, D=80, D_POW2=128, PAGE=16, IS_FP8=True, WRITE_LSE=True, DCP_SIZE=2, DCP_I=1))
+
+
+def test_fp8_decode_sm90_code():
+    """The sm_90 code of the default FP8 decode (d128, group 4, 16-byte-aligned strides as the
+    launcher specializes them) is what makes it fast, and only the compiler shows it: E4M3 -> fp16
+    by the native cvt (no bf16 round trip through f16/f32), K and V tiles gathered with 16-byte
+    async copies, and no byte-wise shared-memory reads of V (the head_dim permutation)."""
+    triton = pytest.importorskip("triton")
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from qsaserve.ops.attention import triton_paged as tp
+
+    if "nvidia" not in backends:
+        pytest.skip("Triton has no NVIDIA backend here")
+    fn, cfg = tp._decode_kernel, tp.DECODE_CONFIG_FP8
+    types = {"q_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "key_lens_ptr": "*i32",
+             "cu_q_ptr": "*i32", "seq_ids_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+             "out_ptr": "*fp32", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
+    consts = dict(G=4, QLEN_MAX=1, BLOCK_M=16, BLOCK_N=cfg.block_n, D=128, D_POW2=128, PAGE=16, HAS_SEQ_IDS=False,
+                  SINGLE_SPLIT=False, IS_FP8=True, WRITE_LSE=False, DCP_SIZE=1, DCP_I=1, F16_DOT=True,
+                  V_GROUP=tp._v_group(cfg, 16, 128))
+    assert consts["V_GROUP"] > 0
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.startswith("stride_") or n.endswith("_ptr")}
+    ptx = triton.compile(ASTSource(fn, sig, consts, attrs=aligned), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}).asm["ptx"]
+    assert "cvt.rn.f16x2.e4m3x2" in ptx
+    assert "cvt.bf16.f16" not in ptx and "cvt.f32.f16" not in ptx
+    assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx
+    # A K and a V tile of block_n x 128 bytes over 128 threads: block_n / 16 copies of 16 B per thread
+    # per tile, in the loop and in the prologue; the only narrower copies are the 4-byte block-table
+    # entries.
+    sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+)", ptx)
+    assert sizes.count("0x10") >= 2 * 2 * cfg.block_n // 16
+    assert set(sizes) == {"0x10", "0x4"}, sorted(set(sizes))
