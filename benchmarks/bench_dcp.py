@@ -60,7 +60,7 @@ def run_config(args, dcp: int, backend: str, prompts: list[dict]) -> dict:
     llm = LLM(args.preset, load_format="dummy", progress=False, tensor_parallel_size=args.tp,
               decode_context_parallel_size=dcp, dcp_comm_backend=backend, max_model_len=args.max_model_len,
               kv_cache_memory=int(args.kv_cache_gib * 2**30), max_num_batched_tokens=args.chunk,
-              max_num_seqs=max(len(prompts), 1), seed=0,
+              max_num_seqs=max(len(prompts), 1), seed=0, ple_placement=args.ple_placement,
               **({"enforce_eager": True} if args.enforce_eager else {}))
     eng = llm.engine
     try:
@@ -85,6 +85,8 @@ def _measure(args, llm, eng, dcp: int, backend: str, prompts: list[dict], startu
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.greedy_tokens, ignore_eos=True),
                         use_tqdm=False)
     res["greedy_tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+    print(json.dumps({"progress": "greedy", "dcp": dcp, "backend": backend, "tokens": res["greedy_tokens"]}),
+          file=sys.stderr, flush=True)
     vocab = eng.vocab_size
     timed_request(eng, min(512, eng.max_model_len // 2), 8, vocab, seed=99)  # warm-up: kernels compiled and tuned
     res["timed"] = []
@@ -109,6 +111,7 @@ def main() -> None:
     p.add_argument("--kv-cache-gib", type=float, default=16.0, help="KV budget per GPU, the same for every config")
     p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens (prefill chunk)")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--ple-placement", default="gpu", help="gpu: random PLE tables made on the device (fast startup)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.contexts = [int(x) for x in args.contexts.split(",") if x]
@@ -133,6 +136,7 @@ def main() -> None:
         except Exception as exc:  # report and go on: one failing configuration must not hide the others
             report["runs"].append({"dcp": dcp, "backend": backend, "error": repr(exc)})
             print(json.dumps(report["runs"][-1]), file=sys.stderr, flush=True)
+        _write(args.out, report)  # after every configuration: a run cut short keeps what it measured
     base = report["runs"][0]
     summary = []
     for run in report["runs"][1:]:
@@ -146,11 +150,14 @@ def main() -> None:
                 row[f"decode_speed_ratio_ctx{mine['prompt_len'] + args.decode_tokens}"] = mine["decode_tok_s"] / ref["decode_tok_s"]
         summary.append(row)
     report["summary_vs_dcp1"] = summary
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as fh:
-            fh.write(text)
+    _write(args.out, report)
+    print(json.dumps(report, indent=1))
+
+
+def _write(path: str | None, report: dict) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
