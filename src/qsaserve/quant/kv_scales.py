@@ -246,10 +246,6 @@ def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_sca
         logger.warning("kv_scales: no calibrated scale for %s; using 1.0 (values beyond +-448 saturate, tiny ones flush "
                        "to zero; run `qsaserve calibrate`)", _describe(missing))
 
-    if torch.device(device).type == "cuda":
-        logger.warning("kv_cache_dtype fp8_e4m3: the Triton attention kernels do not read FP8 pages yet; attention runs "
-                       "the plain-torch reference on CUDA (correct, much slower)")
-
     def tensors(table: dict[int, float]) -> list[torch.Tensor]:
         return [torch.tensor(table.get(i, 1.0), dtype=torch.float32, device=device) for i in layer_ids]
 
