@@ -1,7 +1,10 @@
-"""Decode CUDA graphs: bucket choice and padding layout (CPU), and on a GPU that replayed graphs
-give the eager path's greedy tokens and logprobs, padding rows included."""
+"""Decode CUDA graphs: bucket choice, padding layout and when graphs are off (CPU), and on a GPU
+that replayed graphs give the eager path's greedy tokens and logprobs, padding rows included."""
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch import nn
 
 from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput
@@ -77,8 +80,76 @@ def test_cpu_runner_has_no_graphs():
     assert engine.executor.runner.graphs_off_reason == "not a CUDA device"
 
 
+class _GraphSafeModel(nn.Module):
+    supports_cuda_graph = True  # decode step free of host syncs, DCP slots derived on the device
+
+
+class _PlainModel(nn.Module):
+    pass
+
+
+def _llama_like():
+    from qsaserve.models.llama import LlamaForCausalLM
+
+    class _Llama(LlamaForCausalLM):  # an (unbuilt) Llama: graph-safe without DCP, host-built DCP plan
+        def __init__(self):
+            nn.Module.__init__(self)
+
+    return _Llama()
+
+
+def _off_reason(model, tp=1, dcp=1, device="cuda", enforce_eager=False, sizes=(1, 2, 4)):
+    """ModelRunner._graphs_off_reason on a stand-in runner (no GPU, no weights needed)."""
+    from qsaserve.engine.model_runner import ModelRunner
+    from qsaserve.parallel.dcp import DcpGeometry
+    from qsaserve.parallel.state import ParallelContext
+
+    runner = SimpleNamespace(
+        device=torch.device(device), model=model,
+        config=SimpleNamespace(enforce_eager=enforce_eager, cuda_graph_capture_sizes=list(sizes)),
+        parallel=ParallelContext(tp_size=tp, tp_rank=0, dcp=DcpGeometry(size=dcp, rank=0)))
+    return ModelRunner._graphs_off_reason(runner)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_graphs_allowed_under_tensor_parallelism(tp):
+    assert _off_reason(_GraphSafeModel(), tp=tp) is None
+    assert _off_reason(_llama_like(), tp=tp) is None
+
+
+def test_graphs_under_dcp_only_for_graph_safe_models():
+    assert _off_reason(_GraphSafeModel(), tp=2, dcp=2) is None
+    assert _off_reason(_GraphSafeModel(), tp=4, dcp=2) is None
+    reason = _off_reason(_llama_like(), tp=2, dcp=2)
+    assert reason is not None and "decode context parallelism" in reason and "_Llama" in reason
+    reason = _off_reason(_PlainModel(), tp=2, dcp=2)
+    assert "decode context parallelism" in reason and "_PlainModel" in reason
+
+
+def test_graphs_off_reasons_kept():
+    assert _off_reason(_GraphSafeModel(), tp=2, device="cpu") == "not a CUDA device"
+    assert _off_reason(_GraphSafeModel(), tp=2, dcp=2, enforce_eager=True) == "enforce_eager"
+    assert _off_reason(_PlainModel(), tp=2) == "_PlainModel does not declare supports_cuda_graph"
+    assert _off_reason(_GraphSafeModel(), tp=2, sizes=()) == "no capture size <= max_num_seqs"
+    for placement, off in (("gpu", False), ("host", True), ("disk", True)):
+        model = _GraphSafeModel()
+        model.ple_tables = {1: SimpleNamespace(placement=placement)}
+        reason = _off_reason(model, tp=2, dcp=2)
+        assert (reason is not None and "PLE" in reason) == off, (placement, reason)
+
+
+def test_drop_graphs_logs_and_keeps_reason(caplog):
+    from qsaserve.engine.model_runner import ModelRunner
+
+    runner = SimpleNamespace(graphs=object(), graphs_off_reason=None, device=torch.device("cpu"))
+    with caplog.at_level("WARNING", logger="qsaserve"):
+        ModelRunner.drop_graphs(runner, "a peer rank has none")
+    assert runner.graphs is None and runner.graphs_off_reason == "a peer rank has none"
+    assert "CUDA graphs off: a peer rank has none" in caplog.text
+
+
 # ---------------------------------------------------------------------------------------------- GPU
-def _generate(model: str, enforce_eager: bool, batch: int, replays: list | None = None):
+def _generate(model: str, enforce_eager: bool, batch: int, replays: list | None = None, counts: dict | None = None):
     from qsaserve.engine.llm_engine import LLMEngine
     from qsaserve.sampling_params import SamplingParams
 
@@ -100,6 +171,8 @@ def _generate(model: str, enforce_eager: bool, batch: int, replays: list | None 
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0]
+    if counts is not None and runner.graphs is not None:
+        counts.update(runner.graphs.replays)
     engine.shutdown()
     del engine, runner
     torch.cuda.empty_cache()
@@ -111,10 +184,12 @@ def _generate(model: str, enforce_eager: bool, batch: int, replays: list | None 
 @pytest.mark.parametrize("batch", [1, 3, 17])
 def test_graph_equals_eager(model, batch):
     replays: list[int] = []
-    graph = _generate(model, enforce_eager=False, batch=batch, replays=replays)
+    graph_counts: dict[int, int] = {}
+    graph = _generate(model, enforce_eager=False, batch=batch, replays=replays, counts=graph_counts)
     eager = _generate(model, enforce_eager=True, batch=batch)
     expected_bucket = pick_bucket(batch, [1, 2, 4, 8, 16, 24])
     assert replays and set(replays) == {expected_bucket}  # decode steps replayed the padded bucket
+    assert graph_counts == {expected_bucket: len(replays)}  # DecodeGraphs.replays counts the same
     for g, e in zip(graph, eager):
         assert g.token_ids == e.token_ids
         for lg, le in zip(g.logprobs, e.logprobs):

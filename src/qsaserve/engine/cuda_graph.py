@@ -9,10 +9,18 @@ One graph per batch-size bucket; a batch of B sequences runs in the smallest buc
 the extra rows are padding that the attention kernels skip: slot -1 (no KV write), seq_len 0
 (no KV read), a block table of null blocks, and the scratch recurrent-state slot 0 that the
 block manager never hands to a request.
+
+Under tensor / decode-context parallelism the graphs hold the step's NCCL collectives too. Every
+rank captures the same buckets in the same order, so their captured collective sequences match,
+and replays the same bucket at the same step (the bucket is a function of the broadcast batch
+alone). Collectives run only during the eager warm-ups, all of which come before the first
+capture: a capture that fails on one rank (a capture runs nothing) leaves no peer waiting in a
+collective, and the ranks then agree to drop graphs together (parallel/executor.py).
 """
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
 import time
 from dataclasses import dataclass
@@ -136,6 +144,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
+        self.replays: collections.Counter[int] = collections.Counter()  # replays per bucket (tests, benchmarks)
 
     def _inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
         """The static views a bucket's graph reads (fixed addresses inside the staging buffers)."""
@@ -164,20 +173,31 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Captures every bucket, largest first so the smaller graphs reuse its pool memory.
-        Inputs are all padding rows while capturing; the graphs never depend on their values."""
+        """Warms every bucket up, then captures every bucket; largest first both times, so the
+        smaller graphs reuse the largest one's pool memory. Inputs are all padding rows while
+        capturing; the graphs never depend on their values.
+
+        The warm-ups (eager: compile kernels, size workspaces, initialise NCCL communicators)
+        all run before the first capture, because under tensor parallelism they are the only
+        step that executes collectives: a capture records them without running anything, so a
+        rank whose capture raises cannot leave its peers blocked in a warm-up collective."""
         with torch.cuda.device(self.device):
             torch.cuda.synchronize()
             free_before = torch.cuda.mem_get_info()[0]
             start = time.perf_counter()
-            self.pool = torch.cuda.graph_pool_handle()
             empty = BatchInput([], [], [], [], [], [[]], [], [])
-            for bucket in reversed(self.sizes):
+            buckets = list(reversed(self.sizes))
+            for bucket in buckets:
                 self._stage(pad_decode(empty, bucket))
-                self._forward(bucket)  # warm-up: compiles kernels, sizes workspaces outside the capture
-                torch.cuda.synchronize()
+                self._forward(bucket)
+            torch.cuda.synchronize()
+            self.pool = torch.cuda.graph_pool_handle()
+            for bucket in buckets:
+                self._stage(pad_decode(empty, bucket))
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                # thread_local: on rank 0 of a parallel engine the capture runs in a startup thread,
+                # and CUDA calls of other threads (NCCL's watchdog) must not invalidate it.
+                with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                     self.logits[bucket] = self._forward(bucket)
                 self.graphs[bucket] = graph
             torch.cuda.synchronize()
@@ -195,4 +215,5 @@ class DecodeGraphs:
         logits buffer, valid until the next replay."""
         self._stage(pad_decode(batch, bucket))
         self.graphs[bucket].replay()
+        self.replays[bucket] += 1
         return self.logits[bucket][: len(batch.query_lens)]

@@ -75,23 +75,41 @@ class ModelRunner:
             logger.info("CUDA graphs off: %s", self.graphs_off_reason)
 
     def _graphs_off_reason(self) -> str | None:
-        """Why decode steps cannot use CUDA graphs here, or None when they can."""
+        """Why decode steps cannot use CUDA graphs here, or None when they can.
+
+        Tensor parallelism is allowed: the graphs capture the NCCL collectives, every rank
+        captures the same buckets and replays the same one each step (engine/cuda_graph.py).
+        Decode context parallelism only for models declaring supports_cuda_graph, whose decode
+        step derives this rank's K/V slots on the device; the others read a step plan built on
+        the host each step (meta.dcp), which a graph would freeze."""
         from qsaserve.models.llama import LlamaForCausalLM
 
         if self.device.type != "cuda":
             return "not a CUDA device"
         if self.config.enforce_eager:
             return "enforce_eager"
-        if self.parallel.tp_size > 1 or self.parallel.dcp.enabled:
-            return "tensor / decode-context parallelism"
+        name = type(self.model).__name__
+        graph_safe = getattr(self.model, "supports_cuda_graph", False)
+        if self.parallel.dcp.enabled and not graph_safe:
+            return (f"decode context parallelism: {name} builds its DCP step plan on the host each step "
+                    f"(only models declaring supports_cuda_graph derive it on the device)")
         tables = getattr(self.model, "ple_tables", None) or {}
         if any(t.placement != "gpu" for t in tables.values()):
             return "PLE rows are gathered from host RAM or disk each step (--ple-placement gpu allows graphs)"
-        if not isinstance(self.model, LlamaForCausalLM) and not getattr(self.model, "supports_cuda_graph", False):
-            return f"{type(self.model).__name__} does not declare supports_cuda_graph"
+        if not isinstance(self.model, LlamaForCausalLM) and not graph_safe:
+            return f"{name} does not declare supports_cuda_graph"
         if not self.config.cuda_graph_capture_sizes:
             return "no capture size <= max_num_seqs"
         return None
+
+    def drop_graphs(self, reason: str) -> None:
+        """Serve every step eagerly from now on (e.g. another tensor-parallel rank has no graphs:
+        a replay and an eager step issue differently shaped collectives, so all ranks must agree)."""
+        logger.warning("CUDA graphs off: %s", reason)
+        self.graphs = None
+        self.graphs_off_reason = reason
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # give the graphs' pool back
 
     def kv_cache_budget_bytes(self) -> int:
         """Bytes the KV cache may take: the explicit budget, else the GPU's free share after a
@@ -158,7 +176,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: BatchInput) -> torch.Tensor:
         """Returns the logits rows batch.logits_indices asks for ([N, V] float32). After a graph
-        replay this is a view of the graph's output buffer, valid until the next execute."""
+        replay this is a view of the graph's output buffer, valid until the next execute.
+
+        Under tensor parallelism every rank gets the same batch and has graphs or has none
+        (agreed at startup), so the choice below is the same on every rank (calibration's cache
+        observers, which force eager steps, run only with one rank)."""
         if self.graphs is not None and not self._observing():
             bucket = self.graphs.bucket_for(batch)
             if bucket is not None:

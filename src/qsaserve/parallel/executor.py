@@ -5,6 +5,8 @@ Process model. Node 0 runs the engine (rank 0) and spawns its other local ranks;
 world (NCCL on CUDA, gloo on CPU) through --master-addr/--master-port, plus a gloo "control" group
 over which rank 0 broadcasts each step's BatchInput (plain lists, pickled by
 broadcast_object_list). Workers keep no request state: they run the step and drop the logits.
+Decode steps replay CUDA graphs on every rank or on none (agree_on_graphs); which graph is a
+function of the broadcast batch, so all ranks replay the same one and their collectives match.
 
 Failure model. A dead peer makes gloo fail the pending collective ("connection closed"), and
 every collective is bounded by --distributed-timeout-s; rank 0 also watches its local workers'
@@ -116,8 +118,21 @@ def build_runner(spec: WorkerSpec, ctx: ParallelContext, device: torch.device, c
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)
     num_blocks, budget = int(agreed[0]), int(agreed[1])
     if num_blocks >= 2:
-        runner.init_kv_cache(num_blocks)
+        runner.init_kv_cache(num_blocks)  # every rank captures the same buckets, in the same order
+        agree_on_graphs(runner, control)
     return runner, num_blocks, budget
+
+
+def agree_on_graphs(runner, control) -> bool:
+    """All ranks decode through CUDA graphs or none does: a replay issues the collectives of the
+    padded bucket, an eager step those of the batch, and mixing them would hang or garble the
+    step. A rank without graphs (capture failed there) makes every rank drop its own. Returns
+    whether this rank keeps its graphs."""
+    has = torch.tensor([0 if runner.graphs is None else 1], dtype=torch.int64)
+    dist.all_reduce(has, op=dist.ReduceOp.MIN, group=control)
+    if int(has[0]) == 0 and runner.graphs is not None:
+        runner.drop_graphs("another tensor-parallel rank has no CUDA graphs (see its log); every rank decodes eagerly")
+    return runner.graphs is not None
 
 
 def _watch_parent() -> None:
