@@ -5,7 +5,11 @@ heads x 128, budget 2048, r 4; bf16 pages of 16 tokens over shuffled blocks. QSA
 scoring of every visible block key + top-k and token list on device + sparse attention over the
 selected budget + r - 1 tokens (the model's decode path, ops only). Dense = the Triton split-KV
 paged decode (ops/attention/triton_paged.paged_decode) over the whole context. Contexts 8K-256K at
-batch 1 and 8; CUDA-event timing (median of repeats), eager and, for QSA, replayed as a CUDA graph.
+batch 1, 8, 16 and 32; CUDA-event timing (median of repeats), eager and, for QSA and its attention
+alone, replayed as a CUDA graph (eager times of these small ops are mostly launch overhead). The
+summary gives dense/QSA at 128K per batch from both, and whether QSA is >= 8x faster (graph).
+Sparse-attention launch variants are timed on each batch's 128K selection ("variants", with the
+K/V bytes they read per second) so one run can pick the defaults.
 Optionally (--model) one whole-model decode step of qwen4exp-small (load_format="dummy") through LLM.
 Also one QSA layer's prefill ops for an 8192-token chunk at 128K context (the model's prefill path:
 pool the chunk's groups, select in bounded row blocks with Triton scoring + device top-k, one
@@ -25,14 +29,26 @@ import time
 import torch
 
 from qsaserve.ops.attention.triton_paged import paged_decode
-from qsaserve.ops.qsa_attention.triton_sparse import sparse_attention_paged_triton
+from qsaserve.ops.qsa_attention.triton_sparse import SparseConfig, sparse_attention_paged_triton
 from qsaserve.ops.qsa_indexer import rope_inv_freq
 from qsaserve.ops.qsa_indexer.paged import pool_chunk_groups, select_decode_tokens, select_prefill_tokens
-from qsaserve.ops.qsa_indexer.triton_score import decode_index_scores_triton, prefill_index_scores_triton
+from qsaserve.ops.qsa_indexer.triton_score import (decode_index_scores_triton, select_decode_tokens_triton,
+                                                   select_prefill_rows_triton)
 
 HQ, HKV, D, HI, DI, BUDGET, R, PAGE = 16, 2, 256, 16, 128, 2048, 4, 16
 CONTEXTS = [8192, 32768, 131072, 262144]
-BATCHES = [1, 8]
+BATCHES = [1, 8, 16, 32]
+# Sparse-attention launch variants timed (CUDA graph) on the 128K selections of every batch:
+# (name, SparseConfig, run). "run4" reads the block table once per r-token group.
+VARIANTS = [
+    ("bn32_w8_s2_p2", SparseConfig(32, 8, 2, 2), 1),
+    ("bn32_w8_s2_p2_run4", SparseConfig(32, 8, 2, 2), R),
+    ("bn32_w4_s3_p2_run4", SparseConfig(32, 4, 3, 2), R),
+    ("bn32_w8_s3_p4_run4", SparseConfig(32, 8, 3, 4), R),
+    ("bn64_w8_s2_p2_run4", SparseConfig(64, 8, 2, 2), R),
+    ("bn64_w8_s3_p1_run4", SparseConfig(64, 8, 3, 1), R),
+    ("bn16_w4_s3_p4_run4", SparseConfig(16, 4, 3, 4), R),
+]
 DT = torch.bfloat16
 
 
@@ -96,17 +112,22 @@ def main() -> None:
     summary = {}
     for batch in BATCHES:
         by_ctx = {r["context"]: r for r in results if r["batch"] == batch}
+        c128 = by_ctx[131072]
+        graph = c128.get("qsa_graph_ms")
         summary[f"b{batch}"] = dict(
             qsa_t256k_over_t8k=by_ctx[262144]["qsa_ms"] / by_ctx[8192]["qsa_ms"],
             dense_t256k_over_t8k=by_ctx[262144]["dense_ms"] / by_ctx[8192]["dense_ms"],
-            dense_over_qsa_128k=by_ctx[131072]["dense_ms"] / by_ctx[131072]["qsa_ms"],
+            dense_over_qsa_128k_eager=c128["dense_ms"] / c128["qsa_ms"],
+            dense_over_qsa_128k_graph=c128["dense_ms"] / graph if graph else None,
+            qsa_8x_faster_at_128k=bool(graph and c128["dense_ms"] / graph >= 8.0),
         )
+    variants = sparse_variants(torch.device("cuda"))
     report = dict(
         date=datetime.datetime.now().isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
         torch=torch.__version__,
         shapes=dict(hq=HQ, hkv=HKV, head_dim=D, indexer_heads=HI, indexer_dim=DI, budget=BUDGET, ratio=R, page=PAGE,
                     dtype=str(DT)),
-        results=results, summary=summary, prefill_chunk=prefill,
+        results=results, summary=summary, variants=variants, prefill_chunk=prefill,
     )
     if args.model:
         report["model_decode"] = model_decode_step()
@@ -138,33 +159,85 @@ def run_ops(dev: torch.device) -> list[dict]:
             def score():
                 state["scores"] = decode_index_scores_triton(iq, block_keys, tables, pos, R)
 
-            def select():
+            def select_torch():  # the unfused selection on the scores (the reference's ops)
                 state["sel"] = select_decode_tokens(state["scores"], pos, R, BUDGET)
 
+            def score_select():  # packed-key scoring + topk + build kernel
+                state["sel"] = select_decode_tokens_triton(iq, block_keys, tables, pos, R, BUDGET)
+
             def attend():
-                state["out"] = sparse_attention_paged_triton(q, kv, tables, state["sel"], scale)
+                state["out"] = sparse_attention_paged_triton(q, kv, tables, state["sel"], scale, run=R)
 
             def qsa():
-                score()
-                select()
+                score_select()
                 attend()
 
             def dense():
                 paged_decode(q, kv, tables, seq_lens, cu, dense_out, scale, num_seqs=batch, max_seq_len=context)
 
+            score()
+            select_torch()
+            unfused = state["sel"].clone()
             qsa()
+            sel_bytes = int((state["sel"] >= 0).sum()) * HKV * D * 2 * 2  # K and V rows read
             row = dict(batch=batch, context=context, selected_tokens=int((state["sel"] >= 0).sum(1).max()),
-                       score_ms=time_ms(score), select_ms=time_ms(select), attention_ms=time_ms(attend),
+                       fused_equals_unfused=bool(torch.equal(state["sel"], unfused)),
+                       score_ms=time_ms(score), select_torch_ms=time_ms(select_torch),
+                       score_select_ms=time_ms(score_select), attention_ms=time_ms(attend),
                        qsa_ms=time_ms(qsa), dense_ms=time_ms(dense))
-            try:
-                row["qsa_graph_ms"] = graph_ms(qsa)
-            except RuntimeError as e:  # keep the eager numbers if capture fails
-                row["qsa_graph_ms"] = None
-                row["graph_error"] = str(e)[:200]
+            for name, fn in (("score_select_graph_ms", score_select), ("attention_graph_ms", attend), ("qsa_graph_ms", qsa)):
+                try:
+                    row[name] = graph_ms(fn)
+                except RuntimeError as e:  # keep the eager numbers if capture fails
+                    row[name] = None
+                    row["graph_error"] = str(e)[:200]
+            if row["attention_graph_ms"]:
+                row["attention_graph_tb_s"] = sel_bytes / row["attention_graph_ms"] / 1e9
             row["dense_over_qsa"] = row["dense_ms"] / row["qsa_ms"]
+            if row["qsa_graph_ms"]:
+                row["dense_over_qsa_graph"] = row["dense_ms"] / row["qsa_graph_ms"]
             results.append(row)
             print(json.dumps(row), flush=True)
     return results
+
+
+def sparse_variants(dev: torch.device, context: int = 131072) -> list[dict]:
+    """Every VARIANTS entry on the same QSA selection per batch (CUDA graph); the best per batch
+    is marked. Outputs are checked against the first variant."""
+    num_blocks = context * max(BATCHES) // PAGE + 1
+    kv = torch.randn(2, num_blocks, PAGE, HKV, D, device=dev, dtype=DT)
+    block_keys = torch.randn(num_blocks, PAGE // R, DI, device=dev, dtype=DT)
+    rows = []
+    for batch in BATCHES:
+        tables, seq_lens, q, iq = make_case(batch, context, num_blocks, dev, seed=batch)
+        pos = (seq_lens - 1).long()
+        sel = select_decode_tokens_triton(iq, block_keys, tables, pos, R, BUDGET)
+        sel_bytes = int((sel >= 0).sum()) * HKV * D * 2 * 2
+        first, batch_rows = None, []
+        for name, cfg, run in VARIANTS:
+            out = {}
+
+            def attend():
+                out["o"] = sparse_attention_paged_triton(q, kv, tables, sel, D ** -0.5, run=run, config=cfg)
+
+            try:
+                ms = graph_ms(attend)
+            except RuntimeError as e:
+                batch_rows.append(dict(batch=batch, variant=name, error=str(e)[:200]))
+                continue
+            o = out["o"][0]
+            first = o if first is None else first
+            batch_rows.append(dict(batch=batch, variant=name, graph_ms=ms, tb_s=sel_bytes / ms / 1e9,
+                                   max_diff_vs_first=float((o - first).abs().max())))
+        timed = [r for r in batch_rows if "graph_ms" in r]
+        if timed:
+            min(timed, key=lambda r: r["graph_ms"])["best"] = True
+        for r in batch_rows:
+            print(json.dumps(r), flush=True)
+        rows += batch_rows
+    del kv
+    torch.cuda.empty_cache()
+    return rows
 
 
 def prefill_chunk(dev: torch.device, chunk: int = 8192, context: int = 131072) -> dict:
@@ -194,10 +267,10 @@ def prefill_chunk(dev: torch.device, chunk: int = 8192, context: int = 131072) -
 
     def select():
         state["sel"] = select_prefill_tokens(iq, block_keys, table, positions, R, BUDGET, context // R,
-                                             score_fn=prefill_index_scores_triton)
+                                             select_fn=select_prefill_rows_triton)
 
     def attend():
-        state["out"] = sparse_attention_paged_triton(q, kv, table[None], state["sel"], D ** -0.5, seq_ids)
+        state["out"] = sparse_attention_paged_triton(q, kv, table[None], state["sel"], D ** -0.5, seq_ids, run=R)
 
     def layer():
         pool()

@@ -150,6 +150,90 @@ def check_sparse(device, dtype, fp8=False, hq=4, hkv=2, d=16, page=8, m=45, leng
     torch.testing.assert_close(merged_lse[fin], lse[fin], atol=2e-3, rtol=1e-4)
 
 
+def _qsa_layout_selection(gen, lengths, rows_per_seq, r, budget):
+    """Selections laid out as the QSA indexer makes them: whole groups of r positions at aligned
+    columns (random groups, random order), then the open tail's prefix; some rows see fewer groups
+    than the budget (whole -1 runs)."""
+    width = budget + r - 1
+    rows = []
+    for n in lengths:
+        for j in range(rows_per_seq):
+            p = int(torch.randint(0, n, (1,), generator=gen)) if j else n - 1
+            nv = (p + 1) // r
+            k = min(budget // r, nv)
+            groups = torch.randperm(nv, generator=gen)[:k]
+            sel = torch.cat([(groups[:, None] * r + torch.arange(r)).flatten(), torch.arange(nv * r, p + 1)])
+            rows.append(torch.cat([sel, torch.full((width - sel.numel(),), -1)]))
+    return torch.stack(rows)
+
+
+def check_sparse_runs(device, dtype, hq=4, hkv=2, d=16, page=8, r=4, budget=24, lengths=(9, 70, 33, 3), rows_per_seq=2,
+                      block_n=16, splits=None):
+    """run=r (one block-table read per group) on QSA-layout selections equals the reference and run=1."""
+    from qsaserve.ops.qsa_attention.triton_sparse import SparseConfig, sparse_attention_paged_triton
+
+    gen = torch.Generator().manual_seed(d + budget)
+    q, cache, tables, _, seq_ids, _, _ = _sparse_case(gen, list(lengths), hq, hkv, d, page, 4, False, rows_per_seq)
+    sel = _qsa_layout_selection(gen, list(lengths), rows_per_seq, r, budget)
+    q, cache = q.to(dtype), cache.to(dtype)
+    ref_out, ref_lse = sparse_attention_paged_reference(q, cache, tables, sel, None, seq_ids)
+    dev = lambda x: x.to(device)  # noqa: E731
+    cfg = SparseConfig(block_n=block_n, num_warps=4)
+    got = [sparse_attention_paged_triton(dev(q), dev(cache), dev(tables), dev(sel), None, dev(seq_ids), splits=splits,
+                                         run=run, config=cfg) for run in (r, 1)]
+    (out, lse), (out1, lse1) = [(o.cpu(), x.cpu()) for o, x in got]
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    torch.testing.assert_close(out, out1, atol=0, rtol=0)  # same tokens, same order: bit-identical
+    torch.testing.assert_close(lse, lse1, atol=0, rtol=0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, ref_out, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse[fin], ref_lse[fin], atol=1e-4, rtol=1e-4)
+    else:
+        assert _rel(out, ref_out) < 1.5e-2
+
+
+def check_fused_selection(device, dtype, hi=3, di=12, r=4, page=16, budget=12, lengths=(1, 3, 4, 37, 150), block_g=16):
+    """Packed keys = selection_keys(scores); keys -> topk -> build kernel = select_decode_tokens
+    (decode, padding row included) and the prefill row-block select = select_prefill_tokens'."""
+    from qsaserve.ops.qsa_indexer.paged import (build_selection, prefill_index_scores, select_prefill_tokens,
+                                                selection_keys)
+    from qsaserve.ops.qsa_indexer.triton_score import (build_selection_triton, decode_index_scores_triton,
+                                                       prefill_index_scores_triton, select_decode_tokens_triton,
+                                                       select_prefill_rows_triton)
+
+    gen = torch.Generator().manual_seed(7 + budget)
+    tables, num_blocks = _layout(list(lengths), page, gen)
+    keys = torch.randn(num_blocks, page // r, di, generator=gen)
+    keys[1:, ::3] = keys[1:, 1::3][:, : keys[1:, ::3].shape[1]]  # repeated keys: exact score ties
+    keys[0] = float("nan")
+    q = torch.randn(len(lengths) + 1, hi, di, generator=gen)
+    positions = torch.tensor([n - 1 for n in lengths] + [-1])
+    tables = torch.cat([tables, torch.zeros(1, tables.shape[1], dtype=torch.int32)])
+    keys, q = keys.to(dtype), q.to(dtype)
+    dev = [x.to(device) for x in (q, keys, tables, positions)]
+    scores = decode_index_scores_triton(*dev, r, block_g=block_g)
+    packed = decode_index_scores_triton(*dev, r, block_g=block_g, pack=True).cpu()
+    assert torch.equal(packed, selection_keys(scores.cpu(), positions, r))
+    want = select_decode_tokens(scores, dev[3], r, budget).cpu()
+    assert torch.equal(select_decode_tokens_triton(*dev, r, budget, block_g=block_g).cpu(), want)
+    k = min(budget // r, packed.shape[1])
+    chosen = torch.topk(packed, k, dim=1).indices
+    assert torch.equal(build_selection_triton(chosen.to(device), dev[3], r, budget).cpu(),
+                       build_selection(chosen, positions, r, budget))
+    # Prefill: one sequence's chunk (positions 40..149), small row blocks.
+    seq = len(lengths) - 1
+    qp = torch.randn(110, hi, di, generator=gen).to(dtype)
+    pos = torch.arange(40, 150)
+    args = [x.to(device) for x in (qp, keys, tables[seq], pos)]
+    want = select_prefill_tokens(*args, r, budget, 150 // r, score_fn=prefill_index_scores_triton, max_bytes=37 * 40 * 37)
+    got = select_prefill_tokens(*args, r, budget, 150 // r, select_fn=select_prefill_rows_triton, max_bytes=37 * 40 * 37)
+    assert torch.equal(got.cpu(), want.cpu())
+    ref = select_prefill_tokens(qp, keys, tables[seq], pos, r, budget, 150 // r, score_fn=prefill_index_scores)
+    if dtype == torch.float32:  # the same scores up to summation order: the same choice barring near-ties
+        assert (got.cpu().sort(1).values != ref.sort(1).values).any(1).float().mean() <= 0.02
+
+
 INTERPRETER_CHECKS = [
     ("scores_fp32", lambda: check_scores("cpu", torch.float32)),
     ("scores_pow2_many_tiles", lambda: check_scores("cpu", torch.float32, hi=16, di=32, page=8, block_g=8)),
@@ -162,6 +246,9 @@ INTERPRETER_CHECKS = [
     ("sparse_fp8", lambda: check_sparse("cpu", torch.float32, fp8=True, hq=6, hkv=3)),
     ("sparse_head_dim_256", lambda: check_sparse("cpu", torch.float32, hq=4, hkv=1, d=256, m=20, lengths=(30, 12),
                                                  rows_per_seq=1)),
+    ("sparse_runs_fp32", lambda: check_sparse_runs("cpu", torch.float32)),
+    ("sparse_runs_fp16_splits", lambda: check_sparse_runs("cpu", torch.float16, r=2, budget=16, splits=2)),
+    ("fused_selection_fp32", lambda: check_fused_selection("cpu", torch.float32)),
 ]
 
 
@@ -196,6 +283,49 @@ def test_prefill_scores_on_gpu(dtype):
     # qwen4exp-small indexer (16 heads x 128, r 4): a 1024-row chunk at 8K context, 64-token pages.
     check_prefill_scores("cuda", dtype, hi=16, di=128, r=4, page=64, start=7168, length=1024, block_g=64)
     check_prefill_scores("cuda", dtype, hi=16, di=128, r=4, page=16, start=0, length=600, block_g=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_selection_on_gpu(dtype):
+    check_fused_selection("cuda", dtype)
+    check_fused_selection("cuda", dtype, hi=16, di=128, page=64, budget=2048, lengths=(9000, 4096, 3), block_g=64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sparse_runs_on_gpu(dtype):
+    check_sparse_runs("cuda", dtype)
+    check_sparse_runs("cuda", dtype, hq=16, hkv=2, d=256, page=16, budget=2048, lengths=(9000, 3000, 5), block_n=32)
+
+
+def test_sparse_kernel_sm90_code():
+    """The sm_90 code of the bf16 head_dim-256 run-gather kernel reads K/V with 16-byte vector
+    accesses (async copies when pipelined, else v4 loads), not element by element."""
+    triton = pytest.importorskip("triton")
+    from triton.backends import backends
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from qsaserve.ops.qsa_attention import triton_sparse as ts
+
+    if "nvidia" not in backends:
+        pytest.skip("Triton has no NVIDIA backend here")
+    fn, cfg = ts._sparse_kernel, ts.default_config(256)
+    types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "idx_ptr": "*i64", "seq_ids_ptr": "*i64",
+             "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
+             "qk_scale": "fp32"}
+    for run in (4, 1):
+        consts = dict(G=8, BLOCK_M=16, BLOCK_N=cfg.block_n, TILES=4, RUN=run, ALIGN=16, D=256, D_POW2=256, PAGE=16,
+                      HAS_SEQ_IDS=False, FP8=False, IEEE=False)
+        sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+                   if n.startswith("stride_") or n.endswith("_ptr")}
+        ptx = triton.compile(ASTSource(fn, sig, consts, attrs=aligned), target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}).asm["ptx"]
+        wide = ptx.count("cp.async.cg.shared.global") + ptx.count("ld.global.v4")
+        narrow = ptx.count("ld.global.b16") + ptx.count("ld.global.u16")
+        assert wide > 0 and narrow == 0, (run, wide, narrow)
 
 
 @pytest.mark.gpu

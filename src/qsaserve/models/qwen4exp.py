@@ -45,9 +45,11 @@ from qsaserve.parallel.tp import (even_range, kv_head_range, shard_vocab, take, 
 try:  # Triton kernels for CUDA tensors; CPU-only installs keep the references
     from qsaserve.ops.attention import triton_paged as _triton_paged
     from qsaserve.ops.qsa_attention.triton_sparse import sparse_attention_paged_triton
-    from qsaserve.ops.qsa_indexer.triton_score import decode_index_scores_triton, prefill_index_scores_triton
+    from qsaserve.ops.qsa_indexer.triton_score import (decode_index_scores_triton, prefill_index_scores_triton,
+                                                       select_decode_tokens_triton, select_prefill_rows_triton)
 except ImportError:
     _triton_paged = sparse_attention_paged_triton = decode_index_scores_triton = prefill_index_scores_triton = None
+    select_decode_tokens_triton = select_prefill_rows_triton = None
 
 logger = logging.getLogger("qsaserve")
 
@@ -431,9 +433,13 @@ class Qwen4ExpForCausalLM(nn.Module):
             length, table = meta.seq_lens_list[s], meta.block_tables[s]
             pool_chunk_groups(tails[step.slots[s]], raw[a:b], length - (b - a), cache.block_keys, table,
                               w["indexer.k_layernorm.weight"], self.inv_freq, r, c.rms_norm_eps)
+            # CUDA: one fused select (packed-key scoring, top-k, build) per row block; the "torch" tie
+            # order (interpreter runs on CPU) keeps the scorer plus the reference's per-query top-k.
+            fused = fast and tie_break == "lowest_index"
             selected[a:b] = select_prefill_tokens(
-                iq[a:b], cache.block_keys, table, positions[a:b], r, budget, length // r,
-                tie_break, score_fn=prefill_index_scores_triton if fast else None)
+                iq[a:b], cache.block_keys, table, positions[a:b], r, budget, length // r, tie_break,
+                score_fn=prefill_index_scores_triton if fast and not fused else None,
+                select_fn=select_prefill_rows_triton if fused else None)
         if dcp.enabled:
             selected = dcp.localize(selected)
         scale = c.head_dim**-0.5
@@ -441,7 +447,7 @@ class Qwen4ExpForCausalLM(nn.Module):
             rows = torch.arange(q.shape[0], dtype=meta.cu_query_lens.dtype, device=q.device)
             seq_ids = torch.searchsorted(meta.cu_query_lens[1:].contiguous(), rows, right=True)
             attn, lse = sparse_attention_paged_triton(q, cache.kv, meta.block_tables, selected, scale, seq_ids,
-                                                      cache.k_scale, cache.v_scale)
+                                                      cache.k_scale, cache.v_scale, run=self._run(cache))
         else:
             attn = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
@@ -474,16 +480,29 @@ class Qwen4ExpForCausalLM(nn.Module):
                               w["indexer.k_layernorm.weight"], self.inv_freq, r, c.rms_norm_eps)
         iq = iq.to(cache.block_keys.dtype)
         if _use_triton(q):
-            scores = decode_index_scores_triton(iq, cache.block_keys, tables, pos, r)
+            selected = select_decode_tokens_triton(iq, cache.block_keys, tables, pos, r, c.indexer_budget)
         else:
-            scores = decode_index_scores(iq, cache.block_keys, tables, pos, r)
-        selected = select_decode_tokens(scores, pos, r, c.indexer_budget)
+            selected = select_decode_tokens(decode_index_scores(iq, cache.block_keys, tables, pos, r), pos, r,
+                                            c.indexer_budget)
         if ctx.dcp.enabled:
             selected = ctx.dcp.localize(selected)
-        sparse = sparse_attention_paged_triton if _use_triton(q) else sparse_attention_paged_reference
-        attn, lse = sparse(q, cache.kv, tables, selected, c.head_dim**-0.5, None, cache.k_scale, cache.v_scale)
+        if _use_triton(q):
+            attn, lse = sparse_attention_paged_triton(q, cache.kv, tables, selected, c.head_dim**-0.5, None,
+                                                      cache.k_scale, cache.v_scale, run=self._run(cache))
+        else:
+            attn, lse = sparse_attention_paged_reference(q, cache.kv, tables, selected, c.head_dim**-0.5, None,
+                                                         cache.k_scale, cache.v_scale)
         attn = ctx.dcp_merge(attn, lse)
         return ctx.all_reduce(qsa_attention_output(attn, gate, w["o_proj.weight"]))
+
+    def _run(self, cache: LayerCache) -> int:
+        """Run length the sparse kernel may assume: the selection lists whole groups of r
+        positions (and the tail's prefix of one) at aligned columns, so r, unless DCP's
+        localization splits groups across ranks (interleave not a multiple of r) or pages do."""
+        r, dcp = self.cfg.indexer_compress_ratio, self.ctx.dcp
+        if r & (r - 1) or cache.kv.shape[2] % r or (dcp.enabled and dcp.interleave % r):
+            return 1
+        return r
 
     def _tp_shard(self, name: str, t: torch.Tensor) -> torch.Tensor:
         """This rank's slice of a full tensor (our name, e.g. layers.3.self_attn.q_proj.weight).

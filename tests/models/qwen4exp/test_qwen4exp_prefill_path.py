@@ -8,10 +8,10 @@ to r. Both branches use the same tie rule there ("torch": q is on the CPU), so l
 fp32 reordering (1e-4).
 
 On a GPU (marked gpu): a 4096-token prompt in bf16 with a second sequence batched beside it, the
-Triton branch vs the reference branch on the same device (both "lowest_index" ties). They differ
-by bf16 rounding of the attention (the kernel's P.V dot takes bf16 probabilities) and by fp32
-summation order in the scores, which can swap blocks whose scores tie to ~1e-6. Stated
-tolerance: prompt logprobs mean |diff| < 0.02 nats, argmax agreement >= 97% of positions.
+Triton branch vs the reference branch on the same device (both "lowest_index" ties). Each QSA
+call's selection and attention are checked against their references on the same inputs (near
+exact); the final logprobs differ more, because these peaked bf16 test models amplify the
+kernel's bf16 rounding of P (measured on CPU, see the test's bounds).
 """
 import os
 import subprocess
@@ -116,6 +116,9 @@ def test_cuda_branch_under_triton_interpreter_matches_reference_branch():
 
 @pytest.mark.gpu
 def test_4096_token_prefill_triton_branch_matches_reference_on_gpu(tmp_path, monkeypatch):
+    from qsaserve.ops.qsa_attention import sparse_attention_paged_reference
+    from qsaserve.ops.qsa_indexer.paged import prefill_index_scores, select_decode_tokens
+
     block = 16
     cfg = make_config(budget=64, ple_layer_ids=(1, 3))
     cfg.max_position_embeddings = 8192
@@ -126,16 +129,40 @@ def test_4096_token_prefill_triton_branch_matches_reference_on_gpu(tmp_path, mon
     prompts = _prompts([4096, 300], block, 120, seed=2)
     # 4096 tokens in chunks not aligned to r; the short prompt batched with the first chunk.
     steps = [[(0, 1001), (1, 300)], [(0, 1500)], [(0, 1595)]]
-    calls = []
-    score = qwen4exp.prefill_index_scores_triton
-    monkeypatch.setattr(qwen4exp, "prefill_index_scores_triton", lambda *a, **k: calls.append(1) or score(*a, **k))
+    # Every layer's pieces against their references on the same inputs, during the Triton run.
+    seen = {"rows": 0, "rows_differ": 0, "attn_rel": []}
+    select_rows, sparse = qwen4exp.select_prefill_rows_triton, qwen4exp.sparse_attention_paged_triton
+
+    def checked_select(iq, keys, table, pos, r, num_groups, budget):
+        got = select_rows(iq, keys, table, pos, r, num_groups, budget)
+        ref = select_decode_tokens(prefill_index_scores(iq, keys, table, pos, r, num_groups), pos, r, budget)
+        seen["rows"] += got.shape[0]
+        seen["rows_differ"] += int((got.sort(1).values != ref.sort(1).values).any(1).sum())
+        return got
+
+    def checked_attention(q, kv, tables, sel, scale, seq_ids, ks, vs, **kw):
+        out, lse = sparse(q, kv, tables, sel, scale, seq_ids, ks, vs, **kw)
+        ref, _ = sparse_attention_paged_reference(q, kv, tables, sel, scale, seq_ids, ks, vs)
+        seen["attn_rel"].append(float((out - ref).norm() / ref.norm()))
+        return out, lse
+
+    monkeypatch.setattr(qwen4exp, "select_prefill_rows_triton", checked_select)
+    monkeypatch.setattr(qwen4exp, "sparse_attention_paged_triton", checked_attention)
     fast = _prefill(m, steps, prompts, block, "cuda")
-    assert calls, "the Triton scoring kernel did not run"
+    assert seen["rows"] == 2 * (4096 + 300), seen  # every row of both QSA layers
+    # Scores differ by fp32 summation order only; on CPU, 1e-6 relative score noise changed no
+    # selection in this scenario (0 of 8792 rows): allow 0.1% of rows.
+    assert seen["rows_differ"] <= 0.001 * seen["rows"], seen
+    # The kernel's P.V dot takes bf16 probabilities (the op tests' bf16 bound).
+    assert max(seen["attn_rel"]) < 1.5e-2, seen["attn_rel"]
     monkeypatch.setattr(qwen4exp, "_use_triton", lambda x: False)
     ref = _prefill(m, steps, prompts, block, "cuda")
+    # End to end the bf16 model amplifies those roundings: in the bf16 reference branch on CPU,
+    # rounding only P to bf16 before P.V (as the kernel does) moves the prompt logprobs by
+    # 0.18 / 0.24 nats on average (argmax agreement 98.3%); the H200 showed 0.19. Bounds: 0.4 and 95%.
     for p, a, b in zip(prompts, fast, ref):
         assert torch.isfinite(a).all()
         ids = torch.tensor(p["ids"][1:])
         la, lb = a[:-1].gather(1, ids[:, None])[:, 0], b[:-1].gather(1, ids[:, None])[:, 0]
-        assert (la - lb).abs().mean() < 0.02
-        assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.97
+        assert (la - lb).abs().mean() < 0.4
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95

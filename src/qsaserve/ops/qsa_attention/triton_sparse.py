@@ -17,6 +17,7 @@ Reference: `reference.sparse_attention_paged_reference`.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -25,8 +26,6 @@ import triton.language as tl
 _LOG2E = 1.4426950408889634
 # The running max starts finite so that a tile with no selected token keeps alpha = exp2(0) = 1.
 _M_INIT = tl.constexpr(-1.0e30)
-BLOCK_N = 32
-TARGET_PROGRAMS = 2  # per SM: enough splits that a batch of one still fills the GPU
 
 
 @triton.jit
@@ -35,8 +34,8 @@ def _sparse_kernel(
     qk_scale, M,
     stride_qt, stride_qh, stride_c2, stride_cb, stride_ct, stride_ch, stride_bt, stride_it,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
-    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
-    D: tl.constexpr, D_POW2: tl.constexpr, PAGE: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, FP8: tl.constexpr,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, RUN: tl.constexpr,
+    ALIGN: tl.constexpr, D: tl.constexpr, D_POW2: tl.constexpr, PAGE: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, FP8: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -70,8 +69,21 @@ def _sparse_kernel(
         n = start + i * BLOCK_N + offs
         pos = tl.load(idx_row + n, mask=n < end, other=-1)
         ok = pos >= 0
-        page = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
-        tok = page * stride_cb + (pos % PAGE) * stride_ct
+        if RUN == 1:  # any positions: one block-table read per token
+            page = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
+            tok = page * stride_cb + (pos % PAGE) * stride_ct
+        else:
+            # Each RUN aligned columns hold positions of one aligned group of RUN tokens (a QSA
+            # block, or the open tail's prefix): one block-table read per run, the run's tokens at
+            # consecutive slots of that page.
+            runs = tl.reshape(pos, [BLOCK_N // RUN, RUN])
+            first = tl.max(runs, 1)  # any member locates the group; -1 when the run is empty
+            run_page = tl.load(bt_row + first // PAGE, mask=first >= 0, other=0).to(tl.int64)
+            run_base = run_page * stride_cb + ((first % PAGE) // RUN * RUN) * stride_ct
+            tok = tl.reshape(tl.broadcast_to(run_base[:, None], [BLOCK_N // RUN, RUN]), [BLOCK_N])
+            # The reshape hides from the compiler that every token's offset is a multiple of the
+            # strides' common factor, which it needs to read K/V rows with 16-byte vectors.
+            tok = tl.multiple_of(tok + (pos % RUN) * stride_ct, ALIGN)
         kv_mask = ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + tok[:, None], mask=kv_mask, other=0.0)
         v = tl.load(k_base + stride_c2 + tok[:, None], mask=kv_mask, other=0.0)
@@ -135,11 +147,43 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def num_splits(rows: int, kv_heads: int, width: int, num_sms: int) -> int:
-    """Splits of a row's selection so that rows * kv_heads * splits ~ TARGET_PROGRAMS per SM
-    (each split keeps at least one BLOCK_N tile). Shapes only: no data-dependent grid."""
-    tiles = max(1, triton.cdiv(width, BLOCK_N))
-    return max(1, min(tiles, triton.cdiv(TARGET_PROGRAMS * num_sms, max(1, rows * kv_heads))))
+@dataclass(frozen=True)
+class SparseConfig:
+    """Launch parameters. block_n tokens per tile (each K and V tile is block_n x head_dim);
+    programs_per_sm: how many resident programs per SM the split heuristic plans for (more splits
+    put more K/V bytes in flight at small batch, but each split writes an fp32 partial that the
+    merge reads back)."""
+
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+    programs_per_sm: int = 2
+
+    def __post_init__(self):
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n: must be a power of two >= 16, got {self.block_n}")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm: must be >= 1, got {self.programs_per_sm}")
+
+
+def _align(*strides: int) -> int:
+    """Largest power of two (<= 16) dividing every stride: what token offsets are multiples of."""
+    a = 16
+    while any(x % a for x in strides):
+        a //= 2
+    return a
+
+
+def default_config(head_dim: int) -> SparseConfig:
+    """Small head dims keep 4 warps and take wider tiles; head_dim 256 tiles of 32 x 256 use 8."""
+    return SparseConfig(block_n=64, num_warps=4) if head_dim <= 128 else SparseConfig()
+
+
+def num_splits(rows: int, kv_heads: int, width: int, num_sms: int, block_n: int = 32, programs_per_sm: int = 2) -> int:
+    """Splits of a row's selection so that rows * kv_heads * splits ~ programs_per_sm per SM
+    (each split keeps at least one block_n tile). Shapes only: no data-dependent grid."""
+    tiles = max(1, triton.cdiv(width, block_n))
+    return max(1, min(tiles, triton.cdiv(programs_per_sm * num_sms, max(1, rows * kv_heads))))
 
 
 def sparse_attention_paged_triton(
@@ -152,11 +196,18 @@ def sparse_attention_paged_triton(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
     splits: int | None = None,
+    run: int = 1,
+    config: SparseConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D]; kv_cache [2, num_blocks, page, Hkv, D] (model dtype or FP8 E4M3 with 0-d fp32
     k_scale / v_scale device tensors); block_tables [B, max_blocks]; token_positions [T, M]
     (positions in the row's sequence, -1 = none); seq_ids [T] (row -> block table row; default
-    row t is sequence t). Returns fp32 out [T, Hq, D] and base-2 lse [T, Hq]."""
+    row t is sequence t). Returns fp32 out [T, Hq, D] and base-2 lse [T, Hq].
+
+    run > 1 promises that every `run` aligned columns of token_positions hold positions of one
+    aligned group of `run` tokens (or -1), as the QSA selection does with run = r: the kernel then
+    reads the block table once per run. With one split the kernel writes out/lse directly (no
+    merge launch)."""
     t, hq, d = q.shape
     hkv = kv_cache.shape[3]
     if hq % hkv:
@@ -166,6 +217,10 @@ def sparse_attention_paged_triton(
     fp8 = kv_cache.dtype == torch.float8_e4m3fn
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError("k_scale: an fp8_e4m3 KV cache needs its layer's k_scale and v_scale")
+    cfg = config or default_config(d)
+    if run < 1 or run & (run - 1) or kv_cache.shape[2] % run or cfg.block_n % run:
+        raise ValueError(f"run: must be a power of two dividing the page ({kv_cache.shape[2]}) and block_n "
+                         f"({cfg.block_n}), got {run}")
     scale = d ** -0.5 if scale is None else scale
     m = token_positions.shape[1]
     out = torch.empty((t, hq, d), dtype=torch.float32, device=q.device)
@@ -175,11 +230,15 @@ def sparse_attention_paged_triton(
     if q.stride(-1) != 1:
         q = q.contiguous()
     token_positions = token_positions.contiguous()
-    s = splits or num_splits(t, hkv, m, _num_sms(q.device))
-    chunk = triton.cdiv(triton.cdiv(max(m, 1), s), BLOCK_N) * BLOCK_N
+    block_n = cfg.block_n
+    s = splits or num_splits(t, hkv, m, _num_sms(q.device), block_n, cfg.programs_per_sm)
+    chunk = triton.cdiv(triton.cdiv(max(m, 1), s), block_n) * block_n
     s = max(1, triton.cdiv(m, chunk))
-    part_o = torch.empty((t, hq, s, d), dtype=torch.float32, device=q.device)
-    part_lse = torch.empty((t, hq, s), dtype=torch.float32, device=q.device)
+    if s == 1:  # the kernel's result is final: write it in place
+        part_o, part_lse = out[:, :, None, :], lse[:, :, None]
+    else:
+        part_o = torch.empty((t, hq, s, d), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((t, hq, s), dtype=torch.float32, device=q.device)
     group = hq // hkv
     d_pow2 = max(16, triton.next_power_of_2(d))
     ids = seq_ids if seq_ids is not None else token_positions  # dummy pointer when unused
@@ -191,11 +250,14 @@ def sparse_attention_paged_triton(
         q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), token_positions.stride(0),
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        G=group, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=BLOCK_N, TILES=chunk // BLOCK_N,
+        G=group, BLOCK_M=max(16, triton.next_power_of_2(group)), BLOCK_N=block_n, TILES=chunk // block_n, RUN=run,
+        ALIGN=_align(kv_cache.stride(1), kv_cache.stride(2)),
         D=d, D_POW2=d_pow2,
         PAGE=kv_cache.shape[2], HAS_SEQ_IDS=seq_ids is not None, FP8=fp8, IEEE=q.dtype == torch.float32,
-        num_warps=4 if d <= 128 else 8, num_stages=2,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if s == 1:
+        return out, lse
     _merge_kernel[(t, hq)](
         part_o, part_lse, out, lse, s,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
@@ -205,4 +267,4 @@ def sparse_attention_paged_triton(
     return out, lse
 
 
-__all__ = ["sparse_attention_paged_triton", "num_splits"]
+__all__ = ["SparseConfig", "default_config", "sparse_attention_paged_triton", "num_splits"]

@@ -93,6 +93,7 @@ def select_prefill_tokens(
     tie_break: str = "lowest_index",
     score_fn=None,
     max_bytes: int = MAX_TEMP_BYTES,
+    select_fn=None,
 ) -> torch.Tensor:
     """Token positions [Tq, budget + r - 1] (-1 padded, the reference's layout) for one
     sequence's chunk of queries (index_q [Tq, Hi, Di] at ascending `positions` [Tq]) whose
@@ -101,7 +102,9 @@ def select_prefill_tokens(
     Queries go in row blocks that bound the temporaries (`prefill_rows_per_block`). "lowest_index"
     stays on device (batched top-k of `select_decode_tokens`, no host syncs); "torch" runs the
     reference's per-query 1-D torch.topk (transformers' tie order on CPU). score_fn: the Triton
-    kernel (same contract as `prefill_index_scores`); default the torch reference."""
+    kernel (same contract as `prefill_index_scores`); default the torch reference. select_fn
+    ("lowest_index" only): scores and selects a row block in one call (same arguments as
+    score_fn plus budget; e.g. `triton_score.select_prefill_rows_triton`)."""
     if tie_break not in ("lowest_index", "torch"):
         raise ValueError(f"tie_break: unknown rule {tie_break!r}")
     tq = index_q.shape[0]
@@ -109,11 +112,16 @@ def select_prefill_tokens(
     out = torch.full((tq, width), -1, dtype=torch.long, device=index_q.device)
     if tq == 0:
         return out
-    step = prefill_rows_per_block(num_groups, index_q.shape[1], score_fn is None, max_bytes)
+    if select_fn is not None and tie_break != "lowest_index":
+        raise ValueError("select_fn: a fused selection implements the lowest_index rule only")
+    step = prefill_rows_per_block(num_groups, index_q.shape[1], score_fn is None and select_fn is None, max_bytes)
     score = score_fn or prefill_index_scores
     for a in range(0, tq, step):
         b = min(tq, a + step)
         pos = positions[a:b]
+        if select_fn is not None and num_groups > 0:
+            out[a:b] = select_fn(index_q[a:b], block_key_cache, block_table, pos, ratio, num_groups, budget)
+            continue
         if num_groups == 0:  # nothing pooled yet: the tail (the query's own tokens) only
             scores = torch.full((b - a, 1), float("-inf"), device=index_q.device)
         else:
@@ -182,32 +190,47 @@ def decode_index_scores(
     return torch.where(visible, scores, torch.full_like(scores, float("-inf")))
 
 
-def select_decode_tokens(scores: torch.Tensor, positions: torch.Tensor, ratio: int, budget: int) -> torch.Tensor:
-    """Token positions [B, budget + r - 1] (-1 padded) from decode scores [B, N]: the top
-    budget // r visible groups (ties: lower group first, the reference's "lowest_index") in
-    descending order, each group's tokens ascending, then the open tail. All on device.
+def selection_keys(scores: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """int64 top-k keys [B, N] from scores [B, N]: (fp32 bits << 32) + (2^32 - 1 - group) for
+    visible groups, -1 for the rest. Scores of visible groups are sums of ReLUs (>= 0), whose fp32
+    bit patterns order like the values; the group term makes every key distinct (ties: lower group
+    first, the reference's "lowest_index"), so torch.topk's choice is deterministic on any device.
+    The Triton scorers can emit these keys directly (`pack=True`)."""
+    n = scores.shape[1]
+    groups = torch.arange(n, device=scores.device)
+    visible = groups[None, :] < ((positions.long() + 1) // ratio)[:, None]
+    bits = (scores.float() + 0.0).contiguous().view(torch.int32).long()  # + 0.0: -0.0 -> +0.0
+    return torch.where(visible, (bits << 32) + ((1 << 32) - 1 - groups), torch.full_like(bits, -1))
 
-    Scores of visible groups are sums of ReLUs (>= 0), whose fp32 bit patterns order like the
-    values; packing (bits, -group) into one int64 makes every key distinct, so torch.topk's
-    choice is deterministic on any device."""
-    b, n = scores.shape
-    dev = scores.device
+
+def build_selection(chosen: torch.Tensor, positions: torch.Tensor, ratio: int, budget: int) -> torch.Tensor:
+    """Token positions [B, budget + r - 1] (-1 padded) from the top-k groups `chosen` [B, k]
+    (descending key order; a row's first min(visible, k) entries are its real choices): each
+    chosen group's tokens ascending, then the open tail. Reference of the Triton build kernel."""
+    b, k = chosen.shape
+    dev = chosen.device
     pos = positions.long()
     num_visible = (pos + 1) // ratio  # 0 for padding rows (position -1)
-    groups = torch.arange(n, device=dev)
-    visible = groups[None, :] < num_visible[:, None]
-    bits = (scores.float() + 0.0).contiguous().view(torch.int32).long()  # + 0.0: -0.0 -> +0.0
-    key = torch.where(visible, (bits << 32) + ((1 << 32) - 1 - groups), torch.full_like(bits, -1))
-    k = min(budget // ratio, n)
-    top, chosen = torch.topk(key, k, dim=1)
+    count = num_visible.clamp_max(k)
     tokens = chosen[:, :, None] * ratio + torch.arange(ratio, device=dev)
-    tokens = torch.where((top >= 0)[:, :, None], tokens, -1).flatten(1)
+    real = torch.arange(k, device=dev)[None, :] < count[:, None]
+    tokens = torch.where(real[:, :, None], tokens, -1).flatten(1)
     width = budget + ratio - 1
     out = torch.cat([tokens, torch.full((b, width + 1 - k * ratio), -1, dtype=torch.long, device=dev)], dim=1)
     # The tail follows the selected groups' tokens (the reference's layout); unused tail slots land
     # in the extra last column, which is dropped.
     j = torch.arange(ratio - 1, device=dev)
     tail = num_visible[:, None] * ratio + j
-    col = torch.where(tail <= pos[:, None], num_visible.clamp_max(k)[:, None] * ratio + j, width)
+    col = torch.where(tail <= pos[:, None], count[:, None] * ratio + j, width)
     out.scatter_(1, col, torch.where(tail <= pos[:, None], tail, -1))
     return out[:, :width]
+
+
+def select_decode_tokens(scores: torch.Tensor, positions: torch.Tensor, ratio: int, budget: int) -> torch.Tensor:
+    """Token positions [B, budget + r - 1] (-1 padded) from decode scores [B, N]: the top
+    budget // r visible groups (ties: lower group first, the reference's "lowest_index") in
+    descending order, each group's tokens ascending, then the open tail. All on device:
+    `selection_keys`, one torch.topk, `build_selection`."""
+    k = min(budget // ratio, scores.shape[1])
+    chosen = torch.topk(selection_keys(scores, positions, ratio), k, dim=1).indices
+    return build_selection(chosen, positions, ratio, budget)

@@ -10,8 +10,13 @@ CUDA graph can capture it); tiles past a sequence's visible groups just store -i
 Prefill (`prefill_index_scores_triton`) scores a row block of one sequence's queries per program,
 all heads in one dot, over a split of its groups; the caller bounds the rows per call.
 
-The plain-torch references are `paged.decode_index_scores` and `paged.prefill_index_scores`;
-selection is `paged.select_decode_tokens` / `paged.select_prefill_tokens`.
+Selection takes three launches: the scorer emits int64 top-k keys directly (`pack=True`, the
+packing of `paged.selection_keys`), one torch.topk, and `_build_kernel` writes the token list
+(`select_decode_tokens_triton`, `select_prefill_rows_triton`).
+
+The plain-torch references are `paged.decode_index_scores`, `paged.prefill_index_scores`,
+`paged.selection_keys` and `paged.build_selection`; selection is `paged.select_decode_tokens` /
+`paged.select_prefill_tokens`.
 """
 from __future__ import annotations
 
@@ -23,12 +28,29 @@ import triton.language as tl
 
 
 @triton.jit
+def _finish(score, g, visible, PACK: tl.constexpr):
+    """Scores (-inf where hidden) or, with PACK, `paged.selection_keys`: (fp32 bits << 32) +
+    (2^32 - 1 - group), -1 where hidden. score >= 0 and + 0.0 turned -0.0 into +0.0."""
+    if PACK:
+        key = (score.to(tl.int32, bitcast=True).to(tl.int64) << 32) + (4294967295 - g.to(tl.int64))
+        return tl.where(visible, key, -1)
+    return tl.where(visible, score, float("-inf"))
+
+
+@triton.jit
+def _hidden(BLOCK: tl.constexpr, PACK: tl.constexpr):
+    if PACK:
+        return tl.full([BLOCK], -1, tl.int64)
+    return tl.full([BLOCK], float("-inf"), tl.float32)
+
+
+@triton.jit
 def _score_kernel(
     q_ptr, keys_ptr, bt_ptr, pos_ptr, out_ptr, inv_sqrt_d,
     stride_qb, stride_qh, stride_kb, stride_kr, stride_bt, stride_ob,
     N,
     RATIO: tl.constexpr, GPP: tl.constexpr, H: tl.constexpr, H_POW2: tl.constexpr,
-    D: tl.constexpr, D_POW2: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr,
+    D: tl.constexpr, D_POW2: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr, PACK: tl.constexpr,
 ):
     b = tl.program_id(0)
     tile = tl.program_id(1)
@@ -38,7 +60,7 @@ def _score_kernel(
     visible = g < visible_groups
     out_row = out_ptr + b.to(tl.int64) * stride_ob
     if tile * BLOCK_G >= visible_groups:  # nothing visible in this tile
-        tl.store(out_row + g, tl.full([BLOCK_G], float("-inf"), tl.float32), mask=in_range)
+        tl.store(out_row + g, _hidden(BLOCK_G, PACK), mask=in_range)
         return
     h = tl.arange(0, H_POW2)
     d = tl.arange(0, D_POW2)
@@ -53,15 +75,16 @@ def _score_kernel(
     else:
         dots = tl.dot(q, tl.trans(keys))
     score = tl.sum(tl.maximum(dots, 0.0), axis=0) * inv_sqrt_d + 0.0  # padded heads add relu(0) = 0
-    tl.store(out_row + g, tl.where(visible, score, float("-inf")), mask=in_range)
+    tl.store(out_row + g, _finish(score, g, visible, PACK), mask=in_range)
 
 
 def decode_index_scores_triton(
     index_q: torch.Tensor, block_key_cache: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
-    ratio: int, block_g: int = 64,
+    ratio: int, block_g: int = 64, pack: bool = False,
 ) -> torch.Tensor:
     """index_q [B, Hi, Di] at `positions` [B] (-1: padding row, sees nothing) -> scores [B, N] fp32,
-    N = block_tables.shape[1] * (block_size // r). Same contract as `paged.decode_index_scores`."""
+    N = block_tables.shape[1] * (block_size // r). Same contract as `paged.decode_index_scores`;
+    pack=True returns `paged.selection_keys` of those scores (int64) instead."""
     b, h, d = index_q.shape
     if block_key_cache.shape[-1] != d:
         raise ValueError(f"block_key_cache: key width {block_key_cache.shape[-1]} != index head dim {d}")
@@ -69,7 +92,7 @@ def decode_index_scores_triton(
         raise ValueError(f"index_q: dtype {index_q.dtype} differs from the block key cache's {block_key_cache.dtype}")
     gpp = block_key_cache.shape[1]
     n = block_tables.shape[1] * gpp
-    out = torch.empty((b, n), dtype=torch.float32, device=index_q.device)
+    out = torch.empty((b, n), dtype=torch.int64 if pack else torch.float32, device=index_q.device)
     if b == 0 or n == 0:
         return out
     if index_q.stride(-1) != 1:
@@ -81,7 +104,7 @@ def decode_index_scores_triton(
         block_tables.stride(0), out.stride(0), n,
         RATIO=ratio, GPP=gpp, H=h, H_POW2=max(16, triton.next_power_of_2(h)), D=d,
         D_POW2=max(16, triton.next_power_of_2(d)), BLOCK_G=block_g, IEEE=index_q.dtype == torch.float32,
-        num_warps=4,
+        PACK=pack, num_warps=4,
     )
     return out
 
@@ -93,6 +116,7 @@ def _prefill_score_kernel(
     T, N, GROUPS_PER_SPLIT,
     TILES: tl.constexpr, RATIO: tl.constexpr, GPP: tl.constexpr, H: tl.constexpr, H_POW2: tl.constexpr,
     D: tl.constexpr, D_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr,
+    PACK: tl.constexpr,
 ):
     rb = tl.program_id(0)
     split = tl.program_id(1)
@@ -127,20 +151,21 @@ def _prefill_score_kernel(
                 dots = tl.dot(q, tl.trans(keys))
             score = tl.sum(tl.reshape(tl.maximum(dots, 0.0), [BLOCK_T, H_POW2, BLOCK_G]), axis=1) * inv_sqrt_d + 0.0
             visible = g[None, :] < nvis[:, None]
-            tl.store(out_rows + g[None, :], tl.where(visible, score, float("-inf")),
+            tl.store(out_rows + g[None, :], _finish(score, g[None, :], visible, PACK),
                      mask=row_ok[:, None] & in_split[None, :])
         else:  # no row sees these
-            tl.store(out_rows + g[None, :], tl.full([BLOCK_T, BLOCK_G], float("-inf"), tl.float32),
-                     mask=row_ok[:, None] & in_split[None, :])
+            hidden = tl.broadcast_to(_hidden(BLOCK_G, PACK)[None, :], [BLOCK_T, BLOCK_G])
+            tl.store(out_rows + g[None, :], hidden, mask=row_ok[:, None] & in_split[None, :])
 
 
 def prefill_index_scores_triton(
     index_q: torch.Tensor, block_key_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
-    ratio: int, num_groups: int, block_g: int = 64, splits: int | None = None,
+    ratio: int, num_groups: int, block_g: int = 64, splits: int | None = None, pack: bool = False,
 ) -> torch.Tensor:
     """One sequence's queries index_q [T, Hi, Di] at ascending `positions` [T] against its groups
     0..num_groups-1 (block_table [max_blocks]) -> scores [T, num_groups] fp32, -inf where a query
-    cannot see the group. Same contract as `paged.prefill_index_scores`.
+    cannot see the group. Same contract as `paged.prefill_index_scores`; pack=True returns
+    `paged.selection_keys` of those scores (int64) instead.
 
     A program scores BLOCK_T rows x every head as one [BLOCK_T * Hi, Di] tile (~128 rows of the
     dot), so each key tile is loaded once per row block, not once per query; the groups are split
@@ -152,7 +177,7 @@ def prefill_index_scores_triton(
         raise ValueError(f"index_q: dtype {index_q.dtype} differs from the block key cache's {block_key_cache.dtype}")
     if block_table.dim() != 1:
         raise ValueError(f"block_table: one sequence's row [max_blocks] expected, got shape {tuple(block_table.shape)}")
-    out = torch.empty((t, num_groups), dtype=torch.float32, device=index_q.device)
+    out = torch.empty((t, num_groups), dtype=torch.int64 if pack else torch.float32, device=index_q.device)
     if t == 0 or num_groups == 0:
         return out
     if index_q.stride(-1) != 1:
@@ -172,9 +197,65 @@ def prefill_index_scores_triton(
         index_q.stride(0), index_q.stride(1), block_key_cache.stride(0), block_key_cache.stride(1), out.stride(0),
         t, num_groups, per_split,
         TILES=tiles_per_split, RATIO=ratio, GPP=block_key_cache.shape[1], H=h, H_POW2=h_pow2, D=d, D_POW2=max(16, triton.next_power_of_2(d)),
-        BLOCK_T=block_t, BLOCK_G=block_g, IEEE=index_q.dtype == torch.float32, num_warps=8 if d > 64 else 4,
+        BLOCK_T=block_t, BLOCK_G=block_g, IEEE=index_q.dtype == torch.float32, PACK=pack,
+        num_warps=8 if d > 64 else 4,
     )
     return out
+
+
+@triton.jit
+def _build_kernel(chosen_ptr, pos_ptr, out_ptr, K, stride_cb, stride_ob,
+                  WIDTH: tl.constexpr, RATIO: tl.constexpr, BLOCK_W: tl.constexpr):
+    """One row: columns < count*r take chosen[c // r]*r + c % r, the next (pos+1) - nv*r the tail
+    nv*r.., the rest -1 (count = min(nv, K) real choices, nv visible groups)."""
+    b = tl.program_id(0)
+    pos = tl.load(pos_ptr + b).to(tl.int64)
+    nv = tl.where(pos >= 0, (pos + 1) // RATIO, 0)
+    count = tl.minimum(nv, K)
+    tail_len = tl.where(pos >= 0, pos + 1 - nv * RATIO, 0)
+    for c0 in range(0, WIDTH, BLOCK_W):
+        c = c0 + tl.arange(0, BLOCK_W)
+        in_block = c < count * RATIO
+        grp = tl.load(chosen_ptr + b.to(tl.int64) * stride_cb + c // RATIO, mask=in_block, other=0)
+        j = c - count * RATIO
+        val = tl.where(in_block, grp * RATIO + c % RATIO, tl.where((j >= 0) & (j < tail_len), nv * RATIO + j, -1))
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + c, val, mask=c < WIDTH)
+
+
+def build_selection_triton(chosen: torch.Tensor, positions: torch.Tensor, ratio: int, budget: int) -> torch.Tensor:
+    """`paged.build_selection` in one launch: chosen [B, k] top-k groups -> [B, budget + r - 1]."""
+    b, k = chosen.shape
+    width = budget + ratio - 1
+    out = torch.empty((b, width), dtype=torch.long, device=chosen.device)
+    if b == 0:
+        return out
+    chosen = chosen.contiguous()
+    block_w = min(1024, triton.next_power_of_2(width))
+    _build_kernel[(b,)](chosen, positions, out, k, chosen.stride(0), out.stride(0),
+                        WIDTH=width, RATIO=ratio, BLOCK_W=block_w, num_warps=4)
+    return out
+
+
+def select_decode_tokens_triton(
+    index_q: torch.Tensor, block_key_cache: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
+    ratio: int, budget: int, block_g: int = 64,
+) -> torch.Tensor:
+    """`paged.select_decode_tokens(decode_index_scores(...))` in three launches: packed keys,
+    torch.topk, build. Device tensors only, shapes from tensor shapes (CUDA-graph safe)."""
+    keys = decode_index_scores_triton(index_q, block_key_cache, block_tables, positions, ratio, block_g, pack=True)
+    k = min(budget // ratio, keys.shape[1])
+    return build_selection_triton(torch.topk(keys, k, dim=1).indices, positions, ratio, budget)
+
+
+def select_prefill_rows_triton(
+    index_q: torch.Tensor, block_key_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
+    ratio: int, num_groups: int, budget: int,
+) -> torch.Tensor:
+    """A row block of one sequence's prefill queries -> selection, as `select_prefill_tokens`
+    with the lowest-index rule (its `select_fn`): packed keys, torch.topk, build."""
+    keys = prefill_index_scores_triton(index_q, block_key_cache, block_table, positions, ratio, num_groups, pack=True)
+    k = min(budget // ratio, num_groups)
+    return build_selection_triton(torch.topk(keys, k, dim=1).indices, positions, ratio, budget)
 
 
 @functools.lru_cache(maxsize=None)
