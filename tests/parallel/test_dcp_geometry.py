@@ -141,15 +141,16 @@ def test_capacity_same_per_rank_memory():
     ours, dcp1 = DcpGeometry(4, 0, 1, 16).capacity(plain, budget, 1024)
     assert ours.bytes_per_block == dcp1.bytes_per_block  # a page holds B tokens of one head either way
     assert ours.tokens == 4 * dcp1.tokens and ours.max_len_requests == pytest.approx(4 * dcp1.max_len_requests, rel=0.02)
-    # QSA: index pages are replicated (every rank indexes all B*D tokens of a block), so the gain is < D.
+    # QSA: block-key pages are replicated (every rank indexes all B*D tokens of a block), so the gain
+    # is < D. Raw index keys are not paged (only the open group lives in the state slot).
     qsa = KVCacheSpec(4, 1, 64, torch.float16, 16, index_head_dim=32, index_ratio=4)
     ours, dcp1 = DcpGeometry(2, 1, 1, 16).capacity(qsa, budget, 1024)
-    per_block = 4 * 2 * (2 * 16 * 64 + 32 * 32 + 8 * 32)  # layers * bytes * (K/V of 16 + 32 raw + 8 pooled keys)
+    per_block = 4 * 2 * (2 * 16 * 64 + 8 * 32)  # layers * bytes * (K/V of 16 local tokens + 8 pooled keys)
     assert ours.bytes_per_block == per_block and ours.block_tokens == 32
     assert ours.num_blocks == budget // per_block - 1
     assert dcp1.tokens < ours.tokens < 2 * dcp1.tokens
     blocks = allocate_kv_cache(DcpGeometry(2, 1, 1, 16).scale_spec(qsa), 3, "cpu")[0]
-    assert blocks.kv.shape[2] == 16 and blocks.index_keys.shape[1] == 32 and blocks.block_keys.shape[1] == 8
+    assert blocks.kv.shape[2] == 16 and blocks.block_keys.shape[1] == 8
 
 
 def test_dcp_constraints_name_the_parameter():
