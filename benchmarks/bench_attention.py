@@ -72,7 +72,7 @@ def rand_(t):
 
 def env_info(args):
     p = torch.cuda.get_device_properties(0)
-    commit = args.commit or os.environ.get("QSA_GIT_COMMIT")
+    commit = args.commit or os.environ.get("QSASERVE_COMMIT")
     if not commit:
         try:
             commit = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()

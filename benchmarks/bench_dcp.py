@@ -17,6 +17,7 @@ import argparse
 import datetime
 import gc
 import json
+import os
 import random
 import subprocess
 import sys
@@ -120,7 +121,8 @@ def main() -> None:
     from qsaserve.models.presets import preset_config
 
     prompts = fixed_prompts(preset_config(args.preset)["vocab_size"], lengths)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("QSASERVE_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {
         "benchmark": "decode context parallelism",
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import platform
 import random
 import subprocess
@@ -21,8 +22,9 @@ def provenance(config: EngineConfig, with_transformers: bool = False) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
         "torch": torch.__version__,
         "triton": _version("triton"),
-        "git_commit": _git("rev-parse", "HEAD"),
-        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+        # QSASERVE_COMMIT: set when running from an exported snapshot that has no .git of its own.
+        "git_commit": os.environ.get("QSASERVE_COMMIT") or _git("rev-parse", "HEAD"),
+        "git_dirty": False if os.environ.get("QSASERVE_COMMIT") else bool(_git("status", "--porcelain", "--untracked-files=no")),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": dataclasses.asdict(config),
     }

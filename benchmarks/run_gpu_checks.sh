@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Every GPU check and benchmark of the project in one go, each part bounded in time, results as
+# files in OUT (JSON from the benchmarks, pytest logs and JUnit XML from the tests).
+#
+#   benchmarks/run_gpu_checks.sh single OUT   # one H200: GPU tests, llama latency/throughput, kernels
+#   benchmarks/run_gpu_checks.sh multi OUT    # two H200s: parallel GPU tests, DCP2 vs DCP1
+#
+# Run from the repository root (or an exported snapshot of it: set QSASERVE_COMMIT to the commit
+# the snapshot was made from, since the benchmarks record it). Parts that run past their limit are
+# cut and the script goes on; a benchmark's partial JSON (bench_dcp) is kept.
+set -u
+mode=${1:?single or multi}
+out=${2:?output directory}
+mkdir -p "$out"
+export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD/src"
+commit=${QSASERVE_COMMIT:-$(git rev-parse HEAD 2>/dev/null || echo unknown)}
+export QSASERVE_COMMIT=$commit
+
+part() {  # part NAME SECONDS COMMAND...: run one part, log its output and status
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    local rc=$?
+    echo "{\"part\": \"$name\", \"rc\": $rc, \"seconds\": $((SECONDS - start)), \"limit\": $limit}" | tee -a "$out/parts.jsonl"
+}
+
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpus.csv" 2>&1
+echo "{\"commit\": \"$commit\", \"mode\": \"$mode\", \"date\": \"$(date -u +%FT%TZ)\"}" > "$out/manifest.json"
+
+if [ "$mode" = single ]; then
+    part gpu_tests 300 python -m pytest -q -m gpu -p no:cacheprovider -rfE -s --junitxml="$out/gpu_tests.xml" \
+        tests/ops tests/models tests/engine tests/bench tests/quant
+    part bench_attention 150 python benchmarks/bench_attention.py --sections env,decode,fp8 --out "$out/bench_attention.json"
+    part bench_qsa 180 python benchmarks/bench_qsa.py --out "$out/bench_qsa.json"
+    part latency_llama1b 200 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --peer hf > '$out/latency_llama1b.json'"
+    part throughput_llama1b 300 sh -c "python -m qsaserve.cli bench throughput llama-1b --load-format dummy --max-model-len 4096 --peer hf > '$out/throughput_llama1b.json'"
+elif [ "$mode" = multi ]; then
+    part parallel_gpu_tests 240 python -m pytest -q -m gpu -p no:cacheprovider -rfE -s --junitxml="$out/parallel_gpu_tests.xml" \
+        tests/parallel
+    part bench_dcp 420 python benchmarks/bench_dcp.py --contexts 8192,131072 --out "$out/bench_dcp.json"
+else
+    echo "mode: single or multi, got $mode" >&2
+    exit 2
+fi
