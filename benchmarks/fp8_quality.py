@@ -1,7 +1,8 @@
 """FP8 E4M3 KV quality on the default model (SmolLM2-135M-Instruct, float32 weights/activations).
 
 1. `qsaserve calibrate` on the calibration part of CPython's pydoc topics -> a scales file
-   (per layer: k_scale, v_scale and the per-channel K offset; see docs/fp8.md);
+   (per layer: k_scale, v_scale and the per-channel K offset aligned to the attention-sink key;
+   see docs/fp8.md), and with --with-mean-offset a second one with the plain mean offset;
 2. `qsaserve qualify` on the held-out part: FP8 KV with calibrated scales and with unit scales
    (1.0 everywhere) against a bfloat16 KV baseline, same token stream (plus, with
    --with-fp32-reference, a float32 KV row showing what the bf16 baseline itself costs);
@@ -39,6 +40,8 @@ def main() -> int:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN)
     p.add_argument("--with-fp32-reference", action="store_true", help="also score a float32 KV cache")
+    p.add_argument("--with-mean-offset", action="store_true",
+                   help="also score scales calibrated with the plain mean K offset (no sink alignment)")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--date", default=datetime.date.today().isoformat())
     args = p.parse_args()
@@ -49,6 +52,10 @@ def main() -> int:
     cal_llm = LLM(progress=False, **calibration_config(EngineConfig(**common)).__dict__)
     cal = calibrate(cal_llm, pydoc_topics("calibration"), scales_path, num_tokens=args.calib_tokens,
                     seq_len=args.window, margin=args.margin)
+    mean_path = os.path.join(args.out_dir, f"kv_scales_smollm2_{args.date}_mean_offset.json")
+    if args.with_mean_offset:  # the same calibration without the sink alignment, for comparison
+        calibrate(cal_llm, pydoc_topics("calibration"), mean_path, num_tokens=args.calib_tokens, seq_len=args.window,
+                  margin=args.margin, align_sink=False)
     kv_spec = cal_llm.engine.executor.kv_spec  # model-dtype pages: the geometry kv_capacity_report sizes
     del cal_llm
     t_cal = time.perf_counter() - t0
@@ -57,6 +64,8 @@ def main() -> int:
         "fp8_e4m3_calibrated": {"kv_cache_dtype": "fp8_e4m3", "kv_scales": scales_path},
         "fp8_e4m3_unit_scales": {"kv_cache_dtype": "fp8_e4m3"},
     }
+    if args.with_mean_offset:
+        candidates["fp8_e4m3_calibrated_mean_offset"] = {"kv_cache_dtype": "fp8_e4m3", "kv_scales": mean_path}
     if args.with_fp32_reference:
         candidates["float32_kv_reference"] = {"kv_cache_dtype": "float32"}
     report = run_qualify(common, {"kv_cache_dtype": "bfloat16"}, candidates, pydoc_topics("evaluation"),
@@ -75,7 +84,9 @@ def main() -> int:
     }
     report["method"] = ("FP8 E4M3 K/V pages, one k_scale and one v_scale per attention layer (absmax * margin / 448); "
                         "calibrated keys are stored as K - k_offset, k_offset the per-layer, per-KV-head, per-channel "
-                        "mean of K over the calibration text (exact for attention); unit scales: 1.0, no offset")
+                        "mean of K over the calibration text, moved by at most half an E4M3 step so that the mean "
+                        "first-token (attention sink) key minus k_offset is exactly representable (exact for "
+                        "attention); mean_offset: the plain mean; unit scales: 1.0, no offset")
     report["calibration"] = {k: cal[k] for k in ("margin", "num_tokens", "seq_len", "dataset", "scale_rule", "k_offset_rule")}
     report["kv_capacity"] = kv_capacity_report(kv_spec, common["kv_cache_memory"])
     report["scales_file"] = os.path.relpath(scales_path, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -26,7 +26,9 @@ def test_cli_writes_a_valid_loadable_file(tiny_llama, tiny_identity, tmp_path):
     assert doc["dataset"] == text_file(str(data)).description and doc["num_tokens"] == 300 and doc["margin"] == 1.25
     assert sorted(doc["layers"]) == ["0", "1", "2"]
     for entry in doc["layers"].values():
-        assert entry["k_scale"] == pytest.approx(entry["k_absmax_after_offset"] * 1.25 / 448)
+        # sink-aligned offset (the default): 17/16 headroom over |K - mean|, which covers |K - offset|
+        assert entry["k_scale"] == pytest.approx(entry["k_absmax_after_mean"] * 17 / 16 * 1.25 / 448)
+        assert entry["k_absmax_after_offset"] * 1.25 / 448 <= entry["k_scale"] * (1 + 1e-6)
         assert len(entry["k_offset"]) == 2 and len(entry["k_offset"][0]) == 16
         assert entry["v_scale"] == pytest.approx(entry["v_absmax"] * 1.25 / 448)
         assert entry["k_absmax"] > 0 and entry["v_absmax"] > 0
@@ -49,7 +51,7 @@ def test_observed_absmax_is_that_of_the_stored_k_and_v(tiny_llama, tmp_path):
     for i, cache in enumerate(llm.engine.executor.runner.kv_caches):
         assert doc["layers"][str(i)]["k_absmax"] == cache.kv[0].abs().max().item()
         assert doc["layers"][str(i)]["v_absmax"] == cache.kv[1].abs().max().item()
-        assert doc["layers"][str(i)]["k_scale"] == pytest.approx(doc["layers"][str(i)]["k_absmax_after_offset"] / 448)
+        assert doc["layers"][str(i)]["k_scale"] == pytest.approx(doc["layers"][str(i)]["k_absmax_after_mean"] * 17 / 16 / 448)
         assert cache.observer is None  # removed after calibration
 
 

@@ -9,7 +9,8 @@ import torch
 from fp8_testing import write_overlay
 from qsaserve import LLM, InvalidRequestError
 from qsaserve.ops.attention.reference import gather_context, paged_attention_reference, write_kv_reference
-from qsaserve.quant.calibrate import calibrate_windows
+from qsaserve.quant.calibrate import calibrate_windows, sink_aligned_offset
+from qsaserve.quant.fp8 import FP8_E4M3, dequantize_fp8, quantize_fp8
 from qsaserve.quant.kv_scales import ScaleSet, read_scales_file, resolve_kv_cache
 from qsaserve.config import EngineConfig
 
@@ -134,29 +135,78 @@ def test_tensor_parallel_ranks_take_their_kv_heads(tiny_identity, tmp_path):
         torch.testing.assert_close(quant.k_offsets[0], offset[2 * rank : 2 * rank + 2])
 
 
+def observed_keys(llm, window):
+    """The K (as written) of every layer for one prompt, [len(window), Hkv, D] each."""
+    seen = {i: [] for i in range(3)}
+    for i, cache in enumerate(llm.engine.executor.runner.kv_caches):
+        cache.observer = lambda k, v, i=i: seen[i].append(k.clone())
+    llm.generate([{"prompt_token_ids": window}], use_tqdm=False)
+    for cache in llm.engine.executor.runner.kv_caches:
+        cache.observer = None
+    return {i: torch.cat(ks)[: len(window)] for i, ks in seen.items()}
+
+
 def test_calibrate_round_trip(tiny_llama, tmp_path):
-    """calibrate records m = mean K and the absmax of K - m; the written file loads into an FP8
-    engine whose caches carry exactly those offsets and scales."""
+    """calibrate records m = mean K, the first-token (sink) key, and an offset within 1/16 of
+    |sink - m| of m (per channel) that makes sink - offset exactly an E4M3 value times k_scale;
+    the written file loads into an FP8 engine whose caches carry exactly those offsets and scales,
+    and the sink key is then stored without rounding error."""
     llm = LLM(tiny_llama, dtype="float32", device="cpu", max_model_len=128, kv_cache_memory=4 << 20,
               enable_prefix_caching=False, progress=False)
     window = [int(t) for t in torch.randint(4, 99, (90,), generator=torch.Generator().manual_seed(0))]
     out = str(tmp_path / "s.json")
     doc = calibrate_windows(llm, [window], out, {"name": "random ids"}, margin=1.0)
-    seen = {i: [] for i in range(3)}
-    for i, cache in enumerate(llm.engine.executor.runner.kv_caches):
-        cache.observer = lambda k, v, i=i: seen[i].append(k.clone())
-    llm.generate([{"prompt_token_ids": window}], use_tqdm=False)
-    for i, ks in seen.items():
-        k = torch.cat(ks)[: len(window)]
+    for i, k in observed_keys(llm, window).items():
         entry = doc["layers"][str(i)]
-        torch.testing.assert_close(torch.tensor(entry["k_offset"]), k.mean(0), atol=1e-5, rtol=1e-5)
-        assert entry["k_absmax_after_offset"] == pytest.approx((k - k.mean(0)).abs().max().item(), rel=1e-5)
-        assert entry["k_scale"] == pytest.approx(entry["k_absmax_after_offset"] / 448)
+        mean, sink, offset = (torch.tensor(entry[n]) for n in ("k_mean", "k_sink", "k_offset"))
+        torch.testing.assert_close(mean, k.mean(0), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sink, k[0], atol=1e-5, rtol=1e-5)
+        assert ((offset - mean).abs() <= (sink - mean).abs() / 16 + 1e-6).all()
+        assert entry["k_absmax_after_mean"] == pytest.approx((k - mean).abs().max().item(), rel=1e-5)
+        assert entry["k_absmax_after_offset"] == pytest.approx((k - offset).abs().max().item(), rel=1e-5)
+        assert entry["k_scale"] == pytest.approx(entry["k_absmax_after_mean"] * 17 / 16 / 448)
+        assert entry["k_absmax_after_offset"] <= entry["k_scale"] * 448 * (1 + 1e-6)  # no calibration key clamps
+        scale = torch.tensor(entry["k_scale"])
+        stored = torch.zeros(2, 2, PAGE, HKV, D, dtype=FP8_E4M3)
+        write_kv_reference(sink[None], sink[None], stored, torch.tensor([PAGE]), scale, scale, k_offset=offset)
+        k_read, _ = gather_context(stored, torch.tensor([1]), 1, scale, scale)
+        assert torch.equal(k_read[0], dequantize_fp8(quantize_fp8(sink - offset, scale), scale))
+        torch.testing.assert_close(k_read[0], sink - offset, atol=1e-6, rtol=1e-6)  # the sink: no rounding error
     fp8 = LLM(tiny_llama, dtype="float32", device="cpu", max_model_len=128, kv_cache_memory=4 << 20, kv_scales=out,
               progress=False)
     for i, cache in enumerate(fp8.engine.executor.runner.kv_caches):
         torch.testing.assert_close(cache.k_offset, torch.tensor(doc["layers"][str(i)]["k_offset"]))
         assert cache.k_scale.item() == pytest.approx(doc["layers"][str(i)]["k_scale"])
+
+
+def test_plain_mean_offset_without_sink_alignment(tiny_llama, tmp_path):
+    """align_sink=False keeps the offset at the mean and the scale at |K - mean| * margin / 448."""
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", max_model_len=128, kv_cache_memory=4 << 20,
+              enable_prefix_caching=False, progress=False)
+    window = [int(t) for t in torch.randint(4, 99, (60,), generator=torch.Generator().manual_seed(1))]
+    doc = calibrate_windows(llm, [window], str(tmp_path / "s.json"), {"name": "random ids"}, margin=1.25, align_sink=False)
+    for i, k in observed_keys(llm, window).items():
+        entry = doc["layers"][str(i)]
+        assert "k_sink" not in entry and entry["k_offset"] == entry["k_mean"]
+        torch.testing.assert_close(torch.tensor(entry["k_offset"]), k.mean(0), atol=1e-5, rtol=1e-5)
+        assert entry["k_absmax_after_offset"] == pytest.approx((k - k.mean(0)).abs().max().item(), rel=1e-5)
+        assert entry["k_scale"] == pytest.approx(entry["k_absmax_after_offset"] * 1.25 / 448)
+
+
+def test_sink_aligned_offset_makes_the_sink_representable():
+    """sink - sink_aligned_offset(mean, sink, s) is an E4M3 value times s (float32 s, as the cache
+    uses), and the offset moves each channel by at most |sink - mean| / 16."""
+    k, _ = biased_keys(50, seed=7)
+    mean, sink = k.mean(0), k[0] * 3
+    for scale in (0.06, 0.137, 0.9):
+        offset = sink_aligned_offset(mean, sink, scale)
+        s = torch.tensor(scale)
+        grid = dequantize_fp8(quantize_fp8(sink - mean, s), s)
+        torch.testing.assert_close(sink - offset, grid, atol=1e-6, rtol=1e-6)
+        assert torch.equal(dequantize_fp8(quantize_fp8(sink - offset, s), s), grid)
+        assert ((offset - mean).abs() <= (sink - mean).abs() / 16 + 1e-6).all()
+    with pytest.raises(ValueError, match="^scale: "):
+        sink_aligned_offset(mean, sink, 0.01)  # |sink - mean| beyond 448 * scale would clamp
 
 
 def test_offset_keeps_sharded_sparse_attention_exact():

@@ -14,6 +14,15 @@ an outlier key (attention sinks are exactly such keys) costs far more than the q
 of precision given up at the small end, where E4M3 keeps its relative precision down to
 2^-6 * scale anyway.
 
+The first key of every sequence is an attention sink: most queries put most of their weight on
+it, and in SmolLM2's upper layers it is nearly the same vector whatever the first token is, yet
+far from the mean. So m is then nudged (by at most half an E4M3 step of that key, per channel)
+until the calibrated first-token key minus m is exactly representable at the layer's k_scale:
+the sink is then stored with almost no rounding error, while every other key sees an offset
+within a rounding step of the mean. The first-token key is measured with one-token prompts (a
+causal model's position-0 key depends on that token only). Still one offset per layer and
+channel, so still exact for attention, and readers and kernels need nothing new.
+
 Observation happens in the layers' cache-write hook (LayerCache.observer), on device, with no
 host sync per step; the cache itself runs in the model dtype while calibrating.
 """
@@ -27,7 +36,7 @@ import torch
 
 from qsaserve.errors import InvalidRequestError
 from qsaserve.quant.dataset import TextSet, token_windows
-from qsaserve.quant.fp8 import FP8_E4M3_MAX
+from qsaserve.quant.fp8 import FP8_E4M3_MAX, dequantize_fp8, quantize_fp8
 from qsaserve.quant.kv_scales import attention_layer_ids, write_scales_file
 
 logger = logging.getLogger("qsaserve")
@@ -71,6 +80,32 @@ class KVObserver:
         return torch.maximum(self.k_max - offset, offset - self.k_min).amax().item()
 
 
+def sink_aligned_offset(mean: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """The offset within half an E4M3 step (at `scale`, per channel) of `mean` for which
+    sink - offset is exactly an E4M3 value times scale: sink - Q(sink - mean). [Hkv, D] float32."""
+    s = torch.tensor(scale, dtype=torch.float32, device=mean.device)  # the float32 scale the cache will use
+    if (sink - mean).abs().max() > FP8_E4M3_MAX * s:
+        raise ValueError(f"scale: {scale} would clamp the sink key (|sink - mean| max {(sink - mean).abs().max().item()})")
+    return sink - dequantize_fp8(quantize_fp8(sink - mean, s), s)
+
+
+SINK_ALIGN_HEADROOM = 17 / 16  # |Q(x) - x| <= |x| / 16 in E4M3's normal range: the most aligning can add to |K - m|
+
+
+def _sink_aligned(obs: KVObserver, sink: torch.Tensor, margin: float) -> tuple[torch.Tensor, float, float]:
+    """(offset, absmax of K - offset, k_scale) with the offset aligned to the sink key. The sink
+    is itself an observed key, so |sink - mean| <= absmax of K - mean per channel, and aligning
+    moves each channel by at most 1/16 of that: the scale takes 17/16 of that absmax (times
+    the margin), so no calibration key clamps whatever the alignment does."""
+    mean = obs.k_offset()
+    scale = obs.k_absmax_after(mean) * SINK_ALIGN_HEADROOM * margin / FP8_E4M3_MAX
+    offset = sink_aligned_offset(mean, sink, scale)
+    absmax = obs.k_absmax_after(offset)
+    if absmax * margin > scale * FP8_E4M3_MAX * (1 + 1e-6):
+        raise RuntimeError(f"calibrate: the sink-aligned K offset gives |K - offset| max {absmax}, beyond k_scale {scale}")
+    return offset, absmax, scale
+
+
 def calibration_config(config):
     """The engine config to calibrate with: a cache in the model dtype (the observer must see
     unquantized K/V upstream too), no overlay, one rank (a TP rank sees only its own heads)."""
@@ -102,7 +137,7 @@ def observe(llm, windows: list[list[int]], progress: bool = False) -> dict[int, 
 
 
 def calibrate(llm, dataset: TextSet, output: str, *, num_tokens: int = DEFAULT_NUM_TOKENS, seq_len: int = DEFAULT_SEQ_LEN,
-              margin: float = DEFAULT_MARGIN, progress: bool = False) -> dict:
+              margin: float = DEFAULT_MARGIN, align_sink: bool = True, progress: bool = False) -> dict:
     """Tokenizes `dataset` into windows of seq_len tokens (num_tokens in all), calibrates on them,
     writes the scales file for llm's model to `output` and returns its contents."""
     engine = llm.engine
@@ -110,12 +145,14 @@ def calibrate(llm, dataset: TextSet, output: str, *, num_tokens: int = DEFAULT_N
         raise InvalidRequestError("model", "calibrate needs a model with a tokenizer (or use calibrate_windows with token ids)")
     seq_len = min(seq_len, engine.max_model_len - 1)
     windows = token_windows(engine.tokenizer, dataset.texts, seq_len, num_tokens)
-    return calibrate_windows(llm, windows, output, dataset.description, margin=margin, progress=progress)
+    return calibrate_windows(llm, windows, output, dataset.description, margin=margin, align_sink=align_sink,
+                             progress=progress)
 
 
 def calibrate_windows(llm, windows: list[list[int]], output: str, dataset_description: dict, *,
-                      margin: float = DEFAULT_MARGIN, progress: bool = False) -> dict:
-    """Calibrates on token-id windows (each one prompt) and writes the scales file."""
+                      margin: float = DEFAULT_MARGIN, align_sink: bool = True, progress: bool = False) -> dict:
+    """Calibrates on token-id windows (each one prompt) and writes the scales file. align_sink:
+    align the K offset to the mean first-token key (module docstring); False keeps the plain mean."""
     if margin < 1:
         raise InvalidRequestError("margin", f"must be >= 1 (below 1 the calibration maximum itself would clamp), got {margin}")
     engine = llm.engine
@@ -124,27 +161,38 @@ def calibrate_windows(llm, windows: list[list[int]], output: str, dataset_descri
     if not windows:
         raise InvalidRequestError("dataset", "yields no tokens")
     observers = observe(llm, windows, progress)
+    sinks = observe(llm, [w[:1] for w in windows]) if align_sink else {}  # position-0 keys only
     layers = {}
     for i, obs in observers.items():
         k_max, v_max = obs.k.item(), obs.v.item()
         if obs.tokens == 0 or not (0 < k_max < float("inf") and 0 < v_max < float("inf")):
             raise RuntimeError(f"calibrate: layer {i} observed {obs.tokens} tokens with |K| max {k_max}, |V| max {v_max}; "
                                "cannot derive a scale")
-        offset = obs.k_offset()
-        k_max_off = obs.k_absmax_after(offset)
-        if not 0 < k_max_off < float("inf"):
-            raise RuntimeError(f"calibrate: layer {i} has |K - mean| max {k_max_off}; cannot derive a scale")
-        layers[i] = {"k_scale": k_max_off * margin / FP8_E4M3_MAX, "v_scale": v_max * margin / FP8_E4M3_MAX,
+        mean = obs.k_offset()
+        k_max_mean = obs.k_absmax_after(mean)
+        if not 0 < k_max_mean < float("inf"):
+            raise RuntimeError(f"calibrate: layer {i} has |K - mean| max {k_max_mean}; cannot derive a scale")
+        if align_sink:
+            offset, k_max_off, k_scale = _sink_aligned(obs, sinks[i].k_offset(), margin)
+        else:
+            offset, k_max_off, k_scale = mean, k_max_mean, k_max_mean * margin / FP8_E4M3_MAX
+        layers[i] = {"k_scale": k_scale, "v_scale": v_max * margin / FP8_E4M3_MAX,
                      "k_absmax_after_offset": k_max_off, "k_absmax": k_max, "v_absmax": v_max,
-                     "k_offset": offset.cpu().tolist()}
+                     "k_offset": offset.cpu().tolist(), "k_mean": mean.cpu().tolist(), "k_absmax_after_mean": k_max_mean}
+        if align_sink:
+            layers[i]["k_sink"] = sinks[i].k_offset().cpu().tolist()
     from qsaserve import __version__
 
     meta = {
         "kv_cache_dtype": "fp8_e4m3",
         "scale_rule": f"scale = absmax * margin / {FP8_E4M3_MAX:g} (per layer, per tensor; for K the absmax of "
-                      "K - k_offset, K after norm and RoPE)",
-        "k_offset_rule": "per layer, per KV head, per channel mean of K over the calibration tokens; keys are stored "
-                         "as K - k_offset (exact for attention)",
+                      "K - k_mean, K after norm and RoPE" + (", times 17/16: aligning the offset to k_sink moves "
+                      "|K - k_offset| by at most 1/16" if align_sink else "") + ")",
+        "k_offset_rule": ("per layer, per KV head, per channel mean of K over the calibration tokens (k_mean), moved by "
+                          "at most half an E4M3 step so that k_sink - k_offset is exactly representable at k_scale "
+                          "(k_sink: the mean first-token key, from one-token prompts); " if align_sink else
+                          "per layer, per KV head, per channel mean of K over the calibration tokens; ")
+                         + "keys are stored as K - k_offset (exact for attention)",
         "margin": margin,
         "tool": f"qsaserve {__version__} calibrate",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -35,6 +35,8 @@ def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help=f"tokens per calibration prompt (default: {DEFAULT_SEQ_LEN})")
     p.add_argument("--margin", type=float, default=DEFAULT_MARGIN,
                    help=f"headroom over the observed absmax (default: {DEFAULT_MARGIN})")
+    p.add_argument("--no-sink-align", dest="align_sink", action="store_false",
+                   help="keep the K offset at the plain per-channel mean instead of aligning it to the first-token key")
     add_engine_args(p)
     p.set_defaults(func=cmd_calibrate)
     return p
@@ -51,6 +53,6 @@ def cmd_calibrate(args) -> int:
     config = calibration_config(engine_config_from_args(args))
     llm = LLM(**config.__dict__)
     doc = calibrate(llm, dataset, args.output, num_tokens=args.num_tokens, seq_len=args.seq_len, margin=args.margin,
-                    progress=True)
+                    align_sink=args.align_sink, progress=True)
     print(f"wrote {args.output}: {len(doc['layers'])} layers, {doc['num_tokens']} tokens, margin {doc['margin']}")
     return 0
