@@ -60,12 +60,12 @@ def test_pad_decode_layout():
     p = pad_decode(batch, 4)
     b = 4
     assert p.bucket == 4 and p.width == 2
-    ids, pos, slots, states = (p.int64[i * b : (i + 1) * b] for i in range(4))
+    ids, pos, slots, states = (p.int64[i * b : (i + 1) * b].tolist() for i in range(4))
     assert ids == [10, 11, 12, 0] and pos == [5, 6, 7, 0]
     assert slots == [100, 101, 102, PAD_SLOT]
     assert states == [1, 2, 3, PAD_STATE_SLOT]
-    assert p.int32[:b] == [6, 7, 8, 0]  # padding rows have seq_len 0
-    tables = [p.int32[b + r * 2 : b + (r + 1) * 2] for r in range(b)]
+    assert p.int32[:b].tolist() == [6, 7, 8, 0]  # padding rows have seq_len 0
+    tables = [p.int32[b + r * 2 : b + (r + 1) * 2].tolist() for r in range(b)]
     assert tables == [[1, 0], [2, 2], [3, 0], [0, 0]]  # null-block padded
     with pytest.raises(ValueError, match="bucket"):
         pad_decode(batch, 2)

@@ -133,3 +133,42 @@ def test_prompt_logprobs_for():
     ref = logits.log_softmax(-1)
     assert rows[0][1] == 2 and math.isclose(rows[0][0], ref[0, 2].item(), rel_tol=1e-6)
     assert rows[1][1] == 1 and rows[1][2][0][0] == 0
+
+
+def _general(batch):
+    """The same sequences, forced through the general (per-sequence) sampler path."""
+    for s in batch:
+        s.simple_sampling = False
+    return batch
+
+
+@pytest.mark.parametrize("temps", [[0.0] * 6, [0.7] * 6, [0.0, 0.7, 1.3, 0.0, 0.5, 1.0]])
+def test_simple_path_equals_general_path(temps):
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    logits[4, 7] = float("nan")  # a non-finite row is flagged identically
+
+    def batch():
+        out = []
+        for i, t in enumerate(temps):
+            s = Sequence(i, str(i), 0, [1], SamplingParams(temperature=t, seed=99 if i == 2 else None), None)
+            if i == 2:
+                s.generator = torch.Generator().manual_seed(99)
+            out.append(s)
+        return out
+
+    fast_seqs = batch()
+    assert all(s.simple_sampling for s in fast_seqs)
+    fast = sample(logits.clone(), fast_seqs, {EOS}, torch.Generator().manual_seed(5))
+    general = sample(logits.clone(), _general(batch()), {EOS}, torch.Generator().manual_seed(5))
+    assert [t.finite for t in fast] == [t.finite for t in general] == [True] * 4 + [False, True]
+    assert [t.token_id for t in fast if t.finite] == [t.token_id for t in general if t.finite]
+    assert all(t.logprob is None and t.top is None for t in fast)
+
+
+@pytest.mark.parametrize("params", [dict(logprobs=0), dict(min_tokens=2), dict(top_k=5), dict(top_p=0.9),
+                                    dict(min_p=0.1), dict(repetition_penalty=1.2), dict(presence_penalty=0.5),
+                                    dict(frequency_penalty=0.5)])
+def test_simple_path_only_without_penalties_filters_or_logprobs(params):
+    assert not seqs(1, **params)[0].simple_sampling
+    assert seqs(1, temperature=0.5)[0].simple_sampling

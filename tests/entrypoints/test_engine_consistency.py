@@ -79,3 +79,50 @@ def test_seeded_sampling_is_batch_independent():
     alone = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids
     batched = llm.generate(PROMPTS[:8], params, use_tqdm=False)[0].outputs[0].token_ids
     assert alone == batched
+
+
+def test_simple_sampler_and_decode_fast_path_match_reference(reference):
+    """Greedy without logprobs takes the batched sampler path, and once every prompt is in, the
+    all-decode batch builder; a small budget mixes prefill chunks into decode steps first. The
+    tokens equal the one-at-a-time reference (general sampler, no batching)."""
+    llm = LLM(dtype="float32", max_model_len=512, enable_prefix_caching=False, max_num_batched_tokens=96,
+              progress=False)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [tokens for tokens, _ in reference]
+
+
+def test_finished_only_steps_equal_streamed_steps():
+    """step(outputs="finished") returns the same final outputs as the streaming step("all"), whose
+    per-step outputs grow by one token at a time and never change text already sent."""
+    from qsaserve.engine.llm_engine import LLMEngine
+    from qsaserve.config import EngineConfig
+
+    params = [SamplingParams(temperature=0, max_tokens=6 + i, ignore_eos=True) for i in range(4)]
+    params.append(SamplingParams(temperature=0.9, seed=7, max_tokens=8, n=2))
+
+    def run_engine(mode):
+        engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=512, max_num_batched_tokens=64), progress=False)
+        for i, p in enumerate(params):
+            engine.add_request(str(i), PROMPTS[i], p)
+        steps = []
+        while engine.has_unfinished_requests():
+            steps.append(engine.step(outputs=mode))
+        return steps
+
+    streamed, finished_only = run_engine("all"), run_engine("finished")
+    final = {o.request_id: o for outs in streamed for o in outs if o.finished}
+    got = {o.request_id: o for outs in finished_only for o in outs}
+    assert all(o.finished for outs in finished_only for o in outs)
+    assert final.keys() == got.keys() == {str(i) for i in range(len(params))}
+    for rid, out in final.items():
+        assert [(c.token_ids, c.text, c.finish_reason) for c in out.outputs] == \
+            [(c.token_ids, c.text, c.finish_reason) for c in got[rid].outputs]
+    seen: dict[tuple[str, int], tuple[list[int], str]] = {}
+    for outs in streamed:
+        for o in outs:
+            for c in o.outputs:
+                ids, text = seen.get((o.request_id, c.index), ([], ""))
+                assert c.token_ids[: len(ids)] == ids and len(c.token_ids) <= len(ids) + 1
+                assert c.text.startswith(text)
+                seen[(o.request_id, c.index)] = (c.token_ids, c.text)

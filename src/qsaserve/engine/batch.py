@@ -1,10 +1,13 @@
-"""The narrow interface between the engine and the model runner: one step's inputs as plain
-lists (picklable, so the same object can be broadcast to worker ranks) plus the plan that
-says which logits rows belong to whom."""
+"""The narrow interface between the engine and the model runner: one step's inputs (plain lists
+and one numpy array, picklable, so the same object can be broadcast to worker ranks) plus the
+plan that says which logits rows belong to whom."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from qsaserve.engine.block_manager import BlockTables
 from qsaserve.engine.scheduler import ScheduledChunk
 from qsaserve.engine.sequence import Sequence
 
@@ -16,10 +19,25 @@ class BatchInput:
     slot_mapping: list[int]
     query_lens: list[int]
     seq_lens: list[int]  # context length of each sequence after this step
-    block_tables: list[list[int]]
+    # [B, width] int32: each sequence's block ids, null-block (0) padded to the longest table. A list
+    # of per-sequence lists is accepted and padded into that array.
+    block_tables: np.ndarray
     logits_indices: list[int]  # token rows whose logits the runner returns, in this order
     state_slots: list[int]  # recurrent-state slot per sequence (hybrid models); a sequence whose
     # chunk starts at position 0 begins from a fresh state
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_tables, np.ndarray):
+            self.block_tables = pad_tables(self.block_tables)
+
+
+def pad_tables(tables: list[list[int]]) -> np.ndarray:
+    """Ragged per-sequence block tables as one null-block-padded [B, width] int32 array."""
+    width = max((len(t) for t in tables), default=0)
+    out = np.zeros((len(tables), width), dtype=np.int32)
+    for row, table in enumerate(tables):
+        out[row, : len(table)] = table
+    return out
 
 
 @dataclass
@@ -31,32 +49,91 @@ class LogitsPlan:
     prompt_logprob_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
 
 
-def build_batch(chunks: list[ScheduledChunk], block_size: int) -> tuple[BatchInput, LogitsPlan]:
-    batch = BatchInput([], [], [], [], [], [], [], [])
+def build_batch(chunks: list[ScheduledChunk], tables: BlockTables, block_size: int,
+                all_decode: bool = False) -> tuple[BatchInput, LogitsPlan]:
+    """The block tables are one gather from the block manager's persistent array and the KV slots
+    of all tokens one vectorized lookup. all_decode (SchedulerOutput.all_decode): every chunk is
+    one new token after a computed prompt, built column by column without per-row branching."""
+    if all_decode:
+        seqs = [c.seq for c in chunks]
+        if not any(s.wants_prompt_logprobs for s in seqs):
+            return _build_decode(seqs, tables, block_size)
+    return _build_general(chunks, tables, block_size)
+
+
+def _build_decode(seqs: list[Sequence], tables: BlockTables, block_size: int) -> tuple[BatchInput, LogitsPlan]:
+    """Decode rows: each sequence computes its last token, at position num_computed_tokens, and
+    samples from that row."""
+    b = len(seqs)
+    positions = [s.num_computed_tokens for s in seqs]
+    block_tables = tables.gather([s.table_row for s in seqs], max(len(s.block_table) for s in seqs))
+    batch = BatchInput(
+        input_ids=[s.token_ids[-1] for s in seqs],
+        positions=positions,
+        slot_mapping=kv_slots(block_tables, [1] * b, positions, block_size),
+        query_lens=[1] * b,
+        seq_lens=[p + 1 for p in positions],
+        block_tables=block_tables,
+        logits_indices=list(range(b)),
+        state_slots=[s.state_slot for s in seqs],
+    )
+    return batch, LogitsPlan(sample_seqs=seqs)
+
+
+def _build_general(chunks: list[ScheduledChunk], tables: BlockTables, block_size: int) -> tuple[BatchInput, LogitsPlan]:
+    """Any mix of prefill chunks and decodes: one pass over the chunks."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    rows: list[int] = []
+    state_slots: list[int | None] = []
+    logits_indices: list[int] = []
     plan = LogitsPlan()
     prompt_rows: list[int] = []
+    width = 0
     row = 0
     for chunk in chunks:
-        seq, start, n = chunk.seq, chunk.seq.num_computed_tokens, chunk.num_new_tokens
-        table = seq.block_table
-        batch.input_ids.extend(seq.token_ids[start : start + n])
-        batch.positions.extend(range(start, start + n))
-        batch.slot_mapping.extend(table[p // block_size] * block_size + p % block_size for p in range(start, start + n))
-        batch.query_lens.append(n)
-        batch.seq_lens.append(start + n)
-        batch.block_tables.append(table)
-        batch.state_slots.append(seq.state_slot)
-        if chunk.completes_known_tokens:
-            batch.logits_indices.append(row + n - 1)
+        seq, n = chunk.seq, chunk.num_new_tokens
+        start = seq.num_computed_tokens
+        end = start + n
+        if n == 1:  # a decode row
+            input_ids.append(seq.token_ids[start])
+            positions.append(start)
+        else:
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+        query_lens.append(n)
+        seq_lens.append(end)
+        rows.append(seq.table_row)
+        state_slots.append(seq.state_slot)
+        width = max(width, len(seq.block_table))
+        if end == len(seq.token_ids):  # the chunk completes the known tokens: a new token is sampled
+            logits_indices.append(row + n - 1)
             plan.sample_seqs.append(seq)
         if seq.wants_prompt_logprobs:
             # Position p's logits give the logprob of prompt token p + 1; positions already
             # recorded (before a preemption) are skipped.
             first = max(start, len(seq.prompt_logprobs) - 1)
-            last = min(start + n, seq.num_prompt_tokens - 1)
+            last = min(end, seq.num_prompt_tokens - 1)
             if last > first:
                 prompt_rows.extend(range(row + first - start, row + last - start))
                 plan.prompt_logprob_spans.append((seq, first, last - first))
         row += n
-    batch.logits_indices.extend(prompt_rows)
+    logits_indices.extend(prompt_rows)
+    block_tables = tables.gather(rows, width)
+    batch = BatchInput(input_ids, positions, kv_slots(block_tables, query_lens, positions, block_size), query_lens,
+                       seq_lens, block_tables, logits_indices, state_slots)
     return batch, plan
+
+
+def kv_slots(block_tables: np.ndarray, query_lens: list[int], positions: list[int], block_size: int) -> list[int]:
+    """The KV-cache slot of every token: its sequence's block at position // block_size, times
+    block_size, plus position % block_size."""
+    pos = np.asarray(positions, dtype=np.int64)
+    if len(positions) == len(query_lens):  # one token per sequence (decode rows)
+        seq_of_token = np.arange(len(query_lens))
+    else:
+        seq_of_token = np.repeat(np.arange(len(query_lens)), query_lens)
+    blocks = block_tables[seq_of_token, pos // block_size].astype(np.int64)
+    return (blocks * block_size + pos % block_size).tolist()

@@ -5,6 +5,10 @@ block's hash + this block's token ids), so equal hashes mean equal prefixes. Fre
 hold a hash stay in the free list as cached blocks; a new prefix can revive them until they are
 evicted, least recently freed first. Block 0 is the null block: never allocated, used as padding
 in block tables so kernels always index valid memory.
+
+Besides each sequence's own list, the block tables are mirrored into one persistent int32 array
+(BlockTables), written only when a block is appended or freed, so a step's tables are one gather
+instead of a nested list rebuilt every step.
 """
 from __future__ import annotations
 
@@ -24,6 +28,41 @@ def chain_hash(parent: int | None, token_ids: list[int]) -> int:
     h.update((parent if parent is not None else 0).to_bytes(8, "little"))
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return h.intdigest()
+
+
+class BlockTables:
+    """Every sequence holding blocks owns one row of a persistent int32 array [rows, width], its
+    block ids from column 0 and null blocks after them. Rows and width grow by doubling."""
+
+    def __init__(self, rows: int = 64, width: int = 16):
+        self.array = np.zeros((rows, width), dtype=np.int32)
+        self._free_rows = list(range(rows - 1, -1, -1))
+
+    def acquire(self) -> int:
+        if not self._free_rows:
+            rows, width = self.array.shape
+            self.array = np.concatenate([self.array, np.zeros((rows, width), dtype=np.int32)])
+            self._free_rows = list(range(2 * rows - 1, rows - 1, -1))
+        return self._free_rows.pop()
+
+    def write(self, row: int, start: int, block_ids: list[int]) -> None:
+        """Sets columns [start, start + len(block_ids)) of the row."""
+        end = start + len(block_ids)
+        if end > self.array.shape[1]:
+            width = 1 << (end - 1).bit_length()
+            grown = np.zeros((self.array.shape[0], width), dtype=np.int32)
+            grown[:, : self.array.shape[1]] = self.array
+            self.array = grown
+        self.array[row, start:end] = block_ids
+
+    def release(self, row: int, length: int) -> None:
+        """Gives the row back, reset to null blocks."""
+        self.array[row, :length] = NULL_BLOCK
+        self._free_rows.append(row)
+
+    def gather(self, rows: list[int], width: int) -> np.ndarray:
+        """The tables of `rows`, `width` columns each: a new [len(rows), width] int32 array."""
+        return self.array[rows, :width]
 
 
 @dataclass
@@ -58,6 +97,7 @@ class BlockManager:
         # Recurrent-state slots (hybrid models) follow the blocks: held while a sequence holds
         # blocks. Slot 0 is the padding slot, like the null block.
         self.free_state_slots = list(range(num_state_slots - 1, 0, -1))
+        self.tables = BlockTables()
 
     # ---- capacity ----
     @property
@@ -100,6 +140,10 @@ class BlockManager:
     def allocate(self, seq: Sequence, num_new_tokens: int, cached_blocks: list[int] = ()) -> bool:
         """Grow seq's block table to cover num_computed_tokens (+ cached prefix) + num_new_tokens.
         Returns False, changing nothing, when the free pool is too small."""
+        table = seq.block_table
+        if not cached_blocks and seq.state_slot is not None \
+                and seq.num_computed_tokens + num_new_tokens <= len(table) * self.block_size:
+            return True  # the common decode step: the last block still has room
         num_revived = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
         have = len(seq.block_table) + len(cached_blocks)
         total = seq.num_computed_tokens + len(cached_blocks) * self.block_size + num_new_tokens
@@ -110,6 +154,9 @@ class BlockManager:
             if not self.free_state_slots:
                 return False
             seq.state_slot = self.free_state_slots.pop()
+        if seq.table_row is None:
+            seq.table_row = self.tables.acquire()
+        old_len = len(table)
         if cached_blocks:
             hashes = self.block_hashes.setdefault(seq.seq_id, [])
             for b in cached_blocks:
@@ -117,11 +164,13 @@ class BlockManager:
                 if block.ref_count == 0:
                     del self.free[b]
                 block.ref_count += 1
-                seq.block_table.append(b)
+                table.append(b)
                 hashes.append(block.hash)
             seq.num_computed_tokens += len(cached_blocks) * self.block_size
         for _ in range(need):
-            seq.block_table.append(self._take_free_block())
+            table.append(self._take_free_block())
+        if len(table) > old_len:
+            self.tables.write(seq.table_row, old_len, table[old_len:])
         return True
 
     def _take_free_block(self) -> int:
@@ -140,6 +189,8 @@ class BlockManager:
             return
         hashes = self.block_hashes.setdefault(seq.seq_id, [])
         num_full = seq.num_computed_tokens // self.block_size
+        if num_full == len(hashes):
+            return
         for i in range(len(hashes), num_full):
             parent = hashes[-1] if hashes else None
             h = chain_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
@@ -163,6 +214,9 @@ class BlockManager:
                 block.hash = None
             if block.ref_count == 0:
                 self.free[block_id] = None
+        if seq.table_row is not None:
+            self.tables.release(seq.table_row, len(seq.block_table))
+            seq.table_row = None
         seq.block_table = []
         seq.num_computed_tokens = 0
         if seq.state_slot is not None:

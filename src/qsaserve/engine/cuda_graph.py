@@ -25,6 +25,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from qsaserve.engine.batch import BatchInput
@@ -62,7 +63,7 @@ class PinnedStaging:
         # On CPU the host buffer is the step's tensor: no copy to make.
         self.dev = torch.empty(capacity, dtype=self.dtype, device=self.device) if self._pinned else self.host
 
-    def upload(self, values: list[int]) -> torch.Tensor:
+    def upload(self, values: list[int] | np.ndarray) -> torch.Tensor:
         """Copies `values` to the device; returns the device view [len(values)]. The view stays
         valid until the next upload."""
         n = len(values)
@@ -73,7 +74,7 @@ class PinnedStaging:
                 raise ValueError(f"staging: {n} values exceed the fixed capacity {self.host.numel()}")
             self._alloc(1 << (n - 1).bit_length())
         if n:
-            self.host[:n].copy_(torch.tensor(values, dtype=self.dtype))
+            self.host[:n].copy_(torch.as_tensor(values, dtype=self.dtype))
             if self._pinned:
                 self.dev[:n].copy_(self.host[:n], non_blocking=True)
         if self._pinned:
@@ -106,24 +107,26 @@ class PaddedDecode:
 
     bucket: int
     width: int  # block-table columns uploaded (the batch's longest table)
-    int64: list[int]  # [input_ids | positions | slot_mapping | state_slots], bucket each
-    int32: list[int]  # [seq_lens (bucket) | block tables (bucket x width, row-major)]
+    int64: np.ndarray  # [input_ids | positions | slot_mapping | state_slots], bucket each
+    int32: np.ndarray  # [seq_lens (bucket) | block tables (bucket x width, row-major)]
 
 
 def pad_decode(batch: BatchInput, bucket: int) -> PaddedDecode:
     b = len(batch.query_lens)
     if b > bucket:
         raise ValueError(f"bucket: batch of {b} sequences does not fit bucket {bucket}")
-    pad = bucket - b
-    width = max(len(t) for t in batch.block_tables)
-    states = [PAD_STATE_SLOT if s is None else s for s in batch.state_slots]
-    int64 = (batch.input_ids + [0] * pad) + (batch.positions + [0] * pad) + (batch.slot_mapping + [PAD_SLOT] * pad) \
-        + (states + [PAD_STATE_SLOT] * pad)
-    int32 = batch.seq_lens + [0] * pad
-    for table in batch.block_tables:
-        int32 += table
-        int32 += [0] * (width - len(table))
-    int32 += [0] * (pad * width)
+    tables = batch.block_tables[:b]
+    width = tables.shape[1]
+    int64 = np.zeros(4 * bucket, dtype=np.int64)  # padding: token 0 at position 0
+    int64[:b] = batch.input_ids
+    int64[bucket : bucket + b] = batch.positions
+    int64[2 * bucket : 2 * bucket + b] = batch.slot_mapping
+    int64[2 * bucket + b : 3 * bucket] = PAD_SLOT
+    int64[3 * bucket : 3 * bucket + b] = [PAD_STATE_SLOT if s is None else s for s in batch.state_slots]
+    int64[3 * bucket + b :] = PAD_STATE_SLOT
+    int32 = np.zeros(bucket + bucket * width, dtype=np.int32)  # padding: seq_len 0, null-block tables
+    int32[:b] = batch.seq_lens
+    int32[bucket : bucket + b * width] = tables.reshape(-1)
     return PaddedDecode(bucket, width, int64, int32)
 
 

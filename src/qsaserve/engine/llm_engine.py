@@ -187,21 +187,31 @@ class LLMEngine:
         return bool(self.requests)
 
     # ---- the step ----
-    def step(self) -> list[RequestOutput]:
-        """Runs one scheduler step; returns an output for every request that made progress."""
+    def step(self, outputs: str = "all") -> list[RequestOutput]:
+        """Runs one scheduler step. outputs="all" returns an output for every request that made
+        progress (streaming consumers: the async engine); "finished" only for the requests that
+        finished in this step, skipping the per-step building of everyone else's output (offline
+        generation, which reads only final results)."""
+        if outputs not in ("all", "finished"):
+            raise InvalidRequestError("outputs", f"must be 'all' or 'finished', got {outputs!r}")
         sched = self.scheduler.schedule()
         if not sched:
             return []
-        batch, plan = build_batch(sched.chunks, self.executor.block_size)
+        batch, plan = build_batch(sched.chunks, self.block_manager.tables, self.executor.block_size,
+                                  sched.all_decode)
         logits = self.executor.execute(batch)
         touched: dict[str, _Request] = {}
 
         errored = self._record_prompt_logprobs(logits, plan)
         num_sampled = len(plan.sample_seqs)
         sampled = sample(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator) if num_sampled else []
-        errored |= {seq.seq_id for seq, tok in zip(plan.sample_seqs, sampled) if not tok.finite}
+        for seq, tok in zip(plan.sample_seqs, sampled):
+            if not tok.finite:
+                errored.add(seq.seq_id)
         self._advance(sched, errored)
         now = time.monotonic()
+        requests = self.requests
+        appended = 0
         for seq, tok in zip(plan.sample_seqs, sampled):
             if seq.is_finished:
                 continue
@@ -212,16 +222,21 @@ class LLMEngine:
                 logger.error("request %s: non-finite logits; ended with finish_reason=error", seq.request_id)
             else:
                 self._append_token(seq, tok, now)
-            touched[seq.request_id] = self.requests[seq.request_id]
+                appended += 1
+            touched[seq.request_id] = requests[seq.request_id]
+        self.stats["generation_tokens"] += appended
         for seq, _, _ in plan.prompt_logprob_spans:
-            touched.setdefault(seq.request_id, self.requests[seq.request_id])
-        outputs = []
+            touched.setdefault(seq.request_id, requests[seq.request_id])
+        results = []
+        every = outputs == "all"
         for req in touched.values():
-            outputs.append(self._make_output(req))
-            if all(s.is_finished for s in req.seqs):
-                del self.requests[req.request_id]
+            finished = all(s.is_finished for s in req.seqs)
+            if every or finished:
+                results.append(self._make_output(req))
+            if finished:
+                del requests[req.request_id]
                 self.stats["finished"] += 1
-        return outputs
+        return results
 
     def _advance(self, sched: SchedulerOutput, errored: set[int]) -> None:
         for chunk in sched.chunks:
@@ -254,30 +269,30 @@ class LLMEngine:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
 
     def _append_token(self, seq: Sequence, tok: SampledToken, now: float) -> None:
-        seq.token_ids.append(tok.token_id)
-        self.stats["generation_tokens"] += 1
+        token = tok.token_id
+        seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
         if tok.logprob is not None:
             seq.cumulative_logprob += tok.logprob
-            seq.logprobs.append(self._logprob_dict(tok.token_id, tok.logprob, tok.rank, tok.top))
+            seq.logprobs.append(self._logprob_dict(token, tok.logprob, tok.rank, tok.top))
         p = seq.params
-        is_stop_token = tok.token_id in (p.stop_token_ids or ())
-        is_eos = tok.token_id in self.eos_token_ids and not p.ignore_eos
-        min_ok = seq.num_output_tokens >= p.min_tokens
-        if (is_stop_token or is_eos) and min_ok:
+        is_stop_token = bool(p.stop_token_ids) and token in p.stop_token_ids
+        is_eos = not p.ignore_eos and token in self.eos_token_ids
+        if (is_stop_token or is_eos) and seq.num_output_tokens >= p.min_tokens:
             if p.include_stop_str_in_output and is_stop_token and self.tokenizer is not None:
                 detokenize_incrementally(self.tokenizer, seq)
-            seq.finish_reason, seq.stop_reason = "stop", (tok.token_id if is_stop_token else None)
+            seq.finish_reason, seq.stop_reason = "stop", (token if is_stop_token else None)
         else:
             old_len = len(seq.output_text)
             if self.tokenizer is not None:
                 detokenize_incrementally(self.tokenizer, seq)
-            if p.stop_strings and min_ok and self._check_stop_strings(seq, old_len):
+            num_output = len(seq.token_ids) - seq.num_prompt_tokens
+            if p.stop_strings and num_output >= p.min_tokens and self._check_stop_strings(seq, old_len):
                 pass
-            elif p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            elif p.max_tokens is not None and num_output >= p.max_tokens:
                 seq.finish_reason = "length"
-            elif seq.num_tokens >= self.max_model_len:
+            elif len(seq.token_ids) >= self.max_model_len:
                 seq.finish_reason = "length"
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
@@ -294,13 +309,14 @@ class LLMEngine:
         return False
 
     def _make_output(self, req: _Request) -> RequestOutput:
+        want_logprobs = req.params.logprobs is not None
         outputs = [
             CompletionOutput(
                 index=s.index,
                 text=s.output_text,
-                token_ids=list(s.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob if req.params.logprobs is not None else None,
-                logprobs=list(s.logprobs) if req.params.logprobs is not None else None,
+                token_ids=s.token_ids[s.num_prompt_tokens :],  # a new list: later steps do not change it
+                cumulative_logprob=s.cumulative_logprob if want_logprobs else None,
+                logprobs=list(s.logprobs) if want_logprobs else None,
                 finish_reason=s.finish_reason,
                 stop_reason=s.stop_reason,
             )

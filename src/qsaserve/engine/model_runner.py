@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import logging
 
+import numpy as np
 import torch
 from tqdm.auto import tqdm
 
@@ -193,16 +194,15 @@ class ModelRunner:
 
     def _execute_eager(self, batch: BatchInput) -> torch.Tensor:
         t, b, n_rows = len(batch.input_ids), len(batch.query_lens), len(batch.logits_indices)
-        width = max(len(tb) for tb in batch.block_tables)
+        tables = batch.block_tables
+        width = tables.shape[1]
         states = [0 if s is None else s for s in batch.state_slots]
         d64 = self._stage64.upload(batch.input_ids + batch.positions + batch.slot_mapping + batch.logits_indices + states)
-        cu = [0]
-        for n in batch.query_lens:
-            cu.append(cu[-1] + n)
-        flat = batch.seq_lens + cu
-        for table in batch.block_tables:
-            flat += table
-            flat += [0] * (width - len(table))
+        # int32 inputs: [seq_lens (b) | cu_query_lens (b + 1) | block tables (b x width, row-major)]
+        flat = np.zeros(2 * b + 1 + b * width, dtype=np.int32)
+        flat[:b] = batch.seq_lens
+        np.cumsum(batch.query_lens, out=flat[b + 1 : 2 * b + 1])
+        flat[2 * b + 1 :] = tables.reshape(-1)
         d32 = self._stage32.upload(flat)
         meta = StepMetadata(
             slot_mapping=d64[2 * t : 3 * t],

@@ -107,6 +107,8 @@ def sample(
     """logits: [S, V] float32, one row per sequence (rows are modified)."""
     finite = torch.isfinite(logits).all(dim=-1)
     logits = torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=0.0).where(finite[:, None], torch.zeros_like(logits))
+    if all(s.simple_sampling for s in seqs):
+        return _sample_simple(logits, finite, seqs, generator)
     max_n = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
     raw_logprobs = logits.log_softmax(dim=-1) if max_n is not None else None
 
@@ -147,6 +149,35 @@ def sample(
             top = [(int(t), v) for t, v in zip(top_ids_row[:n], top_vals_row[:n])]
             results.append(SampledToken(token, row[2], int(row[3]), top, finite_row))
     return results
+
+
+def _sample_simple(
+    logits: torch.Tensor, finite: torch.Tensor, seqs: list[Sequence], generator: torch.Generator
+) -> list[SampledToken]:
+    """sample() for a batch of greedy / plain-temperature rows: the same device operations as the
+    general path (whose penalties, masks and filters would change nothing here), with one host
+    pass over the sequences and one readback of [token, finite] per row."""
+    temps: list[float] = []
+    seeded: list[int] = []
+    for i, s in enumerate(seqs):
+        t = s.params.temperature
+        temps.append(t if t != 0.0 else 1.0)
+        if t != 0.0 and s.generator is not None:
+            seeded.append(i)
+    tokens = logits.argmax(dim=-1)
+    num_greedy = sum(1 for s in seqs if s.params.temperature == 0.0)
+    if num_greedy < len(seqs):
+        probs = (logits / to_device(temps, torch.float32, logits.device)[:, None]).softmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=generator)
+        for i in seeded:
+            noise[i].exponential_(generator=seqs[i].generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        if num_greedy:
+            greedy = to_device([s.params.temperature == 0.0 for s in seqs], torch.bool, logits.device)
+            sampled = torch.where(greedy, tokens, sampled)
+        tokens = sampled
+    rows = read_back(torch.stack([tokens, finite.long()], dim=1)).tolist()
+    return [SampledToken(token, None, None, None, bool(ok)) for token, ok in rows]
 
 
 def prompt_logprobs_for(

@@ -31,6 +31,8 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Every chunk is a decode: one new token after a fully computed prompt (the batch builder's fast path).
+    all_decode: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -58,13 +60,14 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.token_budget
-        scheduled: set[int] = set()
 
         # 1. Running sequences, oldest first; preempt from the newest end when blocks run out.
         i = 0
+        num_decodes = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            remaining = len(seq.token_ids) - seq.num_computed_tokens
+            num_new = min(remaining, budget)
             while not self.block_manager.allocate(seq, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -73,8 +76,9 @@ class Scheduler:
                     break
             else:
                 out.chunks.append(ScheduledChunk(seq, num_new))
-                scheduled.add(seq.seq_id)
                 budget -= num_new
+                if remaining == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                    num_decodes += 1
                 i += 1
                 continue
             break  # seq itself was preempted
@@ -94,6 +98,7 @@ class Scheduler:
             self.running.append(seq)
             out.chunks.append(ScheduledChunk(seq, num_new))
             budget -= num_new
+        out.all_decode = num_decodes == len(out.chunks) > 0
         return out
 
     def _preempt(self, seq: Sequence) -> None:

@@ -31,6 +31,13 @@ class Sequence:
         self.index = index  # position among the request's n completions
         self.params = params
         self.generator = generator  # per-request RNG (seeded requests); None: the engine's RNG
+        # Greedy or plain temperature sampling: no penalties, min_tokens, top-k/top-p/min-p filters or
+        # logprobs, so the sampler's batched path needs no per-sequence work (params never change).
+        self.simple_sampling = (
+            params.logprobs is None and params.min_tokens == 0 and params.repetition_penalty == 1.0
+            and not params.presence_penalty and not params.frequency_penalty
+            and params.top_k <= 0 and params.top_p >= 1.0 and params.min_p == 0.0
+        )
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.status = SequenceStatus.WAITING
@@ -39,6 +46,7 @@ class Sequence:
 
         # Cache state, owned by the block manager and the scheduler.
         self.block_table: list[int] = []
+        self.table_row: int | None = None  # its row in the block manager's BlockTables while it holds blocks
         self.state_slot: int | None = None  # recurrent-state slot while it holds KV blocks
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache on first schedule

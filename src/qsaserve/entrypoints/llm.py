@@ -79,7 +79,7 @@ class LLM:
         bar = tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while pending:
-                for out in self.engine.step():
+                for out in self.engine.step(outputs="finished"):  # only final results are returned
                     if out.finished and out.request_id in pending:
                         results[out.request_id] = out
                         pending.discard(out.request_id)
