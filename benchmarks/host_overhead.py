@@ -3,10 +3,12 @@
 The nano-vllm throughput workload's shape (N concurrent requests, prompts and outputs uniform in
 [min_len, max_len] token ids, ignore_eos) on a model small enough that its forward pass is cheap:
 by default a tiny random Llama written to a temporary directory (load_format="dummy"), on CPU.
-Once every request is decoding, each timed step is split into the executor's `execute` (the
-model; on CUDA followed by a synchronize so its device time lands there) and everything else
-(scheduling, block tables, batch building, staging, sampling, outputs): the host overhead. The
-same steps are then timed again under cProfile, whose top entries are reported. Prints JSON.
+Once every request is decoding, each timed step is split into the model's forward pass and LM
+head (on CUDA followed by a synchronize so their device time lands there) and everything else
+(scheduling, block tables, batch building, input staging, sampling, outputs): the host overhead. The
+same steps are then timed again under cProfile (paused inside `execute`, so it sees host work
+only), whose top entries are reported. On CPU the sampler's tensor operations count as host work;
+on a GPU they are kernel launches. Prints JSON.
 
     PYTHONPATH=src python benchmarks/host_overhead.py                       # CPU, tiny Llama
     PYTHONPATH=src python benchmarks/host_overhead.py --model llama-1b --device cuda --max-model-len 4096
@@ -38,20 +40,38 @@ TINY_LLAMA = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_
                   max_position_embeddings=4096, bos_token_id=1, eos_token_id=2)
 
 
-class TimedExecute:
-    """Wraps executor.execute, accumulating the seconds spent in it (device work included)."""
+class ModelTimer:
+    """Wraps the model's own work, accumulating its seconds (device work included): the eager
+    runner's forward pass and LM head, or with CUDA graphs the whole executor call (whose input
+    staging then counts as model time). While `profiler` is set, it is paused inside, so the
+    profile holds host work only."""
 
-    def __init__(self, executor):
-        self.inner, self.seconds = executor.execute, 0.0
-        self.cuda = executor.device.type == "cuda"
+    def __init__(self, engine: LLMEngine):
+        self.seconds, self.profiler = 0.0, None
+        self.cuda = engine.executor.device.type == "cuda"
+        runner = engine.executor.runner
+        if runner.graphs is None and engine.config.tensor_parallel_size == 1:
+            self.scope = "model forward + compute_logits"
+            runner.model.forward = self.wrap(runner.model.forward)
+            runner.model.compute_logits = self.wrap(runner.model.compute_logits)
+        else:
+            self.scope = "executor.execute (CUDA graph replay or workers: staging included)"
+            engine.executor.execute = self.wrap(engine.executor.execute)
 
-    def __call__(self, batch):
-        start = time.perf_counter()
-        logits = self.inner(batch)
-        if self.cuda:
-            torch.cuda.synchronize()
-        self.seconds += time.perf_counter() - start
-        return logits
+    def wrap(self, fn):
+        def timed(*args, **kwargs):
+            if self.profiler is not None:
+                self.profiler.disable()
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.seconds += time.perf_counter() - start
+            if self.profiler is not None:
+                self.profiler.enable()
+            return out
+
+        return timed
 
 
 def add_requests(engine: LLMEngine, num: int, min_len: int, max_len: int, temperature: float, seed: int) -> None:
@@ -63,7 +83,7 @@ def add_requests(engine: LLMEngine, num: int, min_len: int, max_len: int, temper
         engine.add_request(f"req-{i}", {"prompt_token_ids": prompt}, params)
 
 
-def time_steps(engine: LLMEngine, timer: TimedExecute, steps: int, outputs: str) -> list[tuple[float, float, int]]:
+def time_steps(engine: LLMEngine, timer: ModelTimer, steps: int, outputs: str) -> list[tuple[float, float, int]]:
     """(step seconds, execute seconds, batch size) of each step."""
     out = []
     for _ in range(steps):
@@ -91,7 +111,7 @@ def profile_top(profiler: cProfile.Profile, steps: int, limit: int) -> list[dict
         rows.append({"function": f"{os.path.basename(file)}:{line}:{name}", "calls_per_step": round(calls / steps, 1),
                      "tottime_ms_per_step": round(1000 * tottime / steps, 3),
                      "cumtime_ms_per_step": round(1000 * cumtime / steps, 3)})
-    rows.sort(key=lambda r: r["tottime_ms_per_step"], reverse=True)
+    rows.sort(key=lambda r: (r["cumtime_ms_per_step"], r["tottime_ms_per_step"]), reverse=True)
     return rows[:limit]
 
 
@@ -123,8 +143,7 @@ def main() -> None:
                               max_model_len=args.max_model_len, max_num_seqs=args.num_requests,
                               max_num_batched_tokens=args.token_budget)
         engine = LLMEngine(config, progress=False)
-    timer = TimedExecute(engine.executor)
-    engine.executor.execute = timer
+    timer = ModelTimer(engine)
     # Short outputs would finish during the timed steps; every request must outlive them.
     add_requests(engine, args.num_requests, args.min_len, args.max_len, args.temperature, args.seed)
     start = time.perf_counter()
@@ -138,16 +157,18 @@ def main() -> None:
     time_steps(engine, timer, 2, args.outputs)  # warm-up
     plain = summarize(time_steps(engine, timer, args.steps, args.outputs))
     profiler = cProfile.Profile()
+    timer.profiler = profiler
     profiler.enable()
     profiled = time_steps(engine, timer, args.steps, args.outputs)
     profiler.disable()
+    timer.profiler = None
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     report = {
         "bench": "host_overhead", "commit": commit, "device": str(engine.executor.device), "torch": torch.__version__,
         "model": args.model or "tiny-llama(hidden 64, 2 layers, vocab 1000)", "num_requests": args.num_requests,
-        "temperature": args.temperature, "outputs": args.outputs,
+        "temperature": args.temperature, "outputs": args.outputs, "model_time": timer.scope,
         "decode": plain, "decode_profiled": summarize(profiled),
-        "profile_top_tottime": profile_top(profiler, args.steps, args.top),
+        "profile_top_cumtime": profile_top(profiler, args.steps, args.top),
     }
     engine.shutdown()
     json.dump(report, sys.stdout, indent=1)

@@ -212,6 +212,7 @@ class LLMEngine:
         now = time.monotonic()
         requests = self.requests
         appended = 0
+        ended: list[_Request] = []  # requests one of whose sequences finished in this step
         for seq, tok in zip(plan.sample_seqs, sampled):
             if seq.is_finished:
                 continue
@@ -223,26 +224,29 @@ class LLMEngine:
             else:
                 self._append_token(seq, tok, now)
                 appended += 1
-            touched[seq.request_id] = requests[seq.request_id]
+            req = requests[seq.request_id]
+            touched[seq.request_id] = req
+            if seq.is_finished:
+                ended.append(req)
         self.stats["generation_tokens"] += appended
         for seq, _, _ in plan.prompt_logprob_spans:
             touched.setdefault(seq.request_id, requests[seq.request_id])
-        results = []
-        every = outputs == "all"
-        for req in touched.values():
-            finished = all(s.is_finished for s in req.seqs)
-            if every or finished:
-                results.append(self._make_output(req))
-            if finished:
-                del requests[req.request_id]
-                self.stats["finished"] += 1
+        done = {req.request_id for req in ended if all(s.is_finished for s in req.seqs)}
+        results = [self._make_output(req) for req in touched.values() if outputs == "all" or req.request_id in done]
+        for request_id in done:
+            del requests[request_id]
+        self.stats["finished"] += len(done)
         return results
 
     def _advance(self, sched: SchedulerOutput, errored: set[int]) -> None:
+        block_size = self.block_manager.block_size
         for chunk in sched.chunks:
-            chunk.seq.num_computed_tokens += chunk.num_new_tokens
-            if chunk.seq.seq_id not in errored:
-                self.block_manager.cache_computed_blocks(chunk.seq)
+            seq = chunk.seq
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens = before + chunk.num_new_tokens
+            # Only a step that fills a block has a block to publish to the prefix cache.
+            if seq.num_computed_tokens // block_size != before // block_size and seq.seq_id not in errored:
+                self.block_manager.cache_computed_blocks(seq)
 
     def _record_prompt_logprobs(self, logits: torch.Tensor, plan: LogitsPlan) -> set[int]:
         errored: set[int] = set()

@@ -18,7 +18,7 @@ import torch
 from qsaserve.engine.sequence import Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class SampledToken:
     token_id: int
     logprob: float | None  # raw logprob of the sampled token (None when not requested)
