@@ -101,7 +101,8 @@ def summarize(samples: list[tuple[float, float, int]]) -> dict:
     host = [s - m for s, m, _ in samples]
     ms = lambda xs: round(1000 * statistics.median(xs), 3)  # noqa: E731
     return {"steps": len(samples), "batch_min": min(b for *_, b in samples), "total_ms": ms(total),
-            "model_execute_ms": ms(model), "host_ms": ms(host), "host_ms_mean": round(1000 * statistics.mean(host), 3)}
+            "model_execute_ms": ms(model), "host_ms": ms(host), "host_ms_mean": round(1000 * statistics.mean(host), 3),
+            "host_ms_min": round(1000 * min(host), 3)}
 
 
 def profile_top(profiler: cProfile.Profile, steps: int, limit: int) -> list[dict]:
@@ -119,7 +120,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="preset or HF dir (default: a tiny random Llama in a temp dir)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto", help="auto: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--min-len", type=int, default=100)
     parser.add_argument("--max-len", type=int, default=1024)

@@ -313,28 +313,26 @@ class LLMEngine:
         return False
 
     def _make_output(self, req: _Request) -> RequestOutput:
+        """A snapshot of the request: built for every progressing request each step when streaming,
+        so it copies only what later steps change (the output token list) and the logprob lists."""
+        seqs = req.seqs
         want_logprobs = req.params.logprobs is not None
         outputs = [
-            CompletionOutput(
-                index=s.index,
-                text=s.output_text,
-                token_ids=s.token_ids[s.num_prompt_tokens :],  # a new list: later steps do not change it
-                cumulative_logprob=s.cumulative_logprob if want_logprobs else None,
-                logprobs=list(s.logprobs) if want_logprobs else None,
-                finish_reason=s.finish_reason,
-                stop_reason=s.stop_reason,
-            )
-            for s in req.seqs
+            CompletionOutput(s.index, s.output_text, s.token_ids[s.num_prompt_tokens :],
+                             s.cumulative_logprob if want_logprobs else None,
+                             list(s.logprobs) if want_logprobs else None, s.finish_reason, s.stop_reason)
+            for s in seqs
         ]
-        first = req.seqs[0]
+        first = seqs[0]
         prompt_lps = list(first.prompt_logprobs) if req.params.prompt_logprobs is not None else None
-        finished = all(s.finish_reason is not None for s in req.seqs)
-        metrics = RequestMetrics(
-            arrival_time=req.arrival_time,
-            first_token_time=min((s.first_token_time for s in req.seqs if s.first_token_time), default=None),
-            finished_time=time.monotonic() if finished else None,
-            num_cached_tokens=first.num_cached_tokens,
-        )
+        if len(seqs) == 1:
+            finished = first.finish_reason is not None
+            first_token_time = first.first_token_time or None
+        else:
+            finished = all(s.finish_reason is not None for s in seqs)
+            first_token_time = min((s.first_token_time for s in seqs if s.first_token_time), default=None)
+        metrics = RequestMetrics(req.arrival_time, first_token_time, time.monotonic() if finished else None,
+                                 first.num_cached_tokens)
         return RequestOutput(
             request_id=req.request_id,
             prompt=req.prompt,
