@@ -22,12 +22,12 @@ def _decode(engine: LLMEngine, batch: int, context: int, steps: int, warmup: int
         engine.add_request(rid, {"prompt_token_ids": random_prompt(rng, context, engine.vocab_size)}, params)
     seqs = [engine.requests[rid].seqs[0] for rid in ids]
     while any(s.num_output_tokens == 0 for s in seqs):
-        engine.step()
+        engine.step(outputs="finished")
     for _ in range(warmup):
-        engine.step()
+        engine.step(outputs="finished")
     start = time.perf_counter()
     for _ in range(steps):
-        engine.step()
+        engine.step(outputs="finished")
     elapsed = time.perf_counter() - start
     produced = sum(s.num_output_tokens for s in seqs)
     for rid in ids:
@@ -46,7 +46,7 @@ def _ttft(engine: LLMEngine, length: int, trials: int, rng: random.Random) -> di
         start = time.perf_counter()
         engine.add_request(rid, {"prompt_token_ids": random_prompt(rng, length, engine.vocab_size)}, params)
         while rid in engine.requests:
-            engine.step()
+            engine.step(outputs="finished")
         if trial:
             times.append(time.perf_counter() - start)
     return {"prompt_len": length, "trials": trials, "ttft_ms": round(median(times) * 1e3, 3),

@@ -30,7 +30,7 @@ def _run_engine(engine: LLMEngine, work, temperature: float) -> float:
         engine.add_request(f"req-{i}", {"prompt_token_ids": prompt}, params)
     start = time.perf_counter()
     while engine.has_unfinished_requests():
-        engine.step()
+        engine.step(outputs="finished")
     return time.perf_counter() - start
 
 
