@@ -5,10 +5,11 @@ prompts longer than the QSA budget (budget 20, not a power of two), prefill chun
 three requests batched, and preemption on a tiny KV pool. Eight indexer heads make exact score
 ties rare (CUDA breaks them toward the lower block, CPU and transformers by torch.topk's order).
 
-bf16 keeps ~3 significant digits and these test models have large, peaked logits, so bf16 alone
-moves prompt logprobs by ~0.5 nats. Tolerances, stated here:
-  - prompt logprobs: no further from the fp32 oracle than the engine's own bf16 run on CPU (torch
-    reference kernels) on the same path, within qwen4exp_testing.BF16_GPU_SLACK;
+bf16 keeps ~3 significant digits; how far that moves a logprob grows with the logits' scale. Two
+models from one config: "flat" (base LM head scale) for prompt logprobs, "peaked" (x25) for
+greedy decode, whose choices then have clear margins. Tolerances, stated here:
+  - prompt logprobs (flat model): mean |ours - fp32 oracle| < max(0.05 nats, 2.5 x the engine's bf16
+    run on CPU, which measures ~0.012) (qwen4exp_testing.assert_tracks_like_cpu_bf16);
   - greedy decode: >= 95% of generated tokens within 0.5 nats of the oracle's best choice given
     the same prefix, and >= 90% of them the oracle's argmax;
   - the GPU engine paths agree with each other: >= 95% identical greedy tokens (bf16 near-ties
@@ -19,8 +20,8 @@ import torch
 
 from qsaserve import LLM, SamplingParams
 
-from qwen4exp_testing import (QSA_TYPE, assert_tracks_like_cpu_bf16, build_random_model, oracle_logprobs,
-                              prompt_error_vs_oracle)
+from qwen4exp_testing import (FLAT_LM_HEAD, QSA_TYPE, assert_tracks_like_cpu_bf16, build_random_model,
+                              oracle_logprobs, prompt_error_vs_oracle)
 
 EOS = 3
 GEN = 20
@@ -55,8 +56,18 @@ def _prompts():
 
 @pytest.fixture(scope="module")
 def oracle(tmp_path_factory):
+    """The peaked model (greedy checks) and its path."""
     model = build_random_model(_config(), seed=5)
     path = tmp_path_factory.mktemp("qwen4exp_gpu")
+    model.save_pretrained(path)
+    return model, str(path)
+
+
+@pytest.fixture(scope="module")
+def flat_oracle(tmp_path_factory):
+    """The same config and seed with the base LM head scale (prompt-logprob checks)."""
+    model = build_random_model(_config(), seed=5, lm_head_scale=FLAT_LM_HEAD)
+    path = tmp_path_factory.mktemp("qwen4exp_gpu_flat")
     model.save_pretrained(path)
     return model, str(path)
 
@@ -71,8 +82,9 @@ def _run(path, prompts, device="cuda", **engine):
     return llm, outs
 
 
-def test_bf16_engine_paths_track_fp32_transformers(oracle):
+def test_bf16_engine_paths_track_fp32_transformers(oracle, flat_oracle):
     model, path = oracle
+    flat_model, flat_path = flat_oracle
     ps = _prompts()
     kv_bytes = LLM(path, dtype="bfloat16", device="cuda", max_model_len=256, block_size=8, progress=False,
                    kv_cache_memory=1 << 20).engine.executor.kv_spec.bytes_per_block
@@ -86,9 +98,10 @@ def test_bf16_engine_paths_track_fp32_transformers(oracle):
     assert runs["preempted"][0].engine.scheduler.num_preemptions > 0
     tokens = {}
     for name, (_, outs) in runs.items():
-        _, cpu_outs = _run(path, ps, device="cpu", **engines[name])
-        assert_tracks_like_cpu_bf16(prompt_error_vs_oracle(model, ps, outs), prompt_error_vs_oracle(model, ps, cpu_outs),
-                                    name)
+        _, flat_gpu = _run(flat_path, ps, **engines[name])
+        _, flat_cpu = _run(flat_path, ps, device="cpu", **engines[name])
+        assert_tracks_like_cpu_bf16(prompt_error_vs_oracle(flat_model, ps, flat_gpu),
+                                    prompt_error_vs_oracle(flat_model, ps, flat_cpu), name)
         near = exact = 0
         for p, out in zip(ps, outs):
             gen = list(out.outputs[0].token_ids)

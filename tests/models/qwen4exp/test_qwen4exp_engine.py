@@ -174,14 +174,15 @@ def test_multimodal_layout_sharded_with_index(case, tmp_path, caplog):
 @pytest.mark.parametrize("name", list(CASES))
 def test_bf16_on_gpu_with_fla_kernels_tracks_fp32_transformers(name, tmp_path):
     """Each case's model on CUDA in bfloat16 (GDN through fla-core, Triton QSA kernels) against
-    transformers in float32, held to what the engine's bf16 run on CPU reaches against the same
-    oracle (tolerance: qwen4exp_testing.BF16_GPU_SLACK). With 8 indexer heads exact score ties
+    transformers in float32. The LM head has the base scale (flat logits: bf16 moves logprobs by
+    ~0.01 nats there, not ~0.5), and the tolerance is qwen4exp_testing.assert_tracks_like_cpu_bf16:
+    mean |dlogprob| < max(0.05, 2.5 x the engine's bf16 run on CPU), top-1 within 0.03 of it. With 8 indexer heads exact score ties
     (all heads' ReLU at zero) are rare: on CUDA ties go to the lower block, on CPU to torch.topk's
     order, as transformers, so tied selections would differ by design, not by error."""
-    from qwen4exp_testing import assert_tracks_like_cpu_bf16, prompt_error_vs_oracle
+    from qwen4exp_testing import FLAT_LM_HEAD, assert_tracks_like_cpu_bf16, prompt_error_vs_oracle
 
     cfg_kwargs, engine_kwargs = CASES[name]
-    model = build(make_config(**cfg_kwargs, indexer_heads=8), seed=len(name))
+    model = build_random_model(make_config(**cfg_kwargs, indexer_heads=8), seed=len(name), lm_head_scale=FLAT_LM_HEAD)
     path = save(model, tmp_path)
     ps = prompts(3, [45, 61, 38], seed=7)
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
