@@ -173,7 +173,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         self.cfg = cfg
         # This rank's head counts (tensor parallel; see _tp_shard). KV / GDN key heads are duplicated
         # when there are fewer than ranks.
-        t, r = self.ctx.tp_size, self.ctx.tp_rank
+        t = self.ctx.tp_size
         self.num_heads = cfg.num_attention_heads // t
         self.num_kv_heads = -(-cfg.num_key_value_heads // t)
         self.gdn_key_heads = -(-cfg.linear_num_key_heads // t)
@@ -189,6 +189,10 @@ class Qwen4ExpForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.weights["lm_head.weight"] = self.weights["embed_tokens.weight"]
         self.layer_weights = [self._sub(f"layers.{i}.") for i in range(cfg.num_hidden_layers)]
+        # Each layer's module weights by short name, grouped once (the tensors are shared, and
+        # loading copies into them in place): a step does no per-layer name filtering.
+        self.layer_parts = [{part: _strip(w, part + ".") for part in ("mlp", "ple", "linear_attn", "self_attn")}
+                            for w in self.layer_weights]
         unknown = sorted(set(cfg.layer_types) - {GDN, *QSA_NAMES})
         if unknown:
             raise ValueError(f"model: unsupported Qwen4Exp layer types {unknown}")
@@ -198,7 +202,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         self.state: list[_LayerState] = [_LayerState() for _ in cfg.layer_types]
 
     def _sub(self, prefix: str) -> dict[str, torch.Tensor]:
-        return {k[len(prefix):]: v for k, v in self.weights.items() if k.startswith(prefix)}
+        return _strip(self.weights, prefix)
 
     # ---- caches and state ----
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
@@ -276,7 +280,7 @@ class Qwen4ExpForCausalLM(nn.Module):
                 out = self._qsa(i, mixed, positions, step, meta)
             hyper = hc_inject(hyper, out, inject)
             mixed, inject = self._mix(w, "mlp_hyper_connection.", hyper)
-            mlp = {k[4:]: v for k, v in w.items() if k.startswith("mlp.")}
+            mlp = self.layer_parts[i]["mlp"]
             moe = sparse_moe_block(mixed, mlp, c.num_experts_per_tok, c.norm_topk_prob, c.hidden_act,
                                    sync_free=step.decode)
             hyper = hc_inject(hyper, self.ctx.all_reduce(moe), inject)
@@ -326,8 +330,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         )
 
     def _ple(self, i: int, hyper, input_ids, step: "_Step") -> torch.Tensor:
-        st, w = self.state[i], self.layer_weights[i]
-        ple_w = {k[4:]: v for k, v in w.items() if k.startswith("ple.")}
+        st, ple_w = self.state[i], self.layer_parts[i]["ple"]
         params = self.ple_params[i]
         if step.decode:  # every sequence at once: [B, 1] chunks continuing from their slots
             slots, fresh = step.slot_idx, step.fresh[:, None]
@@ -352,7 +355,7 @@ class Qwen4ExpForCausalLM(nn.Module):
     def _gdn(self, i: int, x: torch.Tensor, step: "_Step") -> torch.Tensor:
         """All sequences of the step in one packed call; each continues from its state slot."""
         c, st = self.cfg, self.state[i]
-        w = {k[len("linear_attn."):]: v for k, v in self.layer_weights[i].items() if k.startswith("linear_attn.")}
+        w = self.layer_parts[i]["linear_attn"]
         Hk, Hv, Dk, Dv = self.gdn_key_heads, self.gdn_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         t = x.shape[0]
         slot_idx = step.slot_idx
@@ -389,7 +392,7 @@ class Qwen4ExpForCausalLM(nn.Module):
 
     def _qsa_inputs(self, i: int, x: torch.Tensor, positions: torch.Tensor):
         c = self.cfg
-        w = {k[len("self_attn."):]: v for k, v in self.layer_weights[i].items() if k.startswith("self_attn.")}
+        w = self.layer_parts[i]["self_attn"]
         cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
         q, gate, k, v = qsa_attention_qkv(
             x, w["q_proj.weight"], w["k_proj.weight"], w["v_proj.weight"], w["q_norm.weight"], w["k_norm.weight"],
@@ -635,6 +638,11 @@ def _strip_prefix(name: str) -> str | None:
         if name.startswith(prefix):
             return name[len(prefix):]
     return name
+
+
+def _strip(weights: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """The entries under `prefix`, keyed by the rest of their name."""
+    return {k[len(prefix):]: v for k, v in weights.items() if k.startswith(prefix)}
 
 
 def _spans(query_lens: list[int]) -> list[tuple[int, int]]:
