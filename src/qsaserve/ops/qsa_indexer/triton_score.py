@@ -78,6 +78,16 @@ def _score_kernel(
     tl.store(out_row + g, _finish(score, g, visible, PACK), mask=in_range)
 
 
+def _check_keys(index_q: torch.Tensor, block_key_cache: torch.Tensor) -> None:
+    """Both scorers read [.., Di] query heads against [.., Di] block keys of the same dtype, unit stride."""
+    d = index_q.shape[-1]
+    if block_key_cache.shape[-1] != d:
+        raise ValueError(f"block_key_cache: key width {block_key_cache.shape[-1]} != index head dim {d}")
+    if index_q.dtype != block_key_cache.dtype:
+        raise ValueError(f"index_q: dtype {index_q.dtype} differs from the block key cache's {block_key_cache.dtype}")
+    assert block_key_cache.stride(-1) == 1
+
+
 def decode_index_scores_triton(
     index_q: torch.Tensor, block_key_cache: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
     ratio: int, block_g: int = 64, pack: bool = False,
@@ -86,18 +96,13 @@ def decode_index_scores_triton(
     N = block_tables.shape[1] * (block_size // r). Same contract as `paged.decode_index_scores`;
     pack=True returns `paged.selection_keys` of those scores (int64) instead."""
     b, h, d = index_q.shape
-    if block_key_cache.shape[-1] != d:
-        raise ValueError(f"block_key_cache: key width {block_key_cache.shape[-1]} != index head dim {d}")
-    if index_q.dtype != block_key_cache.dtype:
-        raise ValueError(f"index_q: dtype {index_q.dtype} differs from the block key cache's {block_key_cache.dtype}")
+    _check_keys(index_q, block_key_cache)
     gpp = block_key_cache.shape[1]
     n = block_tables.shape[1] * gpp
     out = torch.empty((b, n), dtype=torch.int64 if pack else torch.float32, device=index_q.device)
     if b == 0 or n == 0:
         return out
-    if index_q.stride(-1) != 1:
-        index_q = index_q.contiguous()
-    assert block_key_cache.stride(-1) == 1
+    index_q = index_q if index_q.stride(-1) == 1 else index_q.contiguous()
     _score_kernel[(b, triton.cdiv(n, block_g))](
         index_q, block_key_cache, block_tables, positions, out, d ** -0.5,
         index_q.stride(0), index_q.stride(1), block_key_cache.stride(0), block_key_cache.stride(1),
@@ -171,18 +176,13 @@ def prefill_index_scores_triton(
     dot), so each key tile is loaded once per row block, not once per query; the groups are split
     across programs when there are few row blocks."""
     t, h, d = index_q.shape
-    if block_key_cache.shape[-1] != d:
-        raise ValueError(f"block_key_cache: key width {block_key_cache.shape[-1]} != index head dim {d}")
-    if index_q.dtype != block_key_cache.dtype:
-        raise ValueError(f"index_q: dtype {index_q.dtype} differs from the block key cache's {block_key_cache.dtype}")
+    _check_keys(index_q, block_key_cache)
     if block_table.dim() != 1:
         raise ValueError(f"block_table: one sequence's row [max_blocks] expected, got shape {tuple(block_table.shape)}")
     out = torch.empty((t, num_groups), dtype=torch.int64 if pack else torch.float32, device=index_q.device)
     if t == 0 or num_groups == 0:
         return out
-    if index_q.stride(-1) != 1:
-        index_q = index_q.contiguous()
-    assert block_key_cache.stride(-1) == 1
+    index_q = index_q if index_q.stride(-1) == 1 else index_q.contiguous()
     h_pow2 = triton.next_power_of_2(h)
     block_t = max(1, 128 // h_pow2)
     row_blocks = triton.cdiv(t, block_t)
