@@ -20,28 +20,15 @@ import torch
 
 from qsaserve import LLM, SamplingParams
 
-from qwen4exp_testing import (FLAT_LM_HEAD, QSA_TYPE, assert_tracks_like_cpu_bf16, build_random_model,
+from qwen4exp_testing import (EOS, FLAT_LM_HEAD, assert_tracks_like_cpu_bf16, build_random_model, make_config,
                               oracle_logprobs, prompt_error_vs_oracle)
 
-EOS = 3
 GEN = 20
 pytestmark = pytest.mark.gpu
 
 
 def _config():
-    from transformers import Qwen4ExpTextConfig
-
-    types = ["linear_attention", QSA_TYPE, "linear_attention", "linear_attention", QSA_TYPE]
-    return Qwen4ExpTextConfig(
-        vocab_size=120, hidden_size=32, num_hidden_layers=5, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-        linear_num_value_heads=4, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_experts=4,
-        num_experts_per_tok=2, norm_topk_prob=True, hc_count=3, hc_lowrank=8, layer_types=types,
-        ple_layer_ids=[1, 4], ple_embed_dim=32, ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=50,
-        split_ngram_parts=4, indexer_n_heads=8, indexer_kv_heads=1, indexer_head_dim=12, indexer_budget=20,
-        indexer_compress_ratio=4, eos_token_id=EOS, max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
-    )
+    return make_config(budget=20, ple_layer_ids=(1, 4), indexer_heads=8)
 
 
 def _prompts():

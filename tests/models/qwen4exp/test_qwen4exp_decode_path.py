@@ -9,7 +9,8 @@ import qsaserve.models.qwen4exp as qwen4exp
 from qsaserve import LLM
 from qsaserve.layers.attention import AttentionMetadata
 
-from test_qwen4exp_engine import make_config, save
+from qwen4exp_testing import make_config
+from test_qwen4exp_engine import save
 from qwen4exp_testing import build_random_model
 
 BLOCK = 8

@@ -10,26 +10,9 @@ import torch
 
 from qsaserve import LLM, SamplingParams
 
-from qwen4exp_testing import QSA_TYPE, build_random_model
-from transformers import Qwen4ExpTextConfig
+from qwen4exp_testing import EOS, build_random_model, make_config
 
-EOS = 3
 TOL = 2e-4
-
-
-def make_config(budget=12, ple_layer_ids=(1,), hc_count=3, num_experts=4, top_k=2, layers=5, indexer_heads=2):
-    types = ["linear_attention", QSA_TYPE, "linear_attention", "linear_attention", QSA_TYPE][:layers]
-    return Qwen4ExpTextConfig(
-        vocab_size=120, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-        linear_num_value_heads=4, moe_intermediate_size=16, shared_expert_intermediate_size=24,
-        num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True, hc_count=hc_count, hc_lowrank=8,
-        layer_types=types, ple_layer_ids=list(ple_layer_ids), ple_embed_dim=32, ngram_size=3, heads_per_ngram=2,
-        ngram_vocab_size_base=50, split_ngram_parts=4,
-        indexer_n_heads=indexer_heads, indexer_kv_heads=1, indexer_head_dim=12, indexer_budget=budget, indexer_compress_ratio=4,
-        eos_token_id=EOS, max_position_embeddings=512,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
-    )
 
 
 def build(cfg, seed):

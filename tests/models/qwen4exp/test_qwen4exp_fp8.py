@@ -17,7 +17,8 @@ from qsaserve import LLM, SamplingParams
 from qsaserve.quant.calibrate import calibrate_windows
 
 from qwen4exp_testing import build_random_model
-from test_qwen4exp_engine import CASES, make_config, prompts, save
+from qwen4exp_testing import make_config
+from test_qwen4exp_engine import CASES, prompts, save
 
 PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1, prompt_logprobs=1)
 PROMPTS = prompts(3, [45, 61, 38])
