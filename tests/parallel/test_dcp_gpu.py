@@ -5,7 +5,6 @@ on both ranks, and gives the same greedy tokens as DCP1 at the same TP.
 Each rank is a process built exactly as the engine's workers are (init_rank + build_runner);
 the test drives the runners directly so that only the decode step runs in sync-debug mode."""
 import json
-import os
 import socket
 
 import pytest
@@ -16,17 +15,12 @@ pytestmark = pytest.mark.gpu
 BLOCK = 16
 
 
-def _config(tmp_dir: str, dcp: int):
+def _config(dcp: int):
     from qsaserve.config import EngineConfig
-    from qsaserve.models.presets import preset_config
 
-    cfg = dict(preset_config("qwen4exp-tiny"), num_key_value_heads=1)
-    os.makedirs(tmp_dir, exist_ok=True)
-    with open(os.path.join(tmp_dir, "config.json"), "w", encoding="utf-8") as fh:
-        json.dump(cfg, fh)
     # PLE on the GPU: host/disk tables are gathered on the host each step (a sync by design).
-    return EngineConfig(model=tmp_dir, load_format="dummy", device="cuda", dtype="bfloat16", tensor_parallel_size=2,
-                        decode_context_parallel_size=dcp, max_model_len=256, block_size=BLOCK,
+    return EngineConfig(model="qwen4exp-tiny-1kv", load_format="dummy", device="cuda", dtype="bfloat16",
+                        tensor_parallel_size=2, decode_context_parallel_size=dcp, max_model_len=256, block_size=BLOCK,
                         kv_cache_memory=1 << 26, ple_placement="gpu", enforce_eager=True)
 
 
@@ -47,11 +41,11 @@ def _batches(engine_block: int):
     return prompts, tables, slots, prefill
 
 
-def _rank_main(rank: int, port: int, dcp: int, tmp_dir: str, out: dict) -> None:
+def _rank_main(rank: int, port: int, dcp: int, out: dict) -> None:
     from qsaserve.engine.batch import BatchInput
     from qsaserve.parallel.executor import WorkerSpec, build_runner, init_rank
 
-    config = _config(tmp_dir, dcp)
+    config = _config(dcp)
     spec = WorkerSpec(config, None, 256, rank, rank, "127.0.0.1", port)
     ctx, device, control = init_rank(spec)
     runner, _, _ = build_runner(spec, ctx, device, control)
@@ -85,7 +79,7 @@ def _rank_main(rank: int, port: int, dcp: int, tmp_dir: str, out: dict) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _spawn(dcp: int, tmp_path) -> dict:
+def _spawn(dcp: int) -> dict:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -93,15 +87,15 @@ def _spawn(dcp: int, tmp_path) -> dict:
         port = s.getsockname()[1]
     manager = mp.Manager()
     out = manager.dict()
-    mp.spawn(_rank_main, args=(port, dcp, str(tmp_path / f"dcp{dcp}"), out), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(port, dcp, out), nprocs=2, join=True)
     return dict(out)
 
 
-def test_dcp2_decode_step_is_sync_free_and_matches_dcp1(tmp_path):
+def test_dcp2_decode_step_is_sync_free_and_matches_dcp1():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs (NCCL)")
-    dcp2 = _spawn(2, tmp_path)
-    dcp1 = _spawn(1, tmp_path)
+    dcp2 = _spawn(2)
+    dcp1 = _spawn(1)
     print(json.dumps({"dcp2": dcp2, "dcp1": dcp1}))
     for rank in (0, 1):
         assert dcp2[f"rank{rank}"]["sync_free"], dcp2.get(f"error_rank{rank}")

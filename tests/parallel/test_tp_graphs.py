@@ -6,7 +6,6 @@ random Qwen4Exp with one KV head at TP2/DCP2 and TP2/DCP1 gives the same greedy 
 graphs (NCCL collectives captured in them) as with enforce_eager, and decode steps do replay."""
 import datetime
 import json
-import os
 import threading
 from types import MethodType, SimpleNamespace
 
@@ -77,18 +76,7 @@ GEN = 12
 SIZES = "1,2,4"
 
 
-def _model_dir(tmp_path) -> str:
-    """qwen4exp-tiny with one KV head (so TP2 can shard its context with DCP2), random weights."""
-    from qsaserve.models.presets import preset_config
-
-    path = tmp_path / "qwen4exp-tiny-1kv"
-    os.makedirs(path, exist_ok=True)
-    with open(path / "config.json", "w", encoding="utf-8") as fh:
-        json.dump(dict(preset_config("qwen4exp-tiny"), num_key_value_heads=1), fh)
-    return str(path)
-
-
-def _generate(path: str, dcp: int, enforce_eager: bool):
+def _generate(dcp: int, enforce_eager: bool):
     """(tokens, chosen-token logprobs) per prompt and rank 0's replays per bucket, for one engine."""
     from qsaserve import LLM
     from qsaserve.sampling_params import SamplingParams
@@ -96,7 +84,8 @@ def _generate(path: str, dcp: int, enforce_eager: bool):
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (40, 71, 100)]
     params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True, logprobs=0)
-    llm = LLM(path, load_format="dummy", device="cuda", dtype="bfloat16", tensor_parallel_size=2,
+    # qwen4exp-tiny with one KV head, so TP2 can shard its context with DCP2.
+    llm = LLM("qwen4exp-tiny-1kv", load_format="dummy", device="cuda", dtype="bfloat16", tensor_parallel_size=2,
               decode_context_parallel_size=dcp, max_model_len=256, block_size=16, kv_cache_memory=1 << 26,
               ple_placement="gpu", enforce_eager=enforce_eager, max_num_seqs=4, cuda_graph_sizes=SIZES,
               progress=False)
@@ -115,12 +104,11 @@ def _generate(path: str, dcp: int, enforce_eager: bool):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dcp", [2, 1])
-def test_tp2_graph_decode_equals_eager(dcp, tmp_path):
+def test_tp2_graph_decode_equals_eager(dcp):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs (NCCL)")
-    path = _model_dir(tmp_path)
-    graph, replays = _generate(path, dcp, enforce_eager=False)
-    eager, no_replays = _generate(path, dcp, enforce_eager=True)
+    graph, replays = _generate(dcp, enforce_eager=False)
+    eager, no_replays = _generate(dcp, enforce_eager=True)
     print(json.dumps({"dcp": dcp, "replays": replays, "graph_tokens": [t for t, _ in graph]}))
     assert no_replays == {}
     # One prefill step for the three prompts, then GEN - 1 decode steps of 3 rows in the 4-row graph.

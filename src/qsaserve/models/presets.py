@@ -44,6 +44,7 @@ PRESETS: dict[str, dict] = {
 }
 # The decode-context-parallel shape: one KV head, so TP2 would otherwise duplicate it on both ranks.
 PRESETS["qwen4exp-small-1kv"] = dict(PRESETS["qwen4exp-small"], num_key_value_heads=1)
+PRESETS["qwen4exp-tiny-1kv"] = dict(PRESETS["qwen4exp-tiny"], num_key_value_heads=1)
 
 
 def preset_config(name: str) -> dict:
