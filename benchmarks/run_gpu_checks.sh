@@ -7,7 +7,8 @@
 #
 # Run from the repository root (or an exported snapshot of it: set QSASERVE_COMMIT to the commit
 # the snapshot was made from, since the benchmarks record it). Parts that run past their limit are
-# cut and the script goes on; a benchmark's partial JSON (bench_dcp) is kept.
+# cut and the script goes on; a benchmark's partial JSON (bench_dcp) is kept. PARTS=name,name
+# runs only the named parts (one device call is limited to 10 minutes).
 set -u
 mode=${1:?single or multi}
 out=${2:?output directory}
@@ -19,6 +20,7 @@ export QSASERVE_COMMIT=$commit
 part() {  # part NAME SECONDS COMMAND...: run one part, log its output and status
     local name=$1 limit=$2
     shift 2
+    case ",${PARTS:-$name}," in *",$name,"*) ;; *) return 0 ;; esac  # PARTS=a,b runs only those
     local start=$SECONDS
     timeout "$limit" "$@" > "$out/$name.log" 2>&1
     local rc=$?
