@@ -33,7 +33,7 @@ from qsaserve.parallel.dcp import DcpGeometry
 from qsaserve.quant.fp8 import FP8_E4M3
 
 from test_attention_triton import check_close
-from test_attention_triton_fp8 import F16_DOT_TOL, FP8_CANDIDATES, fp8_case, nan_bytes, ref_fp8
+from test_attention_triton_fp8 import F16_DOT_TOL, FP8_CANDIDATES, FP8_DEFAULT, fp8_case, nan_bytes, ref_fp8
 
 BF16 = torch.bfloat16
 F16 = torch.float16
@@ -239,7 +239,7 @@ def test_fp8_candidates_match_the_gpu_tests():
     from qsaserve.ops.attention import triton_paged as tp
 
     assert sorted(tp.FP8_DECODE_CANDIDATES) == sorted(FP8_CANDIDATES)
-    assert tp.decode_config(64, fp8=True) is tp.DECODE_CONFIG_FP8 in tp.FP8_DECODE_CANDIDATES.values()
+    assert tp.decode_config(64, fp8=True) is tp.DECODE_CONFIG_FP8 is tp.FP8_DECODE_CANDIDATES[FP8_DEFAULT]
     with pytest.raises(ValueError, match="fp8_dot"):
         tp.DecodeConfig(fp8_dot="bf16")
     with pytest.raises(ValueError, match="block_n"):

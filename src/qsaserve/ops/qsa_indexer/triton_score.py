@@ -34,14 +34,16 @@ def _finish(score, g, visible, PACK: tl.constexpr):
     if PACK:
         key = (score.to(tl.int32, bitcast=True).to(tl.int64) << 32) + (4294967295 - g.to(tl.int64))
         return tl.where(visible, key, -1)
-    return tl.where(visible, score, float("-inf"))
+    else:  # an explicit else: compiled Triton checks every reachable return's type
+        return tl.where(visible, score, float("-inf"))
 
 
 @triton.jit
 def _hidden(BLOCK: tl.constexpr, PACK: tl.constexpr):
     if PACK:
         return tl.full([BLOCK], -1, tl.int64)
-    return tl.full([BLOCK], float("-inf"), tl.float32)
+    else:
+        return tl.full([BLOCK], float("-inf"), tl.float32)
 
 
 @triton.jit

@@ -1,0 +1,41 @@
+"""Compile each Triton launch recorded by sitecustomize.py (see there) for a GPU target, no GPU
+needed. Prints one line per distinct launch and exits non-zero if any fails to compile.
+
+    python tests/triton_compile_check/compile_launches.py LAUNCHES.jsonl [--arch 90]
+"""
+import argparse
+import importlib
+import json
+import sys
+import traceback
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("launches")
+    ap.add_argument("--arch", type=int, default=90)
+    args = ap.parse_args()
+    lines = sorted(set(open(args.launches).read().splitlines()))
+    failures = 0
+    for line in lines:
+        launch = json.loads(line)
+        kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
+        src = ASTSource(fn=kernel, signature=launch["signature"], constexprs=launch["constexprs"])
+        label = f"{launch['module']}.{launch['name']} {launch['constexprs']} {launch['options']}"
+        try:
+            triton.compile(src, target=GPUTarget("cuda", args.arch, 32), options=launch["options"])
+            print("ok", label, flush=True)
+        except Exception:
+            failures += 1
+            print("FAILED", label, flush=True)
+            traceback.print_exc(limit=0)
+    print(f"{len(lines) - failures} of {len(lines)} launches compiled for sm_{args.arch}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
