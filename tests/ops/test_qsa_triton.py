@@ -205,7 +205,8 @@ def check_fused_selection(device, dtype, hi=3, di=12, r=4, page=16, budget=12, l
     gen = torch.Generator().manual_seed(7 + budget)
     tables, num_blocks = _layout(list(lengths), page, gen)
     keys = torch.randn(num_blocks, page // r, di, generator=gen)
-    keys[1:, ::3] = keys[1:, 1::3][:, : keys[1:, ::3].shape[1]]  # repeated keys: exact score ties
+    n = keys[1:, 1::3].shape[1]
+    keys[1:, 0:3 * n:3] = keys[1:, 1::3]  # repeated keys: exact score ties
     keys[0] = float("nan")
     q = torch.randn(len(lengths) + 1, hi, di, generator=gen)
     positions = torch.tensor([n - 1 for n in lengths] + [-1])
