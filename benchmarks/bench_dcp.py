@@ -6,7 +6,12 @@ on random weights of a named preset, then:
   - greedy tokens on a fixed prompt set (prompts longer than the QSA budget, so selection matters),
     compared across configurations;
   - batch-1 decode tok/s and TTFT at each context length: one request whose prompt fills the
-    context, timed step by step through the engine (TTFT = first token; decode rate over the rest).
+    context, timed step by step through the engine (TTFT = first token; decode rate over the rest);
+  - a step breakdown at the first context (bench.step_profile: wall, executor, CUDA kernels of rank 0).
+Greedy runs ask for the top logprobs, so where DCP D parts from DCP1 the report gives DCP1's
+margin between its best and next-best logit there (random weights give near-flat logits: bf16 summation order can flip a
+near-tie). With --identity-dtype float32, DCP1 and DCP D also run the prompt set in float32
+(eager), where such ties are ~1e-6 apart, and the report says whether those tokens are identical.
 Prints one JSON document (and writes it to --out).
 
   python benchmarks/bench_dcp.py --preset qwen4exp-small-1kv --tp 2 --dcp 2 --contexts 8192,131072
@@ -56,15 +61,19 @@ def timed_request(engine, prompt_len: int, new_tokens: int, vocab: int, seed: in
             "decode_step_ms": 1e3 * decode_s / max(produced - 1, 1)}
 
 
-def run_config(args, dcp: int, backend: str, prompts: list[dict]) -> dict:
+def run_config(args, dcp: int, backend: str, prompts: list[dict], identity_dtype: str | None = None) -> dict:
+    """One engine; the full measurement, or with identity_dtype only greedy tokens in that dtype."""
     t0 = time.perf_counter()
+    eager = args.enforce_eager or identity_dtype is not None
     llm = LLM(args.preset, load_format="dummy", progress=False, tensor_parallel_size=args.tp,
               decode_context_parallel_size=dcp, dcp_comm_backend=backend, max_model_len=args.max_model_len,
               kv_cache_memory=int(args.kv_cache_gib * 2**30), max_num_batched_tokens=args.chunk,
               max_num_seqs=max(len(prompts), 1), seed=0, ple_placement=args.ple_placement,
-              **({"enforce_eager": True} if args.enforce_eager else {}))
+              **({"enforce_eager": True} if eager else {}), **({"dtype": identity_dtype} if identity_dtype else {}))
     eng = llm.engine
     try:
+        if identity_dtype is not None:
+            return {"dcp": dcp, "backend": backend, "dtype": identity_dtype, **greedy(args, llm, prompts)}
         return _measure(args, llm, eng, dcp, backend, prompts, time.perf_counter() - t0)
     finally:
         eng.shutdown()
@@ -83,19 +92,68 @@ def _measure(args, llm, eng, dcp: int, backend: str, prompts: list[dict], startu
         "engine_block_tokens": ours.block_tokens,
     }
     print(json.dumps({"progress": "capacity", **res}), file=sys.stderr, flush=True)
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.greedy_tokens, ignore_eos=True),
-                        use_tqdm=False)
-    res["greedy_tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+    res.update(greedy(args, llm, prompts))
     print(json.dumps({"progress": "greedy", "dcp": dcp, "backend": backend, "tokens": res["greedy_tokens"]}),
           file=sys.stderr, flush=True)
     vocab = eng.vocab_size
-    timed_request(eng, min(512, eng.max_model_len // 2), 8, vocab, seed=99)  # warm-up: kernels compiled and tuned
+    # Warm-up: kernels compiled and tuned for decode and for a full prefill chunk, so TTFT is not
+    # charged with one-time Triton compiles.
+    timed_request(eng, min(512, eng.max_model_len // 2), 8, vocab, seed=99)
+    timed_request(eng, min(args.chunk + 100, eng.max_model_len // 2), 2, vocab, seed=98)
     res["timed"] = []
     for ctx in args.contexts:
         r = timed_request(eng, ctx - args.decode_tokens, args.decode_tokens, vocab, seed=ctx)
         res["timed"].append(r)
         print(json.dumps({"progress": "timed", "dcp": dcp, "backend": backend, **r}), file=sys.stderr, flush=True)
+    if args.profile_steps:
+        res["step_profile"] = profile_at(eng, args.contexts[0] - 4 * args.profile_steps, args.profile_steps, vocab)
+        print(json.dumps({"progress": "profile", "dcp": dcp, "backend": backend, **res["step_profile"]})[:2000],
+              file=sys.stderr, flush=True)
     return res
+
+
+def greedy(args, llm, prompts: list[dict]) -> dict:
+    """Greedy tokens of the fixed prompt set, and at each position the gap between the best and the
+    next distinct logprob. Random weights are drawn per rank with one seed, so each vocab shard of
+    the LM head is the same and every logit appears tp times: the top tp + 1 hold the next value."""
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.greedy_tokens, ignore_eos=True,
+                                                logprobs=args.tp + 1), use_tqdm=False)
+    margins = []
+    for o in outs:
+        row = []
+        for entry in o.outputs[0].logprobs:
+            top = sorted({lp.logprob for lp in entry.values()}, reverse=True)
+            row.append(round(top[0] - top[1], 5) if len(top) > 1 else None)
+        margins.append(row)
+    return {"greedy_tokens": [list(o.outputs[0].token_ids) for o in outs], "greedy_top2_margins": margins}
+
+
+def profile_at(eng, prompt_len: int, steps: int, vocab: int) -> dict:
+    """One request of prompt_len tokens, prefilled, then bench.step_profile over its decode steps."""
+    from qsaserve.bench.step_profile import profile_decode_steps
+
+    rng = random.Random(7)
+    params = SamplingParams(temperature=0, max_tokens=2 * steps + 4, ignore_eos=True)
+    eng.add_request("profiled", {"prompt_token_ids": [rng.randrange(5, vocab) for _ in range(prompt_len)]}, params)
+    seq = eng.requests["profiled"].seqs[0]
+    while seq.num_output_tokens < 2:
+        eng.step(outputs="finished")
+    try:
+        return {"prompt_len": prompt_len, **profile_decode_steps(eng, steps)}
+    finally:
+        eng.abort_request("profiled")
+
+
+def divergences(run: dict, base: dict) -> list[dict]:
+    """Where each prompt's greedy tokens first differ from the base run's, with the base's margin there."""
+    out = []
+    for i, (mine, ref) in enumerate(zip(run["greedy_tokens"], base["greedy_tokens"])):
+        pos = next((j for j, (a, b) in enumerate(zip(mine, ref)) if a != b), None)
+        if pos is not None:
+            margins = base.get("greedy_top2_margins")
+            out.append({"prompt": i, "position": pos,
+                        "base_top2_margin": margins[i][pos] if margins else None})
+    return out
 
 
 def main() -> None:
@@ -113,6 +171,8 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens (prefill chunk)")
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--ple-placement", default="gpu", help="gpu: random PLE tables made on the device (fast startup)")
+    p.add_argument("--profile-steps", type=int, default=16, help="step breakdown at the first context; 0: off")
+    p.add_argument("--identity-dtype", default=None, help="e.g. float32: also compare greedy tokens in this dtype")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.contexts = [int(x) for x in args.contexts.split(",") if x]
@@ -139,6 +199,19 @@ def main() -> None:
             report["runs"].append({"dcp": dcp, "backend": backend, "error": repr(exc)})
             print(json.dumps(report["runs"][-1]), file=sys.stderr, flush=True)
         _write(args.out, report)  # after every configuration: a run cut short keeps what it measured
+    if args.identity_dtype:
+        report["identity_runs"] = []
+        for dcp in (1, args.dcp):
+            try:
+                report["identity_runs"].append(run_config(args, dcp, "ag_rs", prompts, args.identity_dtype))
+            except Exception as exc:
+                report["identity_runs"].append({"dcp": dcp, "error": repr(exc)})
+            _write(args.out, report)
+        ok = [r for r in report["identity_runs"] if "error" not in r]
+        if len(ok) == 2:
+            report["identity"] = {"dtype": args.identity_dtype,
+                                  "greedy_identical": ok[1]["greedy_tokens"] == ok[0]["greedy_tokens"],
+                                  "divergences": divergences(ok[1], ok[0])}
     base = report["runs"][0]
     summary = []
     for run in report["runs"][1:]:
@@ -146,7 +219,8 @@ def main() -> None:
             continue
         row = {"dcp": run["dcp"], "backend": run["backend"],
                "capacity_ratio": run["kv_tokens"] / base["kv_tokens"],
-               "greedy_identical_to_dcp1": run["greedy_tokens"] == base["greedy_tokens"]}
+               "greedy_identical_to_dcp1": run["greedy_tokens"] == base["greedy_tokens"],
+               "greedy_divergences": divergences(run, base)}
         for mine, ref in zip(run["timed"], base["timed"]):
             if mine["decode_tok_s"] and ref["decode_tok_s"]:
                 row[f"decode_speed_ratio_ctx{mine['prompt_len'] + args.decode_tokens}"] = mine["decode_tok_s"] / ref["decode_tok_s"]

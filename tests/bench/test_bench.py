@@ -33,12 +33,15 @@ def _check_provenance(report):
 def test_bench_latency(tiny, capsys):
     r = _run(capsys, ["bench", "latency", tiny, *ENGINE, "--batch-sizes", "1,3", "--prompt-lens", "16,4096",
                       "--decode-context", "24", "--decode-steps", "3", "--warmup-steps", "1", "--ttft-trials", "1",
-                      "--peer", "hf"])
+                      "--peer", "hf", "--profile-steps", "2"])
     assert r["bench"] == "latency"
     _check_provenance(r)
     assert r["transformers"]
     assert [d["batch_size"] for d in r["decode"]] == [1, 3]
     assert all(d["tok_s"] > 0 and d["context"] == 24 for d in r["decode"])
+    prof = r["decode"][0]["profile"]  # batch 1 only; on CPU no kernel profile
+    assert "profile" not in r["decode"][1] and prof["steps"] == 2 and prof["batch"] == 1
+    assert 0 < prof["execute_ms"] <= prof["wall_ms"] and prof["cuda_graphs"] is False
     assert [t["prompt_len"] for t in r["ttft"]] == [16, 511]  # capped at max_model_len - 1
     assert all(t["ttft_ms"] > 0 for t in r["ttft"])
     roof = r["roofline"]

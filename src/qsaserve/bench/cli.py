@@ -34,6 +34,8 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--decode-steps", type=int, default=64, help="timed decode steps per batch size")
     lat.add_argument("--warmup-steps", type=int, default=8)
     lat.add_argument("--ttft-trials", type=int, default=3)
+    lat.add_argument("--profile-steps", type=int, default=16,
+                     help="batch 1: profile this many more steps (wall / executor / CUDA kernels); 0: off")
     lat.set_defaults(func=cmd_latency)
 
     thr = kinds.add_parser("throughput", help="nano-vllm workload: output tok/s and total time")
@@ -71,7 +73,7 @@ def cmd_latency(args) -> int:
 
     report = run_latency(_config(args), args.batch_sizes, args.prompt_lens, decode_context=args.decode_context,
                          decode_steps=args.decode_steps, warmup_steps=args.warmup_steps, ttft_trials=args.ttft_trials,
-                         peer=args.peer, seed=args.bench_seed)
+                         peer=args.peer, seed=args.bench_seed, profile_steps=args.profile_steps)
     print(json.dumps(report, indent=2))
     return 0
 

@@ -7,16 +7,19 @@ import time
 
 from qsaserve.bench.common import (decode_weight_bytes, measure_bandwidth, median, provenance, random_prompt,
                                    release_memory)
+from qsaserve.bench.step_profile import profile_decode_steps
 from qsaserve.config import EngineConfig
 from qsaserve.engine.llm_engine import LLMEngine
 from qsaserve.errors import InvalidRequestError
 from qsaserve.sampling_params import SamplingParams
 
 
-def _decode(engine: LLMEngine, batch: int, context: int, steps: int, warmup: int, rng: random.Random) -> dict:
+def _decode(engine: LLMEngine, batch: int, context: int, steps: int, warmup: int, rng: random.Random,
+            profile_steps: int = 0) -> dict:
     """B requests prefilled, then `warmup` untimed and `steps` timed decode steps (each step ends
-    with the sampled tokens on the host, so wall time is device time plus host overhead)."""
-    params = SamplingParams(temperature=0, max_tokens=warmup + steps + 2, ignore_eos=True)
+    with the sampled tokens on the host, so wall time is device time plus host overhead); then,
+    with profile_steps, a breakdown of 2 x profile_steps more (bench.step_profile)."""
+    params = SamplingParams(temperature=0, max_tokens=warmup + steps + 2 * profile_steps + 2, ignore_eos=True)
     ids = [f"decode-{batch}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, {"prompt_token_ids": random_prompt(rng, context, engine.vocab_size)}, params)
@@ -30,12 +33,16 @@ def _decode(engine: LLMEngine, batch: int, context: int, steps: int, warmup: int
         engine.step(outputs="finished")
     elapsed = time.perf_counter() - start
     produced = sum(s.num_output_tokens for s in seqs)
+    profile = profile_decode_steps(engine, profile_steps) if profile_steps else None
     for rid in ids:
         engine.abort_request(rid)
     if produced != batch * (1 + warmup + steps):
         raise RuntimeError(f"batch_sizes: batch {batch} did not decode every sequence each step ({produced} tokens)")
-    return {"batch_size": batch, "context": context, "steps": steps, "ms_per_step": round(elapsed / steps * 1e3, 3),
-            "tok_s": round(batch * steps / elapsed, 1)}
+    row = {"batch_size": batch, "context": context, "steps": steps, "ms_per_step": round(elapsed / steps * 1e3, 3),
+           "tok_s": round(batch * steps / elapsed, 1)}
+    if profile:
+        row["profile"] = profile
+    return row
 
 
 def _ttft(engine: LLMEngine, length: int, trials: int, rng: random.Random) -> dict:
@@ -55,7 +62,7 @@ def _ttft(engine: LLMEngine, length: int, trials: int, rng: random.Random) -> di
 
 def run_latency(config: EngineConfig, batch_sizes: list[int], prompt_lens: list[int], decode_context: int = 128,
                 decode_steps: int = 64, warmup_steps: int = 8, ttft_trials: int = 3, peer: str | None = None,
-                seed: int = 0) -> dict:
+                seed: int = 0, profile_steps: int = 16) -> dict:
     if not batch_sizes or any(b < 1 for b in batch_sizes):
         raise InvalidRequestError("batch_sizes", f"must be integers >= 1, got {batch_sizes}")
     if max(batch_sizes) > config.max_num_seqs:
@@ -65,8 +72,9 @@ def run_latency(config: EngineConfig, batch_sizes: list[int], prompt_lens: list[
     for name, value in (("decode_steps", decode_steps), ("ttft_trials", ttft_trials), ("decode_context", decode_context)):
         if value < 1:
             raise InvalidRequestError(name, f"must be >= 1, got {value}")
-    if warmup_steps < 0:
-        raise InvalidRequestError("warmup_steps", f"must be >= 0, got {warmup_steps}")
+    for name, value in (("warmup_steps", warmup_steps), ("profile_steps", profile_steps)):
+        if value < 0:
+            raise InvalidRequestError(name, f"must be >= 0, got {value}")
     device = config.torch_device
     report = {"bench": "latency", **provenance(config, with_transformers=peer == "hf")}
     rng = random.Random(seed)
@@ -75,12 +83,14 @@ def run_latency(config: EngineConfig, batch_sizes: list[int], prompt_lens: list[
     engine = LLMEngine(config, progress=False)
     try:
         max_len = engine.max_model_len
-        context = min(decode_context, max_len - warmup_steps - decode_steps - 2)
+        context = min(decode_context, max_len - warmup_steps - decode_steps - 2 * profile_steps - 2)
         if context < 1:
             raise InvalidRequestError("max_model_len", f"{max_len} leaves no room for {decode_steps} decode steps")
         lens = sorted({min(n, max_len - 1) for n in prompt_lens})
         runner = engine.executor.runner
-        decode = [_decode(engine, b, context, decode_steps, warmup_steps, rng) for b in sorted(set(batch_sizes))]
+        # Batch 1 also gets a step breakdown (bench.step_profile): what keeps it from the roofline.
+        decode = [_decode(engine, b, context, decode_steps, warmup_steps, rng, profile_steps if b == 1 else 0)
+                  for b in sorted(set(batch_sizes))]
         ttft = [_ttft(engine, n, ttft_trials, rng) for n in lens]
         weight_bytes = decode_weight_bytes(runner.model)
         kv_bytes = int(engine.executor.kv_spec.bytes_per_token * (context + warmup_steps + decode_steps / 2))
@@ -94,7 +104,7 @@ def run_latency(config: EngineConfig, batch_sizes: list[int], prompt_lens: list[
 
     report["params"] = {"batch_sizes": sorted(set(batch_sizes)), "prompt_lens": lens, "decode_context": context,
                         "decode_steps": decode_steps, "warmup_steps": warmup_steps, "ttft_trials": ttft_trials,
-                        "seed": seed, "cuda_graphs": cuda_graphs}
+                        "seed": seed, "cuda_graphs": cuda_graphs, "profile_steps": profile_steps}
     report["decode"] = decode
     report["ttft"] = ttft
     step_bytes = weight_bytes + kv_bytes

@@ -1,0 +1,74 @@
+"""Where a decode step's time goes: wall time, the executor's share (device work included), and
+the CUDA kernels this process ran, for steps of requests that are already decoding.
+
+The answer to "why is batch-1 decode slower than the roofline": if the kernels' device time per
+step is far below the wall time, the step is host-bound (scheduling, input staging, worker
+messages, sampling); if close, the named top kernels are where to look. Under tensor or decode
+context parallelism it profiles rank 0 (the engine's own process)."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from qsaserve.engine.llm_engine import LLMEngine
+
+
+def profile_decode_steps(engine: LLMEngine, steps: int = 16, top: int = 15) -> dict:
+    """Time `steps` engine steps, then profile `steps` more; every running request must have at
+    least 2 * steps tokens left to decode. Returns JSON-ready figures (milliseconds per step)."""
+    if steps < 1:
+        raise ValueError(f"steps: must be >= 1, got {steps}")
+    executor = engine.executor
+    cuda = executor.device.type == "cuda"
+    spent = [0.0]
+    execute = executor.execute
+
+    def timed_execute(*args, **kwargs):
+        start = time.perf_counter()
+        out = execute(*args, **kwargs)
+        if cuda:
+            torch.cuda.synchronize()
+        spent[0] += time.perf_counter() - start
+        return out
+
+    executor.execute = timed_execute  # an instance attribute shadows the method until deleted
+    walls, executes = [], []
+    try:
+        for _ in range(steps):
+            spent[0] = 0.0
+            start = time.perf_counter()
+            engine.step(outputs="finished")
+            walls.append(time.perf_counter() - start)
+            executes.append(spent[0])
+    finally:
+        del executor.execute
+    report = {"steps": steps, "batch": len(engine.scheduler.running),
+              "wall_ms": round(1e3 * statistics.median(walls), 3),
+              "execute_ms": round(1e3 * statistics.median(executes), 3),
+              "outside_execute_ms": round(1e3 * statistics.median(w - e for w, e in zip(walls, executes)), 3),
+              "cuda_graphs": getattr(executor, "runner", None) is not None and executor.runner.graphs is not None}
+    if not cuda:
+        return report
+    try:
+        activities = [torch.profiler.ProfilerActivity.CUDA]
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(steps):
+                engine.step(outputs="finished")
+            torch.cuda.synchronize()
+        kernels = []
+        for e in prof.key_averages():
+            device_us = getattr(e, "self_device_time_total", None)
+            if device_us is None:
+                device_us = e.self_cuda_time_total
+            if device_us > 0:
+                kernels.append((device_us, e.count, e.key))
+        kernels.sort(reverse=True)
+        report["device_ms"] = round(sum(k[0] for k in kernels) / steps / 1e3, 3)
+        report["kernel_launches_per_step"] = round(sum(k[1] for k in kernels) / steps, 1)
+        report["top_kernels"] = [{"name": name[:120], "ms_per_step": round(us / steps / 1e3, 4),
+                                  "calls_per_step": round(n / steps, 2)} for us, n, name in kernels[:top]]
+    except Exception as e:  # profiler unavailable (CUPTI missing): keep the timings
+        report["profiler_error"] = repr(e)[:300]
+    return report
