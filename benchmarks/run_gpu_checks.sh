@@ -31,14 +31,14 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpus.csv" 2>&1
 echo "{\"commit\": \"$commit\", \"mode\": \"$mode\", \"date\": \"$(date -u +%FT%TZ)\"}" > "$out/manifest.json"
 
 if [ "$mode" = single ]; then
-    part gpu_tests 300 python -m pytest -q -m gpu -p no:cacheprovider -rfE -s --junitxml="$out/gpu_tests.xml" \
+    part gpu_tests 300 python -m pytest -v -m gpu -p no:cacheprovider -rfE -s --junitxml="$out/gpu_tests.xml" \
         tests/ops tests/models tests/engine tests/bench tests/quant
     part bench_attention 150 python benchmarks/bench_attention.py --sections env,decode,fp8 --out "$out/bench_attention.json"
     part bench_qsa 180 python benchmarks/bench_qsa.py --out "$out/bench_qsa.json"
     part latency_llama1b 240 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --peer hf --profile-steps 16 > '$out/latency_llama1b.json'"
     part throughput_llama1b 300 sh -c "python -m qsaserve.cli bench throughput llama-1b --load-format dummy --max-model-len 4096 --peer hf > '$out/throughput_llama1b.json'"
 elif [ "$mode" = multi ]; then
-    part parallel_gpu_tests 240 python -m pytest -q -m gpu -p no:cacheprovider -rfE -s --junitxml="$out/parallel_gpu_tests.xml" \
+    part parallel_gpu_tests 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE -s --junitxml="$out/parallel_gpu_tests.xml" \
         tests/parallel
     part bench_dcp 540 python benchmarks/bench_dcp.py --contexts 8192,131072 --identity-dtype float32 --out "$out/bench_dcp.json"
 else
