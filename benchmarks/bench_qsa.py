@@ -22,8 +22,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import random
 import statistics
+import subprocess
 import time
 
 import torch
@@ -37,7 +39,7 @@ from qsaserve.ops.qsa_indexer.triton_score import (decode_index_scores_triton, s
 
 HQ, HKV, D, HI, DI, BUDGET, R, PAGE = 16, 2, 256, 16, 128, 2048, 4, 16
 CONTEXTS = [8192, 32768, 131072, 262144]
-BATCHES = [1, 8, 16, 32]
+BATCHES = [1, 8, 16, 32, 64]  # 64 x 256K: a 34 GB page pool
 # Sparse-attention launch variants timed (CUDA graph) on the 128K selections of every batch:
 # (name, SparseConfig, run). "run4" reads the block table once per r-token group.
 VARIANTS = [
@@ -124,6 +126,8 @@ def main() -> None:
     variants = sparse_variants(torch.device("cuda"))
     report = dict(
         date=datetime.datetime.now().isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
+        commit=os.environ.get("QSASERVE_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                                   text=True).stdout.strip(),
         torch=torch.__version__,
         shapes=dict(hq=HQ, hkv=HKV, head_dim=D, indexer_heads=HI, indexer_dim=DI, budget=BUDGET, ratio=R, page=PAGE,
                     dtype=str(DT)),
