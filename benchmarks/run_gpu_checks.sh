@@ -36,6 +36,7 @@ if [ "$mode" = single ]; then
     part bench_attention 150 python benchmarks/bench_attention.py --sections env,decode,fp8 --out "$out/bench_attention.json"
     part bench_qsa 180 python benchmarks/bench_qsa.py --out "$out/bench_qsa.json"
     part latency_llama1b 240 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --peer hf --profile-steps 16 > '$out/latency_llama1b.json'"
+    part latency_llama8b 240 sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,16 --prompt-lens 1024 --peer hf --profile-steps 16 > '$out/latency_llama8b.json'"
     part throughput_llama1b 300 sh -c "python -m qsaserve.cli bench throughput llama-1b --load-format dummy --max-model-len 4096 --peer hf > '$out/throughput_llama1b.json'"
 elif [ "$mode" = multi ]; then
     part parallel_gpu_tests 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE -s --junitxml="$out/parallel_gpu_tests.xml" \
