@@ -500,6 +500,7 @@ FP8_DECODE_CANDIDATES = {
     "bf16_dot_bn64": DecodeConfig(64, 4, 3, 2, fp8_dot="query", fp8_permute_v=False),
     "f16_bn64_s3": DecodeConfig(64, 4, 3, 4),
     "f16_bn128_s2": DecodeConfig(128, 4, 2, 4),
+    "f16_bn128_s2_c3": DecodeConfig(128, 4, 2, 3),
     "f16_bn128_s3": DECODE_CONFIG_FP8,
     "f16_bn128_s3_c2": DecodeConfig(128, 4, 3, 2),
     "f16_bn128_s4": DecodeConfig(128, 4, 4, 3),
