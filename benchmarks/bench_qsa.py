@@ -50,6 +50,11 @@ VARIANTS = [
     ("bn64_w8_s2_p2_run4", SparseConfig(64, 8, 2, 2), R),
     ("bn64_w8_s3_p1_run4", SparseConfig(64, 8, 3, 1), R),
     ("bn16_w4_s3_p4_run4", SparseConfig(16, 4, 3, 4), R),
+    # prefetch: tile i + 1's index and block-table reads issued before tile i's math
+    ("bn32_w8_s2_p2_run4_pf", SparseConfig(32, 8, 2, 2, prefetch=True), R),
+    ("bn32_w4_s3_p2_run4_pf", SparseConfig(32, 4, 3, 2, prefetch=True), R),
+    ("bn64_w8_s2_p2_run4_pf", SparseConfig(64, 8, 2, 2, prefetch=True), R),
+    ("bn32_w8_s2_p4_run4_pf", SparseConfig(32, 8, 2, 4, prefetch=True), R),
 ]
 DT = torch.bfloat16
 

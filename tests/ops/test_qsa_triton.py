@@ -168,8 +168,9 @@ def _qsa_layout_selection(gen, lengths, rows_per_seq, r, budget):
 
 
 def check_sparse_runs(device, dtype, hq=4, hkv=2, d=16, page=8, r=4, budget=24, lengths=(9, 70, 33, 3), rows_per_seq=2,
-                      block_n=16, splits=None):
-    """run=r (one block-table read per group) on QSA-layout selections equals the reference and run=1."""
+                      block_n=16, splits=None, prefetch=False):
+    """run=r (one block-table read per group) on QSA-layout selections equals the reference and run=1
+    (with prefetch, both runs look up the next tile's slots ahead)."""
     from qsaserve.ops.qsa_attention.triton_sparse import SparseConfig, sparse_attention_paged_triton
 
     gen = torch.Generator().manual_seed(d + budget)
@@ -178,7 +179,7 @@ def check_sparse_runs(device, dtype, hq=4, hkv=2, d=16, page=8, r=4, budget=24, 
     q, cache = q.to(dtype), cache.to(dtype)
     ref_out, ref_lse = sparse_attention_paged_reference(q, cache, tables, sel, None, seq_ids)
     dev = lambda x: x.to(device)  # noqa: E731
-    cfg = SparseConfig(block_n=block_n, num_warps=4)
+    cfg = SparseConfig(block_n=block_n, num_warps=4, prefetch=prefetch)
     got = [sparse_attention_paged_triton(dev(q), dev(cache), dev(tables), dev(sel), None, dev(seq_ids), splits=splits,
                                          run=run, config=cfg) for run in (r, 1)]
     (out, lse), (out1, lse1) = [(o.cpu(), x.cpu()) for o, x in got]
@@ -249,6 +250,7 @@ INTERPRETER_CHECKS = [
                                                  rows_per_seq=1)),
     ("sparse_runs_fp32", lambda: check_sparse_runs("cpu", torch.float32)),
     ("sparse_runs_fp16_splits", lambda: check_sparse_runs("cpu", torch.float16, r=2, budget=16, splits=2)),
+    ("sparse_runs_prefetch", lambda: check_sparse_runs("cpu", torch.float32, splits=2, prefetch=True)),
     ("fused_selection_fp32", lambda: check_fused_selection("cpu", torch.float32)),
 ]
 
@@ -298,6 +300,8 @@ def test_fused_selection_on_gpu(dtype):
 def test_sparse_runs_on_gpu(dtype):
     check_sparse_runs("cuda", dtype)
     check_sparse_runs("cuda", dtype, hq=16, hkv=2, d=256, page=16, budget=2048, lengths=(9000, 3000, 5), block_n=32)
+    check_sparse_runs("cuda", dtype, hq=16, hkv=2, d=256, page=16, budget=2048, lengths=(9000, 3000, 5), block_n=32,
+                      prefetch=True)
 
 
 def test_sparse_kernel_sm90_code():

@@ -29,6 +29,32 @@ _M_INIT = tl.constexpr(-1.0e30)
 
 
 @triton.jit
+def _tile_slots(idx_row, bt_row, first, end, offs, stride_cb, stride_ct,
+                BLOCK_N: tl.constexpr, RUN: tl.constexpr, ALIGN: tl.constexpr, PAGE: tl.constexpr):
+    """Cache offsets (in elements) of the tile of listed positions starting at column `first`,
+    and which of them are real (columns >= end and -1 entries are not)."""
+    n = first + offs
+    pos = tl.load(idx_row + n, mask=n < end, other=-1)
+    ok = pos >= 0
+    if RUN == 1:  # any positions: one block-table read per token
+        page = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
+        tok = page * stride_cb + (pos % PAGE) * stride_ct
+    else:
+        # Each RUN aligned columns hold positions of one aligned group of RUN tokens (a QSA
+        # block, or the open tail's prefix): one block-table read per run, the run's tokens at
+        # consecutive slots of that page.
+        runs = tl.reshape(pos, [BLOCK_N // RUN, RUN])
+        first_pos = tl.max(runs, 1)  # any member locates the group; -1 when the run is empty
+        run_page = tl.load(bt_row + first_pos // PAGE, mask=first_pos >= 0, other=0).to(tl.int64)
+        run_base = run_page * stride_cb + ((first_pos % PAGE) // RUN * RUN) * stride_ct
+        tok = tl.reshape(tl.broadcast_to(run_base[:, None], [BLOCK_N // RUN, RUN]), [BLOCK_N])
+        # The reshape hides from the compiler that every token's offset is a multiple of the
+        # strides' common factor, which it needs to read K/V rows with 16-byte vectors.
+        tok = tl.multiple_of(tok + (pos % RUN) * stride_ct, ALIGN)
+    return tok, ok
+
+
+@triton.jit
 def _sparse_kernel(
     q_ptr, kv_ptr, bt_ptr, idx_ptr, seq_ids_ptr, k_scale_ptr, v_scale_ptr, part_o_ptr, part_lse_ptr,
     qk_scale, M,
@@ -36,7 +62,7 @@ def _sparse_kernel(
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr, RUN: tl.constexpr,
     ALIGN: tl.constexpr, D: tl.constexpr, D_POW2: tl.constexpr, PAGE: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, FP8: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     t = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -65,28 +91,21 @@ def _sparse_kernel(
     k_base = kv_ptr + kvh * stride_ch + d[None, :]
     start = split * (TILES * BLOCK_N)
     end = tl.minimum(start + TILES * BLOCK_N, M)
+    if PREFETCH:  # the first tile's slots now; each iteration then looks up the next tile's
+        tok_next, ok_next = _tile_slots(idx_row, bt_row, start, end, offs, stride_cb, stride_ct,
+                                        BLOCK_N, RUN, ALIGN, PAGE)
     for i in range(0, TILES):  # the split's tiles; n < end masks the last one
-        n = start + i * BLOCK_N + offs
-        pos = tl.load(idx_row + n, mask=n < end, other=-1)
-        ok = pos >= 0
-        if RUN == 1:  # any positions: one block-table read per token
-            page = tl.load(bt_row + pos // PAGE, mask=ok, other=0).to(tl.int64)
-            tok = page * stride_cb + (pos % PAGE) * stride_ct
+        if PREFETCH:
+            tok, ok = tok_next, ok_next
         else:
-            # Each RUN aligned columns hold positions of one aligned group of RUN tokens (a QSA
-            # block, or the open tail's prefix): one block-table read per run, the run's tokens at
-            # consecutive slots of that page.
-            runs = tl.reshape(pos, [BLOCK_N // RUN, RUN])
-            first = tl.max(runs, 1)  # any member locates the group; -1 when the run is empty
-            run_page = tl.load(bt_row + first // PAGE, mask=first >= 0, other=0).to(tl.int64)
-            run_base = run_page * stride_cb + ((first % PAGE) // RUN * RUN) * stride_ct
-            tok = tl.reshape(tl.broadcast_to(run_base[:, None], [BLOCK_N // RUN, RUN]), [BLOCK_N])
-            # The reshape hides from the compiler that every token's offset is a multiple of the
-            # strides' common factor, which it needs to read K/V rows with 16-byte vectors.
-            tok = tl.multiple_of(tok + (pos % RUN) * stride_ct, ALIGN)
+            tok, ok = _tile_slots(idx_row, bt_row, start + i * BLOCK_N, end, offs, stride_cb, stride_ct,
+                                  BLOCK_N, RUN, ALIGN, PAGE)
         kv_mask = ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + tok[:, None], mask=kv_mask, other=0.0)
         v = tl.load(k_base + stride_c2 + tok[:, None], mask=kv_mask, other=0.0)
+        if PREFETCH:  # index and block-table reads of tile i + 1 overlap tile i's K/V reads and math
+            tok_next, ok_next = _tile_slots(idx_row, bt_row, start + (i + 1) * BLOCK_N, end, offs, stride_cb,
+                                            stride_ct, BLOCK_N, RUN, ALIGN, PAGE)
         if FP8:  # E4M3 -> the query dtype is exact; the scales are applied outside the dots
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -158,6 +177,7 @@ class SparseConfig:
     num_warps: int = 8
     num_stages: int = 2
     programs_per_sm: int = 2
+    prefetch: bool = False  # look up tile i + 1's slots while tile i's K/V are read
 
     def __post_init__(self):
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
@@ -254,7 +274,7 @@ def sparse_attention_paged_triton(
         ALIGN=_align(kv_cache.stride(1), kv_cache.stride(2)),
         D=d, D_POW2=d_pow2,
         PAGE=kv_cache.shape[2], HAS_SEQ_IDS=seq_ids is not None, FP8=fp8, IEEE=q.dtype == torch.float32,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if s == 1:
         return out, lse
