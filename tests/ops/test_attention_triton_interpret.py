@@ -33,6 +33,7 @@ from qsaserve.parallel.dcp import DcpGeometry
 from qsaserve.quant.fp8 import FP8_E4M3
 
 from test_attention_triton import check_close
+from triton_interpreter import interpreter_numpy_shim
 from test_attention_triton_fp8 import F16_DOT_TOL, FP8_CANDIDATES, FP8_DEFAULT, fp8_case, nan_bytes, ref_fp8
 
 BF16 = torch.bfloat16
@@ -219,9 +220,9 @@ CHECKS = [check_write_kv_fp8_bit_equal_to_reference, check_fp8_decode_and_prefil
 @pytest.fixture(scope="module")
 def interpreter_results():
     pytest.importorskip("triton")
-    src = str(Path(__file__).resolve().parents[2] / "src")
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=os.pathsep.join([str(root / "src"), str(root / "tests"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines, f"interpreter run failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
@@ -246,27 +247,9 @@ def test_fp8_candidates_match_the_gpu_tests():
         tp.DecodeConfig(block_n=48)
 
 
-def _interpreter_numpy_shim() -> None:
-    """Triton 3.6's interpreter turns a scalar tensor (a 1-element array) into an index with
-    int(array), which NumPy >= 2.4 refuses: loops like range(start, end) then fail. Convert
-    through the array's single element instead."""
-    import triton.runtime.interpreter as interp
-
-    patch = getattr(interp, "_patch_lang_tensor", None)
-    if patch is None or getattr(patch, "_qsaserve_shim", False):
-        return
-
-    def patched(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._qsaserve_shim = True
-    interp._patch_lang_tensor = patched
-
-
 def _run_checks() -> dict[str, str]:
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    _interpreter_numpy_shim()
+    interpreter_numpy_shim()
     from qsaserve.ops.attention import triton_paged
 
     results = {}

@@ -236,7 +236,34 @@ def check_fused_selection(device, dtype, hi=3, di=12, r=4, page=16, budget=12, l
         assert (got.cpu().sort(1).values != ref.sort(1).values).any(1).float().mean() <= 0.02
 
 
+def check_topk(device, n=300, k=24, rows=5, tile=64, seed=3):
+    """Radix top-k of packed selection keys = torch.topk's indices for every visible group: score
+    ties (lower group first), hidden groups (-1), rows with fewer visible groups than k, a row
+    with none, N not a multiple of the tile, and k = N."""
+    from qsaserve.ops.qsa_indexer.paged import selection_keys
+    from qsaserve.ops.qsa_indexer.triton_topk import topk_indices_triton
+
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.rand(rows, n, generator=gen) * 4
+    scores[:, ::5] = scores[:, 1::5][:, : scores[:, ::5].shape[1]]  # exact ties across groups
+    scores[1, : n // 2] = 2.0  # a long run of equal scores straddling the threshold
+    scores[2] = 0.0  # every visible score equal (and +0.0)
+    r = 4
+    positions = torch.tensor([n * r - 1, n * r - 1, n * r - 1, 7 * r + 2, -1][:rows])  # row 3: 7 visible; row 4: none
+    keys = selection_keys(scores, positions, r)
+    for kk in (k, 1, min(n, 33), n):
+        got = topk_indices_triton(keys.to(device), kk, tile=tile).cpu()
+        want = torch.topk(keys, kk, dim=1).indices
+        visible = ((positions + 1) // r).clamp(max=n).clamp(min=0)
+        for i in range(rows):
+            real = min(int(visible[i]), kk)
+            assert torch.equal(got[i, :real], want[i, :real]), (kk, i, got[i, :real], want[i, :real])
+            assert ((got[i] >= 0) & (got[i] < n)).all()
+
+
 INTERPRETER_CHECKS = [
+    ("topk", lambda: check_topk("cpu")),
+    ("topk_one_tile_pow2_k", lambda: check_topk("cpu", n=64, k=16, tile=2048)),
     ("scores_fp32", lambda: check_scores("cpu", torch.float32)),
     ("scores_pow2_many_tiles", lambda: check_scores("cpu", torch.float32, hi=16, di=32, page=8, block_g=8)),
     ("prefill_scores_fp32", lambda: check_prefill_scores("cpu", torch.float32)),
@@ -256,6 +283,9 @@ INTERPRETER_CHECKS = [
 
 
 def run_interpreter_checks() -> None:
+    from triton_interpreter import interpreter_numpy_shim
+
+    interpreter_numpy_shim()
     for name, fn in INTERPRETER_CHECKS:
         fn()
         print("ok", name, flush=True)
@@ -265,7 +295,9 @@ def test_kernels_match_references_under_triton_interpreter():
     pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     here = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {here!r}); import test_qsa_triton as t; t.run_interpreter_checks()"
+    tests = os.path.dirname(here)
+    code = (f"import sys; sys.path[:0] = [{here!r}, {tests!r}]; import test_qsa_triton as t; "
+            "t.run_interpreter_checks()")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("ok ") == len(INTERPRETER_CHECKS)
@@ -286,6 +318,13 @@ def test_prefill_scores_on_gpu(dtype):
     # qwen4exp-small indexer (16 heads x 128, r 4): a 1024-row chunk at 8K context, 64-token pages.
     check_prefill_scores("cuda", dtype, hi=16, di=128, r=4, page=64, start=7168, length=1024, block_g=64)
     check_prefill_scores("cuda", dtype, hi=16, di=128, r=4, page=16, start=0, length=600, block_g=64)
+
+
+@pytest.mark.gpu
+def test_topk_on_gpu():
+    check_topk("cuda")
+    check_topk("cuda", n=32768, k=512, rows=5, tile=2048)  # qwen4exp-small at 128K context
+    check_topk("cuda", n=65536 + 37, k=500, rows=5, tile=1024)
 
 
 @pytest.mark.gpu
@@ -320,9 +359,9 @@ def test_sparse_kernel_sm90_code():
     types = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "bt_ptr": "*i32", "idx_ptr": "*i64", "seq_ids_ptr": "*i64",
              "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
              "qk_scale": "fp32"}
-    for run in (4, 1):
+    for run, prefetch in ((4, False), (1, False), (4, True)):
         consts = dict(G=8, BLOCK_M=16, BLOCK_N=cfg.block_n, TILES=4, RUN=run, ALIGN=16, D=256, D_POW2=256, PAGE=16,
-                      HAS_SEQ_IDS=False, FP8=False, IEEE=False)
+                      HAS_SEQ_IDS=False, FP8=False, IEEE=False, PREFETCH=prefetch)
         sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                    if n.startswith("stride_") or n.endswith("_ptr")}
@@ -330,7 +369,7 @@ def test_sparse_kernel_sm90_code():
                              options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}).asm["ptx"]
         wide = ptx.count("cp.async.cg.shared.global") + ptx.count("ld.global.v4")
         narrow = ptx.count("ld.global.b16") + ptx.count("ld.global.u16")
-        assert wide > 0 and narrow == 0, (run, wide, narrow)
+        assert wide > 0 and narrow == 0, (run, prefetch, wide, narrow)
 
 
 @pytest.mark.gpu

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qsaserve.ops.qsa_indexer.triton_topk import topk_indices_triton
+
 
 @triton.jit
 def _finish(score, g, visible, PACK: tl.constexpr):
@@ -243,10 +245,10 @@ def select_decode_tokens_triton(
     ratio: int, budget: int, block_g: int = 64,
 ) -> torch.Tensor:
     """`paged.select_decode_tokens(decode_index_scores(...))` in three launches: packed keys,
-    torch.topk, build. Device tensors only, shapes from tensor shapes (CUDA-graph safe)."""
+    radix top-k, build. Device tensors only, shapes from tensor shapes (CUDA-graph safe)."""
     keys = decode_index_scores_triton(index_q, block_key_cache, block_tables, positions, ratio, block_g, pack=True)
     k = min(budget // ratio, keys.shape[1])
-    return build_selection_triton(torch.topk(keys, k, dim=1).indices, positions, ratio, budget)
+    return build_selection_triton(topk_indices_triton(keys, k), positions, ratio, budget)
 
 
 def select_prefill_rows_triton(
@@ -254,10 +256,10 @@ def select_prefill_rows_triton(
     ratio: int, num_groups: int, budget: int,
 ) -> torch.Tensor:
     """A row block of one sequence's prefill queries -> selection, as `select_prefill_tokens`
-    with the lowest-index rule (its `select_fn`): packed keys, torch.topk, build."""
+    with the lowest-index rule (its `select_fn`): packed keys, radix top-k, build."""
     keys = prefill_index_scores_triton(index_q, block_key_cache, block_table, positions, ratio, num_groups, pack=True)
     k = min(budget // ratio, num_groups)
-    return build_selection_triton(torch.topk(keys, k, dim=1).indices, positions, ratio, budget)
+    return build_selection_triton(topk_indices_triton(keys, k), positions, ratio, budget)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,112 @@
+"""Top-k of packed selection keys by radix select, one program per row (Triton).
+
+The QSA selection takes the k largest `paged.selection_keys` of a row: (fp32 score bits << 32) +
+(2^32 - 1 - group), -1 for groups the row cannot see. torch.topk on those int64 keys runs a
+2-bit radix select, 32 passes over the row by one thread block; at 128K context (32K groups) that
+is most of a decode step's selection time. Here one program per row:
+
+  1. four passes of 8-bit digits over v = score bits + 1 (0 for hidden groups) find T, the k-th
+     largest v, and how many groups lie strictly above it;
+  2. one pass keeps every group above T and, of those equal to T, the lowest-numbered ones until
+     k are kept (the keys' tie rule: equal scores, lower group first), writing their keys to a
+     scratch row;
+  3. the k kept keys are sorted descending in registers (bitonic), so the output is exactly
+     torch.topk(keys, k).indices wherever keys are distinct, i.e. for every visible group. Where
+     fewer than k groups are visible the rest are hidden ones in no particular order, as with
+     torch.topk (the selection builder ignores them).
+
+Reference: `torch.topk(keys, k, dim=1).indices` (see tests/ops/test_qsa_triton.py).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_LOW_WORD = tl.constexpr(4294967295)  # 2^32 - 1
+
+
+@triton.jit
+def _digit_value(keys):
+    """v = score bits + 1 for visible keys (>= 0), 0 for hidden (-1): order-preserving, >= 0."""
+    return tl.where(keys >= 0, (keys >> 32) + 1, 0)
+
+
+@triton.jit
+def _topk_kernel(
+    keys_ptr, scratch_ptr, out_ptr, N, K,
+    stride_kb, stride_sb, stride_ob,
+    TILE: tl.constexpr, K_POW2: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    key_row = keys_ptr + row * stride_kb
+    offs = tl.arange(0, TILE)
+    bins = tl.arange(0, 256)
+
+    # 1. Radix select over v's four bytes, high to low: `prefix` holds the digits fixed so far.
+    prefix = tl.zeros([], tl.int64)
+    above = tl.zeros([], tl.int64)  # groups whose v is known to exceed T
+    for p in tl.static_range(4):
+        shift = 24 - 8 * p
+        hist = tl.zeros([256], tl.int32)
+        for start in range(0, N, TILE):
+            n = start + offs
+            v = _digit_value(tl.load(key_row + n, mask=n < N, other=-1))
+            match = (n < N) & ((v >> (shift + 8)) == (prefix >> (shift + 8)))
+            digit = tl.where(match, (v >> shift) & 255, 0).to(tl.int32)
+            hist += tl.histogram(digit, 256)
+            hist -= tl.where(bins == 0, tl.sum((~match).to(tl.int32), 0), 0)  # non-matches went to bin 0
+        need = K - above
+        at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # matching groups with digit >= bin
+        chosen = tl.max(tl.where(at_or_above >= need, bins, -1), 0)
+        above += tl.sum(tl.where(bins == chosen, at_or_above - hist, 0), 0)
+        prefix = prefix | (chosen.to(tl.int64) << shift)
+
+    # 2. Keep v > T, and the lowest-numbered of v == T until K are kept.
+    ties_needed = K - above
+    kept = tl.zeros([], tl.int64)
+    ties = tl.zeros([], tl.int64)
+    scratch_row = scratch_ptr + row * stride_sb
+    for start in range(0, N, TILE):
+        n = start + offs
+        keys = tl.load(key_row + n, mask=n < N, other=-1)
+        v = _digit_value(keys)
+        tie = (n < N) & (v == prefix)
+        tie_rank = ties + tl.cumsum(tie.to(tl.int64), 0) - 1
+        keep = (n < N) & ((v > prefix) | (tie & (tie_rank < ties_needed)))
+        slot = kept + tl.cumsum(keep.to(tl.int64), 0) - 1
+        tl.store(scratch_row + slot, keys, mask=keep)
+        kept += tl.sum(keep.to(tl.int64), 0)
+        ties += tl.sum(tie.to(tl.int64), 0)
+    tl.debug_barrier()  # the scratch row written above is read back by other threads of this program
+
+    # 3. Sort the K kept keys descending; a key's group is 2^32 - 1 - its low word.
+    j = tl.arange(0, K_POW2)
+    kept_keys = tl.load(scratch_row + j, mask=j < K, other=-2)  # -2: padding sorts after hidden (-1)
+    kept_keys = tl.sort(kept_keys, descending=True)
+    group = tl.where(kept_keys >= 0, _LOW_WORD - (kept_keys & _LOW_WORD), 0)
+    tl.store(out_ptr + row * stride_ob + j, group, mask=j < K)
+
+
+def topk_indices_triton(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.Tensor:
+    """keys [B, N] int64 (`paged.selection_keys`) -> [B, k] int64 group indices in descending key
+    order, as torch.topk(keys, k, dim=1).indices for every visible group. Device tensors only,
+    shapes from tensor shapes (CUDA-graph safe)."""
+    if keys.dtype != torch.int64 or keys.dim() != 2:
+        raise ValueError(f"keys: expected a 2-D int64 tensor, got {keys.dtype} {tuple(keys.shape)}")
+    b, n = keys.shape
+    if not 0 < k <= n:
+        raise ValueError(f"k: must be in [1, {n}], got {k}")
+    keys = keys.contiguous()
+    out = torch.empty((b, k), dtype=torch.int64, device=keys.device)
+    if b == 0:
+        return out
+    k_pow2 = triton.next_power_of_2(k)
+    scratch = torch.empty((b, k_pow2), dtype=torch.int64, device=keys.device)
+    tile = min(tile, max(16, triton.next_power_of_2(n)))
+    _topk_kernel[(b,)](keys, scratch, out, n, k, keys.stride(0), scratch.stride(0), out.stride(0),
+                       TILE=tile, K_POW2=k_pow2, num_warps=8 if tile >= 1024 else 4)
+    return out
+
+
+__all__ = ["topk_indices_triton"]
