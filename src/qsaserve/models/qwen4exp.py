@@ -420,10 +420,10 @@ class Qwen4ExpForCausalLM(nn.Module):
         w, q, gate, k, v, iq, raw = self._qsa_inputs(i, x, positions)
         if cache.observer is not None:
             cache.observer(k, v)
+        gate = self._own_gate(gate)  # q already holds the DCP group's heads (_query_head_range)
         if dcp.enabled:
             plan = meta.dcp
             _write_kv(cache, k[plan.write_rows], v[plan.write_rows], plan.write_slots)
-            q = ctx.dcp_gather_heads(q)
         else:
             _write_kv(cache, k, v, meta.slot_mapping)
         r, budget = c.indexer_compress_ratio, c.indexer_budget
@@ -475,8 +475,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         if cache.observer is not None:
             cache.observer(k, v)
         _write_kv(cache, k, v, step.kv_slots)
-        if ctx.dcp.enabled:
-            q = ctx.dcp_gather_heads(q)
+        gate = self._own_gate(gate)  # q already holds the DCP group's heads (_query_head_range)
         # The raw key joins its sequence's open group in the state slot (padding rows: the scratch slot).
         r, tables, pos = c.indexer_compress_ratio, meta.block_tables, step.query_pos
         pool_completed_groups(self.state[i].index_tail, step.slot_idx, raw, cache.block_keys, tables, pos, step.valid,
@@ -521,7 +520,8 @@ class Qwen4ExpForCausalLM(nn.Module):
         d = c.head_dim
         qa, qb = even_range(c.num_attention_heads, n, r)
         if sub in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
-            return take(t, 0, [(qa * 2 * d, qb * 2 * d)])  # per head: D query rows then D gate rows
+            ga, gb = self._query_head_range()
+            return take(t, 0, [(ga * 2 * d, gb * 2 * d)])  # per head: D query rows then D gate rows
         if sub.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
             ka, kb = kv_head_range(c.num_key_value_heads, n, r)
             return take(t, 0, [(ka * d, kb * d)])
@@ -551,6 +551,23 @@ class Qwen4ExpForCausalLM(nn.Module):
         if sub == "mlp.shared_expert.down_proj.weight":
             return take(t, 1, [(sa, sb)])
         return t
+
+    def _query_head_range(self) -> tuple[int, int]:
+        """Query heads this rank projects. Under DCP every rank of a DCP group attends with all of
+        the group's query heads over its own token shard of their KV head, so each rank computes
+        the whole group's queries itself (the group's q_proj rows: D x the rows, one small GEMM)
+        instead of all-gathering them every layer and step; the group is D consecutive TP ranks.
+        Outside DCP: this rank's heads."""
+        ctx, h = self.ctx, self.cfg.num_attention_heads
+        first = ctx.tp_rank - ctx.dcp.rank
+        return even_range(h, ctx.tp_size, first)[0], even_range(h, ctx.tp_size, first + ctx.dcp.size - 1)[1]
+
+    def _own_gate(self, gate: torch.Tensor) -> torch.Tensor:
+        """[T, group heads * D] output gate -> this rank's heads (the DCP merge returns those)."""
+        if not self.ctx.dcp.enabled:
+            return gate
+        width = gate.shape[1] // self.ctx.dcp.size
+        return gate[:, self.ctx.dcp.rank * width:(self.ctx.dcp.rank + 1) * width]
 
     def _tp_shard_expert(self, proj: str, t: torch.Tensor) -> torch.Tensor:
         """One expert's gate_proj / up_proj [I, H] or down_proj [H, I] -> this rank's I slice."""
