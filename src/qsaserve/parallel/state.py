@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from qsaserve.ops.qsa_attention.reference import merge_attention_partials
+from qsaserve.ops import dcp_merge
 from qsaserve.parallel.dcp import DcpGeometry
 
 
@@ -61,20 +61,14 @@ class ParallelContext:
         hl = hg // d
         if self.dcp_backend == "a2a":
             # One all-to-all: rank i receives every rank's partial (out | lse) for its heads, merges locally.
-            packed = torch.cat([out, lse[..., None]], dim=-1).view(t, d, hl, dh + 1).transpose(0, 1).contiguous()
+            packed = dcp_merge.pack_partials(out, lse, d)
             recv = torch.empty_like(packed)
             dist.all_to_all_single(recv, packed, group=self.dcp_group)
-            return merge_attention_partials(recv[..., :dh], recv[..., dh])[0]
+            return dcp_merge.merge_packed(recv)
         # AG+RS: every rank learns all LSEs, rescales its own partial to its final weight, and a
         # reduce-scatter over heads sums the rescaled partials into each rank's heads.
         lses = _all_gather(lse, d, self.dcp_group)
-        m = lses.amax(dim=0)
-        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-        total = torch.exp2(lses - m).sum(dim=0)
-        w = torch.exp2(lse - m) / total.clamp_min(torch.finfo(torch.float32).tiny)
-        # Zero empty partials explicitly: w is 0 there but 0 * NaN would survive.
-        scaled = torch.where((w > 0)[..., None], out, torch.zeros_like(out)) * w[..., None]
-        send = scaled.view(t, d, hl, dh).transpose(0, 1).contiguous()
+        send = dcp_merge.scale_partials(out, lse, lses, d)
         recv = out.new_empty((t, hl, dh))
         _reduce_scatter(recv, send.flatten(0, 1), group=self.dcp_group)
         return recv
