@@ -223,6 +223,13 @@ def check_fused_selection(device, dtype, hi=3, di=12, r=4, page=16, budget=12, l
     chosen = torch.topk(packed, k, dim=1).indices
     assert torch.equal(build_selection_triton(chosen.to(device), dev[3], r, budget).cpu(),
                        build_selection(chosen, positions, r, budget))
+    # Under DCP the build writes this rank's local rows: DcpGeometry.localize of the selection.
+    from qsaserve.parallel.dcp import DcpGeometry
+
+    for size, rank, interleave in ((2, 0, 1), (2, 1, 1), (4, 3, 2), (3, 1, 4)):
+        geo = DcpGeometry(size=size, rank=rank, interleave=interleave, block_size=page)
+        got = select_decode_tokens_triton(*dev, r, budget, block_g=block_g, dcp=geo).cpu()
+        assert torch.equal(got, geo.localize(want)), (size, rank, interleave)
     # Prefill: one sequence's chunk (positions 40..149), small row blocks.
     seq = len(lengths) - 1
     qp = torch.randn(110, hi, di, generator=gen).to(dtype)

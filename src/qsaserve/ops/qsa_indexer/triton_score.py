@@ -208,10 +208,13 @@ def prefill_index_scores_triton(
 
 
 @triton.jit
-def _build_kernel(chosen_ptr, pos_ptr, out_ptr, K, stride_cb, stride_ob,
-                  WIDTH: tl.constexpr, RATIO: tl.constexpr, BLOCK_W: tl.constexpr):
+def _build_kernel(chosen_ptr, pos_ptr, out_ptr, K, dcp_rank, stride_cb, stride_ob,
+                  WIDTH: tl.constexpr, RATIO: tl.constexpr, BLOCK_W: tl.constexpr,
+                  DCP_SIZE: tl.constexpr, DCP_I: tl.constexpr):
     """One row: columns < count*r take chosen[c // r]*r + c % r, the next (pos+1) - nv*r the tail
-    nv*r.., the rest -1 (count = min(nv, K) real choices, nv visible groups)."""
+    nv*r.., the rest -1 (count = min(nv, K) real choices, nv visible groups). With DCP_SIZE > 1
+    each position is then mapped to this rank's local row, -1 where another rank owns it
+    (`parallel.dcp.DcpGeometry.localize`, the reference)."""
     b = tl.program_id(0)
     pos = tl.load(pos_ptr + b).to(tl.int64)
     nv = tl.where(pos >= 0, (pos + 1) // RATIO, 0)
@@ -223,11 +226,16 @@ def _build_kernel(chosen_ptr, pos_ptr, out_ptr, K, stride_cb, stride_ob,
         grp = tl.load(chosen_ptr + b.to(tl.int64) * stride_cb + c // RATIO, mask=in_block, other=0)
         j = c - count * RATIO
         val = tl.where(in_block, grp * RATIO + c % RATIO, tl.where((j >= 0) & (j < tail_len), nv * RATIO + j, -1))
+        if DCP_SIZE > 1:
+            mine = (val >= 0) & ((val // DCP_I) % DCP_SIZE == dcp_rank)
+            val = tl.where(mine, (val // (DCP_SIZE * DCP_I)) * DCP_I + val % DCP_I, -1)
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + c, val, mask=c < WIDTH)
 
 
-def build_selection_triton(chosen: torch.Tensor, positions: torch.Tensor, ratio: int, budget: int) -> torch.Tensor:
-    """`paged.build_selection` in one launch: chosen [B, k] top-k groups -> [B, budget + r - 1]."""
+def build_selection_triton(chosen: torch.Tensor, positions: torch.Tensor, ratio: int, budget: int,
+                           dcp=None) -> torch.Tensor:
+    """`paged.build_selection` in one launch: chosen [B, k] top-k groups -> [B, budget + r - 1].
+    dcp: a `DcpGeometry` to write this rank's local rows instead (its `localize` of the result)."""
     b, k = chosen.shape
     width = budget + ratio - 1
     out = torch.empty((b, width), dtype=torch.long, device=chosen.device)
@@ -235,20 +243,23 @@ def build_selection_triton(chosen: torch.Tensor, positions: torch.Tensor, ratio:
         return out
     chosen = chosen.contiguous()
     block_w = min(1024, triton.next_power_of_2(width))
-    _build_kernel[(b,)](chosen, positions, out, k, chosen.stride(0), out.stride(0),
-                        WIDTH=width, RATIO=ratio, BLOCK_W=block_w, num_warps=4)
+    size = dcp.size if dcp is not None else 1
+    _build_kernel[(b,)](chosen, positions, out, k, dcp.rank if size > 1 else 0, chosen.stride(0), out.stride(0),
+                        WIDTH=width, RATIO=ratio, BLOCK_W=block_w, DCP_SIZE=size,
+                        DCP_I=dcp.interleave if size > 1 else 1, num_warps=4)
     return out
 
 
 def select_decode_tokens_triton(
     index_q: torch.Tensor, block_key_cache: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
-    ratio: int, budget: int, block_g: int = 64,
+    ratio: int, budget: int, block_g: int = 64, dcp=None,
 ) -> torch.Tensor:
     """`paged.select_decode_tokens(decode_index_scores(...))` in three launches: packed keys,
-    radix top-k, build. Device tensors only, shapes from tensor shapes (CUDA-graph safe)."""
+    radix top-k, build. Device tensors only, shapes from tensor shapes (CUDA-graph safe). dcp: a
+    `DcpGeometry`, to get this rank's local rows (`dcp.localize` of the selection) from the build."""
     keys = decode_index_scores_triton(index_q, block_key_cache, block_tables, positions, ratio, block_g, pack=True)
     k = min(budget // ratio, keys.shape[1])
-    return build_selection_triton(topk_indices_triton(keys, k), positions, ratio, budget)
+    return build_selection_triton(topk_indices_triton(keys, k), positions, ratio, budget, dcp)
 
 
 def select_prefill_rows_triton(
