@@ -24,7 +24,6 @@ from qsaserve.layers.attention import AttentionMetadata
 from qsaserve.models.qwen4exp_blocks import (
     gated_rms_norm,
     hc_expand,
-    hc_gated_residual,
     hc_inject,
     qsa_attention_output,
     qsa_attention_qkv,
@@ -33,6 +32,7 @@ from qsaserve.models.qwen4exp_blocks import (
 from qsaserve.models.qwen4exp_ple import PLEHashParams, ple_initial_context, ple_layer_forward
 from qsaserve.ops.attention.reference import gather_context, write_kv_reference
 from qsaserve.ops.gdn.dispatch import gated_delta_rule
+from qsaserve.ops.hyper_connection import hc_step
 from qsaserve.ops.gdn.reference import causal_conv1d_reference
 from qsaserve.ops.qsa_attention.reference import sparse_attention_paged_reference, sparse_attention_reference
 from qsaserve.ops.qsa_indexer.paged import (decode_index_scores, pool_chunk_groups, pool_completed_groups,
@@ -267,24 +267,27 @@ class Qwen4ExpForCausalLM(nn.Module):
         step = self._decode_step(input_ids, meta) if _is_decode(input_ids, meta) else self._prefill_step(input_ids, meta)
         embeds = vocab_parallel_embedding(self.weights["embed_tokens.weight"], input_ids, c.vocab_size, self.ctx)
         hyper = hc_expand(embeds, c.hc_count)
+        pending = None  # (block output, injection weights) not yet added to hyper
         for i, kind in enumerate(c.layer_types):
             w = self.layer_weights[i]
             if i in self.ple_params:
+                if pending is not None:
+                    hyper, pending = hc_inject(hyper, *pending), None
                 hyper = hyper + self._ple(i, hyper, input_ids, step)
-            mixed, inject = self._mix(w, "attn_hyper_connection.", hyper)
+            # Each hyper-connection step adds the previous block's output, then mixes the next input.
+            hyper, mixed, inject = self._hc_step(w, "attn_hyper_connection.", hyper, pending)
             if kind == GDN:
                 out = self._gdn(i, mixed, step)
             elif step.decode:
                 out = self._qsa_decode(i, mixed, positions, meta, step)
             else:
                 out = self._qsa(i, mixed, positions, step, meta)
-            hyper = hc_inject(hyper, out, inject)
-            mixed, inject = self._mix(w, "mlp_hyper_connection.", hyper)
+            hyper, mixed, inject2 = self._hc_step(w, "mlp_hyper_connection.", hyper, (out, inject))
             mlp = self.layer_parts[i]["mlp"]
             moe = sparse_moe_block(mixed, mlp, c.num_experts_per_tok, c.norm_topk_prob, c.hidden_act,
                                    sync_free=step.decode)
-            hyper = hc_inject(hyper, self.ctx.all_reduce(moe), inject)
-        return hyper
+            pending = (self.ctx.all_reduce(moe), inject2)
+        return hc_inject(hyper, *pending) if pending is not None else hyper
 
     def _prefill_step(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> "_Step":
         """Any step with a multi-token query: per-sequence loops over host lists."""
@@ -315,16 +318,19 @@ class Qwen4ExpForCausalLM(nn.Module):
         return step
 
     def compute_logits(self, hyper: torch.Tensor) -> torch.Tensor:
-        final, _ = hc_gated_residual(
-            hyper, self.weights["hyper_connection_mixer.hc_norm.weight"],
+        _, final, _ = hc_step(
+            hyper, None, None, self.weights["hyper_connection_mixer.hc_norm.weight"],
             self.weights["hyper_connection_mixer.input_mix_weight_down.weight"],
             self.weights["hyper_connection_mixer.input_mix_weight_up.weight"], None, self.cfg.hc_count, self.cfg.rms_norm_eps,
         )
         return vocab_parallel_logits(final, self.weights["lm_head.weight"], self.cfg.vocab_size, self.ctx)
 
-    def _mix(self, w: dict, prefix: str, hyper: torch.Tensor):
-        return hc_gated_residual(
-            hyper, w[prefix + "hc_norm.weight"], w[prefix + "input_mix_weight_down.weight"],
+    def _hc_step(self, w: dict, prefix: str, hyper: torch.Tensor, pending):
+        """hyper += pending's output (per-stream weights), then this mixer's block input and the
+        injection weights for its block (`ops.hyper_connection`: Triton on CUDA)."""
+        out, inject = pending if pending is not None else (None, None)
+        return hc_step(
+            hyper, out, inject, w[prefix + "hc_norm.weight"], w[prefix + "input_mix_weight_down.weight"],
             w[prefix + "input_mix_weight_up.weight"], w[prefix + "block_inject_weight.weight"],
             self.cfg.hc_count, self.cfg.rms_norm_eps,
         )

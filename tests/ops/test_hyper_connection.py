@@ -1,0 +1,77 @@
+"""The hyper-connection step's Triton kernels against the torch reference (qwen4exp_blocks'
+hc_inject + hc_gated_residual): float32 to 1e-5, bf16 within a few bf16 steps; first block (no
+output to inject), inner blocks, and the final mixer (no injection weights); H not a power of two.
+Under the Triton interpreter on CPU and on a CUDA GPU."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from qsaserve.ops.hyper_connection.reference import hc_step_reference
+
+
+def _case(t, hc, h, lr, dtype, gen):
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=gen) * scale).to(dtype)  # noqa: E731
+    return dict(hyper=r(t, hc * h), block_out=r(t, h), inject=(torch.rand(t, hc, generator=gen) * 2).to(dtype),
+                norm_weight=r(hc * h, scale=0.3), down_weight=r(lr, hc * h, scale=0.05),
+                up_weight=r(hc * h, lr, scale=0.2), inject_weight=r(hc, hc * h, scale=0.05))
+
+
+def check_hc_step(device, dtype, step_fn, t=3, hc=4, h=48, lr=20):
+    gen = torch.Generator().manual_seed(hc * h + lr)
+    case = _case(t, hc, h, lr, dtype, gen)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    for first, final in ((False, False), (True, False), (False, True)):
+        kw = dict(case)
+        if first:
+            kw["block_out"] = kw["inject"] = None
+        if final:
+            kw["inject_weight"] = None
+        want = hc_step_reference(**kw, hc_count=hc, eps=1e-6)
+        got = step_fn(**{k: (v.to(device) if v is not None else None) for k, v in kw.items()}, hc_count=hc, eps=1e-6)
+        for name, w, g in zip(("hyper", "mixed", "inject"), want, got):
+            if w is None:
+                assert g is None, name
+                continue
+            torch.testing.assert_close(g.cpu().float(), w.float(), **tol, msg=lambda m: f"{name} {first=} {final=}: {m}")
+
+
+def test_reference_is_the_model_composition():
+    from qsaserve.models.qwen4exp_blocks import hc_gated_residual, hc_inject
+
+    gen = torch.Generator().manual_seed(0)
+    c = _case(2, 2, 16, 8, torch.float32, gen)
+    hyper, mixed, inj = hc_step_reference(**c, hc_count=2, eps=1e-6)
+    assert torch.equal(hyper, hc_inject(c["hyper"], c["block_out"], c["inject"]))
+    m2, i2 = hc_gated_residual(hyper, c["norm_weight"], c["down_weight"], c["up_weight"], c["inject_weight"], 2, 1e-6)
+    assert torch.equal(mixed, m2) and torch.equal(inj, i2)
+
+
+def _triton_checks(device):
+    from qsaserve.ops.hyper_connection.triton_hc import hc_step_triton
+
+    for dtype in (torch.float32, torch.bfloat16):
+        check_hc_step(device, dtype, hc_step_triton)
+        check_hc_step(device, dtype, hc_step_triton, t=1, hc=2, h=64, lr=16)
+
+
+def test_triton_kernels_under_interpreter():
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]; "
+            "from triton_interpreter import interpreter_numpy_shim; interpreter_numpy_shim(); "
+            "import test_hyper_connection as t; t._triton_checks('cpu'); print('ok')")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+def test_triton_kernels_on_gpu():
+    _triton_checks("cuda")
+    check_hc_step("cuda", torch.bfloat16, __import__("qsaserve.ops.hyper_connection.triton_hc",
+                                                      fromlist=["hc_step_triton"]).hc_step_triton,
+                  t=16, hc=4, h=2048, lr=320)  # qwen4exp-small's mixers, batch 16
