@@ -22,7 +22,6 @@ from torch import nn
 from qsaserve.cache.kv_cache import KVCacheSpec, LayerCache
 from qsaserve.layers.attention import AttentionMetadata
 from qsaserve.models.qwen4exp_blocks import (
-    gated_rms_norm,
     hc_expand,
     hc_inject,
     qsa_attention_output,
@@ -31,6 +30,7 @@ from qsaserve.models.qwen4exp_blocks import (
 )
 from qsaserve.models.qwen4exp_ple import PLEHashParams, ple_initial_context, ple_layer_forward
 from qsaserve.ops.attention.reference import gather_context, write_kv_reference
+from qsaserve.ops.gdn.decode_ops import conv1d_decode_, gated_norm, gdn_gates
 from qsaserve.ops.gdn.dispatch import gated_delta_rule
 from qsaserve.ops.hyper_connection import hc_step
 from qsaserve.ops.gdn.reference import causal_conv1d_reference
@@ -367,15 +367,13 @@ class Qwen4ExpForCausalLM(nn.Module):
         slot_idx = step.slot_idx
         mixed = F.linear(x, w["in_proj_qkv.weight"])
         z = F.linear(x, w["in_proj_z.weight"]).view(t, Hv, Dv)
-        beta = torch.sigmoid(F.linear(x, w["in_proj_b.weight"]))
-        # Decay in fp32: exp(A_log) may overflow half precision.
-        g = -w["A_log"].float().exp() * F.softplus(F.linear(x, w["in_proj_a.weight"]).float() + w["dt_bias"].float())
+        # beta = sigmoid(b); decay g in fp32 (exp(A_log) may overflow half precision).
+        beta, g = gdn_gates(F.linear(x, w["in_proj_b.weight"]), F.linear(x, w["in_proj_a.weight"]), w["A_log"],
+                            w["dt_bias"])
         if step.decode:
-            fresh = step.fresh[:, None, None]
-            conv_state = torch.where(fresh, 0, st.conv[slot_idx])
-            recurrent = torch.where(fresh[..., None], 0, st.recurrent[slot_idx])
-            conv, new_conv = _conv1d_decode(mixed, w["conv1d.weight"], conv_state, c.hidden_act)
-            st.conv[slot_idx] = new_conv
+            recurrent = torch.where(step.fresh[:, None, None, None], 0, st.recurrent[slot_idx])
+            # One token per sequence from its conv state slot (updated in place; zeros when fresh).
+            conv = conv1d_decode_(mixed, w["conv1d.weight"], st.conv, slot_idx, step.fresh, c.hidden_act)
             q, k, v = torch.split(conv, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
             o, final = gated_delta_rule(  # one token per sequence: batch of t, no cu_seqlens to read back
                 q.reshape(t, 1, Hk, Dk), k.reshape(t, 1, Hk, Dk), v.reshape(t, 1, Hv, Dv), g[:, None], beta[:, None],
@@ -393,7 +391,7 @@ class Qwen4ExpForCausalLM(nn.Module):
             )
             o = o[0]
         st.recurrent[slot_idx] = final.float()
-        o = gated_rms_norm(o, z, w["norm.weight"], c.rms_norm_eps, c.output_gate_type or c.hidden_act)
+        o = gated_norm(o, z, w["norm.weight"], c.rms_norm_eps, c.output_gate_type or c.hidden_act)
         return self.ctx.all_reduce(F.linear(o.reshape(t, Hv * Dv), w["out_proj.weight"]))
 
     def _qsa_inputs(self, i: int, x: torch.Tensor, positions: torch.Tensor):
@@ -712,16 +710,3 @@ def _write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.
         _triton_paged.write_kv(k, v, cache.kv, slots, cache.k_scale, cache.v_scale, **extra)
         return
     write_kv_reference(k, v, cache.kv, slots.clamp_min(0), cache.k_scale, cache.v_scale, **extra)
-
-
-def _conv1d_decode(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, activation: str):
-    """Depthwise causal conv for one token per sequence: x [B, C], state [B, C, S] (previous
-    inputs, oldest first) -> (act(y) [B, C], new state). fp32, like causal_conv1d_reference."""
-    w = weight.reshape(weight.shape[0], -1).float()  # [C, W]
-    ext = torch.cat([state.float(), x.float()[:, :, None]], dim=-1)
-    y = (ext[:, :, ext.shape[-1] - w.shape[-1]:] * w).sum(-1)
-    if activation in ("silu", "swish"):
-        y = F.silu(y)
-    elif activation is not None:
-        raise ValueError(f"unsupported activation {activation!r}")
-    return y.to(x.dtype), ext[:, :, 1:].to(state.dtype)

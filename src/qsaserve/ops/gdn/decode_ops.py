@@ -1,0 +1,71 @@
+"""The small ops around the gated delta rule in a GDN decode step, in plain torch (the references,
+and the CPU path): the gates, the one-token causal conv with its per-slot state, and the gated
+output norm. `triton_decode.py` runs each as one kernel.
+
+* gdn_gates: beta = sigmoid(b) (model dtype), g = -exp(A_log) * softplus(a + dt_bias) (fp32:
+  exp(A_log) may overflow half precision).
+* conv1d_decode_: depthwise causal conv of one token per sequence continuing from its state slot
+  (zeros for a fresh sequence), SiLU; the slot's state (the last W-1 inputs) is updated in place.
+* gated_rms_norm: `qwen4exp_blocks.gated_rms_norm` (weight * norm(x), times act(gate) in fp32).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from qsaserve.ops import fused
+
+try:  # CPU-only installs keep the references
+    from qsaserve.ops.gdn import triton_decode
+except ImportError:
+    triton_decode = None
+
+
+def gdn_gates_reference(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
+                        dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """b, a [T, Hv] (projection outputs) -> (beta [T, Hv] in b's dtype, g [T, Hv] fp32)."""
+    beta = torch.sigmoid(b)
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias.float())
+    return beta, g
+
+
+def conv1d_decode_reference_(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                             fresh: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """x [B, C] (one token per sequence), weight [C, 1, W] or [C, W], states [N, C, W-1] (in place:
+    slots[b]'s state becomes its last W-1 inputs), fresh [B] bool (start from zeros) -> act(y) [B, C]
+    in x's dtype. fp32 math, like causal_conv1d_reference."""
+    state = torch.where(fresh[:, None, None], 0, states[slots])
+    w = weight.reshape(weight.shape[0], -1).float()  # [C, W]
+    ext = torch.cat([state.float(), x.float()[:, :, None]], dim=-1)
+    y = (ext[:, :, ext.shape[-1] - w.shape[-1]:] * w).sum(-1)
+    if activation in ("silu", "swish"):
+        y = F.silu(y)
+    elif activation is not None:
+        raise ValueError(f"unsupported activation {activation!r}")
+    states[slots] = ext[:, :, 1:].to(states.dtype)
+    return y.to(x.dtype)
+
+
+# ---- dispatch: one Triton launch each on CUDA (fused kernels on), these references elsewhere ----
+
+def _fast(x: torch.Tensor) -> bool:
+    return triton_decode is not None and fused.ENABLED and x.is_cuda
+
+
+def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
+    fn = triton_decode.gdn_gates_triton if _fast(b) else gdn_gates_reference
+    return fn(b, a, a_log, dt_bias)
+
+
+def conv1d_decode_(x, weight, states, slots, fresh, activation: str = "silu") -> torch.Tensor:
+    fn = triton_decode.conv1d_decode_triton_ if _fast(x) else conv1d_decode_reference_
+    return fn(x, weight, states, slots, fresh, activation)
+
+
+def gated_norm(x, gate, weight, eps: float, activation: str = "silu") -> torch.Tensor:
+    """qwen4exp_blocks.gated_rms_norm (the reference) on any device."""
+    if _fast(x):
+        return triton_decode.gated_rms_norm_triton(x, gate, weight, eps, activation)
+    from qsaserve.models.qwen4exp_blocks import gated_rms_norm  # the model's own math
+
+    return gated_rms_norm(x, gate, weight, eps, activation)

@@ -1,0 +1,110 @@
+"""One Triton kernel each for the ops around the gated delta rule in a GDN decode step (references
+in decode_ops.py and qwen4exp_blocks.gated_rms_norm). In torch they are 8-13 small kernels each,
+per GDN layer per step; at batch 1 those launches, not their bytes, are the cost."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gates_kernel(b_ptr, a_ptr, alog_ptr, dt_ptr, beta_ptr, g_ptr, H, stride_b, stride_a, stride_beta, stride_g,
+                  BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, BLOCK)
+    ok = h < H
+    b = tl.load(b_ptr + row * stride_b + h, mask=ok, other=0.0)
+    tl.store(beta_ptr + row * stride_beta + h, tl.sigmoid(b.to(tl.float32)).to(b.dtype), mask=ok)
+    x = tl.load(a_ptr + row * stride_a + h, mask=ok, other=0.0).to(tl.float32) \
+        + tl.load(dt_ptr + h, mask=ok, other=0.0).to(tl.float32)
+    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # F.softplus, threshold 20
+    decay = tl.exp(tl.load(alog_ptr + h, mask=ok, other=0.0).to(tl.float32))
+    tl.store(g_ptr + row * stride_g + h, -decay * softplus, mask=ok)
+
+
+@triton.jit
+def _conv_decode_kernel(x_ptr, w_ptr, states_ptr, slots_ptr, fresh_ptr, y_ptr, C,
+                        stride_x, stride_w, stride_sn, stride_sc, stride_y,
+                        W: tl.constexpr, W_POW2: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    j = tl.arange(0, W_POW2)  # tap j: taps 0..W-2 come from the state, tap W-1 is this token
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    keep = tl.load(fresh_ptr + row) == 0  # a fresh sequence starts from a zero state
+    x = tl.load(x_ptr + row.to(tl.int64) * stride_x + c, mask=c_ok, other=0.0)
+    st_ptrs = states_ptr + slot * stride_sn + c[:, None] * stride_sc + j[None, :]
+    from_state = c_ok[:, None] & (j[None, :] < W - 1)
+    st = tl.load(st_ptrs, mask=from_state & keep, other=0.0).to(tl.float32)
+    ext = tl.where(j[None, :] == W - 1, x.to(tl.float32)[:, None], st)  # [BLOCK_C, W_POW2]
+    w = tl.load(w_ptr + c[:, None] * stride_w + j[None, :], mask=c_ok[:, None] & (j[None, :] < W), other=0.0)
+    y = tl.sum(ext * w.to(tl.float32), 1)
+    if SILU:
+        y = y * tl.sigmoid(y)
+    tl.store(y_ptr + row.to(tl.int64) * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=c_ok)
+    # New state: taps 1..W-1, i.e. state position p takes ext[p + 1].
+    nxt = tl.where(j[None, :] + 1 == W - 1, x.to(tl.float32)[:, None], 0.0)
+    shifted = tl.load(st_ptrs + 1, mask=c_ok[:, None] & (j[None, :] + 1 < W - 1) & keep, other=0.0)
+    nxt = nxt + shifted.to(tl.float32)
+    tl.store(st_ptrs, nxt.to(states_ptr.dtype.element_ty), mask=from_state)
+
+
+@triton.jit
+def _gated_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, D, eps, stride_x, stride_z, stride_o,
+                       SILU: tl.constexpr, ROUND_WN: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # one (token, head) row of D values
+    c = tl.arange(0, BLOCK)
+    ok = c < D
+    x = tl.load(x_ptr + row * stride_x + c, mask=ok, other=0.0)
+    xf = x.to(tl.float32)
+    normed = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)).to(x.dtype).to(tl.float32)
+    wn = tl.load(w_ptr + c, mask=ok, other=0.0).to(tl.float32) * normed
+    if ROUND_WN:  # weight * normed in the model dtype, as torch rounds it
+        wn = wn.to(x.dtype).to(tl.float32)
+    z = tl.load(z_ptr + row * stride_z + c, mask=ok, other=0.0).to(tl.float32)
+    act = z * tl.sigmoid(z) if SILU else tl.sigmoid(z)
+    tl.store(out_ptr + row * stride_o + c, (wn * act).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def gdn_gates_triton(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
+    t, h = b.shape
+    beta = torch.empty_like(b)
+    g = torch.empty((t, h), dtype=torch.float32, device=b.device)
+    if t:
+        _gates_kernel[(t,)](b, a, a_log, dt_bias, beta, g, h, b.stride(0), a.stride(0), beta.stride(0), g.stride(0),
+                            BLOCK=triton.next_power_of_2(h), num_warps=1)
+    return beta, g
+
+
+def conv1d_decode_triton_(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                          fresh: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    if activation not in ("silu", "swish", None):
+        raise ValueError(f"unsupported activation {activation!r}")
+    b, c = x.shape
+    w = weight.reshape(weight.shape[0], -1)
+    width = w.shape[1]
+    if states.shape[-1] != width - 1 or states.stride(-1) != 1 or w.stride(-1) != 1 or x.stride(-1) != 1:
+        raise ValueError("conv1d_decode: states [N, C, W-1] and weight [C, W] with unit last strides")
+    y = torch.empty_like(x)
+    if b:
+        block_c = 128
+        _conv_decode_kernel[(b, triton.cdiv(c, block_c))](
+            x, w, states, slots, fresh, y, c, x.stride(0), w.stride(0), states.stride(0), states.stride(1), y.stride(0),
+            W=width, W_POW2=triton.next_power_of_2(width), SILU=activation is not None, BLOCK_C=block_c, num_warps=4)
+    return y
+
+
+def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                          activation: str = "silu") -> torch.Tensor:
+    if activation not in ("silu", "swish", "sigmoid"):
+        raise ValueError(f"unsupported activation {activation!r}")
+    d = x.shape[-1]
+    x2, z2 = x.reshape(-1, d), gate.reshape(-1, d)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        round_wn = torch.promote_types(weight.dtype, x.dtype) == x.dtype and x.dtype != torch.float32
+        _gated_norm_kernel[(x2.shape[0],)](x2, z2, weight, out, d, eps, x2.stride(0), z2.stride(0), out.stride(0),
+                                           SILU=activation != "sigmoid", ROUND_WN=round_wn,
+                                           BLOCK=triton.next_power_of_2(d), num_warps=4 if d >= 256 else 2)
+    return out.view(x.shape)
