@@ -24,6 +24,7 @@ from qsaserve.ops.gdn.reference import (
     gdn_chunk_reference,
     gdn_recurrent_reference,
 )
+from qsaserve.ops.moe import moe_experts_decode_triton, use_triton_moe
 from qsaserve.ops.qsa_attention.reference import sparse_attention_reference
 from qsaserve.ops.qsa_indexer.reference import (
     apply_partial_rope,
@@ -183,13 +184,16 @@ def moe_experts_sync_free(
 ) -> torch.Tensor:
     """`moe_experts` without reading the routing back to the host (decode steps, CUDA graphs).
 
-    Few rows (N * k < E): each row's k experts' weights are gathered and applied with batched
-    matmuls. Many rows: every expert runs on every row and the routing weights (0 for experts not
+    On CUDA with few rows (N * k < E) the in-place Triton kernels of `ops.moe` run instead of
+    this torch code, which is their reference. Few rows: each row's k experts' weights are gathered
+    and applied with batched matmuls. Many rows: every expert runs on every row and the routing weights (0 for experts not
     chosen) combine them; each expert's weights are then read once. Which branch runs depends on
     shapes only."""
-    act = _act(activation)
     n, k = indices.shape
     num_experts, two_i, _ = gate_up_proj.shape
+    if use_triton_moe(x, indices, num_experts, activation):
+        return moe_experts_decode_triton(x, indices, weights.to(x.dtype), gate_up_proj, down_proj)
+    act = _act(activation)
     if n * k < num_experts:
         gu = torch.bmm(gate_up_proj[indices.flatten()], x.repeat_interleave(k, dim=0)[:, :, None])[:, :, 0]
         gate, up = gu.chunk(2, dim=-1)

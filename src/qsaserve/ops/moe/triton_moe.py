@@ -1,0 +1,93 @@
+"""Routed experts for a few tokens (decode) reading each chosen expert's weights in place.
+
+The torch path (`qwen4exp_blocks.moe_experts_sync_free`, the reference) gathers the k chosen
+experts' [2I, H] and [H, I] matrices into new tensors and runs batched matmuls: every active weight
+byte is read, written and read again, in ~12 launches. Here two kernels:
+
+  _gate_up_kernel: one program per (token, choice, block of I): gate and up rows of expert
+                   indices[t, j] against x[t] -> silu(gate) * up, rounded as torch rounds each op;
+  _down_kernel:    one program per (token, block of H): for each of the token's k choices,
+                   down_e @ act, times its routing weight, summed over the choices.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, act_ptr, H, I, K,
+                    stride_x, stride_we, stride_wn, stride_a,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0)  # (token, choice) = (r // K, r % K)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    e = tl.load(idx_ptr + r).to(tl.int64)
+    x_row = x_ptr + (r // K).to(tl.int64) * stride_x
+    w_gate = w_ptr + e * stride_we + n[:, None] * stride_wn
+    w_up = w_gate + I * stride_wn
+    acc_g = tl.zeros([BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_N], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < H
+        xv = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        m = n_ok[:, None] & k_ok[None, :]
+        acc_g += tl.sum(tl.load(w_gate + k[None, :], mask=m, other=0.0).to(tl.float32) * xv[None, :], 1)
+        acc_u += tl.sum(tl.load(w_up + k[None, :], mask=m, other=0.0).to(tl.float32) * xv[None, :], 1)
+    dt = act_ptr.dtype.element_ty
+    g = acc_g.to(dt).to(tl.float32)
+    silu = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+    tl.store(act_ptr + r.to(tl.int64) * stride_a + n, (silu * acc_u.to(dt).to(tl.float32)).to(dt), mask=n_ok)
+
+
+@triton.jit
+def _down_kernel(act_ptr, idx_ptr, rw_ptr, w_ptr, out_ptr, H, I, K,
+                 stride_a, stride_we, stride_wn, stride_o,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    t = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < H
+    dt = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], tl.float32)
+    for j in range(0, K):
+        r = t * K + j
+        e = tl.load(idx_ptr + r).to(tl.int64)
+        rw = tl.load(rw_ptr + r).to(tl.float32)
+        acc = tl.zeros([BLOCK_N], tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < I
+            a = tl.load(act_ptr + r.to(tl.int64) * stride_a + k, mask=k_ok, other=0.0).to(tl.float32)
+            wv = tl.load(w_ptr + e * stride_we + n[:, None] * stride_wn + k[None, :],
+                         mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(wv * a[None, :], 1)
+        total += (acc.to(dt).to(tl.float32) * rw).to(dt).to(tl.float32)  # y_j, then y_j * weight, in dt
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + n, total.to(dt), mask=n_ok)
+
+
+def moe_experts_decode_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
+                              gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+    """x [N, H], indices / weights [N, k], gate_up_proj [E, 2I, H], down_proj [E, H, I] -> [N, H]
+    (SiLU experts), as moe_experts_sync_free."""
+    n, k = indices.shape
+    h = x.shape[1]
+    inter = down_proj.shape[2]
+    if gate_up_proj.stride(-1) != 1 or down_proj.stride(-1) != 1:
+        raise ValueError("gate_up_proj, down_proj: the last dimension must be contiguous")
+    x = x.contiguous()
+    idx = indices.contiguous()
+    rw = weights.contiguous()
+    act = torch.empty((n * k, inter), dtype=x.dtype, device=x.device)
+    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    bn, bk = 16, 256
+    _gate_up_kernel[(n * k, triton.cdiv(inter, bn))](
+        x, idx, gate_up_proj, act, h, inter, k, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
+        act.stride(0), BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    _down_kernel[(n, triton.cdiv(h, bn))](
+        act, idx, rw, down_proj, out, h, inter, k, act.stride(0), down_proj.stride(0), down_proj.stride(1),
+        out.stride(0), BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(inter)), num_warps=4)
+    return out
