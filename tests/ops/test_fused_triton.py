@@ -106,7 +106,27 @@ def check_silu_mul(device, dtype, tokens=3, inter=1500):
         tf.silu_mul(x[:, :-1])
 
 
+def check_norm_rope_heads(device, dtype, tokens=4, heads=3, head_dim=48, rot=24):
+    """Qwen4Exp's per-head q/k path (1-centred RMSNorm then partial RoPE) from a strided view (q
+    slices of the fused q|gate projection), against norm_rope_heads_reference."""
+    from qsaserve.ops.fused import triton_fused as tf
+    from qsaserve.ops.fused.reference import norm_rope_heads_reference
+    from qsaserve.ops.qsa_indexer.reference import rope_cos_sin, rope_inv_freq
+
+    gen = torch.Generator().manual_seed(head_dim + rot)
+    qg = (torch.randn(tokens, heads, 2 * head_dim, generator=gen) * 3).to(dtype)
+    x = qg[..., :head_dim]  # a strided view, as the model passes it
+    w = (torch.randn(head_dim, generator=gen) * 0.2).to(dtype)
+    inv = rope_inv_freq(head_dim, rot / head_dim, 10000.0)
+    cos, sin = rope_cos_sin(torch.tensor([0, 5, 77, 4000][:tokens]), inv, dtype)
+    want = norm_rope_heads_reference(x, w, cos, sin, 1e-6)
+    got = tf.norm_rope_heads(x.to(device), w.to(device), cos.to(device), sin.to(device), 1e-6).cpu()
+    torch.testing.assert_close(got, want, **_tol(dtype))
+
+
 INTERPRETER_CHECKS = [
+    ("norm_rope_heads_fp32", lambda: check_norm_rope_heads("cpu", torch.float32)),
+    ("norm_rope_heads_full_rotary", lambda: check_norm_rope_heads("cpu", torch.float32, head_dim=32, rot=32)),
     ("rms_norm_fp32", lambda: check_rms_norm("cpu", torch.float32)),
     ("rms_norm_fp16", lambda: check_rms_norm("cpu", torch.float16)),
     ("rope_fp32", lambda: check_rope("cpu", torch.float32)),
@@ -139,6 +159,14 @@ def test_kernels_match_references_under_triton_interpreter():
 
 def test_cpu_tensors_take_the_torch_path():
     assert not fused.use_fused(torch.zeros(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_norm_rope_heads_on_gpu(dtype):
+    check_norm_rope_heads("cuda", dtype)
+    check_norm_rope_heads("cuda", dtype, tokens=4, heads=16, head_dim=256, rot=64)  # qwen4exp-small q
+    check_norm_rope_heads("cuda", dtype, tokens=4, heads=16, head_dim=128, rot=64)  # its indexer q
 
 
 @pytest.mark.gpu

@@ -30,6 +30,7 @@ from qsaserve.models.qwen4exp_blocks import (
 )
 from qsaserve.models.qwen4exp_ple import PLEHashParams, ple_initial_context, ple_layer_forward
 from qsaserve.ops.attention.reference import gather_context, write_kv_reference
+from qsaserve.ops.fused import triton_fused, use_fused
 from qsaserve.ops.gdn.decode_ops import conv1d_decode_, gated_norm, gdn_gates
 from qsaserve.ops.gdn.dispatch import gated_delta_rule
 from qsaserve.ops.hyper_connection import hc_step
@@ -394,17 +395,33 @@ class Qwen4ExpForCausalLM(nn.Module):
         o = gated_norm(o, z, w["norm.weight"], c.rms_norm_eps, c.output_gate_type or c.hidden_act)
         return self.ctx.all_reduce(F.linear(o.reshape(t, Hv * Dv), w["out_proj.weight"]))
 
-    def _qsa_inputs(self, i: int, x: torch.Tensor, positions: torch.Tensor):
+    def _qsa_inputs(self, i: int, x: torch.Tensor, positions: torch.Tensor, step: "_Step"):
         c = self.cfg
         w = self.layer_parts[i]["self_attn"]
-        cos, sin = rope_cos_sin(positions, self.inv_freq, x.dtype)
-        q, gate, k, v = qsa_attention_qkv(
-            x, w["q_proj.weight"], w["k_proj.weight"], w["v_proj.weight"], w["q_norm.weight"], w["k_norm.weight"],
-            c.head_dim, cos, sin, c.rms_norm_eps,
-        )
-        iq, raw = indexer_project(x, w["indexer.index_qk_proj.weight"], w["indexer.q_layernorm.weight"],
-                                  c.indexer_n_heads, c.indexer_head_dim, cos, sin, c.rms_norm_eps)
-        return w, q, gate, k, v, iq, raw
+        if step.rope is None:  # the same tables for every QSA layer of the step
+            step.rope = rope_cos_sin(positions, self.inv_freq, x.dtype)
+        cos, sin = step.rope
+        if not use_fused(x):
+            q, gate, k, v = qsa_attention_qkv(
+                x, w["q_proj.weight"], w["k_proj.weight"], w["v_proj.weight"], w["q_norm.weight"],
+                w["k_norm.weight"], c.head_dim, cos, sin, c.rms_norm_eps,
+            )
+            iq, raw = indexer_project(x, w["indexer.index_qk_proj.weight"], w["indexer.q_layernorm.weight"],
+                                      c.indexer_n_heads, c.indexer_head_dim, cos, sin, c.rms_norm_eps)
+            return w, q, gate, k, v, iq, raw
+        # CUDA: the same projections, each head's 1-centred RMSNorm + partial RoPE in one kernel
+        # (triton_fused.norm_rope_heads; qsa_attention_qkv and indexer_project are its reference).
+        t, d, hi, di = x.shape[0], c.head_dim, c.indexer_n_heads, c.indexer_head_dim
+        qg = F.linear(x, w["q_proj.weight"]).view(t, -1, 2 * d)
+        gate = qg[..., d:].reshape(t, -1)
+        q = triton_fused.norm_rope_heads(qg[..., :d], w["q_norm.weight"], cos, sin, c.rms_norm_eps)
+        k = triton_fused.norm_rope_heads(F.linear(x, w["k_proj.weight"]).view(t, -1, d), w["k_norm.weight"], cos,
+                                         sin, c.rms_norm_eps)
+        v = F.linear(x, w["v_proj.weight"]).view(t, -1, d)
+        qk = F.linear(x, w["indexer.index_qk_proj.weight"])
+        iq = triton_fused.norm_rope_heads(qk[:, :hi * di].view(t, hi, di), w["indexer.q_layernorm.weight"], cos, sin,
+                                          c.rms_norm_eps)
+        return w, q, gate, k, v, iq, qk[:, hi * di:]
 
     def _qsa(self, i: int, x: torch.Tensor, positions: torch.Tensor, step: "_Step",
              meta: AttentionMetadata) -> torch.Tensor:
@@ -421,7 +438,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         c, ctx = self.cfg, self.ctx
         dcp = ctx.dcp
         cache, tails = self.qsa_layers[i].cache, self.state[i].index_tail
-        w, q, gate, k, v, iq, raw = self._qsa_inputs(i, x, positions)
+        w, q, gate, k, v, iq, raw = self._qsa_inputs(i, x, positions, step)
         if cache.observer is not None:
             cache.observer(k, v)
         gate = self._own_gate(gate)  # q already holds the DCP group's heads (_query_head_range)
@@ -475,7 +492,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         budget, not the context. Under DCP the selection is localized as in `_qsa`."""
         c, ctx = self.cfg, self.ctx
         cache = self.qsa_layers[i].cache
-        w, q, gate, k, v, iq, raw = self._qsa_inputs(i, x, positions)
+        w, q, gate, k, v, iq, raw = self._qsa_inputs(i, x, positions, step)
         if cache.observer is not None:
             cache.observer(k, v)
         _write_kv(cache, k, v, step.kv_slots)
@@ -688,6 +705,7 @@ class _Step:
     fresh: torch.Tensor | None = None  # decode: rows whose state starts at this token
     query_pos: torch.Tensor | None = None  # decode: each row's position, -1 for padding
     kv_slots: torch.Tensor | None = None  # decode: this rank's K/V slot of each new token, -1 = none
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE cos/sin at the step's positions (QSA layers)
 
 
 def _is_decode(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:

@@ -54,3 +54,12 @@ def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate | up) -> SiLU(gate) * up, [T, I]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def norm_rope_heads_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                              eps: float) -> torch.Tensor:
+    """Qwen4Exp's per-head q/k path: 1-centred RMSNorm (qsa_indexer.reference.rms_norm_one_centred)
+    then partial rotate-half RoPE (apply_partial_rope) with cos/sin [T, rot] in x's dtype."""
+    from qsaserve.ops.qsa_indexer.reference import apply_partial_rope, rms_norm_one_centred
+
+    return apply_partial_rope(rms_norm_one_centred(x, weight, eps), cos[:, None], sin[:, None])

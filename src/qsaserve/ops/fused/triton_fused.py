@@ -172,3 +172,48 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter,
                                                         BLOCK=block, num_warps=4)
     return out
+
+
+@triton.jit
+def _norm_rope_heads_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, D, ROT, eps,
+                            stride_xt, stride_xh, stride_c, stride_ot, stride_oh, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    ok = d < D
+    x = tl.load(x_ptr + t * stride_xt + h * stride_xh + d, mask=ok, other=0.0)
+    xf = x.to(tl.float32)
+    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+    n = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / D + eps) * (1.0 + w)).to(x.dtype)  # 1-centred RMSNorm
+    # Rotate-half over the first ROT dims: partner of d is d + ROT/2 (negated) or d - ROT/2.
+    half = ROT // 2
+    rot = d < ROT
+    partner = tl.where(d < half, d + half, d - half)
+    xp = tl.load(x_ptr + t * stride_xt + h * stride_xh + partner, mask=rot, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+    # The partner's normed value: same row RMS, its own weight.
+    inv = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
+    npart = (xp * inv * (1.0 + wp)).to(x.dtype).to(tl.float32)
+    npart = tl.where(d < half, -npart, npart)
+    c = tl.load(cos_ptr + t * stride_c + d, mask=rot, other=1.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_c + d, mask=rot, other=0.0).to(tl.float32)
+    dt = x.dtype
+    rotated = ((n.to(tl.float32) * c).to(dt).to(tl.float32) + (npart * s).to(dt).to(tl.float32)).to(dt)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, tl.where(rot, rotated, n), mask=ok)
+
+
+def norm_rope_heads(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    eps: float) -> torch.Tensor:
+    """x [T, H, D] (any token/head strides, unit last stride) -> 1-centred RMSNorm per head, then
+    rotate-half RoPE on the first cos.shape[-1] dims (cos/sin [T, rot] in x's dtype), each op
+    rounded to x's dtype as the torch path rounds it. A new contiguous [T, H, D] tensor."""
+    t, h, d = x.shape
+    rot = cos.shape[-1]
+    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or rot > d or rot % 2:
+        raise ValueError("norm_rope_heads: unit last strides and an even rotary width <= head_dim")
+    out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
+    if t:
+        _norm_rope_heads_kernel[(t, h)](x, weight, cos, sin, out, h, d, rot, eps, x.stride(0), x.stride(1),
+                                        cos.stride(0), out.stride(0), out.stride(1),
+                                        BLOCK=triton.next_power_of_2(d), num_warps=2 if d <= 256 else 4)
+    return out
