@@ -189,6 +189,12 @@ class Qwen4ExpForCausalLM(nn.Module):
             n: torch.empty(self._tp_shard(n, torch.empty(s, device="meta")).shape) for n, s in weight_shapes(cfg).items()}
         if cfg.tie_word_embeddings:
             self.weights["lm_head.weight"] = self.weights["embed_tokens.weight"]
+        # Projections that read the same input share one tensor, each name a row range of it, so a
+        # step can run them as one GEMM (loading still copies into each name's rows).
+        self.fused_inputs: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        for i, kind in enumerate(cfg.layer_types):
+            names = _GDN_INPUTS if kind == GDN else _QSA_INPUTS
+            self.fused_inputs[i] = self._share_rows([f"layers.{i}.{n}" for n in names])
         self.layer_weights = [self._sub(f"layers.{i}.") for i in range(cfg.num_hidden_layers)]
         # Each layer's module weights by short name, grouped once (the tensors are shared, and
         # loading copies into them in place): a step does no per-layer name filtering.
@@ -201,6 +207,18 @@ class Qwen4ExpForCausalLM(nn.Module):
         rotary = int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
         self.inv_freq = rope_inv_freq(cfg.head_dim, rotary / cfg.head_dim, cfg.rope_parameters["rope_theta"])
         self.state: list[_LayerState] = [_LayerState() for _ in cfg.layer_types]
+
+    def _share_rows(self, names: list[str]) -> tuple[torch.Tensor, list[int]]:
+        """One [sum of rows, in] tensor whose row ranges become `names`' weights; (it, row counts)."""
+        parts = [self.weights[n] for n in names]
+        fused = torch.empty((sum(p.shape[0] for p in parts), parts[0].shape[1]), dtype=parts[0].dtype,
+                            device=parts[0].device)
+        rows, start = [], 0
+        for n, p in zip(names, parts):
+            self.weights[n] = fused[start:start + p.shape[0]]
+            rows.append(p.shape[0])
+            start += p.shape[0]
+        return fused, rows
 
     def _sub(self, prefix: str) -> dict[str, torch.Tensor]:
         return _strip(self.weights, prefix)
@@ -366,11 +384,11 @@ class Qwen4ExpForCausalLM(nn.Module):
         Hk, Hv, Dk, Dv = self.gdn_key_heads, self.gdn_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
         t = x.shape[0]
         slot_idx = step.slot_idx
-        mixed = F.linear(x, w["in_proj_qkv.weight"])
-        z = F.linear(x, w["in_proj_z.weight"]).view(t, Hv, Dv)
+        fused, rows = self.fused_inputs[i]  # in_proj_qkv | z | b | a: one GEMM
+        mixed, z, b, a = torch.split(F.linear(x, fused), rows, dim=-1)
+        z = z.reshape(t, Hv, Dv)
         # beta = sigmoid(b); decay g in fp32 (exp(A_log) may overflow half precision).
-        beta, g = gdn_gates(F.linear(x, w["in_proj_b.weight"]), F.linear(x, w["in_proj_a.weight"]), w["A_log"],
-                            w["dt_bias"])
+        beta, g = gdn_gates(b, a, w["A_log"], w["dt_bias"])
         if step.decode:
             recurrent = torch.where(step.fresh[:, None, None, None], 0, st.recurrent[slot_idx])
             # One token per sequence from its conv state slot (updated in place; zeros when fresh).
@@ -412,13 +430,13 @@ class Qwen4ExpForCausalLM(nn.Module):
         # CUDA: the same projections, each head's 1-centred RMSNorm + partial RoPE in one kernel
         # (triton_fused.norm_rope_heads; qsa_attention_qkv and indexer_project are its reference).
         t, d, hi, di = x.shape[0], c.head_dim, c.indexer_n_heads, c.indexer_head_dim
-        qg = F.linear(x, w["q_proj.weight"]).view(t, -1, 2 * d)
+        fused, rows = self.fused_inputs[i]  # q_proj | k_proj | v_proj | index_qk_proj: one GEMM
+        qg, k, v, qk = torch.split(F.linear(x, fused), rows, dim=-1)
+        qg = qg.view(t, -1, 2 * d)
         gate = qg[..., d:].reshape(t, -1)
         q = triton_fused.norm_rope_heads(qg[..., :d], w["q_norm.weight"], cos, sin, c.rms_norm_eps)
-        k = triton_fused.norm_rope_heads(F.linear(x, w["k_proj.weight"]).view(t, -1, d), w["k_norm.weight"], cos,
-                                         sin, c.rms_norm_eps)
-        v = F.linear(x, w["v_proj.weight"]).view(t, -1, d)
-        qk = F.linear(x, w["indexer.index_qk_proj.weight"])
+        k = triton_fused.norm_rope_heads(k.view(t, -1, d), w["k_norm.weight"], cos, sin, c.rms_norm_eps)
+        v = v.view(t, -1, d)
         iq = triton_fused.norm_rope_heads(qk[:, :hi * di].view(t, hi, di), w["indexer.q_layernorm.weight"], cos, sin,
                                           c.rms_norm_eps)
         return w, q, gate, k, v, iq, qk[:, hi * di:]
@@ -706,6 +724,13 @@ class _Step:
     query_pos: torch.Tensor | None = None  # decode: each row's position, -1 for padding
     kv_slots: torch.Tensor | None = None  # decode: this rank's K/V slot of each new token, -1 = none
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE cos/sin at the step's positions (QSA layers)
+
+
+# Per-layer projections of the same input, fused into one weight tensor (see _share_rows).
+_GDN_INPUTS = ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.in_proj_b.weight",
+               "linear_attn.in_proj_a.weight")
+_QSA_INPUTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+               "self_attn.indexer.index_qk_proj.weight")
 
 
 def _is_decode(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:

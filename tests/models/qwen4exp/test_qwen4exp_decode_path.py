@@ -115,9 +115,10 @@ def test_decode_path_matches_prefill_path_and_ignores_padding(runner, monkeypatc
     padded_rows = [pad, decode_rows[0], pad, decode_rows[1], decode_rows[2], decode_rows[3], pad]
     padded = _run(model, padded_rows, [0, nxt[0], 0, nxt[1], nxt[2], nxt[3], 0])
     assert torch.isfinite(padded).all()
-    torch.testing.assert_close(padded[[1, 3, 4, 5]], fast, atol=1e-5, rtol=1e-5)
+    # Padding changes the GEMMs' row count, and BLAS may then block the sums differently (~3e-5).
+    torch.testing.assert_close(padded[[1, 3, 4, 5]], fast, atol=1e-4, rtol=1e-5)
     for a, b in zip(fast_state, _real_parts(runner, tables + [[10]], slots + [4])):
-        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [3, 40])  # gathered experts (rows * k < E) and every expert at once
