@@ -24,6 +24,8 @@ from qsaserve.layers.attention import AttentionMetadata
 from qsaserve.models.qwen4exp_blocks import (
     hc_expand,
     hc_inject,
+    moe_experts,
+    moe_experts_sync_free,
     qsa_attention_output,
     qsa_attention_qkv,
     sparse_moe_block,
@@ -192,9 +194,11 @@ class Qwen4ExpForCausalLM(nn.Module):
         # Projections that read the same input share one tensor, each name a row range of it, so a
         # step can run them as one GEMM (loading still copies into each name's rows).
         self.fused_inputs: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        self.fused_mlp_inputs: dict[int, tuple[torch.Tensor, list[int]]] = {}
         for i, kind in enumerate(cfg.layer_types):
             names = _GDN_INPUTS if kind == GDN else _QSA_INPUTS
             self.fused_inputs[i] = self._share_rows([f"layers.{i}.{n}" for n in names])
+            self.fused_mlp_inputs[i] = self._share_rows([f"layers.{i}.{n}" for n in _MLP_INPUTS])
         self.layer_weights = [self._sub(f"layers.{i}.") for i in range(cfg.num_hidden_layers)]
         # Each layer's module weights by short name, grouped once (the tensors are shared, and
         # loading copies into them in place): a step does no per-layer name filtering.
@@ -302,10 +306,7 @@ class Qwen4ExpForCausalLM(nn.Module):
             else:
                 out = self._qsa(i, mixed, positions, step, meta)
             hyper, mixed, inject2 = self._hc_step(w, "mlp_hyper_connection.", hyper, (out, inject))
-            mlp = self.layer_parts[i]["mlp"]
-            moe = sparse_moe_block(mixed, mlp, c.num_experts_per_tok, c.norm_topk_prob, c.hidden_act,
-                                   sync_free=step.decode)
-            pending = (self.ctx.all_reduce(moe), inject2)
+            pending = (self.ctx.all_reduce(self._moe(i, mixed, step)), inject2)
         return hc_inject(hyper, *pending) if pending is not None else hyper
 
     def _prefill_step(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> "_Step":
@@ -343,6 +344,25 @@ class Qwen4ExpForCausalLM(nn.Module):
             self.weights["hyper_connection_mixer.input_mix_weight_up.weight"], None, self.cfg.hc_count, self.cfg.rms_norm_eps,
         )
         return vocab_parallel_logits(final, self.weights["lm_head.weight"], self.cfg.vocab_size, self.ctx)
+
+    def _moe(self, i: int, x: torch.Tensor, step: "_Step") -> torch.Tensor:
+        """The sparse MoE block (`qwen4exp_blocks.sparse_moe_block` is the reference and the CPU
+        path). CUDA: the router, the shared expert's gate/up projections and its gate in one GEMM,
+        SiLU-mul fused, the routed experts through ops.moe's in-place kernels at decode."""
+        c, mlp = self.cfg, self.layer_parts[i]["mlp"]
+        if not use_fused(x) or x.dim() != 2 or c.hidden_act not in ("silu", "swish"):
+            return sparse_moe_block(x, mlp, c.num_experts_per_tok, c.norm_topk_prob, c.hidden_act, sync_free=step.decode)
+        fused, rows = self.fused_mlp_inputs[i]  # router | shared gate_proj | shared up_proj | shared gate
+        logits, gate_up, shared_gate = torch.split(F.linear(x, fused), [rows[0], rows[1] + rows[2], rows[3]], dim=-1)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        top_w, top_i = torch.topk(probs, c.num_experts_per_tok, dim=-1)
+        if c.norm_topk_prob:
+            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        experts = moe_experts_sync_free if step.decode else moe_experts
+        routed = experts(x, top_i, top_w.to(logits.dtype), mlp["experts.gate_up_proj"], mlp["experts.down_proj"],
+                         c.hidden_act)
+        shared = F.linear(triton_fused.silu_mul(gate_up), mlp["shared_expert.down_proj.weight"])
+        return routed + torch.sigmoid(shared_gate) * shared
 
     def _hc_step(self, w: dict, prefix: str, hyper: torch.Tensor, pending):
         """hyper += pending's output (per-stream weights), then this mixer's block input and the
@@ -729,6 +749,8 @@ class _Step:
 # Per-layer projections of the same input, fused into one weight tensor (see _share_rows).
 _GDN_INPUTS = ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.in_proj_b.weight",
                "linear_attn.in_proj_a.weight")
+_MLP_INPUTS = ("mlp.gate.weight", "mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+               "mlp.shared_expert_gate.weight")
 _QSA_INPUTS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
                "self_attn.indexer.index_qk_proj.weight")
 
