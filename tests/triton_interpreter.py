@@ -17,3 +17,24 @@ def interpreter_numpy_shim() -> None:
 
     patched._qsaserve_shim = True
     interp._patch_lang_tensor = patched
+
+
+def run_under_interpreter(test_file: str, call: str, timeout: int = 600) -> None:
+    """Run `call` (with the test module imported as `t`, e.g. "t._triton_checks('cpu')") in a fresh
+    Python with TRITON_INTERPRET=1, which Triton reads when first imported; fail with its output.
+    Skips when triton is not installed."""
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    here = os.path.dirname(os.path.abspath(test_file))
+    module = os.path.splitext(os.path.basename(test_file))[0]
+    code = (f"import sys; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]; "
+            "from triton_interpreter import interpreter_numpy_shim; interpreter_numpy_shim(); "
+            f"import {module} as t; {call}; print('ok')")
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr

@@ -4,12 +4,9 @@ against the references (under the Triton interpreter on CPU, and on a CUDA GPU).
 A group of D ranks, each with partials of all D * Hl heads over its token shard; some partials are
 empty (lse = -inf, rows holding NaN, as a kernel's untouched buffer might). Simulated without
 collectives: the all-to-all is a transpose of the ranks' packed rows, the reduce-scatter a sum."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from triton_interpreter import run_under_interpreter
 
 from qsaserve.ops.dcp_merge import reference as ref
 from qsaserve.ops.qsa_attention.reference import merge_attention_partials
@@ -56,26 +53,19 @@ def test_references(d, hl):
     check_merges("cpu", d=d, hl=hl)
 
 
-def _triton_checks():
+def _triton_checks(device):
     from qsaserve.ops.dcp_merge import triton_merge as tm
 
     for d, hl, dh in ((2, 2, 24), (4, 1, 256), (3, 2, 17)):
-        check_merges("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda", d=d, hl=hl, dh=dh,
+        check_merges(device, d=d, hl=hl, dh=dh,
                      pack=tm.pack_partials_triton, merge=tm.merge_packed_triton, scale=tm.scale_partials_triton)
 
 
 def test_triton_kernels_under_interpreter():
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]; "
-            "from triton_interpreter import interpreter_numpy_shim; interpreter_numpy_shim(); "
-            "import test_dcp_merge as t; t._triton_checks(); print('ok')")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+    run_under_interpreter(__file__, "t._triton_checks('cpu')")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 def test_triton_kernels_on_gpu():
-    _triton_checks()
+    _triton_checks("cuda")

@@ -1,12 +1,9 @@
 """The GDN decode step's small ops: Triton kernels against their torch references (gates, one-token
 causal conv with per-slot state incl. fresh sequences and a shared padding slot, gated RMSNorm),
 float32 tightly and bf16 within bf16 rounding; under the Triton interpreter on CPU and on a GPU."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from triton_interpreter import run_under_interpreter
 
 from qsaserve.models.qwen4exp_blocks import gated_rms_norm
 from qsaserve.ops.gdn.decode_ops import conv1d_decode_reference_, gdn_gates_reference
@@ -60,14 +57,7 @@ def test_references_run():
 
 
 def test_triton_kernels_under_interpreter():
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]; "
-            "from triton_interpreter import interpreter_numpy_shim; interpreter_numpy_shim(); "
-            "import test_gdn_decode_ops as t; t._triton_checks('cpu'); print('ok')")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+    run_under_interpreter(__file__, "t._triton_checks('cpu')")
 
 
 @pytest.mark.gpu

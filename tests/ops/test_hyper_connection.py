@@ -2,12 +2,9 @@
 hc_inject + hc_gated_residual): float32 to 1e-5, bf16 within a few bf16 steps; first block (no
 output to inject), inner blocks, and the final mixer (no injection weights); H not a power of two.
 Under the Triton interpreter on CPU and on a CUDA GPU."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from triton_interpreter import run_under_interpreter
 
 from qsaserve.ops.hyper_connection.reference import hc_step_reference
 
@@ -58,14 +55,7 @@ def _triton_checks(device):
 
 
 def test_triton_kernels_under_interpreter():
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]; "
-            "from triton_interpreter import interpreter_numpy_shim; interpreter_numpy_shim(); "
-            "import test_hyper_connection as t; t._triton_checks('cpu'); print('ok')")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+    run_under_interpreter(__file__, "t._triton_checks('cpu')")
 
 
 @pytest.mark.gpu

@@ -1,12 +1,9 @@
 """Routed-expert decode kernels (ops/moe) against `qwen4exp_blocks.moe_experts_sync_free`, the torch
 reference: float32 tightly, bf16 within bf16 rounding; repeated experts within a row, non-power-of-2
 sizes; under the Triton interpreter on CPU and on a CUDA GPU."""
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
+from triton_interpreter import run_under_interpreter
 
 from qsaserve.models.qwen4exp_blocks import moe_experts_sync_free
 
@@ -46,14 +43,7 @@ def _triton_checks(device):
 
 
 def test_triton_kernels_under_interpreter():
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]; "
-            "from triton_interpreter import interpreter_numpy_shim; interpreter_numpy_shim(); "
-            "import test_moe_triton as t; t._triton_checks('cpu'); print('ok')")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+    run_under_interpreter(__file__, "t._triton_checks('cpu')")
 
 
 @pytest.mark.gpu
