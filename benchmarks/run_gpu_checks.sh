@@ -31,9 +31,13 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpus.csv" 2>&1
 echo "{\"commit\": \"$commit\", \"mode\": \"$mode\", \"date\": \"$(date -u +%FT%TZ)\"}" > "$out/manifest.json"
 
 if [ "$mode" = single ]; then
-    part gpu_tests 300 python -m pytest -v -m gpu -p no:cacheprovider -rfE -s --junitxml="$out/gpu_tests.xml" \
-        tests/ops tests/models tests/engine tests/bench tests/quant
-    part bench_attention 150 python benchmarks/bench_attention.py --sections env,decode,fp8 --out "$out/bench_attention.json"
+    # Newest kernels and the model paths first, the long FP8 candidate sweep last (a cut run keeps the rest).
+    part gpu_tests 420 python -m pytest -v -m gpu -p no:cacheprovider -rfE -s --junitxml="$out/gpu_tests.xml" \
+        tests/ops/test_hyper_connection.py tests/ops/test_gdn_decode_ops.py tests/ops/test_moe_triton.py \
+        tests/ops/test_dcp_merge.py tests/ops/test_qsa_triton.py tests/ops/test_fused_triton.py \
+        tests/ops/test_gdn_reference.py tests/models tests/engine tests/quant tests/bench \
+        tests/ops/test_attention_triton.py tests/ops/test_attention_triton_fp8.py
+    part bench_attention 150 python benchmarks/bench_attention.py --sections env,decode,fp8,diag --out "$out/bench_attention.json"
     part bench_qsa 180 python benchmarks/bench_qsa.py --out "$out/bench_qsa.json"
     part latency_llama1b 240 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --peer hf --profile-steps 16 > '$out/latency_llama1b.json'"
     part latency_llama8b 240 sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,16 --prompt-lens 1024 --peer hf --profile-steps 16 > '$out/latency_llama8b.json'"
