@@ -139,8 +139,10 @@ def main() -> None:
                     dtype=str(DT)),
         results=results, summary=summary, variants=variants, prefill_chunk=prefill,
     )
-    if args.model:
-        report["model_decode"] = model_decode_step()
+    if args.model:  # the whole model's decode step at batch 1, 8K vs 256K context (one engine each)
+        steps = [model_decode_step(n, batch=1) for n in (8192, 262144)]
+        report["model_decode"] = {"runs": steps,
+                                  "step_t256k_over_t8k": steps[1]["decode_step_ms"] / steps[0]["decode_step_ms"]}
     report["wall_s"] = time.perf_counter() - t_start
     text = json.dumps(report, indent=1)
     print(text)
@@ -317,7 +319,7 @@ def model_decode_step(prompt_len: int = 8192, batch: int = 8, new_tokens: int = 
     from qsaserve import LLM, SamplingParams
 
     llm = LLM("qwen4exp-small", load_format="dummy", max_model_len=prompt_len + new_tokens + 8, progress=False,
-              gpu_memory_utilization=0.8)
+              gpu_memory_utilization=0.8, ple_placement="gpu", max_num_batched_tokens=8192)
     prompts = [{"prompt_token_ids": [random.Random(i).randrange(4, 1000) for _ in range(prompt_len)]} for i in range(batch)]
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate(prompts[:1], first, use_tqdm=False)  # warm up
@@ -331,8 +333,12 @@ def model_decode_step(prompt_len: int = 8192, batch: int = 8, new_tokens: int = 
     torch.cuda.synchronize()
     total = time.perf_counter() - t0
     step = (total - prefill) / new_tokens
+    graphs = llm.engine.executor.runner.graphs is not None
+    llm.engine.shutdown()
+    del llm
+    torch.cuda.empty_cache()
     return dict(prompt_len=prompt_len, batch=batch, new_tokens=new_tokens, prefill_s=prefill, decode_step_ms=step * 1e3,
-                decode_tok_s=batch / step)
+                decode_tok_s=batch / step, cuda_graphs=graphs)
 
 
 if __name__ == "__main__":

@@ -67,6 +67,10 @@ def rows(dirs):
                 "bench_qsa.json")
             g = s.get("dense_over_qsa_128k_graph")
             add(f"QSA >= 8x dense at 128K ({b}, graph)", g, bool(g and g >= 8), "bench_qsa.json")
+    qm = _load(dirs, "bench_qsa_model.json")
+    if qm and "model_decode" in qm:
+        r = qm["model_decode"]["step_t256k_over_t8k"]
+        add("qwen4exp-small decode step t(256K)/t(8K) <= 1.3 (batch 1)", r, r <= 1.3, "bench_qsa_model.json")
     dcp = _load(dirs, "bench_dcp.json")
     if dcp:
         for s in dcp.get("summary_vs_dcp1", []):
