@@ -15,7 +15,7 @@ Also one QSA layer's prefill ops for an 8192-token chunk at 128K context (the mo
 pool the chunk's groups, select in bounded row blocks with Triton scoring + device top-k, one
 sparse-attention call), with the peak of extra memory it allocates; --prefill-only runs just that.
 
-    PYTHONPATH=src python benchmarks/bench_qsa.py [--out f.json] [--model] [--prefill-only]
+    PYTHONPATH=src python benchmarks/bench_qsa.py [--out f.json] [--model | --model-only] [--prefill-only]
 """
 from __future__ import annotations
 
@@ -109,8 +109,22 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--model", action="store_true", help="also time a whole-model decode step (qwen4exp-small, dummy)")
     ap.add_argument("--prefill-only", action="store_true", help="only the one-layer prefill chunk timing")
+    ap.add_argument("--model-only", action="store_true", help="only the whole-model decode steps (8K vs 256K)")
     args = ap.parse_args()
     t_start = time.perf_counter()
+    if args.model_only:
+        steps = [model_decode_step(n, batch=1) for n in (8192, 262144)]
+        report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
+                      commit=os.environ.get("QSASERVE_COMMIT", ""), torch=torch.__version__,
+                      model_decode={"runs": steps,
+                                    "step_t256k_over_t8k": steps[1]["decode_step_ms"] / steps[0]["decode_step_ms"]},
+                      wall_s=time.perf_counter() - t_start)
+        text = json.dumps(report, indent=1)
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text)
+        return
     prefill = prefill_chunk(torch.device("cuda"))
     print(json.dumps(prefill), flush=True)
     if args.prefill_only:
