@@ -124,7 +124,21 @@ def check_norm_rope_heads(device, dtype, tokens=4, heads=3, head_dim=48, rot=24)
     torch.testing.assert_close(got, want, **_tol(dtype))
 
 
+def check_grouped_rms_norm(device, dtype, rows=3, groups=4, group=48):
+    """Qwen4Exp's grouped 1-centred RMSNorm (the PLE layer's norms) against qwen4exp_blocks.rms_norm."""
+    from qsaserve.models.qwen4exp_blocks import rms_norm
+    from qsaserve.ops.fused import triton_fused as tf
+
+    gen = torch.Generator().manual_seed(groups * group)
+    x = (torch.randn(rows, 2, groups * group, generator=gen) * 3).to(dtype)
+    w = (torch.randn(groups * group, generator=gen) * 0.2).to(dtype)
+    want = rms_norm(x, w, 1e-6, group)  # CPU tensors: the torch path
+    got = tf.grouped_rms_norm(x.to(device), w.to(device), 1e-6, group).cpu()
+    torch.testing.assert_close(got, want, **_tol(dtype))
+
+
 INTERPRETER_CHECKS = [
+    ("grouped_rms_norm_fp32", lambda: check_grouped_rms_norm("cpu", torch.float32)),
     ("norm_rope_heads_fp32", lambda: check_norm_rope_heads("cpu", torch.float32)),
     ("norm_rope_heads_full_rotary", lambda: check_norm_rope_heads("cpu", torch.float32, head_dim=32, rot=32)),
     ("rms_norm_fp32", lambda: check_rms_norm("cpu", torch.float32)),
@@ -159,6 +173,13 @@ def test_kernels_match_references_under_triton_interpreter():
 
 def test_cpu_tensors_take_the_torch_path():
     assert not fused.use_fused(torch.zeros(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_rms_norm_on_gpu(dtype):
+    check_grouped_rms_norm("cuda", dtype)
+    check_grouped_rms_norm("cuda", dtype, rows=4, groups=4, group=2048)  # qwen4exp-small's PLE norms
 
 
 @pytest.mark.gpu

@@ -24,6 +24,7 @@ from qsaserve.ops.gdn.reference import (
     gdn_chunk_reference,
     gdn_recurrent_reference,
 )
+from qsaserve.ops.fused import triton_fused, use_fused
 from qsaserve.ops.moe import moe_experts_decode_triton, use_triton_moe
 from qsaserve.ops.qsa_attention.reference import sparse_attention_reference
 from qsaserve.ops.qsa_indexer.reference import (
@@ -71,6 +72,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int 
     """
     if group_size is None:
         return rms_norm_one_centred(x, weight, eps)
+    if use_fused(x) and x.stride(-1) == 1:  # CUDA: one Triton launch (this code is its reference)
+        return triton_fused.grouped_rms_norm(x, weight, eps, group_size)
     xf = x.float().unflatten(-1, (-1, group_size))
     out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
     return (out * (1.0 + weight.float())).to(x.dtype)

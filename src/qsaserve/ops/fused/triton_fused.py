@@ -217,3 +217,39 @@ def norm_rope_heads(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, si
                                         cos.stride(0), out.stride(0), out.stride(1),
                                         BLOCK=triton.next_power_of_2(d), num_warps=2 if d <= 256 else 4)
     return out
+
+
+@triton.jit
+def inject_norm_kernel(hyper_ptr, out_ptr, inj_ptr, w_ptr, new_ptr, xn_ptr, H, eps, stride_h, stride_o, stride_i,
+                        stride_n, stride_x, HC: tl.constexpr, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)  # one stream of the row
+    c = tl.arange(0, BLOCK)
+    ok = c < H
+    x = tl.load(hyper_ptr + row * stride_h + s * H + c, mask=ok, other=0.0)
+    if HAS_OUT:
+        o = tl.load(out_ptr + row * stride_o + c, mask=ok, other=0.0)
+        g = tl.load(inj_ptr + row * stride_i + s)
+        prod = (o.to(tl.float32) * g.to(tl.float32)).to(x.dtype)
+        x = (x.to(tl.float32) + prod.to(tl.float32)).to(x.dtype)
+        tl.store(new_ptr + row * stride_n + s * H + c, x, mask=ok)
+    xf = x.to(tl.float32)
+    y = xf * tl.rsqrt(tl.sum(xf * xf, 0) / H + eps)
+    w = tl.load(w_ptr + s * H + c, mask=ok, other=0.0).to(tl.float32)
+    tl.store(xn_ptr + row * stride_x + s * H + c, (y * (1.0 + w)).to(x.dtype), mask=ok)
+
+
+def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int) -> torch.Tensor:
+    """Qwen4Exp's 1-centred RMSNorm with one RMS per `group_size` features (weight over the full
+    width): `qwen4exp_blocks.rms_norm(x, weight, eps, group_size)`. x [..., width], unit last stride."""
+    width = x.shape[-1]
+    if width % group_size or x.stride(-1) != 1:
+        raise ValueError("grouped_rms_norm: width must be a multiple of group_size, with a unit last stride")
+    x2 = x.reshape(-1, width)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if x2.shape[0]:
+        block = triton.next_power_of_2(group_size)
+        inject_norm_kernel[(x2.shape[0], width // group_size)](
+            x2, x2, x2, weight, x2, out, group_size, eps, x2.stride(0), 0, 0, 0, out.stride(0),
+            HC=width // group_size, HAS_OUT=False, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+    return out.view(x.shape)

@@ -2,7 +2,8 @@
 three projection GEMMs, instead of ~25 small torch kernels: at batch 1 a Qwen4Exp decode step runs
 two of these per layer, and their launches, not their bytes, were the cost.
 
-  _inject_norm: hyper += inject[s] * out per stream (rounded like the torch add), then the grouped
+  inject_norm_kernel (in ops/fused/triton_fused.py): hyper += inject[s] * out per stream (rounded
+                like the torch add), then the grouped
                 1-centred RMSNorm of the new hyper                       -> hyper', xn
   GEMMs:        d = xn @ down^T, i = xn @ inject^T (torch / cuBLAS)
   _gate_acts:   d <- silu(d / hc); i <- 2 sigmoid(i / hc)
@@ -18,25 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _inject_norm_kernel(hyper_ptr, out_ptr, inj_ptr, w_ptr, new_ptr, xn_ptr, H, eps, stride_h, stride_o, stride_i,
-                        stride_n, stride_x, HC: tl.constexpr, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    s = tl.program_id(1)  # one stream of the row
-    c = tl.arange(0, BLOCK)
-    ok = c < H
-    x = tl.load(hyper_ptr + row * stride_h + s * H + c, mask=ok, other=0.0)
-    if HAS_OUT:
-        o = tl.load(out_ptr + row * stride_o + c, mask=ok, other=0.0)
-        g = tl.load(inj_ptr + row * stride_i + s)
-        prod = (o.to(tl.float32) * g.to(tl.float32)).to(x.dtype)
-        x = (x.to(tl.float32) + prod.to(tl.float32)).to(x.dtype)
-        tl.store(new_ptr + row * stride_n + s * H + c, x, mask=ok)
-    xf = x.to(tl.float32)
-    y = xf * tl.rsqrt(tl.sum(xf * xf, 0) / H + eps)
-    w = tl.load(w_ptr + s * H + c, mask=ok, other=0.0).to(tl.float32)
-    tl.store(xn_ptr + row * stride_x + s * H + c, (y * (1.0 + w)).to(x.dtype), mask=ok)
+from qsaserve.ops.fused.triton_fused import inject_norm_kernel
 
 
 @triton.jit
@@ -83,7 +66,7 @@ def hc_step_triton(hyper: torch.Tensor, block_out: torch.Tensor | None, inject: 
     new = torch.empty_like(hyper) if block_out is not None else hyper
     xn = torch.empty_like(hyper)
     if t:
-        _inject_norm_kernel[(t, hc_count)](
+        inject_norm_kernel[(t, hc_count)](
             hyper, block_out if block_out is not None else hyper, inject if inject is not None else hyper,
             norm_weight, new, xn, h, eps, hyper.stride(0),
             block_out.stride(0) if block_out is not None else 0, inject.stride(0) if inject is not None else 0,
