@@ -258,6 +258,7 @@ def check_topk(device, n=300, k=24, rows=5, tile=64, seed=3):
     r = 4
     positions = torch.tensor([n * r - 1, n * r - 1, n * r - 1, 7 * r + 2, -1][:rows])  # row 3: 7 visible; row 4: none
     keys = selection_keys(scores, positions, r)
+    assert topk_indices_triton(keys.to(device), 0).shape == (rows, 0)  # as torch.topk(keys, 0)
     for kk in (k, 1, min(n, 33), n):
         got = topk_indices_triton(keys.to(device), kk, tile=tile).cpu()
         want = torch.topk(keys, kk, dim=1).indices

@@ -204,6 +204,8 @@ class Qwen4ExpForCausalLM(nn.Module):
         # loading copies into them in place): a step does no per-layer name filtering.
         self.layer_parts = [{part: _strip(w, part + ".") for part in ("mlp", "ple", "linear_attn", "self_attn")}
                             for w in self.layer_weights]
+        if getattr(cfg, "attention_bias", False):  # the QSA projections here carry no bias terms
+            raise ValueError("model: Qwen4Exp checkpoints with attention_bias=True are not supported")
         unknown = sorted(set(cfg.layer_types) - {GDN, *QSA_NAMES})
         if unknown:
             raise ValueError(f"model: unsupported Qwen4Exp layer types {unknown}")

@@ -59,6 +59,7 @@ def _scale_kernel(out_ptr, lse_ptr, lses_ptr, send_ptr, D, HL, DH,
 
 
 def pack_partials_triton(out: torch.Tensor, lse: torch.Tensor, d: int) -> torch.Tensor:
+    out, lse = out.contiguous(), lse.contiguous()  # no copies for the sparse kernel's outputs
     t, hg, dh = out.shape
     packed = torch.empty((d, t, hg // d, dh + 1), dtype=torch.float32, device=out.device)
     if t:
@@ -69,6 +70,7 @@ def pack_partials_triton(out: torch.Tensor, lse: torch.Tensor, d: int) -> torch.
 
 
 def merge_packed_triton(recv: torch.Tensor) -> torch.Tensor:
+    recv = recv.contiguous()
     d, t, hl, dh1 = recv.shape
     out = torch.empty((t, hl, dh1 - 1), dtype=torch.float32, device=recv.device)
     if t:
@@ -79,6 +81,7 @@ def merge_packed_triton(recv: torch.Tensor) -> torch.Tensor:
 
 
 def scale_partials_triton(out: torch.Tensor, lse: torch.Tensor, lses: torch.Tensor, d: int) -> torch.Tensor:
+    out, lse, lses = out.contiguous(), lse.contiguous(), lses.contiguous()
     t, hg, dh = out.shape
     send = torch.empty((d, t, hg // d, dh), dtype=torch.float32, device=out.device)
     if t:

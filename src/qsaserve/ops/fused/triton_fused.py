@@ -209,8 +209,9 @@ def norm_rope_heads(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, si
     rounded to x's dtype as the torch path rounds it. A new contiguous [T, H, D] tensor."""
     t, h, d = x.shape
     rot = cos.shape[-1]
-    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or rot > d or rot % 2:
-        raise ValueError("norm_rope_heads: unit last strides and an even rotary width <= head_dim")
+    if (x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1 or cos.stride(0) != sin.stride(0)
+            or rot > d or rot % 2):
+        raise ValueError("norm_rope_heads: unit last strides, cos and sin alike, an even rotary width <= head_dim")
     out = torch.empty((t, h, d), dtype=x.dtype, device=x.device)
     if t:
         _norm_rope_heads_kernel[(t, h)](x, weight, cos, sin, out, h, d, rot, eps, x.stride(0), x.stride(1),

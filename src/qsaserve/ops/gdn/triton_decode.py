@@ -18,7 +18,9 @@ def _gates_kernel(b_ptr, a_ptr, alog_ptr, dt_ptr, beta_ptr, g_ptr, H, stride_b, 
     tl.store(beta_ptr + row * stride_beta + h, tl.sigmoid(b.to(tl.float32)).to(b.dtype), mask=ok)
     x = tl.load(a_ptr + row * stride_a + h, mask=ok, other=0.0).to(tl.float32) \
         + tl.load(dt_ptr + h, mask=ok, other=0.0).to(tl.float32)
-    softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # F.softplus, threshold 20
+    # F.softplus (threshold 20); for very negative x, log(1 + e^x) = e^x to float32 precision.
+    e = tl.exp(tl.minimum(x, 20.0))
+    softplus = tl.where(x > 20.0, x, tl.where(x < -15.0, e, tl.log(1.0 + e)))
     decay = tl.exp(tl.load(alog_ptr + h, mask=ok, other=0.0).to(tl.float32))
     tl.store(g_ptr + row * stride_g + h, -decay * softplus, mask=ok)
 
@@ -47,6 +49,9 @@ def _conv_decode_kernel(x_ptr, w_ptr, states_ptr, slots_ptr, fresh_ptr, y_ptr, C
     nxt = tl.where(j[None, :] + 1 == W - 1, x.to(tl.float32)[:, None], 0.0)
     shifted = tl.load(st_ptrs + 1, mask=c_ok[:, None] & (j[None, :] + 1 < W - 1) & keep, other=0.0)
     nxt = nxt + shifted.to(tl.float32)
+    # Other threads of this program load the entries stored below (tap j + 1 of another lane):
+    # every load of the old state completes before any store of the new one.
+    tl.debug_barrier()
     tl.store(st_ptrs, nxt.to(states_ptr.dtype.element_ty), mask=from_state)
 
 
@@ -68,6 +73,9 @@ def _gated_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, D, eps, stride_x, stride_z,
 
 
 def gdn_gates_triton(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
+    if b.stride(-1) != 1 or a.stride(-1) != 1:
+        b, a = b.contiguous(), a.contiguous()
+    a_log, dt_bias = a_log.contiguous(), dt_bias.contiguous()
     t, h = b.shape
     beta = torch.empty_like(b)
     g = torch.empty((t, h), dtype=torch.float32, device=b.device)
@@ -101,6 +109,8 @@ def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Ten
         raise ValueError(f"unsupported activation {activation!r}")
     d = x.shape[-1]
     x2, z2 = x.reshape(-1, d), gate.reshape(-1, d)
+    if x2.stride(-1) != 1 or z2.stride(-1) != 1:
+        x2, z2 = x2.contiguous(), z2.contiguous()
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         round_wn = torch.promote_types(weight.dtype, x.dtype) == x.dtype and x.dtype != torch.float32

@@ -59,7 +59,11 @@ def _mix_streams_kernel(u_ptr, xn_ptr, mixed_ptr, H, stride_u, stride_x, stride_
 def hc_step_triton(hyper: torch.Tensor, block_out: torch.Tensor | None, inject: torch.Tensor | None,
                    norm_weight: torch.Tensor, down_weight: torch.Tensor, up_weight: torch.Tensor,
                    inject_weight: torch.Tensor | None, hc_count: int, eps: float):
-    """Same contract as reference.hc_step_reference; hyper [T, hc*H] contiguous rows."""
+    """Same contract as reference.hc_step_reference; hyper [T, hc*H] (unit last stride)."""
+    if hyper.stride(-1) != 1:
+        hyper = hyper.contiguous()
+    if block_out is not None and (block_out.stride(-1) != 1 or inject.stride(-1) != 1):
+        block_out, inject = block_out.contiguous(), inject.contiguous()
     t, width = hyper.shape
     h = width // hc_count
     block = triton.next_power_of_2(h)

@@ -95,8 +95,10 @@ def topk_indices_triton(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.T
     if keys.dtype != torch.int64 or keys.dim() != 2:
         raise ValueError(f"keys: expected a 2-D int64 tensor, got {keys.dtype} {tuple(keys.shape)}")
     b, n = keys.shape
-    if not 0 < k <= n:
-        raise ValueError(f"k: must be in [1, {n}], got {k}")
+    if not 0 <= k <= n:
+        raise ValueError(f"k: must be in [0, {n}], got {k}")
+    if k == 0:  # as torch.topk(keys, 0): nothing to choose (no complete group yet, or budget < r)
+        return torch.empty((b, 0), dtype=torch.int64, device=keys.device)
     keys = keys.contiguous()
     out = torch.empty((b, k), dtype=torch.int64, device=keys.device)
     if b == 0:
