@@ -48,11 +48,12 @@ from qsaserve.parallel.tp import (even_range, kv_head_range, shard_vocab, take, 
 try:  # Triton kernels for CUDA tensors; CPU-only installs keep the references
     from qsaserve.ops.attention import triton_paged as _triton_paged
     from qsaserve.ops.qsa_attention.triton_sparse import sparse_attention_paged_triton
+    from qsaserve.ops.qsa_indexer.triton_pool import pool_completed_groups_triton
     from qsaserve.ops.qsa_indexer.triton_score import (decode_index_scores_triton, prefill_index_scores_triton,
                                                        select_decode_tokens_triton, select_prefill_rows_triton)
 except ImportError:
     _triton_paged = sparse_attention_paged_triton = decode_index_scores_triton = prefill_index_scores_triton = None
-    select_decode_tokens_triton = select_prefill_rows_triton = None
+    select_decode_tokens_triton = select_prefill_rows_triton = pool_completed_groups_triton = None
 
 logger = logging.getLogger("qsaserve")
 
@@ -539,8 +540,9 @@ class Qwen4ExpForCausalLM(nn.Module):
         gate = self._own_gate(gate)  # q already holds the DCP group's heads (_query_head_range)
         # The raw key joins its sequence's open group in the state slot (padding rows: the scratch slot).
         r, tables, pos = c.indexer_compress_ratio, meta.block_tables, step.query_pos
-        pool_completed_groups(self.state[i].index_tail, step.slot_idx, raw, cache.block_keys, tables, pos, step.valid,
-                              w["indexer.k_layernorm.weight"], self.inv_freq, r, c.rms_norm_eps)
+        pool = pool_completed_groups_triton if use_fused(raw) and not r & (r - 1) else pool_completed_groups
+        pool(self.state[i].index_tail, step.slot_idx, raw, cache.block_keys, tables, pos, step.valid,
+             w["indexer.k_layernorm.weight"], self.inv_freq, r, c.rms_norm_eps)
         iq = iq.to(cache.block_keys.dtype)
         if _use_triton(q):  # under DCP the build kernel writes rank-local rows (dcp.localize)
             selected = select_decode_tokens_triton(iq, cache.block_keys, tables, pos, r, c.indexer_budget,

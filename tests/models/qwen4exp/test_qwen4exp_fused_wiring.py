@@ -1,6 +1,7 @@
 """The model's CUDA fast paths, wired on CPU: fused projection GEMMs and their splits (GDN
 qkv|z|b|a, QSA q|k|v|index, router|shared gate|up|shared gate), the QSA q/k/index-q norm + RoPE
-call sites, and the MoE block's fused shared expert give what the reference path gives.
+call sites, the block-key pooling call, and the MoE block's fused shared expert give what the
+reference path gives.
 
 On CUDA those paths call Triton kernels (tested against their references in tests/ops); here the
 kernels are swapped for the same references, so this checks only the model code around them, in
@@ -40,6 +41,7 @@ def test_fast_path_wiring_equals_reference_path(tmp_path, monkeypatch):
         return run
 
     monkeypatch.setattr(qwen4exp, "use_fused", lambda x: True)
+    monkeypatch.setattr(qwen4exp, "pool_completed_groups_triton", qwen4exp.pool_completed_groups)
     monkeypatch.setattr(qwen4exp, "triton_fused", SimpleNamespace(
         silu_mul=counted("silu_mul", silu_mul_reference), norm_rope_heads=counted("norm_rope_heads",
                                                                                  norm_rope_heads_reference)))
