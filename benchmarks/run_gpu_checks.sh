@@ -34,7 +34,7 @@ if [ "$mode" = single ]; then
     # Newest kernels and the model paths first, the long FP8 candidate sweep last (a cut run keeps the rest).
     part gpu_tests 420 python -m pytest -v -m gpu -p no:cacheprovider -rfE -s --junitxml="$out/gpu_tests.xml" \
         tests/ops/test_hyper_connection.py tests/ops/test_gdn_decode_ops.py tests/ops/test_moe_triton.py \
-        tests/ops/test_dcp_merge.py tests/ops/test_qsa_pool_triton.py tests/ops/test_qsa_triton.py tests/ops/test_fused_triton.py \
+        tests/ops/test_dcp_merge.py tests/ops/test_ple_triton.py tests/ops/test_qsa_pool_triton.py tests/ops/test_qsa_triton.py tests/ops/test_fused_triton.py \
         tests/ops/test_gdn_reference.py tests/models tests/engine tests/quant tests/bench \
         tests/ops/test_attention_triton.py tests/ops/test_attention_triton_fp8.py
     part bench_attention 150 python benchmarks/bench_attention.py --sections env,decode,fp8,diag --out "$out/bench_attention.json"

@@ -26,11 +26,12 @@ from qsaserve.models.qwen4exp_blocks import (
     hc_inject,
     moe_experts,
     moe_experts_sync_free,
+    rms_norm,
     qsa_attention_output,
     qsa_attention_qkv,
     sparse_moe_block,
 )
-from qsaserve.models.qwen4exp_ple import PLEHashParams, ple_initial_context, ple_layer_forward
+from qsaserve.models.qwen4exp_ple import PLEHashParams, ple_embed, ple_initial_context, ple_layer_forward
 from qsaserve.ops.attention.reference import gather_context, write_kv_reference
 from qsaserve.ops.fused import triton_fused, use_fused
 from qsaserve.ops.gdn.decode_ops import conv1d_decode_, gated_norm, gdn_gates
@@ -48,12 +49,13 @@ from qsaserve.parallel.tp import (even_range, kv_head_range, shard_vocab, take, 
 try:  # Triton kernels for CUDA tensors; CPU-only installs keep the references
     from qsaserve.ops.attention import triton_paged as _triton_paged
     from qsaserve.ops.qsa_attention.triton_sparse import sparse_attention_paged_triton
+    from qsaserve.ops.ple import triton_ple
     from qsaserve.ops.qsa_indexer.triton_pool import pool_completed_groups_triton
     from qsaserve.ops.qsa_indexer.triton_score import (decode_index_scores_triton, prefill_index_scores_triton,
                                                        select_decode_tokens_triton, select_prefill_rows_triton)
 except ImportError:
     _triton_paged = sparse_attention_paged_triton = decode_index_scores_triton = prefill_index_scores_triton = None
-    select_decode_tokens_triton = select_prefill_rows_triton = pool_completed_groups_triton = None
+    select_decode_tokens_triton = select_prefill_rows_triton = pool_completed_groups_triton = triton_ple = None
 
 logger = logging.getLogger("qsaserve")
 
@@ -194,12 +196,15 @@ class Qwen4ExpForCausalLM(nn.Module):
             self.weights["lm_head.weight"] = self.weights["embed_tokens.weight"]
         # Projections that read the same input share one tensor, each name a row range of it, so a
         # step can run them as one GEMM (loading still copies into each name's rows).
-        self.fused_inputs: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        self.fused_inputs: dict[object, tuple[torch.Tensor, list[int]]] = {}
         self.fused_mlp_inputs: dict[int, tuple[torch.Tensor, list[int]]] = {}
         for i, kind in enumerate(cfg.layer_types):
             names = _GDN_INPUTS if kind == GDN else _QSA_INPUTS
             self.fused_inputs[i] = self._share_rows([f"layers.{i}.{n}" for n in names])
             self.fused_mlp_inputs[i] = self._share_rows([f"layers.{i}.{n}" for n in _MLP_INPUTS])
+            if i in self.ple_params:  # key and value projections of the table embedding
+                self.fused_inputs[("ple", i)] = self._share_rows([f"layers.{i}.ple.key_proj.weight",
+                                                                  f"layers.{i}.ple.value_proj.weight"])
         self.layer_weights = [self._sub(f"layers.{i}.") for i in range(cfg.num_hidden_layers)]
         # Each layer's module weights by short name, grouped once (the tensors are shared, and
         # loading copies into them in place): a step does no per-layer name filtering.
@@ -380,6 +385,8 @@ class Qwen4ExpForCausalLM(nn.Module):
     def _ple(self, i: int, hyper, input_ids, step: "_Step") -> torch.Tensor:
         st, ple_w = self.state[i], self.layer_parts[i]["ple"]
         params = self.ple_params[i]
+        if step.decode and use_fused(hyper) and triton_ple is not None:
+            return self._ple_decode_fused(i, hyper, input_ids, step)
         if step.decode:  # every sequence at once: [B, 1] chunks continuing from their slots
             slots, fresh = step.slot_idx, step.fresh[:, None]
             ctx = torch.where(fresh, params.eos_token_id, st.ngram_context[slots])
@@ -399,6 +406,22 @@ class Qwen4ExpForCausalLM(nn.Module):
             st.ngram_context[slot] = ctx[0]
             st.ple_conv[slot] = conv[0]
         return out
+
+    def _ple_decode_fused(self, i: int, hyper, input_ids, step: "_Step") -> torch.Tensor:
+        """The decode branch of `_ple` (ple_layer_forward on [B, 1] chunks, its reference) with
+        the hashing, stream gate and dilated conv as Triton kernels, state slots updated in place."""
+        c, st, w, params = self.cfg, self.state[i], self.layer_parts[i]["ple"], self.ple_params[i]
+        h, eps = c.hidden_size, c.rms_norm_eps
+        rows = triton_ple.ngram_rows_decode_(input_ids, st.ngram_context, step.slot_idx, step.fresh, params)
+        emb = ple_embed(rows, self.ple_tables[i]).to(hyper.dtype)
+        fused, split = self.fused_inputs[("ple", i)]
+        key, value = torch.split(F.linear(emb, fused), split, dim=-1)
+        key = rms_norm(key, w["norm_key.weight"], eps, h)
+        query = rms_norm(hyper, w["norm_query.weight"], eps, h)
+        gated = triton_ple.stream_gate(key, query, value, c.hc_count)
+        normed = rms_norm(gated, w["norm_conv.weight"], eps, h)
+        return triton_ple.dilated_conv_decode_(normed, gated, w["conv1d.weight"], st.ple_conv, step.slot_idx,
+                                               step.fresh, params.ngram_size)
 
     def _gdn(self, i: int, x: torch.Tensor, step: "_Step") -> torch.Tensor:
         """All sequences of the step in one packed call; each continues from its state slot."""
