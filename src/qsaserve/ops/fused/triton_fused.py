@@ -222,7 +222,7 @@ def norm_rope_heads(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, si
 
 @triton.jit
 def inject_norm_kernel(hyper_ptr, out_ptr, inj_ptr, w_ptr, new_ptr, xn_ptr, H, eps, stride_h, stride_o, stride_i,
-                        stride_n, stride_x, HC: tl.constexpr, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr):
+                        stride_n, stride_x, HAS_OUT: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)  # one stream of the row
     c = tl.arange(0, BLOCK)
@@ -244,13 +244,14 @@ def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_si
     """Qwen4Exp's 1-centred RMSNorm with one RMS per `group_size` features (weight over the full
     width): `qwen4exp_blocks.rms_norm(x, weight, eps, group_size)`. x [..., width], unit last stride."""
     width = x.shape[-1]
-    if width % group_size or x.stride(-1) != 1:
-        raise ValueError("grouped_rms_norm: width must be a multiple of group_size, with a unit last stride")
+    if width % group_size or x.stride(-1) != 1 or group_size > _MAX_NORM_COLS:
+        raise ValueError("grouped_rms_norm: width a multiple of group_size (<= 32768), with a unit last stride")
+    weight = weight.contiguous()
     x2 = x.reshape(-1, width)
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     if x2.shape[0]:
         block = triton.next_power_of_2(group_size)
         inject_norm_kernel[(x2.shape[0], width // group_size)](
             x2, x2, x2, weight, x2, out, group_size, eps, x2.stride(0), 0, 0, 0, out.stride(0),
-            HC=width // group_size, HAS_OUT=False, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+            HAS_OUT=False, BLOCK=block, num_warps=8 if block >= 4096 else 4)
     return out.view(x.shape)

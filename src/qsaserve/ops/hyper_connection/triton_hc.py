@@ -74,7 +74,7 @@ def hc_step_triton(hyper: torch.Tensor, block_out: torch.Tensor | None, inject: 
             hyper, block_out if block_out is not None else hyper, inject if inject is not None else hyper,
             norm_weight, new, xn, h, eps, hyper.stride(0),
             block_out.stride(0) if block_out is not None else 0, inject.stride(0) if inject is not None else 0,
-            new.stride(0), xn.stride(0), HC=hc_count, HAS_OUT=block_out is not None, BLOCK=block,
+            new.stride(0), xn.stride(0), HAS_OUT=block_out is not None, BLOCK=block,
             num_warps=8 if block >= 4096 else 4)
     d = F.linear(xn, down_weight)
     i = F.linear(xn, inject_weight) if inject_weight is not None else None

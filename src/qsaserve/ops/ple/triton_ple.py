@@ -53,7 +53,7 @@ def _ngram_rows_kernel(tok_ptr, ctx_ptr, slots_ptr, fresh_ptr, mult_ptr, sizes_p
 
 
 @triton.jit
-def _stream_gate_kernel(key_ptr, query_ptr, value_ptr, out_ptr, H, sqrt_h, stride_k, stride_q, stride_v, stride_o,
+def _stream_gate_kernel(key_ptr, query_ptr, value_ptr, out_ptr, H, inv_sqrt_h, stride_k, stride_q, stride_v, stride_o,
                         BLOCK: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
@@ -63,8 +63,9 @@ def _stream_gate_kernel(key_ptr, query_ptr, value_ptr, out_ptr, H, sqrt_h, strid
     dt = k.dtype
     q = tl.load(query_ptr + b * stride_q + s * H + c, mask=ok, other=0.0)
     prod = (k.to(tl.float32) * q.to(tl.float32)).to(dt).to(tl.float32)
-    g = (tl.sum(prod, 0).to(dt).to(tl.float32) / sqrt_h).to(dt).to(tl.float32)  # sum, then / sqrt(H)
-    mag = tl.sqrt(tl.maximum(tl.abs(g), 1e-6).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    # sum, then / sqrt(H): torch on CUDA multiplies by the scalar's reciprocal
+    g = (tl.sum(prod, 0).to(dt).to(tl.float32) * inv_sqrt_h).to(dt).to(tl.float32)
+    mag = tl.sqrt_rn(tl.maximum(tl.abs(g), 1e-6).to(dt).to(tl.float32)).to(dt).to(tl.float32)
     sign = tl.where(g > 0, 1.0, tl.where(g < 0, -1.0, 0.0))
     g = (mag * sign).to(dt).to(tl.float32)
     sig = tl.sigmoid(g).to(dt).to(tl.float32)
@@ -111,6 +112,7 @@ def ngram_rows_decode_(tokens: torch.Tensor, contexts: torch.Tensor, slots: torc
     n, hpn = params.ngram_size, params.heads_per_ngram
     if n < 2 or contexts.shape[1] != n - 1 or contexts.stride(-1) != 1:
         raise ValueError("ngram_rows_decode_: contexts [slots, ngram_size - 1] with a unit last stride")
+    tokens, slots, fresh = tokens.contiguous(), slots.contiguous(), fresh.contiguous()
     dev = tokens.device
     rows = torch.empty((b, (n - 1) * hpn), dtype=torch.int64, device=dev)
     if b:
@@ -126,10 +128,11 @@ def stream_gate(key: torch.Tensor, query: torch.Tensor, value: torch.Tensor, hc:
     """key, query [B, hc*H], value [B, H] -> sigmoid(gate_s) * value per stream, [B, hc*H]."""
     b, width = key.shape
     h = width // hc
-    key, query, value = key.contiguous(), query.contiguous(), value.contiguous()
-    out = torch.empty_like(key)
+    if key.stride(-1) != 1 or query.stride(-1) != 1 or value.stride(-1) != 1:
+        key, query, value = key.contiguous(), query.contiguous(), value.contiguous()
+    out = torch.empty(key.shape, dtype=key.dtype, device=key.device)
     if b:
-        _stream_gate_kernel[(b, hc)](key, query, value, out, h, math.sqrt(h), key.stride(0), query.stride(0),
+        _stream_gate_kernel[(b, hc)](key, query, value, out, h, 1.0 / math.sqrt(h), key.stride(0), query.stride(0),
                                      value.stride(0), out.stride(0), BLOCK=triton.next_power_of_2(h),
                                      num_warps=4 if h >= 1024 else 2)
     return out
@@ -143,9 +146,9 @@ def dilated_conv_decode_(x: torch.Tensor, residual: torch.Tensor, weight: torch.
     w = weight.reshape(weight.shape[0], -1)
     k = w.shape[1]
     span = (k - 1) * dilation
-    if states.shape[-1] != span or states.stride(-1) != 1 or w.stride(-1) != 1:
+    if states.shape[1:] != (c, span) or states.stride(-1) != 1 or w.stride(-1) != 1 or w.shape[0] != c:
         raise ValueError("dilated_conv_decode_: states [slots, C, (K-1)*dilation] and weight [C, K], unit last strides")
-    x, residual = x.contiguous(), residual.contiguous()
+    x, residual, slots, fresh = x.contiguous(), residual.contiguous(), slots.contiguous(), fresh.contiguous()
     out = torch.empty_like(x)
     if b:
         block_c = 64

@@ -70,6 +70,11 @@ def pool_completed_groups_triton(tails, slots, raw, block_key_cache, block_table
     if (raw.stride(-1) != 1 or tails.stride(-1) != 1 or not block_key_cache.is_contiguous()
             or block_tables.stride(-1) != 1):
         raise ValueError("pool_completed_groups: unit last strides and a contiguous block key cache")
+    rot = 2 * inv_freq.shape[0]
+    if rot > di or block_key_cache.shape[-1] != di or tails.shape[-1] != di:
+        raise ValueError(f"pool_completed_groups: rotary width {rot}, block keys {block_key_cache.shape[-1]} and "
+                         f"tails {tails.shape[-1]} must fit the index key width {di}")
+    slots, positions, valid = slots.contiguous(), positions.contiguous(), valid.contiguous()
     if b == 0:
         return
     inv = inv_freq.to(device=raw.device, dtype=torch.float32).contiguous()
