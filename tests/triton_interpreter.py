@@ -38,3 +38,21 @@ def run_under_interpreter(test_file: str, call: str, timeout: int = 600) -> None
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+
+
+def triton_check_tests(test_file: str, checks):
+    """The two tests of a module whose `checks(device)` compares its Triton kernels to their
+    references: on CPU under the interpreter (a subprocess), and on a CUDA GPU (skipped without
+    one). Assign the pair to module-level `test_*` names."""
+    import pytest
+    import torch
+
+    def test_triton_kernels_under_interpreter():
+        run_under_interpreter(test_file, f"t.{checks.__name__}('cpu')")
+
+    @pytest.mark.gpu
+    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+    def test_triton_kernels_on_gpu():
+        checks("cuda")
+
+    return test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu

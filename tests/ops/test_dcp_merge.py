@@ -6,7 +6,7 @@ empty (lse = -inf, rows holding NaN, as a kernel's untouched buffer might). Simu
 collectives: the all-to-all is a transpose of the ranks' packed rows, the reduce-scatter a sum."""
 import pytest
 import torch
-from triton_interpreter import run_under_interpreter
+from triton_interpreter import triton_check_tests
 
 from qsaserve.ops.dcp_merge import reference as ref
 from qsaserve.ops.qsa_attention.reference import merge_attention_partials
@@ -61,11 +61,4 @@ def _triton_checks(device):
                      pack=tm.pack_partials_triton, merge=tm.merge_packed_triton, scale=tm.scale_partials_triton)
 
 
-def test_triton_kernels_under_interpreter():
-    run_under_interpreter(__file__, "t._triton_checks('cpu')")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
-def test_triton_kernels_on_gpu():
-    _triton_checks("cuda")
+test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)

@@ -1,9 +1,8 @@
 """The GDN decode step's small ops: Triton kernels against their torch references (gates, one-token
 causal conv with per-slot state incl. fresh sequences and a shared padding slot, gated RMSNorm),
 float32 tightly and bf16 within bf16 rounding; under the Triton interpreter on CPU and on a GPU."""
-import pytest
 import torch
-from triton_interpreter import run_under_interpreter
+from triton_interpreter import triton_check_tests
 
 from qsaserve.models.qwen4exp_blocks import gated_rms_norm
 from qsaserve.ops.gdn.decode_ops import conv1d_decode_reference_, gdn_gates_reference
@@ -56,11 +55,4 @@ def test_references_run():
     check_decode_ops("cpu", torch.float32, gdn_gates_reference, conv1d_decode_reference_, gated_rms_norm)
 
 
-def test_triton_kernels_under_interpreter():
-    run_under_interpreter(__file__, "t._triton_checks('cpu')")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
-def test_triton_kernels_on_gpu():
-    _triton_checks("cuda")
+test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)

@@ -1,9 +1,8 @@
 """Routed-expert decode kernels (ops/moe) against `qwen4exp_blocks.moe_experts_sync_free`, the torch
 reference: float32 tightly, bf16 within bf16 rounding; repeated experts within a row, non-power-of-2
 sizes; under the Triton interpreter on CPU and on a CUDA GPU."""
-import pytest
 import torch
-from triton_interpreter import run_under_interpreter
+from triton_interpreter import triton_check_tests
 
 from qsaserve.models.qwen4exp_blocks import moe_experts_sync_free
 
@@ -40,14 +39,8 @@ def _triton_checks(device):
     for dtype in (torch.float32,) if device == "cpu" else (torch.float32, torch.bfloat16):
         check_moe(device, dtype)
         check_moe(device, dtype, n=1, k=3, e=7, h=300, inter=17)
+    if device != "cpu":  # qwen4exp-small at TP2, batch 4
+        check_moe(device, torch.bfloat16, n=4, k=8, e=64, h=2048, inter=256)
 
 
-def test_triton_kernels_under_interpreter():
-    run_under_interpreter(__file__, "t._triton_checks('cpu')")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
-def test_triton_kernels_on_gpu():
-    _triton_checks("cuda")
-    check_moe("cuda", torch.bfloat16, n=4, k=8, e=64, h=2048, inter=256)  # qwen4exp-small at TP2, batch 4
+test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)

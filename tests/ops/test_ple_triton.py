@@ -1,13 +1,12 @@
 """PLE decode-step kernels (ops/ple/triton_ple.py) against their references (ops/ple/reference.py,
 the model's torch code on [B, 1] chunks): n-gram rows with fresh slots and EOS inside the context, the stream gate,
 and the dilated conv with its per-slot state; float32 under the Triton interpreter, bf16 on a GPU."""
-import pytest
 import torch
 
 from qsaserve.models.qwen4exp_ple import PLEHashParams
 from qsaserve.ops.ple.reference import (dilated_conv_decode_reference_, ngram_rows_decode_reference_,
                                         stream_gate_reference)
-from triton_interpreter import run_under_interpreter
+from triton_interpreter import triton_check_tests
 
 
 def _params(ngram_size=3, heads_per_ngram=2, eos=2):
@@ -71,11 +70,4 @@ def _triton_checks(device):
         check_gate_and_conv(device, torch.bfloat16, b=4, hc=4, h=2048, k=4, dilation=3)
 
 
-def test_triton_kernels_under_interpreter():
-    run_under_interpreter(__file__, "t._triton_checks('cpu')")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
-def test_triton_kernels_on_gpu():
-    _triton_checks("cuda")
+test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)

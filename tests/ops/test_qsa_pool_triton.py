@@ -3,11 +3,10 @@ paged.pool_completed_groups: rows that complete a group (pooled key written wher
 puts it), rows that do not (only the tail changes), a padding row on the scratch slot (valid False,
 position -1); partial RoPE; float32 under the Triton interpreter, bf16 on a GPU."""
 import torch
-import pytest
 
 from qsaserve.ops.qsa_indexer.paged import pool_completed_groups
 from qsaserve.ops.qsa_indexer.reference import rope_inv_freq
-from triton_interpreter import run_under_interpreter
+from triton_interpreter import triton_check_tests
 
 
 def check_pool(device, dtype, di=48, r=4, page=16, rot_frac=0.5):
@@ -45,11 +44,4 @@ def _triton_checks(device):
         check_pool(device, torch.bfloat16, di=128)
 
 
-def test_triton_kernel_under_interpreter():
-    run_under_interpreter(__file__, "t._triton_checks('cpu')")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
-def test_triton_kernel_on_gpu():
-    _triton_checks("cuda")
+test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)
