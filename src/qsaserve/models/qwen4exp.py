@@ -567,14 +567,15 @@ class Qwen4ExpForCausalLM(nn.Module):
         pool(self.state[i].index_tail, step.slot_idx, raw, cache.block_keys, tables, pos, step.valid,
              w["indexer.k_layernorm.weight"], self.inv_freq, r, c.rms_norm_eps)
         iq = iq.to(cache.block_keys.dtype)
-        if _use_triton(q):  # under DCP the build kernel writes rank-local rows (dcp.localize)
+        local = ctx.dcp.enabled and _use_triton(q) and use_fused(q)  # the build kernel writes rank-local rows
+        if _use_triton(q):
             selected = select_decode_tokens_triton(iq, cache.block_keys, tables, pos, r, c.indexer_budget,
-                                                   dcp=ctx.dcp if ctx.dcp.enabled else None)
+                                                   dcp=ctx.dcp if local else None)
         else:
             selected = select_decode_tokens(decode_index_scores(iq, cache.block_keys, tables, pos, r), pos, r,
                                             c.indexer_budget)
-            if ctx.dcp.enabled:
-                selected = ctx.dcp.localize(selected)
+        if ctx.dcp.enabled and not local:
+            selected = ctx.dcp.localize(selected)
         if _use_triton(q):
             attn, lse = sparse_attention_paged_triton(q, cache.kv, tables, selected, c.head_dim**-0.5, None,
                                                       cache.k_scale, cache.v_scale, run=self._run(cache))

@@ -1,11 +1,12 @@
 """Merging decode-context-parallel partial attentions (see reference.py for the contract).
 
-`pack_partials`, `merge_packed`, `scale_partials`: the Triton kernels for CUDA tensors, the torch
-references elsewhere."""
+`pack_partials`, `merge_packed`, `scale_partials`: the Triton kernels for CUDA tensors (unless
+QSASERVE_FUSED_KERNELS=0), the torch references elsewhere."""
 from __future__ import annotations
 
 import torch
 
+from qsaserve.ops import fused
 from qsaserve.ops.dcp_merge import reference
 
 try:  # CPU-only installs keep the references
@@ -15,7 +16,7 @@ except ImportError:
 
 
 def _fast(x: torch.Tensor) -> bool:
-    return x.is_cuda and triton_merge is not None
+    return x.is_cuda and triton_merge is not None and fused.ENABLED
 
 
 def pack_partials(out: torch.Tensor, lse: torch.Tensor, d: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qsaserve.ops import fused
 from qsaserve.ops.qsa_indexer.triton_topk import topk_indices_triton
 
 
@@ -259,7 +260,7 @@ def select_decode_tokens_triton(
     `DcpGeometry`, to get this rank's local rows (`dcp.localize` of the selection) from the build."""
     keys = decode_index_scores_triton(index_q, block_key_cache, block_tables, positions, ratio, block_g, pack=True)
     k = min(budget // ratio, keys.shape[1])
-    return build_selection_triton(topk_indices_triton(keys, k), positions, ratio, budget, dcp)
+    return build_selection_triton(_topk(keys, k), positions, ratio, budget, dcp)
 
 
 def select_prefill_rows_triton(
@@ -270,7 +271,12 @@ def select_prefill_rows_triton(
     with the lowest-index rule (its `select_fn`): packed keys, radix top-k, build."""
     keys = prefill_index_scores_triton(index_q, block_key_cache, block_table, positions, ratio, num_groups, pack=True)
     k = min(budget // ratio, num_groups)
-    return build_selection_triton(topk_indices_triton(keys, k), positions, ratio, budget)
+    return build_selection_triton(_topk(keys, k), positions, ratio, budget)
+
+
+def _topk(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """The radix top-k kernel, or torch.topk with QSASERVE_FUSED_KERNELS=0 (same indices)."""
+    return topk_indices_triton(keys, k) if fused.ENABLED else torch.topk(keys, k, dim=1).indices
 
 
 @functools.lru_cache(maxsize=None)
