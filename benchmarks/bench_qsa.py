@@ -113,17 +113,7 @@ def main() -> None:
     args = ap.parse_args()
     t_start = time.perf_counter()
     if args.model_only:
-        steps = [model_decode_step(n, batch=1) for n in (8192, 262144)]
-        report = dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
-                      commit=os.environ.get("QSASERVE_COMMIT", ""), torch=torch.__version__,
-                      model_decode={"runs": steps,
-                                    "step_t256k_over_t8k": steps[1]["decode_step_ms"] / steps[0]["decode_step_ms"]},
-                      wall_s=time.perf_counter() - t_start)
-        text = json.dumps(report, indent=1)
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text)
+        _emit(dict(_provenance(), model_decode=model_decode_steps(), wall_s=time.perf_counter() - t_start), args.out)
         return
     prefill = prefill_chunk(torch.device("cuda"))
     print(json.dumps(prefill), flush=True)
@@ -145,24 +135,36 @@ def main() -> None:
         )
     variants = sparse_variants(torch.device("cuda"))
     report = dict(
-        date=datetime.datetime.now().isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
-        commit=os.environ.get("QSASERVE_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                                                   text=True).stdout.strip(),
-        torch=torch.__version__,
+        _provenance(),
         shapes=dict(hq=HQ, hkv=HKV, head_dim=D, indexer_heads=HI, indexer_dim=DI, budget=BUDGET, ratio=R, page=PAGE,
                     dtype=str(DT)),
         results=results, summary=summary, variants=variants, prefill_chunk=prefill,
     )
-    if args.model:  # the whole model's decode step at batch 1, 8K vs 256K context (one engine each)
-        steps = [model_decode_step(n, batch=1) for n in (8192, 262144)]
-        report["model_decode"] = {"runs": steps,
-                                  "step_t256k_over_t8k": steps[1]["decode_step_ms"] / steps[0]["decode_step_ms"]}
+    if args.model:
+        report["model_decode"] = model_decode_steps()
     report["wall_s"] = time.perf_counter() - t_start
+    _emit(report, args.out)
+
+
+def _provenance() -> dict:
+    commit = os.environ.get("QSASERVE_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                                 text=True).stdout.strip()
+    return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
+                commit=commit, torch=torch.__version__)
+
+
+def _emit(report: dict, out: str | None) -> None:
     text = json.dumps(report, indent=1)
     print(text)
-    if args.out:
-        with open(args.out, "w") as f:
+    if out:
+        with open(out, "w") as f:
             f.write(text)
+
+
+def model_decode_steps() -> dict:
+    """The whole model's decode step at batch 1, 8K vs 256K context (one engine each)."""
+    steps = [model_decode_step(n, batch=1) for n in (8192, 262144)]
+    return {"runs": steps, "step_t256k_over_t8k": steps[1]["decode_step_ms"] / steps[0]["decode_step_ms"]}
 
 
 def run_ops(dev: torch.device) -> list[dict]:

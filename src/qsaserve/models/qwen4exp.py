@@ -26,6 +26,7 @@ from qsaserve.models.qwen4exp_blocks import (
     hc_inject,
     moe_experts,
     moe_experts_sync_free,
+    moe_route,
     rms_norm,
     qsa_attention_output,
     qsa_attention_qkv,
@@ -362,13 +363,9 @@ class Qwen4ExpForCausalLM(nn.Module):
             return sparse_moe_block(x, mlp, c.num_experts_per_tok, c.norm_topk_prob, c.hidden_act, sync_free=step.decode)
         fused, rows = self.fused_mlp_inputs[i]  # router | shared gate_proj | shared up_proj | shared gate
         logits, gate_up, shared_gate = torch.split(F.linear(x, fused), [rows[0], rows[1] + rows[2], rows[3]], dim=-1)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-        top_w, top_i = torch.topk(probs, c.num_experts_per_tok, dim=-1)
-        if c.norm_topk_prob:
-            top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        top_w, top_i = moe_route(logits, c.num_experts_per_tok, c.norm_topk_prob)
         experts = moe_experts_sync_free if step.decode else moe_experts
-        routed = experts(x, top_i, top_w.to(logits.dtype), mlp["experts.gate_up_proj"], mlp["experts.down_proj"],
-                         c.hidden_act)
+        routed = experts(x, top_i, top_w, mlp["experts.gate_up_proj"], mlp["experts.down_proj"], c.hidden_act)
         shared = F.linear(triton_fused.silu_mul(gate_up), mlp["shared_expert.down_proj.weight"])
         return routed + torch.sigmoid(shared_gate) * shared
 
@@ -567,8 +564,9 @@ class Qwen4ExpForCausalLM(nn.Module):
         pool(self.state[i].index_tail, step.slot_idx, raw, cache.block_keys, tables, pos, step.valid,
              w["indexer.k_layernorm.weight"], self.inv_freq, r, c.rms_norm_eps)
         iq = iq.to(cache.block_keys.dtype)
-        local = ctx.dcp.enabled and _use_triton(q) and use_fused(q)  # the build kernel writes rank-local rows
-        if _use_triton(q):
+        fast = _use_triton(q)
+        local = ctx.dcp.enabled and fast and use_fused(q)  # the build kernel writes rank-local rows
+        if fast:
             selected = select_decode_tokens_triton(iq, cache.block_keys, tables, pos, r, c.indexer_budget,
                                                    dcp=ctx.dcp if local else None)
         else:
@@ -576,7 +574,7 @@ class Qwen4ExpForCausalLM(nn.Module):
                                             c.indexer_budget)
         if ctx.dcp.enabled and not local:
             selected = ctx.dcp.localize(selected)
-        if _use_triton(q):
+        if fast:
             attn, lse = sparse_attention_paged_triton(q, cache.kv, tables, selected, c.head_dim**-0.5, None,
                                                       cache.k_scale, cache.v_scale, run=self._run(cache))
         else:

@@ -42,6 +42,7 @@ __all__ = [
     "hc_gated_residual",
     "hc_inject",
     "moe_router",
+    "moe_route",
     "moe_experts",
     "moe_experts_sync_free",
     "dense_mlp",
@@ -148,11 +149,16 @@ def moe_router(
     ``x`` ``[N, H]``. Returns ``(logits [N, E], weights [N, k] in logits dtype, indices [N, k])``.
     """
     logits = F.linear(x, gate_weight)
+    return (logits, *moe_route(logits, top_k, norm_topk_prob))
+
+
+def moe_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] -> (weights [N, k] in the logits' dtype, expert indices [N, k])."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     top_w, top_i = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-    return logits, top_w.to(logits.dtype), top_i
+    return top_w.to(logits.dtype), top_i
 
 
 def moe_experts(

@@ -16,7 +16,7 @@ except ImportError:
 
 
 def _fast(x: torch.Tensor) -> bool:
-    return x.is_cuda and triton_merge is not None and fused.ENABLED
+    return triton_merge is not None and fused.use_fused(x)
 
 
 def pack_partials(out: torch.Tensor, lse: torch.Tensor, d: int) -> torch.Tensor:

@@ -49,7 +49,7 @@ def conv1d_decode_reference_(x: torch.Tensor, weight: torch.Tensor, states: torc
 # ---- dispatch: one Triton launch each on CUDA (fused kernels on), these references elsewhere ----
 
 def _fast(x: torch.Tensor) -> bool:
-    return triton_decode is not None and fused.ENABLED and x.is_cuda
+    return triton_decode is not None and fused.use_fused(x)
 
 
 def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):

@@ -14,7 +14,7 @@ except ImportError:
 
 def hc_step(hyper, block_out, inject, norm_weight, down_weight, up_weight, inject_weight, hc_count: int, eps: float):
     """-> (new hyper, mixed block input, next injection weights or None); see reference.py."""
-    fast = hc_step_triton is not None and fused.ENABLED and hyper.is_cuda and hyper.dim() == 2
+    fast = hc_step_triton is not None and fused.use_fused(hyper) and hyper.dim() == 2
     fn = hc_step_triton if fast else hc_step_reference
     return fn(hyper, block_out, inject, norm_weight, down_weight, up_weight, inject_weight, hc_count, eps)
 

@@ -14,7 +14,7 @@ except ImportError:
 
 
 def use_triton_moe(x: torch.Tensor, indices: torch.Tensor, num_experts: int, activation: str) -> bool:
-    return (moe_experts_decode_triton is not None and fused.ENABLED and x.is_cuda and activation in ("silu", "swish")
+    return (moe_experts_decode_triton is not None and fused.use_fused(x) and activation in ("silu", "swish")
             and indices.numel() < num_experts)
 
 

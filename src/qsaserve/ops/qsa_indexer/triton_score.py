@@ -276,7 +276,7 @@ def select_prefill_rows_triton(
 
 def _topk(keys: torch.Tensor, k: int) -> torch.Tensor:
     """The radix top-k kernel, or torch.topk with QSASERVE_FUSED_KERNELS=0 (same indices)."""
-    return topk_indices_triton(keys, k) if fused.ENABLED else torch.topk(keys, k, dim=1).indices
+    return topk_indices_triton(keys, k) if fused.use_fused(keys) else torch.topk(keys, k, dim=1).indices
 
 
 @functools.lru_cache(maxsize=None)
