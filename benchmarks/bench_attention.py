@@ -33,6 +33,8 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
+from qsaserve.ops.device import num_sms
+
 from qsaserve.cache.kv_cache import KVCacheSpec
 from qsaserve.ops.attention import triton_paged as tp
 
@@ -112,7 +114,7 @@ def decode_case(b, ctx, page, cfg=None, num_splits=None, seed=0):
     out = torch.empty_like(q)
     default = tp.decode_config(b * HKV)
     cfg = cfg or default
-    auto = tp.num_decode_splits(b * HKV, ctx, tp._num_sms(q.device), cfg.block_n, cfg.ctas_per_sm)
+    auto = tp.num_decode_splits(b * HKV, ctx, num_sms(q.device), cfg.block_n, cfg.ctas_per_sm)
     if num_splits is None:
         num_splits = auto
 
@@ -257,7 +259,7 @@ def graph_time(fn) -> float:
 def fp8_variant_row(name, cfg, q, cache8, meta, out, ks, vs, ctx, elems, bf16_s, ref, num_splits=None):
     """One FP8 decode launch configuration timed through paged_decode (the merge included)."""
     b = q.shape[0]
-    auto = tp.num_decode_splits(b * HKV, ctx, tp._num_sms(q.device), cfg.block_n, cfg.ctas_per_sm)
+    auto = tp.num_decode_splits(b * HKV, ctx, num_sms(q.device), cfg.block_n, cfg.ctas_per_sm)
     splits = num_splits or auto
 
     def run():
@@ -292,7 +294,7 @@ def fp8_table(args):
         del cache
         fp8_cfg = tp.decode_config(b * HKV, fp8=True)
         row["fp8_config"] = dataclasses.asdict(fp8_cfg)
-        row["fp8_splits"] = tp.num_decode_splits(b * HKV, ctx, tp._num_sms(q.device), fp8_cfg.block_n, fp8_cfg.ctas_per_sm)
+        row["fp8_splits"] = tp.num_decode_splits(b * HKV, ctx, num_sms(q.device), fp8_cfg.block_n, fp8_cfg.ctas_per_sm)
         tp.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=vs)
         ref = out.float().clone()  # the default's output: every variant must agree with it
         t8 = bench(lambda: tp.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=vs))

@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qsaserve.ops.device import num_sms
+
 _LOG2E = 1.4426950408889634
 # Online-softmax running max starts finite, so a row that sees only masked keys in a tile keeps
 # alpha = exp2(0) = 1 instead of exp2(-inf - -inf) = NaN.
@@ -519,13 +521,6 @@ def _prefill_config(head_dim: int) -> PrefillConfig:
     return PREFILL_CONFIG[64] if head_dim <= 64 else PREFILL_CONFIG[128]
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter runs: any plausible value
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def decode_config(pairs: int, fp8: bool = False) -> DecodeConfig:
     if fp8:
         return DECODE_CONFIG_FP8
@@ -638,7 +633,7 @@ def paged_decode(
     if num_seqs == 0:
         return out
     if num_splits is None:
-        num_splits = num_decode_splits(num_seqs * hkv, max_seq_len, _num_sms(q.device), cfg.block_n, cfg.ctas_per_sm)
+        num_splits = num_decode_splits(num_seqs * hkv, max_seq_len, num_sms(q.device), cfg.block_n, cfg.ctas_per_sm)
     chunk = triton.cdiv(triton.cdiv(max(max_seq_len, 1), num_splits), cfg.block_n) * cfg.block_n
     num_splits = triton.cdiv(max(max_seq_len, 1), chunk)
     single = num_splits == 1

@@ -16,12 +16,13 @@ Reference: `reference.sparse_attention_paged_reference`.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from qsaserve.ops.device import num_sms
 
 _LOG2E = 1.4426950408889634
 # The running max starts finite so that a tile with no selected token keeps alpha = exp2(0) = 1.
@@ -159,13 +160,6 @@ def _merge_kernel(
     tl.store(lse_ptr + t.to(tl.int64) * stride_st + h, tl.where(total > 0.0, m_safe + tl.log2(total), float("-inf")))
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter runs: any plausible value
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 @dataclass(frozen=True)
 class SparseConfig:
     """Launch parameters. block_n tokens per tile (each K and V tile is block_n x head_dim);
@@ -251,7 +245,7 @@ def sparse_attention_paged_triton(
         q = q.contiguous()
     token_positions = token_positions.contiguous()
     block_n = cfg.block_n
-    s = splits or num_splits(t, hkv, m, _num_sms(q.device), block_n, cfg.programs_per_sm)
+    s = splits or num_splits(t, hkv, m, num_sms(q.device), block_n, cfg.programs_per_sm)
     chunk = triton.cdiv(triton.cdiv(max(m, 1), s), block_n) * block_n
     s = max(1, triton.cdiv(m, chunk))
     if s == 1:  # the kernel's result is final: write it in place

@@ -20,13 +20,13 @@ The plain-torch references are `paged.decode_index_scores`, `paged.prefill_index
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from qsaserve.ops import fused
+from qsaserve.ops.device import num_sms
 from qsaserve.ops.qsa_indexer.triton_topk import topk_indices_triton
 
 
@@ -193,7 +193,7 @@ def prefill_index_scores_triton(
     row_blocks = triton.cdiv(t, block_t)
     tiles = triton.cdiv(num_groups, block_g)
     if splits is None:
-        splits = max(1, min(tiles, triton.cdiv(2 * _num_sms(index_q.device), row_blocks)))
+        splits = max(1, min(tiles, triton.cdiv(2 * num_sms(index_q.device), row_blocks)))
     # Tiles per split: a power of two, so that few kernel variants cover every context length.
     tiles_per_split = triton.next_power_of_2(triton.cdiv(tiles, splits))
     per_split = tiles_per_split * block_g
@@ -279,8 +279,3 @@ def _topk(keys: torch.Tensor, k: int) -> torch.Tensor:
     return topk_indices_triton(keys, k) if fused.use_fused(keys) else torch.topk(keys, k, dim=1).indices
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 132  # interpreter runs: any plausible value
-    return torch.cuda.get_device_properties(device).multi_processor_count
