@@ -51,8 +51,4 @@ def _triton_checks(device):
         check_decode_ops(device, dtype, td.gdn_gates_triton, td.conv1d_decode_triton_, td.gated_rms_norm_triton)
 
 
-def test_references_run():
-    check_decode_ops("cpu", torch.float32, gdn_gates_reference, conv1d_decode_reference_, gated_rms_norm)
-
-
 test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)
