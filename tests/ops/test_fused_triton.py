@@ -121,7 +121,12 @@ def check_norm_rope_heads(device, dtype, tokens=4, heads=3, head_dim=48, rot=24)
     cos, sin = rope_cos_sin(torch.tensor([0, 5, 77, 4000][:tokens]), inv, dtype)
     want = norm_rope_heads_reference(x, w, cos, sin, 1e-6)
     got = tf.norm_rope_heads(x.to(device), w.to(device), cos.to(device), sin.to(device), 1e-6).cpu()
-    torch.testing.assert_close(got, want, **_tol(dtype))
+    tol = _tol(dtype)
+    if dtype != torch.float32:
+        # The GPU's rsqrt can move a normed value (RMS ~1) by one ulp; the RoPE sum of two rounded
+        # products then differs by that ulp even where the sum cancels to near zero.
+        tol["atol"] = torch.finfo(dtype).eps
+    torch.testing.assert_close(got, want, **tol)
 
 
 def check_grouped_rms_norm(device, dtype, rows=3, groups=4, group=48):

@@ -48,11 +48,11 @@ def check_gate_and_conv(device, dtype, b=3, hc=2, h=40, k=4, dilation=3):
     got = stream_gate(key.to(device), query.to(device), value.to(device), hc).cpu()
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got, want, **tol)
-    # Conv: rows on slots 2, 0, 3, row 1 fresh.
+    # Conv: rows on slots 2, 0, 3 (, 4), row 1 fresh.
     x, res, w = r(b, hc * h), r(b, hc * h), r(hc * h, 1, k)
     states = r(5, hc * h, (k - 1) * dilation)
-    slots = torch.tensor([2, 0, 3])
-    fresh = torch.tensor([False, True, False])
+    slots = torch.tensor([2, 0, 3, 4][:b])
+    fresh = torch.tensor([False, True, False, False][:b])
     want_states = states.clone()
     want = dilated_conv_decode_reference_(x, res, w, want_states, slots, fresh, dilation)
     dev_states = states.clone().to(device)

@@ -333,6 +333,7 @@ def test_topk_on_gpu():
     check_topk("cuda")
     check_topk("cuda", n=32768, k=512, rows=5, tile=2048)  # qwen4exp-small at 128K context
     check_topk("cuda", n=65536 + 37, k=500, rows=5, tile=1024)
+    check_topk("cuda", n=8192, k=4096, rows=3, tile=2048)  # the largest k sorted on chip (MAX_K)
 
 
 @pytest.mark.gpu

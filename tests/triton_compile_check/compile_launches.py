@@ -1,5 +1,6 @@
 """Compile each Triton launch recorded by sitecustomize.py (see there) for a GPU target, no GPU
-needed. Prints one line per distinct launch and exits non-zero if any fails to compile.
+needed. Prints one line per distinct launch and exits non-zero if any fails to compile or needs
+more shared memory than the SM has.
 
     python tests/triton_compile_check/compile_launches.py LAUNCHES.jsonl [--arch 90]
 """
@@ -18,6 +19,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("launches")
     ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--max-shared", type=int, default=232448, help="bytes per block (sm_90's opt-in limit)")
     args = ap.parse_args()
     lines = sorted(set(open(args.launches).read().splitlines()))
     failures = 0
@@ -27,7 +29,10 @@ def main() -> int:
         src = ASTSource(fn=kernel, signature=launch["signature"], constexprs=launch["constexprs"])
         label = f"{launch['module']}.{launch['name']} {launch['constexprs']} {launch['options']}"
         try:
-            triton.compile(src, target=GPUTarget("cuda", args.arch, 32), options=launch["options"])
+            compiled = triton.compile(src, target=GPUTarget("cuda", args.arch, 32), options=launch["options"])
+            if compiled.metadata.shared > args.max_shared:  # the launch would raise OutOfResources
+                raise RuntimeError(f"needs {compiled.metadata.shared} bytes of shared memory, "
+                                   f"the SM has {args.max_shared}")
             print("ok", label, flush=True)
         except Exception:
             failures += 1

@@ -24,6 +24,9 @@ import triton
 import triton.language as tl
 
 _LOW_WORD = tl.constexpr(4294967295)  # 2^32 - 1
+# Largest k sorted on chip: 4096 int64 keys are 32 KiB. A QSA selection keeps budget / r groups
+# (512 for qwen4exp-small); larger k, e.g. k = N in tests, goes to torch.topk (same indices).
+MAX_K = 4096
 
 
 @triton.jit
@@ -91,7 +94,7 @@ def _topk_kernel(
 def topk_indices_triton(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.Tensor:
     """keys [B, N] int64 (`paged.selection_keys`) -> [B, k] int64 group indices in descending key
     order, as torch.topk(keys, k, dim=1).indices for every visible group. Device tensors only,
-    shapes from tensor shapes (CUDA-graph safe)."""
+    shapes from tensor shapes (CUDA-graph safe). k > MAX_K is torch.topk itself."""
     if keys.dtype != torch.int64 or keys.dim() != 2:
         raise ValueError(f"keys: expected a 2-D int64 tensor, got {keys.dtype} {tuple(keys.shape)}")
     b, n = keys.shape
@@ -99,6 +102,8 @@ def topk_indices_triton(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.T
         raise ValueError(f"k: must be in [0, {n}], got {k}")
     if k == 0:  # as torch.topk(keys, 0): nothing to choose (no complete group yet, or budget < r)
         return torch.empty((b, 0), dtype=torch.int64, device=keys.device)
+    if k > MAX_K:  # the sort holds k keys on chip; past this it would not fit an SM's shared memory
+        return torch.topk(keys, k, dim=1).indices
     keys = keys.contiguous()
     out = torch.empty((b, k), dtype=torch.int64, device=keys.device)
     if b == 0:
