@@ -162,9 +162,11 @@ def _emit(report: dict, out: str | None) -> None:
 
 
 def model_decode_steps() -> dict:
-    """The whole model's decode step at batch 1, 8K vs 256K context (one engine each)."""
-    steps = [model_decode_step(n, batch=1) for n in (8192, 262144)]
-    return {"runs": steps, "step_t256k_over_t8k": steps[1]["decode_step_ms"] / steps[0]["decode_step_ms"]}
+    """The whole model's decode step at batch 1, 8K vs 256K context (one engine each), timed as
+    `qsaserve bench latency` times it (steps after the prefill, CUDA graphs, PLE rows on the GPU),
+    with its kernel profile."""
+    steps = [model_decode_step(n) for n in (8192, 262144)]
+    return {"runs": steps, "step_t256k_over_t8k": steps[1]["ms_per_step"] / steps[0]["ms_per_step"]}
 
 
 def run_ops(dev: torch.device) -> list[dict]:
@@ -330,31 +332,19 @@ def prefill_chunk(dev: torch.device, chunk: int = 8192, context: int = 131072) -
     return row
 
 
-def model_decode_step(prompt_len: int = 8192, batch: int = 8, new_tokens: int = 16) -> dict:
-    """Whole qwen4exp-small (random weights) through LLM: time per decode step at a given context."""
-    from qsaserve import LLM, SamplingParams
+def model_decode_step(context: int) -> dict:
+    """Whole qwen4exp-small (random weights) at batch 1: decode step time at this context."""
+    from qsaserve.bench.latency import run_latency
+    from qsaserve.config import EngineConfig
 
-    llm = LLM("qwen4exp-small", load_format="dummy", max_model_len=prompt_len + new_tokens + 8, progress=False,
-              gpu_memory_utilization=0.8, ple_placement="gpu", max_num_batched_tokens=8192)
-    prompts = [{"prompt_token_ids": [random.Random(i).randrange(4, 1000) for _ in range(prompt_len)]} for i in range(batch)]
-    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    llm.generate(prompts[:1], first, use_tqdm=False)  # warm up
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    llm.generate(prompts, first, use_tqdm=False)
-    torch.cuda.synchronize()
-    prefill = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new_tokens + 1, ignore_eos=True), use_tqdm=False)
-    torch.cuda.synchronize()
-    total = time.perf_counter() - t0
-    step = (total - prefill) / new_tokens
-    graphs = llm.engine.executor.runner.graphs is not None
-    llm.engine.shutdown()
-    del llm
-    torch.cuda.empty_cache()
-    return dict(prompt_len=prompt_len, batch=batch, new_tokens=new_tokens, prefill_s=prefill, decode_step_ms=step * 1e3,
-                decode_tok_s=batch / step, cuda_graphs=graphs)
+    # The model's 262,144 positions bound the context; run_latency leaves room for its steps.
+    config = EngineConfig(model="qwen4exp-small", load_format="dummy", max_model_len=min(context + 64, 262144),
+                          gpu_memory_utilization=0.8, ple_placement="gpu", max_num_batched_tokens=8192)
+    report = run_latency(config, [1], [min(context, 8192)], decode_context=context, decode_steps=16, ttft_trials=1,
+                         profile_steps=8)
+    step = report["decode"][0]
+    return dict(context=step["context"], ms_per_step=step["ms_per_step"], tok_s=step["tok_s"],
+                cuda_graphs=report["params"]["cuda_graphs"], ttft=report["ttft"], profile=step.get("profile"))
 
 
 if __name__ == "__main__":

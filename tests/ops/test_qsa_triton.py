@@ -269,6 +269,18 @@ def check_topk(device, n=300, k=24, rows=5, tile=64, seed=3):
             assert ((got[i] >= 0) & (got[i] < n)).all()
 
 
+def test_topk_dispatch_by_row_width(monkeypatch):
+    """topk_indices: the radix kernel up to RADIX_MAX_GROUPS groups, torch.topk past it (the radix
+    kernel's one program per row loses there, see triton_topk.py); both give the same indices."""
+    from qsaserve.ops.qsa_indexer import triton_topk as tt
+
+    calls = []
+    monkeypatch.setattr(tt, "topk_indices_triton", lambda keys, k: calls.append(keys.shape) or torch.topk(keys, k).indices)
+    narrow, wide = torch.arange(2 * 64).view(2, 64), torch.arange(2 * (tt.RADIX_MAX_GROUPS + 1)).view(2, -1)
+    assert torch.equal(tt.topk_indices(narrow, 5), torch.topk(narrow, 5).indices) and calls == [narrow.shape]
+    assert torch.equal(tt.topk_indices(wide, 5), torch.topk(wide, 5).indices) and calls == [narrow.shape]
+
+
 INTERPRETER_CHECKS = [
     ("topk", lambda: check_topk("cpu")),
     ("topk_one_tile_pow2_k", lambda: check_topk("cpu", n=64, k=16, tile=2048)),

@@ -27,6 +27,11 @@ _LOW_WORD = tl.constexpr(4294967295)  # 2^32 - 1
 # Largest k sorted on chip: 4096 int64 keys are 32 KiB. A QSA selection keeps budget / r groups
 # (512 for qwen4exp-small); larger k, e.g. k = N in tests, goes to torch.topk (same indices).
 MAX_K = 4096
+# One program per row: its time grows with N whatever the batch (H200, graphs: 17 us at 2K groups,
+# 49 us at 8K, 200 us at 32K, 391 us at 64K), while torch.topk's stays ~45-170 us from 2K to 64K
+# groups at batch 1-64 (benchmarks/results/qsa_decode_h200_2026-11-30_84e1636.json). So rows wider
+# than this go to torch.topk.
+RADIX_MAX_GROUPS = 8192
 
 
 @triton.jit
@@ -91,6 +96,13 @@ def _topk_kernel(
     tl.store(out_ptr + row * stride_ob + j, group, mask=j < K)
 
 
+def topk_indices(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """The faster of the radix kernel and torch.topk for this row width (same indices)."""
+    if keys.shape[-1] <= RADIX_MAX_GROUPS:
+        return topk_indices_triton(keys, k)
+    return torch.topk(keys, k, dim=1).indices
+
+
 def topk_indices_triton(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.Tensor:
     """keys [B, N] int64 (`paged.selection_keys`) -> [B, k] int64 group indices in descending key
     order, as torch.topk(keys, k, dim=1).indices for every visible group. Device tensors only,
@@ -116,4 +128,4 @@ def topk_indices_triton(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.T
     return out
 
 
-__all__ = ["topk_indices_triton"]
+__all__ = ["MAX_K", "RADIX_MAX_GROUPS", "topk_indices", "topk_indices_triton"]
