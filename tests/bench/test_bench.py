@@ -62,6 +62,13 @@ def test_bench_throughput(tiny, capsys):
     assert r["params"]["num_prompts"] == 3 and r["params"]["ignore_eos"]
     assert r["peer"]["num_prompts"] == 2 and r["peer"]["batch_size"] == 2 and r["peer"]["output_tok_s"] > 0
     assert "output_tok_s_vs_hf" in r["ratios"]
+    steps = r["step_breakdown"]  # the second, step-timed run of the same workload
+    assert steps["with_prompt"]["steps"] >= 1 and steps["decode"]["steps"] >= 1
+    for kind in ("decode", "with_prompt"):
+        k = steps[kind]
+        assert 0 < k["execute_s"] <= k["wall_s"] <= steps["total_time_s"] and k["mean_rows"] >= 1
+        assert k["outside_execute_s"] == pytest.approx(k["wall_s"] - k["execute_s"], abs=2e-3)
+    assert steps["decode"]["mean_rows"] <= 3
 
 
 def test_bench_bad_batch_size_names_parameter(tiny, capsys):

@@ -15,6 +15,33 @@ import torch
 from qsaserve.engine.llm_engine import LLMEngine
 
 
+class ExecuteTimer:
+    """While active, times every executor.execute call to its end on the device (a synchronize
+    after it; the sampler's readback syncs right after anyway) and hands (batch, seconds) to
+    `on_execute`."""
+
+    def __init__(self, executor, on_execute):
+        self.executor, self.on_execute = executor, on_execute
+        self.cuda = executor.device.type == "cuda"
+
+    def __enter__(self):
+        execute = self.executor.execute
+
+        def timed_execute(batch, *args, **kwargs):
+            start = time.perf_counter()
+            out = execute(batch, *args, **kwargs)
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.on_execute(batch, time.perf_counter() - start)
+            return out
+
+        self.executor.execute = timed_execute  # an instance attribute shadows the method until deleted
+        return self
+
+    def __exit__(self, *exc):
+        del self.executor.execute
+
+
 def profile_decode_steps(engine: LLMEngine, steps: int = 16, top: int = 15) -> dict:
     """Time `steps` engine steps, then profile `steps` more; every running request must have at
     least 2 * steps tokens left to decode. Returns JSON-ready figures (milliseconds per step)."""
@@ -23,27 +50,14 @@ def profile_decode_steps(engine: LLMEngine, steps: int = 16, top: int = 15) -> d
     executor = engine.executor
     cuda = executor.device.type == "cuda"
     spent = [0.0]
-    execute = executor.execute
-
-    def timed_execute(*args, **kwargs):
-        start = time.perf_counter()
-        out = execute(*args, **kwargs)
-        if cuda:
-            torch.cuda.synchronize()
-        spent[0] += time.perf_counter() - start
-        return out
-
-    executor.execute = timed_execute  # an instance attribute shadows the method until deleted
     walls, executes = [], []
-    try:
+    with ExecuteTimer(executor, lambda batch, seconds: spent.__setitem__(0, spent[0] + seconds)):
         for _ in range(steps):
             spent[0] = 0.0
             start = time.perf_counter()
             engine.step(outputs="finished")
             walls.append(time.perf_counter() - start)
             executes.append(spent[0])
-    finally:
-        del executor.execute
     report = {"steps": steps, "batch": len(engine.scheduler.running),
               "wall_ms": round(1e3 * statistics.median(walls), 3),
               "execute_ms": round(1e3 * statistics.median(executes), 3),
@@ -72,3 +86,41 @@ def profile_decode_steps(engine: LLMEngine, steps: int = 16, top: int = 15) -> d
     except Exception as e:  # profiler unavailable (CUPTI missing): keep the timings
         report["profiler_error"] = repr(e)[:300]
     return report
+
+
+class StepBreakdown:
+    """Every engine step of a run, split into decode-only steps and steps with prompt tokens:
+    count, wall seconds, the executor's seconds (device work included), the rest (scheduling,
+    staging, sampling, outputs), and the mean rows per step. Where a throughput run's time goes."""
+
+    def __init__(self):
+        self.kinds = {"decode": [0, 0.0, 0.0, 0], "with_prompt": [0, 0.0, 0.0, 0]}  # steps, wall, execute, rows
+        self._execute = 0.0
+        self._kind = None
+        self._rows = 0
+
+    def on_execute(self, batch, seconds: float) -> None:
+        self._execute += seconds
+        self._kind = "decode" if all(n == 1 for n in batch.query_lens) else "with_prompt"
+        self._rows = len(batch.query_lens)
+
+    def step(self, engine: LLMEngine) -> None:
+        self._execute, self._kind = 0.0, None
+        start = time.perf_counter()
+        engine.step(outputs="finished")
+        wall = time.perf_counter() - start
+        if self._kind is not None:
+            k = self.kinds[self._kind]
+            k[0] += 1
+            k[1] += wall
+            k[2] += self._execute
+            k[3] += self._rows
+
+    def report(self) -> dict:
+        out = {}
+        for kind, (n, wall, execute, rows) in self.kinds.items():
+            out[kind] = {"steps": n, "wall_s": round(wall, 3), "execute_s": round(execute, 3),
+                         "outside_execute_s": round(wall - execute, 3),
+                         "ms_per_step": round(1e3 * wall / n, 3) if n else None,
+                         "mean_rows": round(rows / n, 1) if n else None}
+        return out

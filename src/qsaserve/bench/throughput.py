@@ -7,6 +7,7 @@ import random
 import time
 
 from qsaserve.bench.common import provenance, random_prompt, release_memory
+from qsaserve.bench.step_profile import ExecuteTimer, StepBreakdown
 from qsaserve.config import EngineConfig
 from qsaserve.engine.llm_engine import LLMEngine
 from qsaserve.errors import InvalidRequestError
@@ -24,13 +25,18 @@ def make_workload(num_prompts: int, min_len: int, max_input_len: int, max_output
     return work
 
 
-def _run_engine(engine: LLMEngine, work, temperature: float) -> float:
+def _run_engine(engine: LLMEngine, work, temperature: float, breakdown: StepBreakdown | None = None) -> float:
     for i, (prompt, out_len) in enumerate(work):
         params = SamplingParams(temperature=temperature, max_tokens=out_len, ignore_eos=True)
         engine.add_request(f"req-{i}", {"prompt_token_ids": prompt}, params)
     start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step(outputs="finished")
+    if breakdown is None:
+        while engine.has_unfinished_requests():
+            engine.step(outputs="finished")
+        return time.perf_counter() - start
+    with ExecuteTimer(engine.executor, breakdown.on_execute):
+        while engine.has_unfinished_requests():
+            breakdown.step(engine)
     return time.perf_counter() - start
 
 
@@ -55,6 +61,11 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
         work = make_workload(num_prompts, min_len, max_input_len, max_output_len, engine.vocab_size, seed)
         _run_engine(engine, [([1] * 16, 16)], temperature)  # warm-up, as nano-vllm's benchmark does
         elapsed = _run_engine(engine, work, temperature)
+        # The same workload again with each step timed (a device sync after each forward):
+        # where the time goes, kept apart from the headline figure above.
+        engine.block_manager.reset_prefix_cache()  # the same prompts again must be prefilled again
+        breakdown = StepBreakdown()
+        breakdown_elapsed = _run_engine(engine, work, temperature, breakdown)
         cuda_graphs = engine.executor.runner.graphs is not None
         hf_config = engine.checkpoint.hf_config
     finally:
@@ -67,6 +78,7 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
                         "cuda_graphs": cuda_graphs}
     report["results"] = {"total_time_s": round(elapsed, 3), "prompt_tokens": sum(len(p) for p, _ in work),
                          "output_tokens": output_tokens, "output_tok_s": round(output_tokens / elapsed, 1)}
+    report["step_breakdown"] = {"total_time_s": round(breakdown_elapsed, 3), **breakdown.report()}
     if peer == "hf":
         report["peer"] = _hf_peer(hf_config, device, config, work[:peer_num_prompts], peer_batch_size, temperature)
         report["ratios"] = {"output_tok_s_vs_hf": round(report["results"]["output_tok_s"] / report["peer"]["output_tok_s"], 3)}
