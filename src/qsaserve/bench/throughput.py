@@ -65,7 +65,10 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
         # where the time goes, kept apart from the headline figure above.
         engine.block_manager.reset_prefix_cache()  # the same prompts again must be prefilled again
         breakdown = StepBreakdown()
+        graphs = engine.executor.runner.graphs
+        replays_before = sum(graphs.replays.values()) if graphs is not None else 0
         breakdown_elapsed = _run_engine(engine, work, temperature, breakdown)
+        graph_replays = sum(graphs.replays.values()) - replays_before if graphs is not None else 0
         cuda_graphs = engine.executor.runner.graphs is not None
         hf_config = engine.checkpoint.hf_config
     finally:
@@ -78,7 +81,8 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
                         "cuda_graphs": cuda_graphs}
     report["results"] = {"total_time_s": round(elapsed, 3), "prompt_tokens": sum(len(p) for p, _ in work),
                          "output_tokens": output_tokens, "output_tok_s": round(output_tokens / elapsed, 1)}
-    report["step_breakdown"] = {"total_time_s": round(breakdown_elapsed, 3), **breakdown.report()}
+    report["step_breakdown"] = {"total_time_s": round(breakdown_elapsed, 3), **breakdown.report(),
+                                "graph_replays": graph_replays}
     if peer == "hf":
         report["peer"] = _hf_peer(hf_config, device, config, work[:peer_num_prompts], peer_batch_size, temperature)
         report["ratios"] = {"output_tok_s_vs_hf": round(report["results"]["output_tok_s"] / report["peer"]["output_tok_s"], 3)}
