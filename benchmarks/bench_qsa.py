@@ -36,7 +36,7 @@ from qsaserve.ops.qsa_indexer import rope_inv_freq
 from qsaserve.ops.qsa_indexer.paged import pool_chunk_groups, select_decode_tokens, select_prefill_tokens
 from qsaserve.ops.qsa_indexer.triton_score import (decode_index_scores_triton, select_decode_tokens_triton,
                                                    select_prefill_rows_triton)
-from qsaserve.ops.qsa_indexer.triton_topk import topk_indices_triton
+from qsaserve.ops.qsa_indexer.triton_topk import topk_indices_split, topk_indices_triton
 
 HQ, HKV, D, HI, DI, BUDGET, R, PAGE = 16, 2, 256, 16, 128, 2048, 4, 16
 CONTEXTS = [8192, 32768, 131072, 262144]
@@ -204,8 +204,11 @@ def run_ops(dev: torch.device) -> list[dict]:
             def topk_torch():  # the top-k alone, as torch does it on the packed keys
                 state["topk"] = torch.topk(keys, k, dim=1).indices
 
-            def topk_radix():  # the same with the radix kernel the selection now uses
+            def topk_radix():  # the same with the one-program-per-row radix kernel (rows <= 8,192 groups)
                 state["topk"] = topk_indices_triton(keys, k)
+
+            def topk_split():  # the radix select with each row split over N / 2048 programs
+                state["topk"] = topk_indices_split(keys, k)
 
             def qsa():
                 score_select()
@@ -225,7 +228,8 @@ def run_ops(dev: torch.device) -> list[dict]:
                        score_select_ms=time_ms(score_select), attention_ms=time_ms(attend),
                        qsa_ms=time_ms(qsa), dense_ms=time_ms(dense))
             for name, fn in (("score_select_graph_ms", score_select), ("attention_graph_ms", attend), ("qsa_graph_ms", qsa),
-                             ("topk_torch_graph_ms", topk_torch), ("topk_radix_graph_ms", topk_radix)):
+                             ("topk_torch_graph_ms", topk_torch), ("topk_radix_graph_ms", topk_radix),
+                             ("topk_split_graph_ms", topk_split)):
                 try:
                     row[name] = graph_ms(fn)
                 except RuntimeError as e:  # keep the eager numbers if capture fails

@@ -243,12 +243,16 @@ def check_fused_selection(device, dtype, hi=3, di=12, r=4, page=16, budget=12, l
         assert (got.cpu().sort(1).values != ref.sort(1).values).any(1).float().mean() <= 0.02
 
 
-def check_topk(device, n=300, k=24, rows=5, tile=64, seed=3):
+def check_topk(device, n=300, k=24, rows=5, tile=64, seed=3, split=False):
     """Radix top-k of packed selection keys = torch.topk's indices for every visible group: score
-    ties (lower group first), hidden groups (-1), rows with fewer visible groups than k, a row
-    with none, N not a multiple of the tile, and k = N."""
+    ties (lower group first, also across the slices of a split row), hidden groups (-1), rows with
+    fewer visible groups than k, a row with none, N not a multiple of the tile, and k = N. split:
+    the version that spreads each row over N / tile programs."""
     from qsaserve.ops.qsa_indexer.paged import selection_keys
-    from qsaserve.ops.qsa_indexer.triton_topk import topk_indices_triton
+    from qsaserve.ops.qsa_indexer.triton_topk import topk_indices_split
+    from qsaserve.ops.qsa_indexer.triton_topk import topk_indices_triton as single
+
+    topk_indices_triton = topk_indices_split if split else single
 
     gen = torch.Generator().manual_seed(seed)
     scores = torch.rand(rows, n, generator=gen) * 4
@@ -284,6 +288,8 @@ def test_topk_dispatch_by_row_width(monkeypatch):
 INTERPRETER_CHECKS = [
     ("topk", lambda: check_topk("cpu")),
     ("topk_one_tile_pow2_k", lambda: check_topk("cpu", n=64, k=16, tile=2048)),
+    ("topk_split", lambda: check_topk("cpu", split=True)),
+    ("topk_split_one_slice", lambda: check_topk("cpu", n=64, k=16, tile=2048, split=True)),
     ("scores_fp32", lambda: check_scores("cpu", torch.float32)),
     ("scores_pow2_many_tiles", lambda: check_scores("cpu", torch.float32, hi=16, di=32, page=8, block_g=8)),
     ("prefill_scores_fp32", lambda: check_prefill_scores("cpu", torch.float32)),
@@ -346,6 +352,11 @@ def test_topk_on_gpu():
     check_topk("cuda", n=32768, k=512, rows=5, tile=2048)  # qwen4exp-small at 128K context
     check_topk("cuda", n=65536 + 37, k=500, rows=5, tile=1024)
     check_topk("cuda", n=8192, k=4096, rows=3, tile=2048)  # the largest k sorted on chip (MAX_K)
+    # The row-split version: one, several and 33 slices per row.
+    check_topk("cuda", split=True)
+    check_topk("cuda", n=32768, k=512, rows=5, tile=2048, split=True)
+    check_topk("cuda", n=65536 + 37, k=500, rows=5, tile=2048, split=True)
+    check_topk("cuda", n=8192, k=4096, rows=3, tile=1024, split=True)
 
 
 @pytest.mark.gpu

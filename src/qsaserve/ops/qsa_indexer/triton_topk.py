@@ -30,7 +30,8 @@ MAX_K = 4096
 # One program per row: its time grows with N whatever the batch (H200, graphs: 17 us at 2K groups,
 # 49 us at 8K, 200 us at 32K, 391 us at 64K), while torch.topk's stays ~45-170 us from 2K to 64K
 # groups at batch 1-64 (benchmarks/results/qsa_decode_h200_2026-11-30_84e1636.json). So rows wider
-# than this go to torch.topk.
+# than this go to torch.topk. topk_indices_split (each row over several programs) is the candidate
+# for them; bench_qsa times it (topk_split_graph_ms), and it takes their place once measured faster.
 RADIX_MAX_GROUPS = 8192
 
 
@@ -38,6 +39,25 @@ RADIX_MAX_GROUPS = 8192
 def _digit_value(keys):
     """v = score bits + 1 for visible keys (>= 0), 0 for hidden (-1): order-preserving, >= 0."""
     return tl.where(keys >= 0, (keys >> 32) + 1, 0)
+
+
+@triton.jit
+def _choose_digit(hist, need, bins):
+    """From the histogram of the current digit over the groups still in play: the digit of the
+    need-th largest, and how many groups have a larger digit (they are surely kept)."""
+    at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # groups in play with digit >= bin
+    chosen = tl.max(tl.where(at_or_above >= need, bins, -1), 0)
+    return chosen, tl.sum(tl.where(bins == chosen, at_or_above - hist, 0), 0)
+
+
+@triton.jit
+def _sort_kept(scratch_row, out_row, K, K_POW2: tl.constexpr):
+    """Sorts a row's K kept keys descending and stores their groups (2^32 - 1 - the low word)."""
+    j = tl.arange(0, K_POW2)
+    kept_keys = tl.load(scratch_row + j, mask=j < K, other=-2)  # -2: padding sorts after hidden (-1)
+    kept_keys = tl.sort(kept_keys, descending=True)
+    group = tl.where(kept_keys >= 0, _LOW_WORD - (kept_keys & _LOW_WORD), 0)
+    tl.store(out_row + j, group, mask=j < K)
 
 
 @triton.jit
@@ -64,10 +84,8 @@ def _topk_kernel(
             digit = tl.where(match, (v >> shift) & 255, 0).to(tl.int32)
             hist += tl.histogram(digit, 256)
             hist -= tl.where(bins == 0, tl.sum((~match).to(tl.int32), 0), 0)  # non-matches went to bin 0
-        need = K - above
-        at_or_above = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # matching groups with digit >= bin
-        chosen = tl.max(tl.where(at_or_above >= need, bins, -1), 0)
-        above += tl.sum(tl.where(bins == chosen, at_or_above - hist, 0), 0)
+        chosen, more = _choose_digit(hist, K - above, bins)
+        above += more
         prefix = prefix | (chosen.to(tl.int64) << shift)
 
     # 2. Keep v > T, and the lowest-numbered of v == T until K are kept.
@@ -88,12 +106,79 @@ def _topk_kernel(
         ties += tl.sum(tie.to(tl.int64), 0)
     tl.debug_barrier()  # the scratch row written above is read back by other threads of this program
 
-    # 3. Sort the K kept keys descending; a key's group is 2^32 - 1 - its low word.
-    j = tl.arange(0, K_POW2)
-    kept_keys = tl.load(scratch_row + j, mask=j < K, other=-2)  # -2: padding sorts after hidden (-1)
-    kept_keys = tl.sort(kept_keys, descending=True)
-    group = tl.where(kept_keys >= 0, _LOW_WORD - (kept_keys & _LOW_WORD), 0)
-    tl.store(out_ptr + row * stride_ob + j, group, mask=j < K)
+    # 3. Sort the K kept keys descending.
+    _sort_kept(scratch_row, out_ptr + row * stride_ob, K, K_POW2)
+
+
+# ---- The same select with each row split over several programs (wide rows at small batch) ----
+# Four launches, one per digit: every program histograms its slice of the groups still in play
+# and adds it into the row's histogram of that digit (256 atomic adds); the next launch reads the
+# finished histograms to fix the digits so far. The last digit's per-program histograms are also
+# kept, so a program knows how many threshold ties lie in the slices before it (the tie rule keeps
+# the lowest-numbered). Then one launch keeps the chosen keys (slots from an atomic counter per
+# row; the sort orders them) and one sorts each row.
+
+
+@triton.jit
+def _threshold_so_far(ghist_row, stride_pass, K, PASSES: tl.constexpr, bins):
+    """Digits fixed by the first PASSES passes (from their finished row histograms) and the count
+    of groups known to be above the threshold."""
+    prefix = tl.zeros([], tl.int64)
+    above = tl.zeros([], tl.int64)
+    for p in tl.static_range(PASSES):
+        chosen, more = _choose_digit(tl.load(ghist_row + p * stride_pass + bins), K - above, bins)
+        above += more
+        prefix = prefix | (chosen.to(tl.int64) << (24 - 8 * p))
+    return prefix, above
+
+
+@triton.jit
+def _split_hist_kernel(
+    keys_ptr, ghist_ptr, lhist_ptr, N, K, S, stride_kb, stride_pass,
+    PASS: tl.constexpr, TILE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    bins = tl.arange(0, 256)
+    ghist_row = ghist_ptr + row * 256
+    prefix, above = _threshold_so_far(ghist_row, stride_pass, K, PASS, bins)
+    shift = 24 - 8 * PASS
+    n = s * TILE + tl.arange(0, TILE)
+    v = _digit_value(tl.load(keys_ptr + row * stride_kb + n, mask=n < N, other=-1))
+    match = (n < N) & ((v >> (shift + 8)) == (prefix >> (shift + 8)))
+    hist = tl.histogram(tl.where(match, (v >> shift) & 255, 0).to(tl.int32), 256)
+    hist -= tl.where(bins == 0, tl.sum((~match).to(tl.int32), 0), 0)  # non-matches went to bin 0
+    tl.atomic_add(ghist_row + PASS * stride_pass + bins, hist, mask=hist > 0)
+    if PASS == 3:
+        tl.store(lhist_ptr + (row * S + s) * 256 + bins, hist)
+
+
+@triton.jit
+def _split_keep_kernel(
+    keys_ptr, ghist_ptr, lhist_ptr, count_ptr, scratch_ptr, N, K, S, stride_kb, stride_pass, stride_sb,
+    TILE: tl.constexpr, S_POW2: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.program_id(1)
+    bins = tl.arange(0, 256)
+    threshold, above = _threshold_so_far(ghist_ptr + row * 256, stride_pass, K, 4, bins)
+    # Groups equal to the threshold in the slices before this one: their last-digit counts.
+    before = tl.arange(0, S_POW2)
+    ties_before = tl.sum(tl.load(lhist_ptr + (row * S + before) * 256 + (threshold & 255), mask=before < s, other=0), 0)
+    n = s * TILE + tl.arange(0, TILE)
+    keys = tl.load(keys_ptr + row * stride_kb + n, mask=n < N, other=-1)
+    v = _digit_value(keys)
+    tie = (n < N) & (v == threshold)
+    tie_rank = ties_before + tl.cumsum(tie.to(tl.int32), 0) - 1
+    keep = (n < N) & ((v > threshold) | (tie & (tie_rank < K - above)))
+    base = tl.atomic_add(count_ptr + row, tl.sum(keep.to(tl.int32), 0))
+    tl.store(scratch_ptr + row * stride_sb + base + tl.cumsum(keep.to(tl.int32), 0) - 1, keys, mask=keep)
+
+
+@triton.jit
+def _sort_kernel(scratch_ptr, out_ptr, K, stride_sb, stride_ob, K_POW2: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    _sort_kept(scratch_ptr + row * stride_sb, out_ptr + row * stride_ob, K, K_POW2)
 
 
 def topk_indices(keys: torch.Tensor, k: int) -> torch.Tensor:
@@ -107,11 +192,8 @@ def topk_indices_triton(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.T
     """keys [B, N] int64 (`paged.selection_keys`) -> [B, k] int64 group indices in descending key
     order, as torch.topk(keys, k, dim=1).indices for every visible group. Device tensors only,
     shapes from tensor shapes (CUDA-graph safe). k > MAX_K is torch.topk itself."""
-    if keys.dtype != torch.int64 or keys.dim() != 2:
-        raise ValueError(f"keys: expected a 2-D int64 tensor, got {keys.dtype} {tuple(keys.shape)}")
+    _check(keys, k)
     b, n = keys.shape
-    if not 0 <= k <= n:
-        raise ValueError(f"k: must be in [0, {n}], got {k}")
     if k == 0:  # as torch.topk(keys, 0): nothing to choose (no complete group yet, or budget < r)
         return torch.empty((b, 0), dtype=torch.int64, device=keys.device)
     if k > MAX_K:  # the sort holds k keys on chip; past this it would not fit an SM's shared memory
@@ -128,4 +210,44 @@ def topk_indices_triton(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.T
     return out
 
 
-__all__ = ["MAX_K", "RADIX_MAX_GROUPS", "topk_indices", "topk_indices_triton"]
+def topk_indices_split(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.Tensor:
+    """As topk_indices_triton, with each row split over ceil(N / tile) programs: six launches (and
+    one memset) whose time does not grow with N the way one program per row does."""
+    _check(keys, k)
+    b, n = keys.shape
+    if k == 0:
+        return torch.empty((b, 0), dtype=torch.int64, device=keys.device)
+    if k > MAX_K:
+        return torch.topk(keys, k, dim=1).indices
+    keys = keys.contiguous()
+    out = torch.empty((b, k), dtype=torch.int64, device=keys.device)
+    if b == 0:
+        return out
+    tile = min(tile, max(16, triton.next_power_of_2(n)))
+    splits = triton.cdiv(n, tile)
+    k_pow2 = triton.next_power_of_2(k)
+    # Row histograms of the four digits, then one kept-key counter per row: one zeroed buffer.
+    counters = torch.zeros(4 * b * 256 + b, dtype=torch.int32, device=keys.device)
+    last_digit = torch.empty(b * splits * 256, dtype=torch.int32, device=keys.device)
+    scratch = torch.empty((b, k_pow2), dtype=torch.int64, device=keys.device)
+    stride_pass = b * 256
+    warps = 8 if tile >= 1024 else 4
+    for p in range(4):
+        _split_hist_kernel[(b, splits)](keys, counters, last_digit, n, k, splits, keys.stride(0), stride_pass,
+                                         PASS=p, TILE=tile, num_warps=warps)
+    _split_keep_kernel[(b, splits)](keys, counters, last_digit, counters[4 * b * 256:], scratch, n, k, splits,
+                                    keys.stride(0), stride_pass, scratch.stride(0), TILE=tile,
+                                    S_POW2=triton.next_power_of_2(splits), num_warps=warps)
+    _sort_kernel[(b,)](scratch, out, k, scratch.stride(0), out.stride(0), K_POW2=k_pow2,
+                       num_warps=8 if k_pow2 >= 1024 else 4)
+    return out
+
+
+def _check(keys: torch.Tensor, k: int) -> None:
+    if keys.dtype != torch.int64 or keys.dim() != 2:
+        raise ValueError(f"keys: expected a 2-D int64 tensor, got {keys.dtype} {tuple(keys.shape)}")
+    if not 0 <= k <= keys.shape[1]:
+        raise ValueError(f"k: must be in [0, {keys.shape[1]}], got {k}")
+
+
+__all__ = ["MAX_K", "RADIX_MAX_GROUPS", "topk_indices", "topk_indices_split", "topk_indices_triton"]
