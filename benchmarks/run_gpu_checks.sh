@@ -31,11 +31,16 @@ nvidia-smi --query-gpu=name,memory.total --format=csv > "$out/gpus.csv" 2>&1
 echo "{\"commit\": \"$commit\", \"mode\": \"$mode\", \"date\": \"$(date -u +%FT%TZ)\"}" > "$out/manifest.json"
 
 if [ "$mode" = single ]; then
-    # Newest kernels and the model paths first, the long FP8 candidate sweep last (a cut run keeps the rest).
-    part gpu_tests 420 python -m pytest -v -m gpu -p no:cacheprovider -rfE -s --junitxml="$out/gpu_tests.xml" \
+    # GPU tests in three parts (one device call is limited to 10 minutes): the newest kernels, the
+    # engine and model paths (fla-core's autotuning of many small shapes makes these slow), and
+    # the attention kernel sweeps.
+    part gpu_tests_kernels 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_kernels.xml" \
         tests/ops/test_hyper_connection.py tests/ops/test_gdn_decode_ops.py tests/ops/test_moe_triton.py \
-        tests/ops/test_dcp_merge.py tests/ops/test_ple_triton.py tests/ops/test_qsa_pool_triton.py tests/ops/test_qsa_triton.py tests/ops/test_fused_triton.py \
-        tests/ops/test_gdn_reference.py tests/models tests/engine tests/quant tests/bench \
+        tests/ops/test_dcp_merge.py tests/ops/test_ple_triton.py tests/ops/test_qsa_pool_triton.py tests/ops/test_qsa_triton.py \
+        tests/ops/test_fused_triton.py
+    part gpu_tests_models 360 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_models.xml" \
+        tests/models tests/engine tests/quant tests/bench tests/ops/test_gdn_reference.py
+    part gpu_tests_attention 360 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_attention.xml" \
         tests/ops/test_attention_triton.py tests/ops/test_attention_triton_fp8.py
     part bench_attention 150 python benchmarks/bench_attention.py --sections env,decode,fp8,diag --out "$out/bench_attention.json"
     part bench_qsa 180 python benchmarks/bench_qsa.py --out "$out/bench_qsa.json"
@@ -43,6 +48,9 @@ if [ "$mode" = single ]; then
     part latency_llama1b 240 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --peer hf --profile-steps 16 > '$out/latency_llama1b.json'"
     part latency_llama8b 240 sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,16 --prompt-lens 1024 --peer hf --profile-steps 16 > '$out/latency_llama8b.json'"
     part throughput_llama1b 300 sh -c "python -m qsaserve.cli bench throughput llama-1b --load-format dummy --max-model-len 4096 --peer hf > '$out/throughput_llama1b.json'"
+    # The same two with the host's work overlapping the device's step (--async-scheduling).
+    part latency_llama1b_async 200 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --async-scheduling --profile-steps 16 > '$out/latency_llama1b_async.json'"
+    part throughput_llama1b_async 200 sh -c "python -m qsaserve.cli bench throughput llama-1b --load-format dummy --max-model-len 4096 --async-scheduling > '$out/throughput_llama1b_async.json'"
 elif [ "$mode" = multi ]; then
     part parallel_gpu_tests 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE -s --junitxml="$out/parallel_gpu_tests.xml" \
         tests/parallel

@@ -342,4 +342,4 @@ def test_fp8_decode_sm90_code():
     # entries.
     sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+)", ptx)
     assert sizes.count("0x10") >= 2 * 2 * cfg.block_n // 16
-    assert set(sizes) == {"0x10", "0x4"}, sorted(set(sizes))
+    assert set(sizes) <= {"0x10", "0x4"}, sorted(set(sizes))  # block-table entries are async only when 3+ stages

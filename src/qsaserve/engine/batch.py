@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from qsaserve.engine.block_manager import BlockTables
 from qsaserve.engine.scheduler import ScheduledChunk
@@ -29,6 +30,21 @@ class BatchInput:
     def __post_init__(self) -> None:
         if not isinstance(self.block_tables, np.ndarray):
             self.block_tables = pad_tables(self.block_tables)
+
+
+# The input id of a row whose token is still being sampled on the device (async scheduling); the
+# runner overwrites it from a TokenFeed before the forward. Never a real token id.
+PLACEHOLDER_TOKEN = -1
+
+
+@dataclass
+class TokenFeed:
+    """Input ids that are still on the device: token rows 0..rows-1 of the batch take
+    tokens[:rows] (the previous step's samples, in the same sequence order); the batch's own
+    input_ids hold PLACEHOLDER_TOKEN there."""
+
+    tokens: torch.Tensor
+    rows: int
 
 
 def pad_tables(tables: list[list[int]]) -> np.ndarray:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from qsaserve.engine.batch import BatchInput
+from qsaserve.engine.batch import BatchInput, TokenFeed
 from qsaserve.layers.attention import AttentionMetadata
 
 logger = logging.getLogger("qsaserve")
@@ -213,10 +213,12 @@ class DecodeGraphs:
             return None
         return pick_bucket(len(batch.query_lens), self.sizes)
 
-    def replay(self, batch: BatchInput, bucket: int) -> torch.Tensor:
+    def replay(self, batch: BatchInput, bucket: int, feed: TokenFeed | None = None) -> torch.Tensor:
         """Runs a decode batch through its bucket's graph; returns a view [B, V] of the graph's
-        logits buffer, valid until the next replay."""
+        logits buffer, valid until the next replay. feed: input ids taken on the device."""
         self._stage(pad_decode(batch, bucket))
+        if feed is not None:  # the graph's input ids are the first bucket values of stage64
+            self.stage64.dev[: feed.rows].copy_(feed.tokens[: feed.rows])
         self.graphs[bucket].replay()
         self.replays[bucket] += 1
         return self.logits[bucket][: len(batch.query_lens)]

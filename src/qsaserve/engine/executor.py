@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from qsaserve.config import EngineConfig
-from qsaserve.engine.batch import BatchInput
+from qsaserve.engine.batch import BatchInput, TokenFeed
 from qsaserve.engine.model_runner import ModelRunner
 
 
@@ -53,8 +53,8 @@ class InProcessExecutor(Rank0Views):
     def check_health(self) -> None:
         """Raises EngineDeadError when a rank is dead; one in-process rank is alive while we are."""
 
-    def execute(self, batch: BatchInput) -> torch.Tensor:
-        return self.runner.execute(batch)
+    def execute(self, batch: BatchInput, feed: TokenFeed | None = None) -> torch.Tensor:
+        return self.runner.execute(batch, feed)
 
     def shutdown(self) -> None:
         self.runner.bind_kv_cache([])

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from qsaserve.config import EngineConfig
-from qsaserve.engine.batch import LogitsPlan, build_batch
+from qsaserve.engine.batch import PLACEHOLDER_TOKEN, LogitsPlan, TokenFeed, build_batch
 from qsaserve.engine.block_manager import BlockManager
 from qsaserve.engine.detokenizer import detokenize_incrementally
 from qsaserve.engine.executor import make_executor
-from qsaserve.engine.sampler import SampledToken, prompt_logprobs_for, sample
+from qsaserve.engine.sampler import DeferredTokens, SampledToken, prompt_logprobs_for, sample, sample_deferred
 from qsaserve.engine.scheduler import Scheduler, SchedulerOutput
 from qsaserve.engine.sequence import Sequence
 from qsaserve.errors import InvalidRequestError
@@ -29,6 +29,16 @@ from qsaserve.quant.kv_scales import capacity_report
 from qsaserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("qsaserve")
+
+
+@dataclass
+class _InFlight:
+    """A step run on the device: its schedule, its logits plan, the tokens still on their way
+    back (async scheduling; None once sampled on the host) and the sequences that filled a block."""
+    sched: SchedulerOutput
+    plan: LogitsPlan
+    tokens: DeferredTokens | None
+    filled: list[Sequence]
 
 
 @dataclass
@@ -69,6 +79,7 @@ class LLMEngine:
         self.requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "errors": 0}
+        self._in_flight: _InFlight | None = None  # async scheduling: the step whose tokens are on their way
 
     def _check_kv_capacity(self) -> int:
         """Refuses a cache that cannot hold one max-length request, logs the capacity (per rank under
@@ -179,6 +190,8 @@ class LLMEngine:
             return None
         for seq in req.seqs:
             if not seq.is_finished:
+                if seq.token_ids[-1] == PLACEHOLDER_TOKEN:  # its in-flight token is dropped
+                    seq.token_ids.pop()
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
         return self._make_output(req)
@@ -187,35 +200,102 @@ class LLMEngine:
         return bool(self.requests)
 
     # ---- the step ----
+    # One call: schedule, build the batch, run it, sample, then the host work on the results
+    # (tokens appended, stop conditions, outputs). With async_scheduling a step whose rows all
+    # sample simply (greedy / temperature, no logprobs) leaves its tokens on the device: they go
+    # into the next step's input ids there (TokenFeed), the host marks them with placeholders,
+    # and the next call launches its own step before reading them back. The host work of step N
+    # thus runs while the device computes step N+1. A sequence that stopped at step N has still
+    # computed step N+1; that row is dropped (its KV write lands in blocks it just freed, before
+    # any later step reuses them, in stream order).
     def step(self, outputs: str = "all") -> list[RequestOutput]:
         """Runs one scheduler step. outputs="all" returns an output for every request that made
         progress (streaming consumers: the async engine); "finished" only for the requests that
         finished in this step, skipping the per-step building of everyone else's output (offline
-        generation, which reads only final results)."""
+        generation, which reads only final results). With async scheduling a step's outputs come
+        from the call after it."""
         if outputs not in ("all", "finished"):
             raise InvalidRequestError("outputs", f"must be 'all' or 'finished', got {outputs!r}")
+        prev, self._in_flight = self._in_flight, None
+        results: list[RequestOutput] = []
         sched = self.scheduler.schedule()
+        feed = self._feed_from(prev, sched) if prev is not None and sched else None
+        if prev is not None and feed is None:  # the next inputs need the tokens on the host first
+            results += self._complete(prev, prev.tokens.result(), set(), outputs)
+            prev = None
+            sched.chunks = [c for c in sched.chunks if not c.seq.is_finished]
         if not sched:
-            return []
+            return results
         batch, plan = build_batch(sched.chunks, self.block_manager.tables, self.executor.block_size,
                                   sched.all_decode)
-        logits = self.executor.execute(batch)
-        touched: dict[str, _Request] = {}
-
-        errored = self._record_prompt_logprobs(logits, plan)
+        logits = self.executor.execute(batch, feed) if feed is not None else self.executor.execute(batch)
         num_sampled = len(plan.sample_seqs)
+        if (self.config.async_scheduling and num_sampled and not plan.prompt_logprob_spans
+                and all(s.simple_sampling for s in plan.sample_seqs)):
+            tokens = sample_deferred(logits[:num_sampled], plan.sample_seqs, self.generator)
+            if prev is not None:
+                results += self._complete(prev, prev.tokens.result(), set(), outputs)
+            self._in_flight = _InFlight(sched, plan, tokens, self._advance(sched))
+            for seq in plan.sample_seqs:
+                if not seq.is_finished:
+                    seq.token_ids.append(PLACEHOLDER_TOKEN)
+            if all(seq.is_finished for seq in plan.sample_seqs):
+                self._in_flight = None  # every row of it is dropped anyway
+            return results
+        errored = self._record_prompt_logprobs(logits, plan)
         sampled = sample(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator) if num_sampled else []
+        if prev is not None:
+            results += self._complete(prev, prev.tokens.result(), set(), outputs)
+        return results + self._complete(_InFlight(sched, plan, None, self._advance(sched)), sampled, errored, outputs)
+
+    def _feed_from(self, prev: "_InFlight", sched: SchedulerOutput) -> TokenFeed | None:
+        """The in-flight step's device tokens as this step's first input ids, when its decode rows
+        lead the batch in the same order (steady decoding); None otherwise."""
+        sampled = prev.plan.sample_seqs
+        rows = 0
+        for i, chunk in enumerate(sched.chunks):
+            seq = chunk.seq
+            if i == rows and rows < len(sampled) and seq is sampled[rows] and chunk.num_new_tokens == 1:
+                rows += 1  # token row i is this sequence's in-flight token
+            elif seq.token_ids[-1] == PLACEHOLDER_TOKEN:
+                return None  # an in-flight sequence after other rows or out of order (a preemption)
+        return TokenFeed(prev.tokens.tokens, rows) if rows else None
+
+    def _advance(self, sched: SchedulerOutput) -> list[Sequence]:
+        """Counts the step's computed tokens; returns the sequences that filled a block (published
+        to the prefix cache once the step's results are known to be finite)."""
+        block_size = self.block_manager.block_size
+        filled = []
+        for chunk in sched.chunks:
+            seq = chunk.seq
+            if seq.is_finished:  # stopped by the step before, whose results came in after this one ran
+                continue
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens = before + chunk.num_new_tokens
+            if seq.num_computed_tokens // block_size != before // block_size:
+                filled.append(seq)
+        return filled
+
+    def _complete(self, step: "_InFlight", sampled: list[SampledToken], errored: set[int],
+                  outputs: str) -> list[RequestOutput]:
+        """The host work on a step's results: stop conditions, tokens, outputs."""
+        plan = step.plan
         for seq, tok in zip(plan.sample_seqs, sampled):
             if not tok.finite:
                 errored.add(seq.seq_id)
-        self._advance(sched, errored)
+        for seq in step.filled:
+            if seq.seq_id not in errored and not seq.is_finished:
+                self.block_manager.cache_computed_blocks(seq)
         now = time.monotonic()
         requests = self.requests
+        touched: dict[str, _Request] = {}
         appended = 0
         ended: list[_Request] = []  # requests one of whose sequences finished in this step
         for seq, tok in zip(plan.sample_seqs, sampled):
             if seq.is_finished:
                 continue
+            if step.tokens is not None:
+                seq.token_ids.pop()  # its placeholder
             if seq.seq_id in errored:
                 seq.finish_reason = "error"
                 self.scheduler.finish(seq, cacheable=False)
@@ -237,16 +317,6 @@ class LLMEngine:
             del requests[request_id]
         self.stats["finished"] += len(done)
         return results
-
-    def _advance(self, sched: SchedulerOutput, errored: set[int]) -> None:
-        block_size = self.block_manager.block_size
-        for chunk in sched.chunks:
-            seq = chunk.seq
-            before = seq.num_computed_tokens
-            seq.num_computed_tokens = before + chunk.num_new_tokens
-            # Only a step that fills a block has a block to publish to the prefix cache.
-            if seq.num_computed_tokens // block_size != before // block_size and seq.seq_id not in errored:
-                self.block_manager.cache_computed_blocks(seq)
 
     def _record_prompt_logprobs(self, logits: torch.Tensor, plan: LogitsPlan) -> set[int]:
         errored: set[int] = set()

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from qsaserve.cache.kv_cache import LayerCache, allocate_kv_cache
 from qsaserve.config import EngineConfig
-from qsaserve.engine.batch import BatchInput
+from qsaserve.engine.batch import BatchInput, TokenFeed
 from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata
 from qsaserve.models.ple_table import dummy_ple_tables, is_table_tensor, open_ple_tables
 from qsaserve.models.registry import build_model
@@ -175,7 +175,7 @@ class ModelRunner:
             layer.cache = caches[i] if caches else None
 
     @torch.inference_mode()
-    def execute(self, batch: BatchInput) -> torch.Tensor:
+    def execute(self, batch: BatchInput, feed: TokenFeed | None = None) -> torch.Tensor:
         """Returns the logits rows batch.logits_indices asks for ([N, V] float32). After a graph
         replay this is a view of the graph's output buffer, valid until the next execute.
 
@@ -185,19 +185,21 @@ class ModelRunner:
         if self.graphs is not None and not self._observing():
             bucket = self.graphs.bucket_for(batch)
             if bucket is not None:
-                return self.graphs.replay(batch, bucket)
-        return self._execute_eager(batch)
+                return self.graphs.replay(batch, bucket, feed)
+        return self._execute_eager(batch, feed)
 
     def _observing(self) -> bool:
         """A cache-write observer (calibration) runs host code a graph would skip."""
         return any(layer.cache is not None and layer.cache.observer is not None for layer in self.attention_layers)
 
-    def _execute_eager(self, batch: BatchInput) -> torch.Tensor:
+    def _execute_eager(self, batch: BatchInput, feed: TokenFeed | None = None) -> torch.Tensor:
         t, b, n_rows = len(batch.input_ids), len(batch.query_lens), len(batch.logits_indices)
         tables = batch.block_tables
         width = tables.shape[1]
         states = [0 if s is None else s for s in batch.state_slots]
         d64 = self._stage64.upload(batch.input_ids + batch.positions + batch.slot_mapping + batch.logits_indices + states)
+        if feed is not None:
+            d64[: feed.rows].copy_(feed.tokens[: feed.rows])
         # int32 inputs: [seq_lens (b) | cu_query_lens (b + 1) | block tables (b x width, row-major)]
         flat = np.zeros(2 * b + 1 + b * width, dtype=np.int32)
         flat[:b] = batch.seq_lens

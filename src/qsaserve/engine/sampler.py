@@ -35,17 +35,39 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return t.to(device)
 
 
-def read_back(t: torch.Tensor) -> torch.Tensor:
-    """A device tensor on the host: one non_blocking copy into pinned memory, then a wait on
-    that copy alone (an event, not a stream or device synchronize)."""
+def _copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Starts one non_blocking copy of a device tensor into pinned memory; the event marks its end."""
     if t.device.type != "cuda":
-        return t
+        return t, None
     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
     host.copy_(t, non_blocking=True)
     done = torch.cuda.Event()
     done.record(torch.cuda.current_stream(t.device))
-    done.synchronize()
+    return host, done
+
+
+def read_back(t: torch.Tensor) -> torch.Tensor:
+    """A device tensor on the host: one non_blocking copy into pinned memory, then a wait on
+    that copy alone (an event, not a stream or device synchronize)."""
+    host, done = _copy_to_host(t)
+    if done is not None:
+        done.synchronize()
     return host
+
+
+class DeferredTokens:
+    """One token per sequence, sampled on the device and on its way to the host. `tokens` is the
+    device tensor (the next step can read it as its input ids without a host round trip);
+    result() waits for the copy alone."""
+
+    def __init__(self, packed: torch.Tensor):  # [S, 2] int64: token, finite
+        self.tokens = packed[:, 0]
+        self._host, self._done = _copy_to_host(packed)
+
+    def result(self) -> list[SampledToken]:
+        if self._done is not None:
+            self._done.synchronize()
+        return [SampledToken(token, None, None, None, bool(ok)) for token, ok in self._host.tolist()]
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -105,10 +127,9 @@ def sample(
     logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int], generator: torch.Generator
 ) -> list[SampledToken]:
     """logits: [S, V] float32, one row per sequence (rows are modified)."""
-    finite = torch.isfinite(logits).all(dim=-1)
-    logits = torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=0.0).where(finite[:, None], torch.zeros_like(logits))
     if all(s.simple_sampling for s in seqs):
-        return _sample_simple(logits, finite, seqs, generator)
+        return sample_deferred(logits, seqs, generator).result()
+    logits, finite = _finite_rows(logits)
     max_n = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
     raw_logprobs = logits.log_softmax(dim=-1) if max_n is not None else None
 
@@ -151,12 +172,17 @@ def sample(
     return results
 
 
-def _sample_simple(
-    logits: torch.Tensor, finite: torch.Tensor, seqs: list[Sequence], generator: torch.Generator
-) -> list[SampledToken]:
-    """sample() for a batch of greedy / plain-temperature rows: the same device operations as the
-    general path (whose penalties, masks and filters would change nothing here), with one host
-    pass over the sequences and one readback of [token, finite] per row."""
+def _finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows with NaN/inf are flagged (the sequence ends with an error) and sampled as zeros."""
+    finite = torch.isfinite(logits).all(dim=-1)
+    return torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=0.0).where(finite[:, None], torch.zeros_like(logits)), finite
+
+
+def sample_deferred(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator) -> DeferredTokens:
+    """sample() for a batch of greedy / plain-temperature rows (every seq.simple_sampling): the
+    same device operations as the general path (whose penalties, masks and filters would change
+    nothing here), one host pass over the sequences, and no wait: the tokens come back later."""
+    logits, finite = _finite_rows(logits)
     temps: list[float] = []
     seeded: list[int] = []
     for i, s in enumerate(seqs):
@@ -176,8 +202,7 @@ def _sample_simple(
             greedy = to_device([s.params.temperature == 0.0 for s in seqs], torch.bool, logits.device)
             sampled = torch.where(greedy, tokens, sampled)
         tokens = sampled
-    rows = read_back(torch.stack([tokens, finite.long()], dim=1)).tolist()
-    return [SampledToken(token, None, None, None, bool(ok)) for token, ok in rows]
+    return DeferredTokens(torch.stack([tokens, finite.long()], dim=1))
 
 
 def prompt_logprobs_for(
