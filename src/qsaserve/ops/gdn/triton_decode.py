@@ -26,33 +26,46 @@ def _gates_kernel(b_ptr, a_ptr, alog_ptr, dt_ptr, beta_ptr, g_ptr, H, stride_b, 
 
 
 @triton.jit
+def causal_conv_step(x, w_ptr, stride_w, states_ptr, slot, keep, c, c_ok, stride_sn, stride_sc,
+                     K: tl.constexpr, DIL: tl.constexpr, SPAN_POW2: tl.constexpr):
+    """One token through a depthwise causal conv of K taps with dilation DIL, for the channels c
+    of x: y = sum_j w[c, j] * ext[SPAN - (K-1-j)*DIL] over ext = state ++ x, where the slot's state
+    holds the previous SPAN = (K-1)*DIL inputs, oldest first (zeros when not `keep`: a fresh
+    sequence). The state is advanced in place (ext[1:]). Returns y in fp32, before any activation.
+    Shared by the GDN conv (DIL 1) and the PLE layer's dilated conv."""
+    SPAN: tl.constexpr = (K - 1) * DIL
+    i = tl.arange(0, SPAN_POW2)
+    st_ptrs = states_ptr + slot * stride_sn + c[:, None] * stride_sc + i[None, :]
+    in_state = c_ok[:, None] & (i[None, :] < SPAN)
+    st = tl.load(st_ptrs, mask=in_state & keep, other=0.0).to(tl.float32)
+    y = x.to(tl.float32) * tl.load(w_ptr + c * stride_w + (K - 1), mask=c_ok, other=0.0).to(tl.float32)
+    for j in tl.static_range(0, K - 1):
+        tap = tl.sum(tl.where(i[None, :] == SPAN - (K - 1 - j) * DIL, st, 0.0), 1)
+        y += tap * tl.load(w_ptr + c * stride_w + j, mask=c_ok, other=0.0).to(tl.float32)
+    # New state: position p takes ext[p + 1], the last one x.
+    nxt = tl.load(st_ptrs + 1, mask=c_ok[:, None] & (i[None, :] + 1 < SPAN) & keep, other=0.0).to(tl.float32)
+    nxt = tl.where(i[None, :] == SPAN - 1, x.to(tl.float32)[:, None], nxt)
+    # Other threads of this program load the entries stored below (position p + 1 of another
+    # lane): every load of the old state completes before any store of the new one.
+    tl.debug_barrier()
+    tl.store(st_ptrs, nxt.to(states_ptr.dtype.element_ty), mask=in_state)
+    return y
+
+
+@triton.jit
 def _conv_decode_kernel(x_ptr, w_ptr, states_ptr, slots_ptr, fresh_ptr, y_ptr, C,
                         stride_x, stride_w, stride_sn, stride_sc, stride_y,
-                        W: tl.constexpr, W_POW2: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr):
+                        W: tl.constexpr, SPAN_POW2: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
-    j = tl.arange(0, W_POW2)  # tap j: taps 0..W-2 come from the state, tap W-1 is this token
     slot = tl.load(slots_ptr + row).to(tl.int64)
     keep = tl.load(fresh_ptr + row) == 0  # a fresh sequence starts from a zero state
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + c, mask=c_ok, other=0.0)
-    st_ptrs = states_ptr + slot * stride_sn + c[:, None] * stride_sc + j[None, :]
-    from_state = c_ok[:, None] & (j[None, :] < W - 1)
-    st = tl.load(st_ptrs, mask=from_state & keep, other=0.0).to(tl.float32)
-    ext = tl.where(j[None, :] == W - 1, x.to(tl.float32)[:, None], st)  # [BLOCK_C, W_POW2]
-    w = tl.load(w_ptr + c[:, None] * stride_w + j[None, :], mask=c_ok[:, None] & (j[None, :] < W), other=0.0)
-    y = tl.sum(ext * w.to(tl.float32), 1)
+    y = causal_conv_step(x, w_ptr, stride_w, states_ptr, slot, keep, c, c_ok, stride_sn, stride_sc, W, 1, SPAN_POW2)
     if SILU:
         y = y * tl.sigmoid(y)
     tl.store(y_ptr + row.to(tl.int64) * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=c_ok)
-    # New state: taps 1..W-1, i.e. state position p takes ext[p + 1].
-    nxt = tl.where(j[None, :] + 1 == W - 1, x.to(tl.float32)[:, None], 0.0)
-    shifted = tl.load(st_ptrs + 1, mask=c_ok[:, None] & (j[None, :] + 1 < W - 1) & keep, other=0.0)
-    nxt = nxt + shifted.to(tl.float32)
-    # Other threads of this program load the entries stored below (tap j + 1 of another lane):
-    # every load of the old state completes before any store of the new one.
-    tl.debug_barrier()
-    tl.store(st_ptrs, nxt.to(states_ptr.dtype.element_ty), mask=from_state)
 
 
 @triton.jit
@@ -99,7 +112,8 @@ def conv1d_decode_triton_(x: torch.Tensor, weight: torch.Tensor, states: torch.T
         block_c = 128
         _conv_decode_kernel[(b, triton.cdiv(c, block_c))](
             x, w, states, slots, fresh, y, c, x.stride(0), w.stride(0), states.stride(0), states.stride(1), y.stride(0),
-            W=width, W_POW2=triton.next_power_of_2(width), SILU=activation is not None, BLOCK_C=block_c, num_warps=4)
+            W=width, SPAN_POW2=triton.next_power_of_2(width - 1), SILU=activation is not None, BLOCK_C=block_c,
+            num_warps=4)
     return y
 
 

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qsaserve.ops.gdn.triton_decode import causal_conv_step
+
 
 @triton.jit
 def _ngram_rows_kernel(tok_ptr, ctx_ptr, slots_ptr, fresh_ptr, mult_ptr, sizes_ptr, offsets_ptr, rows_ptr,
@@ -76,33 +78,18 @@ def _stream_gate_kernel(key_ptr, query_ptr, value_ptr, out_ptr, H, inv_sqrt_h, s
 @triton.jit
 def _dilated_conv_kernel(x_ptr, res_ptr, w_ptr, states_ptr, slots_ptr, fresh_ptr, out_ptr, C,
                          stride_x, stride_r, stride_w, stride_sn, stride_sc, stride_o,
-                         K: tl.constexpr, DIL: tl.constexpr, SPAN: tl.constexpr, SPAN_POW2: tl.constexpr,
-                         BLOCK_C: tl.constexpr):
+                         K: tl.constexpr, DIL: tl.constexpr, SPAN_POW2: tl.constexpr, BLOCK_C: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = c < C
     slot = tl.load(slots_ptr + row).to(tl.int64)
     keep = tl.load(fresh_ptr + row) == 0
     x = tl.load(x_ptr + row.to(tl.int64) * stride_x + c, mask=c_ok, other=0.0)
-    i = tl.arange(0, SPAN_POW2)
-    st_ptrs = states_ptr + slot * stride_sn + c[:, None] * stride_sc + i[None, :]
-    in_state = c_ok[:, None] & (i[None, :] < SPAN)
-    st = tl.load(st_ptrs, mask=in_state & keep, other=0.0).to(tl.float32)
-    # Tap j (0..K-1) reads ext[SPAN - (K-1-j)*DIL] of ext = state ++ x; the last tap is x itself.
-    y = x.to(tl.float32) * tl.load(w_ptr + c * stride_w + (K - 1), mask=c_ok, other=0.0).to(tl.float32)
-    for j in tl.static_range(0, K - 1):
-        at = SPAN - (K - 1 - j) * DIL
-        tap = tl.sum(tl.where(i[None, :] == at, st, 0.0), 1)
-        y += tap * tl.load(w_ptr + c * stride_w + j, mask=c_ok, other=0.0).to(tl.float32)
+    y = causal_conv_step(x, w_ptr, stride_w, states_ptr, slot, keep, c, c_ok, stride_sn, stride_sc, K, DIL, SPAN_POW2)
     y = y * tl.sigmoid(y)
     dt = x.dtype
     res = tl.load(res_ptr + row.to(tl.int64) * stride_r + c, mask=c_ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row.to(tl.int64) * stride_o + c, (res + y.to(dt).to(tl.float32)).to(dt), mask=c_ok)
-    # New state: ext[1:], i.e. position p takes state[p + 1], the last one x.
-    nxt = tl.load(st_ptrs + 1, mask=c_ok[:, None] & (i[None, :] + 1 < SPAN) & keep, other=0.0).to(tl.float32)
-    nxt = tl.where(i[None, :] == SPAN - 1, x.to(tl.float32)[:, None], nxt)
-    tl.debug_barrier()  # every load of the old state before any store of the new one
-    tl.store(st_ptrs, nxt.to(states_ptr.dtype.element_ty), mask=in_state)
 
 
 def ngram_rows_decode_(tokens: torch.Tensor, contexts: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
@@ -155,5 +142,5 @@ def dilated_conv_decode_(x: torch.Tensor, residual: torch.Tensor, weight: torch.
         _dilated_conv_kernel[(b, triton.cdiv(c, block_c))](
             x, residual, w, states, slots, fresh, out, c, x.stride(0), residual.stride(0), w.stride(0),
             states.stride(0), states.stride(1), out.stride(0),
-            K=k, DIL=dilation, SPAN=span, SPAN_POW2=triton.next_power_of_2(span), BLOCK_C=block_c, num_warps=4)
+            K=k, DIL=dilation, SPAN_POW2=triton.next_power_of_2(span), BLOCK_C=block_c, num_warps=4)
     return out
