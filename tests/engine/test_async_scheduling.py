@@ -33,8 +33,9 @@ def make_engine(model, async_scheduling, **kw):
     fed = []
     execute = engine.executor.execute
 
-    def spy(batch, *feed):  # count the steps whose first rows came from the device
+    def spy(batch, *feed):  # which steps took input ids from the device; rows run
         fed.append(bool(feed))
+        engine.rows_run = getattr(engine, "rows_run", 0) + len(batch.query_lens)
         return execute(batch, *feed)
 
     engine.executor.execute = spy
@@ -64,9 +65,26 @@ def both(model, params, **kw):
 
 
 def test_greedy_equals_sync_and_overlaps(tiny_dir):
-    want, got, fed, _ = both(tiny_dir, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    assert got == want
+    sync, _ = make_engine(tiny_dir, False)
+    want = generate(sync, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    want2, got, fed, engine = both(tiny_dir, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert got == want == want2
     assert sum(fed) > len(fed) // 2  # most steps took their input ids from the device
+    # A sequence whose in-flight token is its last is not scheduled again: no row is wasted.
+    assert engine.rows_run == sync.rows_run
+
+
+def test_token_feed_rows():
+    """TokenFeed writes tokens[src[i]] into input row dst[i]: in order (a slice copy) or not."""
+    import torch
+
+    from qsaserve.engine.batch import TokenFeed
+
+    ids = torch.full((4,), PLACEHOLDER_TOKEN)
+    TokenFeed(torch.tensor([10, 11, 12]), [0, 1], [0, 1]).apply(ids)
+    assert ids.tolist() == [10, 11, PLACEHOLDER_TOKEN, PLACEHOLDER_TOKEN]
+    TokenFeed(torch.tensor([10, 11, 12]), [3, 1], [2, 0]).apply(ids)
+    assert ids.tolist() == [10, 10, PLACEHOLDER_TOKEN, 12]
 
 
 def test_stops_mid_batch_equal_sync(tiny_dir):

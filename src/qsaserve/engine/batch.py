@@ -39,12 +39,24 @@ PLACEHOLDER_TOKEN = -1
 
 @dataclass
 class TokenFeed:
-    """Input ids that are still on the device: token rows 0..rows-1 of the batch take
-    tokens[:rows] (the previous step's samples, in the same sequence order); the batch's own
+    """Input ids that are still on the device (async scheduling): token row dst[i] of the batch
+    takes tokens[src[i]], the previous step's sample of the same sequence; the batch's own
     input_ids hold PLACEHOLDER_TOKEN there."""
 
     tokens: torch.Tensor
-    rows: int
+    dst: list[int]
+    src: list[int]
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        """Writes the fed tokens into a device input-id buffer (in stream order)."""
+        n = len(self.dst)
+        if self.dst == self.src == list(range(n)):  # steady decoding: the same rows in the same order
+            input_ids[:n].copy_(self.tokens[:n])
+            return
+        dev = input_ids.device
+        dst = torch.tensor(self.dst, dtype=torch.long).pin_memory() if dev.type == "cuda" else torch.tensor(self.dst)
+        src = torch.tensor(self.src, dtype=torch.long).pin_memory() if dev.type == "cuda" else torch.tensor(self.src)
+        input_ids.index_copy_(0, dst.to(dev, non_blocking=True), self.tokens.index_select(0, src.to(dev, non_blocking=True)))
 
 
 def pad_tables(tables: list[list[int]]) -> np.ndarray:

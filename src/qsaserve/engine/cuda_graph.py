@@ -218,7 +218,7 @@ class DecodeGraphs:
         logits buffer, valid until the next replay. feed: input ids taken on the device."""
         self._stage(pad_decode(batch, bucket))
         if feed is not None:  # the graph's input ids are the first bucket values of stage64
-            self.stage64.dev[: feed.rows].copy_(feed.tokens[: feed.rows])
+            feed.apply(self.stage64.dev[:bucket])
         self.graphs[bucket].replay()
         self.replays[bucket] += 1
         return self.logits[bucket][: len(batch.query_lens)]

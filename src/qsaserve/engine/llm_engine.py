@@ -220,7 +220,7 @@ class LLMEngine:
         results: list[RequestOutput] = []
         sched = self.scheduler.schedule()
         feed = self._feed_from(prev, sched) if prev is not None and sched else None
-        if prev is not None and feed is None:  # the next inputs need the tokens on the host first
+        if prev is not None and feed is None:  # no in-flight sequence runs now: finish that step first
             results += self._complete(prev, prev.tokens.result(), set(), outputs)
             prev = None
             sched.chunks = [c for c in sched.chunks if not c.seq.is_finished]
@@ -249,17 +249,17 @@ class LLMEngine:
         return results + self._complete(_InFlight(sched, plan, None, self._advance(sched)), sampled, errored, outputs)
 
     def _feed_from(self, prev: "_InFlight", sched: SchedulerOutput) -> TokenFeed | None:
-        """The in-flight step's device tokens as this step's first input ids, when its decode rows
-        lead the batch in the same order (steady decoding); None otherwise."""
-        sampled = prev.plan.sample_seqs
-        rows = 0
-        for i, chunk in enumerate(sched.chunks):
+        """The in-flight step's device tokens as this step's input ids, row by row."""
+        src_of = {id(seq): i for i, seq in enumerate(prev.plan.sample_seqs)}
+        dst, src = [], []
+        row = 0
+        for chunk in sched.chunks:
             seq = chunk.seq
-            if i == rows and rows < len(sampled) and seq is sampled[rows] and chunk.num_new_tokens == 1:
-                rows += 1  # token row i is this sequence's in-flight token
-            elif seq.token_ids[-1] == PLACEHOLDER_TOKEN:
-                return None  # an in-flight sequence after other rows or out of order (a preemption)
-        return TokenFeed(prev.tokens.tokens, rows) if rows else None
+            if seq.token_ids[-1] == PLACEHOLDER_TOKEN:  # its last token is still on the device
+                dst.append(row + chunk.num_new_tokens - 1)
+                src.append(src_of[id(seq)])
+            row += chunk.num_new_tokens
+        return TokenFeed(prev.tokens.tokens, dst, src) if dst else None
 
     def _advance(self, sched: SchedulerOutput) -> list[Sequence]:
         """Counts the step's computed tokens; returns the sequences that filled a block (published

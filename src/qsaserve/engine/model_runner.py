@@ -199,7 +199,7 @@ class ModelRunner:
         states = [0 if s is None else s for s in batch.state_slots]
         d64 = self._stage64.upload(batch.input_ids + batch.positions + batch.slot_mapping + batch.logits_indices + states)
         if feed is not None:
-            d64[: feed.rows].copy_(feed.tokens[: feed.rows])
+            feed.apply(d64[:t])
         # int32 inputs: [seq_lens (b) | cu_query_lens (b + 1) | block tables (b x width, row-major)]
         flat = np.zeros(2 * b + 1 + b * width, dtype=np.int32)
         flat[:b] = batch.seq_lens

@@ -66,6 +66,9 @@ class Scheduler:
         num_decodes = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.at_max_tokens:  # its in-flight token is its last (async scheduling): nothing to run
+                i += 1
+                continue
             remaining = len(seq.token_ids) - seq.num_computed_tokens
             num_new = min(remaining, budget)
             while not self.block_manager.allocate(seq, num_new):

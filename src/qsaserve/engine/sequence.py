@@ -75,6 +75,12 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def at_max_tokens(self) -> bool:
+        """Its output already has max_tokens tokens (counting one still being sampled, with async
+        scheduling): it needs no further step."""
+        return self.params.max_tokens is not None and self.num_output_tokens >= self.params.max_tokens
+
+    @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
