@@ -205,9 +205,10 @@ class LLMEngine:
     # sample simply (greedy / temperature, no logprobs) leaves its tokens on the device: they go
     # into the next step's input ids there (TokenFeed), the host marks them with placeholders,
     # and the next call launches its own step before reading them back. The host work of step N
-    # thus runs while the device computes step N+1. A sequence that stopped at step N has still
-    # computed step N+1; that row is dropped (its KV write lands in blocks it just freed, before
-    # any later step reuses them, in stream order).
+    # thus runs while the device computes step N+1. A sequence that stopped at step N on a token
+    # or string has still computed step N+1; that row is dropped (its KV write lands in blocks it
+    # just freed, before any later step reuses them, in stream order). One that reaches max_tokens
+    # is known to stop and is not scheduled again (Sequence.at_max_tokens).
     def step(self, outputs: str = "all") -> list[RequestOutput]:
         """Runs one scheduler step. outputs="all" returns an output for every request that made
         progress (streaming consumers: the async engine); "finished" only for the requests that
