@@ -19,25 +19,40 @@ def interpreter_numpy_shim() -> None:
     interp._patch_lang_tensor = patched
 
 
-def run_under_interpreter(test_file: str, call: str, timeout: int = 600) -> None:
+def run_under_interpreter(test_file: str, call: str, timeout: int = 600) -> str:
     """Run `call` (with the test module imported as `t`, e.g. "t._triton_checks('cpu')") in a fresh
     Python with TRITON_INTERPRET=1, which Triton reads when first imported; fail with its output.
-    Skips when triton is not installed."""
+    Then compile every kernel launch it made for sm_90 (triton_compile_check/: no GPU needed), so
+    errors only the compiler sees, and launches needing more shared memory than an SM has, fail
+    here too. Returns the call's stdout. Skips when triton is not installed."""
     import os
     import subprocess
     import sys
+    import tempfile
 
     import pytest
 
     pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
     here = os.path.dirname(os.path.abspath(test_file))
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    check_dir = os.path.join(tests_dir, "triton_compile_check")
     module = os.path.splitext(os.path.basename(test_file))[0]
-    code = (f"import sys; sys.path[:0] = [{here!r}, {os.path.dirname(here)!r}]; "
+    code = (f"import sys; sys.path[:0] = [{here!r}, {tests_dir!r}]; "
             "from triton_interpreter import interpreter_numpy_shim; interpreter_numpy_shim(); "
             f"import {module} as t; {call}; print('ok')")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+    with tempfile.TemporaryDirectory() as tmp:
+        launches = os.path.join(tmp, "launches.jsonl")
+        path = os.pathsep.join(p for p in (check_dir, os.environ.get("PYTHONPATH")) if p)
+        env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONPATH=path,
+                   QSASERVE_TRITON_LAUNCHES=launches)
+        proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout + proc.stderr
+        if os.path.exists(launches):
+            env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "QSASERVE_TRITON_LAUNCHES")}
+            compiled = subprocess.run([sys.executable, os.path.join(check_dir, "compile_launches.py"), launches],
+                                      env=env, capture_output=True, text=True, timeout=timeout)
+            assert compiled.returncode == 0, compiled.stdout + compiled.stderr
+    return proc.stdout
 
 
 def triton_check_tests(test_file: str, checks):

@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import traceback
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -33,7 +30,7 @@ from qsaserve.parallel.dcp import DcpGeometry
 from qsaserve.quant.fp8 import FP8_E4M3
 
 from test_attention_triton import check_close
-from triton_interpreter import interpreter_numpy_shim
+from triton_interpreter import interpreter_numpy_shim, run_under_interpreter
 from test_attention_triton_fp8 import F16_DOT_TOL, FP8_CANDIDATES, FP8_DEFAULT, fp8_case, nan_bytes, ref_fp8
 
 BF16 = torch.bfloat16
@@ -219,14 +216,8 @@ CHECKS = [check_write_kv_fp8_bit_equal_to_reference, check_fp8_decode_and_prefil
 
 @pytest.fixture(scope="module")
 def interpreter_results():
-    pytest.importorskip("triton")
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(root / "src"), str(root / "tests"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
-    lines = proc.stdout.strip().splitlines()
-    assert proc.returncode == 0 and lines, f"interpreter run failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
-    return json.loads(lines[-1])
+    out = run_under_interpreter(__file__, "print(t.json.dumps(t._run_checks()))", timeout=900)
+    return json.loads(out.strip().splitlines()[-2])
 
 
 @pytest.mark.parametrize("name", [c.__name__ for c in CHECKS])

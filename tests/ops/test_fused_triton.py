@@ -12,13 +12,12 @@ are compared with rtol = 2 ulp of the dtype (1e-5 in fp32).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from qsaserve.layers.rotary import RotaryEmbedding
+from triton_interpreter import run_under_interpreter
 from qsaserve.ops import fused
 from qsaserve.ops.fused.reference import (add_rms_norm_reference, rms_norm_reference, rope_qk_reference_,
                                           silu_mul_reference)
@@ -165,15 +164,8 @@ def run_interpreter_checks() -> None:
 
 
 def test_kernels_match_references_under_triton_interpreter():
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.abspath(src), os.environ.get("PYTHONPATH", "")]))
-    here = os.path.dirname(os.path.abspath(__file__))
-    code = f"import sys; sys.path.insert(0, {here!r}); import test_fused_triton as t; t.run_interpreter_checks()"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("ok ") == len(INTERPRETER_CHECKS)
+    out = run_under_interpreter(__file__, "t.run_interpreter_checks()", timeout=300)
+    assert out.count("ok ") == len(INTERPRETER_CHECKS)
 
 
 def test_cpu_tensors_take_the_torch_path():

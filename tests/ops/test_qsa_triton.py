@@ -7,9 +7,6 @@ dots (1e-4); bf16 operands with fp32 accumulation compare by relative Frobenius 
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +14,7 @@ import torch
 from qsaserve.ops.qsa_attention import merge_attention_partials, sparse_attention_paged_reference
 from qsaserve.ops.qsa_indexer.paged import decode_index_scores, select_decode_tokens
 from qsaserve.quant.fp8 import FP8_E4M3, quantize_fp8
+from triton_interpreter import run_under_interpreter
 
 
 def _layout(lengths, page, gen, extra_cols=2):
@@ -318,15 +316,8 @@ def run_interpreter_checks() -> None:
 
 
 def test_kernels_match_references_under_triton_interpreter():
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    here = os.path.dirname(os.path.abspath(__file__))
-    tests = os.path.dirname(here)
-    code = (f"import sys; sys.path[:0] = [{here!r}, {tests!r}]; import test_qsa_triton as t; "
-            "t.run_interpreter_checks()")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("ok ") == len(INTERPRETER_CHECKS)
+    out = run_under_interpreter(__file__, "t.run_interpreter_checks()")
+    assert out.count("ok ") == len(INTERPRETER_CHECKS)
 
 
 @pytest.mark.gpu

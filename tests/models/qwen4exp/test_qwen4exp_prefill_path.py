@@ -13,9 +13,6 @@ call's selection and attention are checked against their references on the same 
 exact); the final logprobs differ more, because these peaked bf16 test models amplify the
 kernel's bf16 rounding of P (measured on CPU, see the test's bounds).
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -27,6 +24,7 @@ from qsaserve.layers.attention import AttentionMetadata
 from qwen4exp_testing import make_config
 from test_qwen4exp_engine import save
 from qwen4exp_testing import build_random_model
+from triton_interpreter import run_under_interpreter
 
 
 def _meta(rows, block):
@@ -104,15 +102,8 @@ def run_interpreted_branch_check() -> None:
 
 
 def test_cuda_branch_under_triton_interpreter_matches_reference_branch():
-    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    here = os.path.dirname(os.path.abspath(__file__))
-    tests = os.path.dirname(os.path.dirname(here))
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    code = (f"import sys; sys.path[:0] = [{here!r}, {tests!r}]; import test_qwen4exp_prefill_path as t; "
-            "t.run_interpreted_branch_check()")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "ok interpreted prefill branch" in proc.stdout
+    out = run_under_interpreter(__file__, "t.run_interpreted_branch_check()")
+    assert "ok interpreted prefill branch" in out
 
 
 @pytest.mark.gpu
