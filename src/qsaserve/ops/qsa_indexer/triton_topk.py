@@ -29,10 +29,14 @@ _LOW_WORD = tl.constexpr(4294967295)  # 2^32 - 1
 MAX_K = 4096
 # One program per row: its time grows with N whatever the batch (H200, graphs: 17 us at 2K groups,
 # 49 us at 8K, 200 us at 32K, 391 us at 64K), while torch.topk's stays ~45-170 us from 2K to 64K
-# groups at batch 1-64 (benchmarks/results/qsa_decode_h200_2026-11-30_84e1636.json). So rows wider
-# than this go to torch.topk. topk_indices_split (each row over several programs) is the candidate
-# for them; bench_qsa times it (topk_split_graph_ms), and it takes their place once measured faster.
+# groups at batch 1-64 (benchmarks/results/qsa_decode_h200_2026-11-30_84e1636.json). So few rows
+# wider than this go to torch.topk. Many rows (a prefill chunk's queries) keep the radix kernel:
+# there one program per row fills the GPU, and it is what the prefill-chunk figure measured (8,192
+# query rows over 32K groups). topk_indices_split (each row over several programs) is the candidate
+# for few wide rows; bench_qsa times it (topk_split_graph_ms), and it takes their place once
+# measured faster.
 RADIX_MAX_GROUPS = 8192
+RADIX_MIN_ROWS = 256  # about two programs per SM
 
 
 @triton.jit
@@ -182,8 +186,8 @@ def _sort_kernel(scratch_ptr, out_ptr, K, stride_sb, stride_ob, K_POW2: tl.const
 
 
 def topk_indices(keys: torch.Tensor, k: int) -> torch.Tensor:
-    """The faster of the radix kernel and torch.topk for this row width (same indices)."""
-    if keys.shape[-1] <= RADIX_MAX_GROUPS:
+    """The faster of the radix kernel and torch.topk for this shape (same indices)."""
+    if keys.shape[-1] <= RADIX_MAX_GROUPS or keys.shape[0] >= RADIX_MIN_ROWS:
         return topk_indices_triton(keys, k)
     return torch.topk(keys, k, dim=1).indices
 
@@ -250,4 +254,4 @@ def _check(keys: torch.Tensor, k: int) -> None:
         raise ValueError(f"k: must be in [0, {keys.shape[1]}], got {k}")
 
 
-__all__ = ["MAX_K", "RADIX_MAX_GROUPS", "topk_indices", "topk_indices_split", "topk_indices_triton"]
+__all__ = ["MAX_K", "RADIX_MAX_GROUPS", "RADIX_MIN_ROWS", "topk_indices", "topk_indices_split", "topk_indices_triton"]
