@@ -181,8 +181,10 @@ def _finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def sample_deferred(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator) -> DeferredTokens:
     """sample() for a batch of greedy / plain-temperature rows (every seq.simple_sampling): the
     same device operations as the general path (whose penalties, masks and filters would change
-    nothing here), one host pass over the sequences, and no wait: the tokens come back later."""
-    logits, finite = _finite_rows(logits)
+    nothing here), one host pass over the sequences, and no wait: the tokens come back later.
+    A non-finite row is flagged and its token never used (the sequence ends with an error), so the
+    rows are not sanitized first: that would be three more passes over [B, V] each step."""
+    finite = torch.isfinite(logits).all(dim=-1)
     temps: list[float] = []
     seeded: list[int] = []
     for i, s in enumerate(seqs):
