@@ -44,6 +44,7 @@ if [ "$mode" = single ]; then
         tests/ops/test_attention_triton.py tests/ops/test_attention_triton_fp8.py
     part bench_attention 150 python benchmarks/bench_attention.py --sections env,decode,fp8,diag --out "$out/bench_attention.json"
     part bench_qsa 180 python benchmarks/bench_qsa.py --out "$out/bench_qsa.json"
+    part bench_moe 120 python benchmarks/bench_moe.py --out "$out/bench_moe.json"
     part bench_qsa_model 300 python benchmarks/bench_qsa.py --model-only --out "$out/bench_qsa_model.json"
     part latency_llama1b 240 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --peer hf --profile-steps 16 > '$out/latency_llama1b.json'"
     part latency_llama8b 240 sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,16 --prompt-lens 1024 --peer hf --profile-steps 16 > '$out/latency_llama8b.json'"

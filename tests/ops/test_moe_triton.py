@@ -17,12 +17,12 @@ def _case(n, k, e, h, inter, dtype, seed=0):
     return x, idx, w, gu, down
 
 
-def check_moe(device, dtype, n=3, k=2, e=9, h=40, inter=24):
+def check_moe(device, dtype, n=3, k=2, e=9, h=40, inter=24, block_n=None):
     from qsaserve.ops.moe.triton_moe import moe_experts_decode_triton
 
     x, idx, w, gu, down = _case(n, k, e, h, inter, dtype)
     want = moe_experts_sync_free(x, idx, w, gu, down)  # CPU tensors: the torch path
-    got = moe_experts_decode_triton(*(t.to(device) for t in (x, idx, w, gu, down))).cpu()
+    got = moe_experts_decode_triton(*(t.to(device) for t in (x, idx, w, gu, down)), block_n=block_n).cpu()
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         return
@@ -39,8 +39,24 @@ def _triton_checks(device):
     for dtype in (torch.float32,) if device == "cpu" else (torch.float32, torch.bfloat16):
         check_moe(device, dtype)
         check_moe(device, dtype, n=1, k=3, e=7, h=300, inter=17)
+    for block_n in ((4, 32), (32, 4), (16, 8)):  # every row-block size the heuristic may pick
+        check_moe(device, torch.float32, n=2, k=3, e=7, h=300, inter=40, block_n=block_n)
     if device != "cpu":  # qwen4exp-small at TP2, batch 4
         check_moe(device, torch.bfloat16, n=4, k=8, e=64, h=2048, inter=256)
 
 
 test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)
+
+
+def test_block_n_heuristic_fills_the_gpu():
+    """Batch 1 at qwen4exp-small's shapes gets narrow blocks (>= 4 programs per SM), big batches
+    the widest."""
+    import pytest
+
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from qsaserve.ops.moe.triton_moe import BLOCK_N_CHOICES, PROGRAMS_PER_SM, pick_block_n
+
+    for rows, width in ((8, 512), (1, 2048), (32, 256)):
+        bn = pick_block_n(rows, width, 132)
+        assert rows * -(-width // bn) >= PROGRAMS_PER_SM * 132 or bn == BLOCK_N_CHOICES[-1]
+    assert pick_block_n(8 * 64, 512, 132) == BLOCK_N_CHOICES[0]

@@ -67,10 +67,30 @@ def _down_kernel(act_ptr, idx_ptr, rw_ptr, w_ptr, out_ptr, H, I, K,
     tl.store(out_ptr + t.to(tl.int64) * stride_o + n, total.to(dt), mask=n_ok)
 
 
+# Row-block sizes tried, widest first. H200, qwen4exp-small batch 1 (8 choices, I 512, H 2048):
+# 16-row blocks gave 256 gate/up and 128 down programs, ~1 per SM, and read weights at only
+# 0.7-1.05 TB/s (0.9 of the 3.2 ms step; benchmarks/results/qsa_model_step_h200_2026-11-30_ecab533.json).
+# Narrower blocks until the grid has a few programs per SM keep more loads in flight.
+BLOCK_N_CHOICES = (32, 16, 8, 4)
+PROGRAMS_PER_SM = 4
+
+
+def pick_block_n(rows: int, width: int, sms: int) -> int:
+    """The widest row block whose grid (rows x width / block) has PROGRAMS_PER_SM programs per SM."""
+    for bn in BLOCK_N_CHOICES:
+        if rows * triton.cdiv(width, bn) >= PROGRAMS_PER_SM * sms:
+            return bn
+    return BLOCK_N_CHOICES[-1]
+
+
 def moe_experts_decode_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
-                              gate_up_proj: torch.Tensor, down_proj: torch.Tensor) -> torch.Tensor:
+                              gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                              block_n: tuple[int, int] | None = None) -> torch.Tensor:
     """x [N, H], indices / weights [N, k], gate_up_proj [E, 2I, H], down_proj [E, H, I] -> [N, H]
-    (SiLU experts), as moe_experts_sync_free."""
+    (SiLU experts), as moe_experts_sync_free. block_n: (gate/up, down) row blocks (default: by
+    pick_block_n; the benchmark compares others)."""
+    from qsaserve.ops.device import num_sms
+
     n, k = indices.shape
     h = x.shape[1]
     inter = down_proj.shape[2]
@@ -83,11 +103,12 @@ def moe_experts_decode_triton(x: torch.Tensor, indices: torch.Tensor, weights: t
     out = torch.empty((n, h), dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    bn, bk = 16, 256
-    _gate_up_kernel[(n * k, triton.cdiv(inter, bn))](
+    sms = num_sms(x.device)
+    bn_gu, bn_down = block_n or (pick_block_n(n * k, inter, sms), pick_block_n(n, h, sms))
+    _gate_up_kernel[(n * k, triton.cdiv(inter, bn_gu))](
         x, idx, gate_up_proj, act, h, inter, k, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
-        act.stride(0), BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
-    _down_kernel[(n, triton.cdiv(h, bn))](
+        act.stride(0), BLOCK_N=bn_gu, BLOCK_K=min(512, triton.next_power_of_2(h)), num_warps=4)
+    _down_kernel[(n, triton.cdiv(h, bn_down))](
         act, idx, rw, down_proj, out, h, inter, k, act.stride(0), down_proj.stride(0), down_proj.stride(1),
-        out.stride(0), BLOCK_N=bn, BLOCK_K=min(bk, triton.next_power_of_2(inter)), num_warps=4)
+        out.stride(0), BLOCK_N=bn_down, BLOCK_K=min(512, triton.next_power_of_2(inter)), num_warps=4)
     return out

@@ -1,0 +1,83 @@
+"""Routed-expert decode (ops/moe) on one GPU: the Triton kernels at several row-block sizes against
+the torch path (`qwen4exp_blocks.moe_experts_sync_free`), at qwen4exp-small's expert shapes (64
+experts, top 8, H 2048, I 512; I 256 is its TP2 shard). Times are CUDA-graph replays cycling over
+LAYERS weight sets (more than the L2 holds), per call; TB/s counts the weight bytes of the experts
+the batch actually chose. Prints JSON (one line per case, then the document).
+
+    PYTHONPATH=src python benchmarks/bench_moe.py [--out f.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import time
+
+import torch
+
+from bench_qsa import graph_ms
+from qsaserve.models.qwen4exp_blocks import moe_experts_sync_free
+from qsaserve.ops.moe.triton_moe import BLOCK_N_CHOICES, moe_experts_decode_triton, pick_block_n
+from qsaserve.ops.device import num_sms
+
+EXPERTS, TOP_K, HIDDEN = 64, 8, 2048
+LAYERS = 4  # 4 x 64 experts x 6 MiB = 1.5 GiB of weights, far beyond the L2
+BATCHES = (1, 4, 16, 64)
+
+
+def case(batch: int, inter: int, dev) -> list[dict]:
+    gen = torch.Generator(device=dev).manual_seed(batch)
+    x = torch.randn(batch, HIDDEN, generator=gen, device=dev).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(EXPERTS, generator=gen, device=dev)[:TOP_K] for _ in range(batch)])
+    w = torch.softmax(torch.randn(batch, TOP_K, generator=gen, device=dev), -1).to(torch.bfloat16)
+    layers = [((torch.randn(EXPERTS, 2 * inter, HIDDEN, generator=gen, device=dev) * 0.02).to(torch.bfloat16),
+               (torch.randn(EXPERTS, HIDDEN, inter, generator=gen, device=dev) * 0.02).to(torch.bfloat16))
+              for _ in range(LAYERS)]
+    read = int(torch.unique(idx).numel()) * 3 * inter * HIDDEN * 2  # gate, up, down of each chosen expert
+    sms = num_sms(dev)
+    default = (pick_block_n(batch * TOP_K, inter, sms), pick_block_n(batch, HIDDEN, sms))
+    variants = [("torch", None), ("default", default)] + [(f"bn{b}", (b, b)) for b in BLOCK_N_CHOICES]
+    want = moe_experts_sync_free(x, idx, w, *layers[0])
+    rows = []
+    for name, block_n in variants:
+        if block_n is None:
+            def run():
+                for gu, down in layers:
+                    moe_experts_sync_free(x, idx, w, gu, down)
+        else:
+            def run(block_n=block_n):
+                for gu, down in layers:
+                    moe_experts_decode_triton(x, idx, w, gu, down, block_n=block_n)
+        got = want if block_n is None else moe_experts_decode_triton(x, idx, w, *layers[0], block_n=block_n)
+        us = graph_ms(run) * 1e3 / LAYERS
+        row = {"batch": batch, "inter": inter, "variant": name, "block_n": block_n, "us": round(us, 2),
+               "tb_s": round(read / us / 1e6, 3), "max_diff_vs_torch": float((got.float() - want.float()).abs().max())}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    start = time.perf_counter()
+    rows = [r for inter in (512, 256) for b in BATCHES for r in case(b, inter, dev)]
+    commit = os.environ.get("QSASERVE_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                                 text=True).stdout.strip()
+    report = {"bench": "moe_decode", "device": torch.cuda.get_device_name(), "commit": commit,
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
+              "shapes": {"experts": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN, "inter": [512, 256],
+                         "layers_cycled": LAYERS},
+              "rows": rows, "wall_s": round(time.perf_counter() - start, 1)}
+    text = json.dumps(report, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
