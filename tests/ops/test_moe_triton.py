@@ -33,7 +33,25 @@ def check_moe(device, dtype, n=3, k=2, e=9, h=40, inter=24, block_n=None):
     assert (got.float() - exact).abs().max() <= (want.float() - exact).abs().max() + step
 
 
+def check_route(device, dtype, n=5, e=64, k=8, norm=True):
+    """The one-kernel router (softmax, top-k, renormalise) = qwen4exp_blocks.moe_route: the same
+    experts in the same order, weights within rounding."""
+    from qsaserve.models.qwen4exp_blocks import moe_route
+    from qsaserve.ops.moe.triton_moe import moe_route_triton
+
+    logits = (torch.randn(n, e, generator=torch.Generator().manual_seed(e + k)) * 2).to(dtype)
+    want_w, want_i = moe_route(logits, k, norm)
+    got_w, got_i = moe_route_triton(logits.to(device), k, norm)
+    assert torch.equal(got_i.cpu(), want_i)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(got_w.cpu(), want_w, **tol)
+
+
 def _triton_checks(device):
+    check_route(device, torch.float32)
+    check_route(device, torch.float32, n=3, e=9, k=3, norm=False)  # non-power-of-2 experts and k
+    if device != "cpu":
+        check_route(device, torch.bfloat16, n=4, e=64, k=8)
     # The Triton interpreter truncates float32 -> bf16 casts (GPUs round to nearest), which doubles
     # the kernels' bf16 error there: bf16 is checked on the GPU only.
     for dtype in (torch.float32,) if device == "cpu" else (torch.float32, torch.bfloat16):

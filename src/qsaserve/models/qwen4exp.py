@@ -38,6 +38,7 @@ from qsaserve.ops.fused import triton_fused, use_fused
 from qsaserve.ops.gdn.decode_ops import conv1d_decode_, gated_norm, gdn_gates
 from qsaserve.ops.gdn.dispatch import gated_delta_rule
 from qsaserve.ops.hyper_connection import hc_step
+from qsaserve.ops.moe import moe_route_triton
 from qsaserve.ops.gdn.reference import causal_conv1d_reference
 from qsaserve.ops.qsa_attention.reference import sparse_attention_paged_reference, sparse_attention_reference
 from qsaserve.ops.qsa_indexer.paged import (decode_index_scores, pool_chunk_groups, pool_completed_groups,
@@ -363,7 +364,8 @@ class Qwen4ExpForCausalLM(nn.Module):
             return sparse_moe_block(x, mlp, c.num_experts_per_tok, c.norm_topk_prob, c.hidden_act, sync_free=step.decode)
         fused, rows = self.fused_mlp_inputs[i]  # router | shared gate_proj | shared up_proj | shared gate
         logits, gate_up, shared_gate = torch.split(F.linear(x, fused), [rows[0], rows[1] + rows[2], rows[3]], dim=-1)
-        top_w, top_i = moe_route(logits, c.num_experts_per_tok, c.norm_topk_prob)
+        route = moe_route_triton if moe_route_triton is not None else moe_route
+        top_w, top_i = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
         experts = moe_experts_sync_free if step.decode else moe_experts
         routed = experts(x, top_i, top_w, mlp["experts.gate_up_proj"], mlp["experts.down_proj"], c.hidden_act)
         shared = F.linear(triton_fused.silu_mul(gate_up), mlp["shared_expert.down_proj.weight"])

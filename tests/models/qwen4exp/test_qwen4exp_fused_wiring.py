@@ -1,7 +1,7 @@
 """The model's CUDA fast paths, wired on CPU: fused projection GEMMs and their splits (GDN
 qkv|z|b|a, QSA q|k|v|index, router|shared gate|up|shared gate), the QSA q/k/index-q norm + RoPE
-call sites, the PLE decode kernels' call sites, the block-key pooling call, and the MoE block's fused shared expert give what the
-reference path gives.
+call sites, the PLE decode kernels' call sites, the block-key pooling call, the MoE router call and
+the MoE block's fused shared expert give what the reference path gives.
 
 On CUDA those paths call Triton kernels (tested against their references in tests/ops); here the
 kernels are swapped for the same references, so this checks only the model code around them, in
@@ -33,7 +33,7 @@ def test_fast_path_wiring_equals_reference_path(tmp_path, monkeypatch):
     model = build_random_model(make_config(budget=12, ple_layer_ids=(1,)), seed=4)
     model.save_pretrained(tmp_path)
     want = _run(str(tmp_path))
-    calls = {"silu_mul": 0, "norm_rope_heads": 0, "ple": 0}
+    calls = {"silu_mul": 0, "norm_rope_heads": 0, "ple": 0, "route": 0}
 
     def counted(name, fn):
         def run(*a):
@@ -43,6 +43,7 @@ def test_fast_path_wiring_equals_reference_path(tmp_path, monkeypatch):
 
     monkeypatch.setattr(qwen4exp, "use_fused", lambda x: True)
     monkeypatch.setattr(qwen4exp, "pool_completed_groups_triton", qwen4exp.pool_completed_groups)
+    monkeypatch.setattr(qwen4exp, "moe_route_triton", counted("route", qwen4exp.moe_route))
     monkeypatch.setattr(qwen4exp, "triton_ple", SimpleNamespace(
         ngram_rows_decode_=counted("ple", ple_ref.ngram_rows_decode_reference_),
         stream_gate=ple_ref.stream_gate_reference, dilated_conv_decode_=ple_ref.dilated_conv_decode_reference_))
@@ -50,7 +51,7 @@ def test_fast_path_wiring_equals_reference_path(tmp_path, monkeypatch):
         silu_mul=counted("silu_mul", silu_mul_reference), norm_rope_heads=counted("norm_rope_heads",
                                                                                  norm_rope_heads_reference)))
     got = _run(str(tmp_path))
-    assert calls["silu_mul"] and calls["norm_rope_heads"] and calls["ple"]  # the fast branches ran
+    assert calls["silu_mul"] and calls["norm_rope_heads"] and calls["ple"] and calls["route"]  # the fast branches ran
     for (tw, lw), (tg, lg) in zip(want, got):
         assert tw == tg
         torch.testing.assert_close(torch.tensor(lg), torch.tensor(lw), atol=1e-5, rtol=1e-5)

@@ -8,9 +8,9 @@ import torch
 from qsaserve.ops import fused
 
 try:  # CPU-only installs keep the reference
-    from qsaserve.ops.moe.triton_moe import moe_experts_decode_triton
+    from qsaserve.ops.moe.triton_moe import moe_experts_decode_triton, moe_route_triton
 except ImportError:
-    moe_experts_decode_triton = None
+    moe_experts_decode_triton = moe_route_triton = None
 
 
 def use_triton_moe(x: torch.Tensor, indices: torch.Tensor, num_experts: int, activation: str) -> bool:
@@ -18,4 +18,4 @@ def use_triton_moe(x: torch.Tensor, indices: torch.Tensor, num_experts: int, act
             and indices.numel() < num_experts)
 
 
-__all__ = ["moe_experts_decode_triton", "use_triton_moe"]
+__all__ = ["moe_experts_decode_triton", "moe_route_triton", "use_triton_moe"]

@@ -2,7 +2,8 @@
 
 The torch path (`qwen4exp_blocks.moe_experts_sync_free`, the reference) gathers the k chosen
 experts' [2I, H] and [H, I] matrices into new tensors and runs batched matmuls: every active weight
-byte is read, written and read again, in ~12 launches. Here two kernels:
+byte is read, written and read again, in ~12 launches. Here two kernels (and one for the router:
+softmax, top-k and renormalisation, `moe_route_triton`):
 
   _gate_up_kernel: one program per (token, choice, block of I): gate and up rows of expert
                    indices[t, j] against x[t] -> silu(gate) * up, rounded as torch rounds each op;
@@ -65,6 +66,49 @@ def _down_kernel(act_ptr, idx_ptr, rw_ptr, w_ptr, out_ptr, H, I, K,
             acc += tl.sum(wv * a[None, :], 1)
         total += (acc.to(dt).to(tl.float32) * rw).to(dt).to(tl.float32)  # y_j, then y_j * weight, in dt
     tl.store(out_ptr + t.to(tl.int64) * stride_o + n, total.to(dt), mask=n_ok)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, w_ptr, i_ptr, E, stride_l, stride_w, stride_i,
+                  K: tl.constexpr, K_POW2: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One token: fp32 softmax over its E router logits, the top K by repeated argmax (the lowest
+    expert on an exact tie), optionally renormalised to sum 1, weights cast to the logits dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    ok = e < E
+    logits = tl.load(logits_ptr + row * stride_l + e, mask=ok, other=float("-inf")).to(tl.float32)
+    p = tl.exp(logits - tl.max(logits, 0))
+    p = tl.where(ok, p / tl.sum(tl.where(ok, p, 0.0), 0), -1.0)  # -1: never chosen
+    j = tl.arange(0, K_POW2)
+    weights = tl.zeros([K_POW2], tl.float32)
+    chosen = tl.zeros([K_POW2], tl.int64)
+    for r in tl.static_range(K):
+        best = tl.max(p, 0)
+        pick = tl.min(tl.where(p == best, e, BLOCK_E), 0)
+        weights = tl.where(j == r, best, weights)
+        chosen = tl.where(j == r, pick.to(tl.int64), chosen)
+        p = tl.where(e == pick, -1.0, p)
+    if NORM:
+        weights = weights / tl.sum(weights, 0)
+    tl.store(w_ptr + row * stride_w + j, weights.to(w_ptr.dtype.element_ty), mask=j < K)
+    tl.store(i_ptr + row * stride_i + j, chosen, mask=j < K)
+
+
+def moe_route_triton(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] -> (weights [N, k] in the logits' dtype, expert indices [N, k]), as
+    qwen4exp_blocks.moe_route (softmax, topk, renormalise: ~6 launches) in one."""
+    n, e = logits.shape
+    if not 0 < top_k <= e:
+        raise ValueError(f"top_k: must be in [1, {e}], got {top_k}")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    weights = torch.empty((n, top_k), dtype=logits.dtype, device=logits.device)
+    indices = torch.empty((n, top_k), dtype=torch.int64, device=logits.device)
+    if n:
+        _route_kernel[(n,)](logits, weights, indices, e, logits.stride(0), weights.stride(0), indices.stride(0),
+                            K=top_k, K_POW2=triton.next_power_of_2(top_k), NORM=bool(norm_topk_prob),
+                            BLOCK_E=triton.next_power_of_2(e), num_warps=1 if e <= 256 else 4)
+    return weights, indices
 
 
 # Row-block sizes tried, widest first. H200, qwen4exp-small batch 1 (8 choices, I 512, H 2048):
