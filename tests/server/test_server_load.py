@@ -1,6 +1,6 @@
 """Bounded load test on loopback: 48 concurrent clients for ~20 s (streaming and not, completions
 and chat, n > 1, random client aborts, some bad requests) against a small KV cache so preemption
-and prefix caching are exercised. No response may be a 5xx, and afterwards every KV block is
+and prefix caching are exercised, once with the synchronous engine and once with async scheduling. No response may be a 5xx, and afterwards every KV block is
 free and no request is left anywhere."""
 import asyncio
 import random
@@ -24,10 +24,12 @@ PREFIXES = ["You are a helpful assistant. Answer briefly. Question: ", "Translat
 TOPICS = ["the sea", "mountains", "a cat", "rain", "coffee", "the moon", "trains", "autumn"]
 
 
-@pytest.fixture(scope="module")
-def server():
-    # ~56 KV blocks of 16 tokens for 48 clients: requests queue and get preempted under load.
-    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=256, kv_cache_memory=40 * 2**20), progress=False)
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async_scheduling"])
+def server(request):
+    # ~56 KV blocks of 16 tokens for 48 clients: requests queue and get preempted under load. With
+    # async scheduling too: aborts, preemptions and stops land on steps already launched.
+    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=256, kv_cache_memory=40 * 2**20,
+                                    async_scheduling=request.param), progress=False)
     aengine = AsyncLLMEngine(engine, max_waiting_requests=1024)
     srv = BackgroundServer(build_app(aengine, MODEL))
     srv.aengine = aengine
