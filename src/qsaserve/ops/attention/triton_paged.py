@@ -18,6 +18,10 @@ shard, so key lengths are the shard's and the causal mask compares global positi
 kernels then also return the base-2 log-sum-exp so the ranks' partials can be merged.
 
 Nothing here touches CUDA at import time; host-side planning uses only the metadata's host lists.
+Integer arguments that change from step to step (block-table widths, split lengths, partial-buffer
+strides, the DCP rank) are `do_not_specialize`: Triton would otherwise compile a kernel again, in
+the middle of serving, each time such a value moves between "== 1", "multiple of 16" and neither.
+The QSA and DCP kernels do the same.
 CUDA-graph contract (decode): a batch where every row decodes builds no host tensor and never
 syncs (no .item()/.tolist()/boolean indexing); `meta.seq_lens_list` may be a static upper bound
 of the device `meta.seq_lens` (it only sizes the split grid; splits past a row's true length
@@ -192,7 +196,7 @@ def _permute_cols(x, ROWS: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
 # Split 0 always runs, so a row with no keys (padding row, empty shard) still gets out 0 and
 # lse -inf; later splits past the row's key count return at once and the merge never reads them.
 # ----------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["chunk", "dcp_rank", "stride_bt", "stride_pr", "stride_ph", "stride_lr", "stride_lh"])
 def _decode_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, key_lens_ptr, cu_q_ptr, seq_ids_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
@@ -292,7 +296,7 @@ def _decode_kernel(
         tl.store(part_lse_ptr + prow * stride_lr + head * stride_lh + split, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk", "stride_pr", "stride_ph", "stride_lr", "stride_lh"])
 def _merge_kernel(
     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, key_lens_ptr, cu_q_ptr, seq_ids_ptr, chunk,
     stride_ot, stride_oh, stride_et, stride_eh, stride_pr, stride_ph, stride_ps, stride_lr, stride_lh,
@@ -341,7 +345,7 @@ def _merge_kernel(
 # q_len tokens of the context, so row i sits at position seq_len - q_len + i. Keys before the
 # tile's first row are visible to every row and take the unmasked loop.
 # ----------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["dcp_rank", "stride_bt"])
 def _prefill_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, key_lens_ptr, cu_q_ptr, tiles_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, lse_ptr, qk_scale, dcp_rank,

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _pack_kernel(out_ptr, lse_ptr, packed_ptr, T, HL, DH,
                  stride_ot, stride_oh, stride_lt, stride_pj, stride_pt, stride_ph, DH_POW2: tl.constexpr):
     t = tl.program_id(0)

@@ -55,7 +55,7 @@ def _tile_slots(idx_row, bt_row, first, end, offs, stride_cb, stride_ct,
     return tok, ok
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "stride_bt", "stride_pt", "stride_ph", "stride_lt", "stride_lh"])
 def _sparse_kernel(
     q_ptr, kv_ptr, bt_ptr, idx_ptr, seq_ids_ptr, k_scale_ptr, v_scale_ptr, part_o_ptr, part_lse_ptr,
     qk_scale, M,
@@ -136,7 +136,7 @@ def _sparse_kernel(
     tl.store(part_lse_ptr + t.to(tl.int64) * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S", "stride_pt", "stride_ph", "stride_lt", "stride_lh", "stride_st"])
 def _merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, S,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh, stride_st,

@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _pool_kernel(tails_ptr, slots_ptr, raw_ptr, keys_ptr, bt_ptr, pos_ptr, valid_ptr, w_ptr, inv_freq_ptr, eps,
                  stride_tn, stride_tr, stride_raw, stride_bt, ROT, GPP,
                  R: tl.constexpr, D: tl.constexpr, D_POW2: tl.constexpr):

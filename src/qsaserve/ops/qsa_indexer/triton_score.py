@@ -49,7 +49,7 @@ def _hidden(BLOCK: tl.constexpr, PACK: tl.constexpr):
         return tl.full([BLOCK], float("-inf"), tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "stride_bt", "stride_ob"])
 def _score_kernel(
     q_ptr, keys_ptr, bt_ptr, pos_ptr, out_ptr, inv_sqrt_d,
     stride_qb, stride_qh, stride_kb, stride_kr, stride_bt, stride_ob,
@@ -119,7 +119,7 @@ def decode_index_scores_triton(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "N", "GROUPS_PER_SPLIT", "stride_ot"])
 def _prefill_score_kernel(
     q_ptr, keys_ptr, bt_ptr, pos_ptr, out_ptr, inv_sqrt_d,
     stride_qt, stride_qh, stride_kb, stride_kr, stride_ot,
@@ -208,7 +208,7 @@ def prefill_index_scores_triton(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "dcp_rank", "stride_cb", "stride_ob"])
 def _build_kernel(chosen_ptr, pos_ptr, out_ptr, K, dcp_rank, stride_cb, stride_ob,
                   WIDTH: tl.constexpr, RATIO: tl.constexpr, BLOCK_W: tl.constexpr,
                   DCP_SIZE: tl.constexpr, DCP_I: tl.constexpr):

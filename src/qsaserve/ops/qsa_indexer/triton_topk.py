@@ -64,7 +64,7 @@ def _sort_kept(scratch_row, out_row, K, K_POW2: tl.constexpr):
     tl.store(out_row + j, group, mask=j < K)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "K", "stride_kb", "stride_sb", "stride_ob"])
 def _topk_kernel(
     keys_ptr, scratch_ptr, out_ptr, N, K,
     stride_kb, stride_sb, stride_ob,
@@ -136,7 +136,7 @@ def _threshold_so_far(ghist_row, stride_pass, K, PASSES: tl.constexpr, bins):
     return prefix, above
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "K", "S", "stride_kb", "stride_pass"])
 def _split_hist_kernel(
     keys_ptr, ghist_ptr, lhist_ptr, N, K, S, stride_kb, stride_pass,
     PASS: tl.constexpr, TILE: tl.constexpr,
@@ -157,7 +157,7 @@ def _split_hist_kernel(
         tl.store(lhist_ptr + (row * S + s) * 256 + bins, hist)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N", "K", "S", "stride_kb", "stride_pass", "stride_sb"])
 def _split_keep_kernel(
     keys_ptr, ghist_ptr, lhist_ptr, count_ptr, scratch_ptr, N, K, S, stride_kb, stride_pass, stride_sb,
     TILE: tl.constexpr, S_POW2: tl.constexpr,
@@ -179,7 +179,7 @@ def _split_keep_kernel(
     tl.store(scratch_ptr + row * stride_sb + base + tl.cumsum(keep.to(tl.int32), 0) - 1, keys, mask=keep)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K", "stride_sb", "stride_ob"])
 def _sort_kernel(scratch_ptr, out_ptr, K, stride_sb, stride_ob, K_POW2: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     _sort_kept(scratch_ptr + row * stride_sb, out_ptr + row * stride_ob, K, K_POW2)
