@@ -141,7 +141,22 @@ def check_grouped_rms_norm(device, dtype, rows=3, groups=4, group=48):
     torch.testing.assert_close(got, want, **_tol(dtype))
 
 
+def check_sigmoid_gated_add(device, dtype, rows=3, cols=300):
+    """x + sigmoid(gate) * y with the gate a column of a wider tensor (as the fused MoE GEMM gives it)."""
+    from qsaserve.ops.fused import triton_fused as tf
+    from qsaserve.ops.fused.reference import sigmoid_gated_add_reference
+
+    gen = torch.Generator().manual_seed(cols)
+    x, y = (torch.randn(rows, cols, generator=gen) * 2).to(dtype), torch.randn(rows, cols, generator=gen).to(dtype)
+    wide = (torch.randn(rows, 5, generator=gen) * 3).to(dtype)
+    gate = wide[:, 2:3]
+    want = sigmoid_gated_add_reference(x, y, gate)
+    got = tf.sigmoid_gated_add(x.to(device), y.to(device), gate.to(device)).cpu()
+    torch.testing.assert_close(got, want, **_tol(dtype))
+
+
 INTERPRETER_CHECKS = [
+    ("sigmoid_gated_add_fp32", lambda: check_sigmoid_gated_add("cpu", torch.float32)),
     ("grouped_rms_norm_fp32", lambda: check_grouped_rms_norm("cpu", torch.float32)),
     ("norm_rope_heads_fp32", lambda: check_norm_rope_heads("cpu", torch.float32)),
     ("norm_rope_heads_full_rotary", lambda: check_norm_rope_heads("cpu", torch.float32, head_dim=32, rot=32)),
@@ -177,6 +192,13 @@ def test_cpu_tensors_take_the_torch_path():
 def test_grouped_rms_norm_on_gpu(dtype):
     check_grouped_rms_norm("cuda", dtype)
     check_grouped_rms_norm("cuda", dtype, rows=4, groups=4, group=2048)  # qwen4exp-small's PLE norms
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sigmoid_gated_add_on_gpu(dtype):
+    check_sigmoid_gated_add("cuda", dtype)
+    check_sigmoid_gated_add("cuda", dtype, rows=4, cols=2048)  # qwen4exp-small hidden
 
 
 @pytest.mark.gpu

@@ -369,7 +369,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         experts = moe_experts_sync_free if step.decode else moe_experts
         routed = experts(x, top_i, top_w, mlp["experts.gate_up_proj"], mlp["experts.down_proj"], c.hidden_act)
         shared = F.linear(triton_fused.silu_mul(gate_up), mlp["shared_expert.down_proj.weight"])
-        return routed + torch.sigmoid(shared_gate) * shared
+        return triton_fused.sigmoid_gated_add(routed, shared, shared_gate)  # routed + sigmoid(gate) * shared
 
     def _hc_step(self, w: dict, prefix: str, hyper: torch.Tensor, pending):
         """hyper += pending's output (per-stream weights), then this mixer's block input and the

@@ -13,7 +13,7 @@ import torch
 
 from qsaserve import LLM, SamplingParams
 from qsaserve.models import qwen4exp
-from qsaserve.ops.fused.reference import norm_rope_heads_reference, silu_mul_reference
+from qsaserve.ops.fused.reference import norm_rope_heads_reference, sigmoid_gated_add_reference, silu_mul_reference
 from qsaserve.ops.ple import reference as ple_ref
 
 from qwen4exp_testing import build_random_model, make_config
@@ -49,7 +49,8 @@ def test_fast_path_wiring_equals_reference_path(tmp_path, monkeypatch):
         stream_gate=ple_ref.stream_gate_reference, dilated_conv_decode_=ple_ref.dilated_conv_decode_reference_))
     monkeypatch.setattr(qwen4exp, "triton_fused", SimpleNamespace(
         silu_mul=counted("silu_mul", silu_mul_reference), norm_rope_heads=counted("norm_rope_heads",
-                                                                                 norm_rope_heads_reference)))
+                                                                                 norm_rope_heads_reference),
+        sigmoid_gated_add=sigmoid_gated_add_reference))
     got = _run(str(tmp_path))
     assert calls["silu_mul"] and calls["norm_rope_heads"] and calls["ple"] and calls["route"]  # the fast branches ran
     for (tw, lw), (tg, lg) in zip(want, got):

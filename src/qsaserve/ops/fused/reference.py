@@ -63,3 +63,8 @@ def norm_rope_heads_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.
     from qsaserve.ops.qsa_indexer.reference import apply_partial_rope, rms_norm_one_centred
 
     return apply_partial_rope(rms_norm_one_centred(x, weight, eps), cos[:, None], sin[:, None])
+
+
+def sigmoid_gated_add_reference(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x + sigmoid(gate) * y, gate [N, 1] (one per row): the MoE block's routed + gated shared expert."""
+    return x + torch.sigmoid(gate) * y

@@ -255,3 +255,32 @@ def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_si
             x2, x2, x2, weight, x2, out, group_size, eps, x2.stride(0), 0, 0, 0, out.stride(0),
             HAS_OUT=False, BLOCK=block, num_warps=8 if block >= 4096 else 4)
     return out.view(x.shape)
+
+
+@triton.jit
+def _sigmoid_gated_add_kernel(x_ptr, y_ptr, g_ptr, out_ptr, n_cols, stride_x, stride_y, stride_g, stride_o,
+                              BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n_cols
+    dt = out_ptr.dtype.element_ty
+    g = tl.load(g_ptr + row * stride_g).to(tl.float32)
+    gate = tl.sigmoid(g).to(dt).to(tl.float32)  # each op rounded to the dtype, as torch does
+    y = tl.load(y_ptr + row * stride_y + cols, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (x + (gate * y).to(dt).to(tl.float32)).to(dt), mask=ok)
+
+
+def sigmoid_gated_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x + sigmoid(gate) * y for x, y [N, H] and gate [N, 1] (any row strides, unit last stride):
+    three torch launches in one. A new [N, H] tensor."""
+    n, h = x.shape
+    if y.shape != (n, h) or gate.shape != (n, 1) or x.stride(-1) != 1 or y.stride(-1) != 1:
+        raise ValueError(f"sigmoid_gated_add: x, y [N, H] with unit last strides and gate [N, 1]; got "
+                         f"{tuple(x.shape)}, {tuple(y.shape)}, {tuple(gate.shape)}")
+    out = torch.empty((n, h), dtype=x.dtype, device=x.device)
+    if n:
+        block = min(1024, triton.next_power_of_2(h))
+        _sigmoid_gated_add_kernel[(n, triton.cdiv(h, block))](x, y, gate, out, h, x.stride(0), y.stride(0),
+                                                               gate.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+    return out
