@@ -84,7 +84,7 @@ def _route_kernel(logits_ptr, w_ptr, i_ptr, E, stride_l, stride_w, stride_i,
     chosen = tl.zeros([K_POW2], tl.int64)
     for r in tl.static_range(K):
         best = tl.max(p, 0)
-        pick = tl.min(tl.where(p == best, e, BLOCK_E), 0)
+        pick = tl.minimum(tl.min(tl.where(p == best, e, BLOCK_E), 0), E - 1)  # in range even for NaN logits
         weights = tl.where(j == r, best, weights)
         chosen = tl.where(j == r, pick.to(tl.int64), chosen)
         p = tl.where(e == pick, -1.0, p)

@@ -105,7 +105,7 @@ def _topk_kernel(
         tie_rank = ties + tl.cumsum(tie.to(tl.int64), 0) - 1
         keep = (n < N) & ((v > prefix) | (tie & (tie_rank < ties_needed)))
         slot = kept + tl.cumsum(keep.to(tl.int64), 0) - 1
-        tl.store(scratch_row + slot, keys, mask=keep)
+        tl.store(scratch_row + slot, keys, mask=keep & (slot < K))  # exactly K are kept; never past the row
         kept += tl.sum(keep.to(tl.int64), 0)
         ties += tl.sum(tie.to(tl.int64), 0)
     tl.debug_barrier()  # the scratch row written above is read back by other threads of this program
@@ -176,7 +176,8 @@ def _split_keep_kernel(
     tie_rank = ties_before + tl.cumsum(tie.to(tl.int32), 0) - 1
     keep = (n < N) & ((v > threshold) | (tie & (tie_rank < K - above)))
     base = tl.atomic_add(count_ptr + row, tl.sum(keep.to(tl.int32), 0))
-    tl.store(scratch_ptr + row * stride_sb + base + tl.cumsum(keep.to(tl.int32), 0) - 1, keys, mask=keep)
+    slot = base + tl.cumsum(keep.to(tl.int32), 0) - 1
+    tl.store(scratch_ptr + row * stride_sb + slot, keys, mask=keep & (slot < K))  # exactly K are kept
 
 
 @triton.jit(do_not_specialize=["K", "stride_sb", "stride_ob"])
