@@ -105,15 +105,44 @@ def test_seeded_sampling_equals_sync(tiny_dir):
 
 
 def test_history_dependent_requests_mixed_in(tiny_dir):
-    """Penalties and logprobs need the host's tokens: steps with such rows run synchronously,
-    steps without them overlap, and every output equals the synchronous engine's."""
-    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 4 + [  # these end first
+    """Penalties read the output token ids and prompt logprobs read the logits at once: steps with
+    such rows run synchronously, steps without them overlap, and every output equals the
+    synchronous engine's."""
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 5 + [  # these end first
         SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, repetition_penalty=1.3),
-        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2),
         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=1),
     ]
     want, got, fed, _ = both(tiny_dir, params)
     assert got == want and any(fed) and not all(fed)
+
+
+def test_filters_min_tokens_and_logprobs_overlap(tiny_dir):
+    """top-k / top-p / min-p, min_tokens (it counts the in-flight token) and logprobs need no token
+    ids: those steps overlap too, with the same tokens and logprobs as the synchronous engine."""
+    stop = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = [SamplingParams(temperature=0.8, seed=i, top_k=20, top_p=0.9, max_tokens=10, ignore_eos=True)
+              for i in range(3)] + [
+        SamplingParams(temperature=0.7, seed=9, min_p=0.05, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=10, logprobs=3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=10, min_tokens=6, stop_token_ids=[2, 3, 4, 5, 6], ignore_eos=False),
+        stop,
+    ]
+    sync, _ = make_engine(tiny_dir, False)
+    overlapped, fed = make_engine(tiny_dir, True)
+
+    def run(engine):
+        for i, (prompt, p) in enumerate(zip(PROMPTS, params)):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step(outputs="finished"):
+                done[out.request_id] = out.outputs[0]
+        return [(done[str(i)].token_ids, done[str(i)].cumulative_logprob,
+                 [{t: round(lp.logprob, 5) for t, lp in d.items()} for d in (done[str(i)].logprobs or [])])
+                for i in range(len(params))]
+
+    assert run(overlapped) == run(sync)
+    assert sum(fed) > len(fed) // 2
 
 
 def test_preemption_on_tiny_pool_equals_sync(tiny_dir):

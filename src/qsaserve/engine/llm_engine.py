@@ -201,8 +201,8 @@ class LLMEngine:
 
     # ---- the step ----
     # One call: schedule, build the batch, run it, sample, then the host work on the results
-    # (tokens appended, stop conditions, outputs). With async_scheduling a step whose rows all
-    # sample simply (greedy / temperature, no logprobs) leaves its tokens on the device: they go
+    # (tokens appended, stop conditions, outputs). With async_scheduling a step without penalized
+    # rows or prompt logprobs leaves its sampled tokens on the device: they go
     # into the next step's input ids there (TokenFeed), the host marks them with placeholders,
     # and the next call launches its own step before reading them back. The host work of step N
     # thus runs while the device computes step N+1. A sequence that stopped at step N on a token
@@ -232,8 +232,8 @@ class LLMEngine:
         logits = self.executor.execute(batch, feed) if feed is not None else self.executor.execute(batch)
         num_sampled = len(plan.sample_seqs)
         if (self.config.async_scheduling and num_sampled and not plan.prompt_logprob_spans
-                and all(s.simple_sampling for s in plan.sample_seqs)):
-            tokens = sample_deferred(logits[:num_sampled], plan.sample_seqs, self.generator)
+                and not any(s.uses_penalties for s in plan.sample_seqs)):
+            tokens = sample_deferred(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator)
             if prev is not None:
                 results += self._complete(prev, prev.tokens.result(), set(), outputs)
             self._in_flight = _InFlight(sched, plan, tokens, self._advance(sched))

@@ -56,18 +56,19 @@ def read_back(t: torch.Tensor) -> torch.Tensor:
 
 
 class DeferredTokens:
-    """One token per sequence, sampled on the device and on its way to the host. `tokens` is the
-    device tensor (the next step can read it as its input ids without a host round trip);
-    result() waits for the copy alone."""
+    """One token per sequence (plus any logprobs asked for), sampled on the device and on its way
+    to the host. `tokens` is the device tensor [S] (the next step can read it as its input ids
+    without a host round trip); result() waits for the one copy alone and unpacks it."""
 
-    def __init__(self, packed: torch.Tensor):  # [S, 2] int64: token, finite
-        self.tokens = packed[:, 0]
+    def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, unpack):
+        self.tokens = tokens
+        self._unpack = unpack
         self._host, self._done = _copy_to_host(packed)
 
     def result(self) -> list[SampledToken]:
         if self._done is not None:
             self._done.synchronize()
-        return [SampledToken(token, None, None, None, bool(ok)) for token, ok in self._host.tolist()]
+        return self._unpack(self._host.tolist())
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -127,8 +128,18 @@ def sample(
     logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int], generator: torch.Generator
 ) -> list[SampledToken]:
     """logits: [S, V] float32, one row per sequence (rows are modified)."""
+    return sample_deferred(logits, seqs, eos_ids, generator).result()
+
+
+def sample_deferred(
+    logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int], generator: torch.Generator
+) -> DeferredTokens:
+    """sample() without the wait: the device work is queued and the results come back later.
+    Besides request parameters it reads only each sequence's output count (min_tokens), which the
+    host knows while the previous token is still in flight; penalties read the token ids, so the
+    engine never defers a step with penalized rows (Sequence.uses_penalties)."""
     if all(s.simple_sampling for s in seqs):
-        return sample_deferred(logits, seqs, generator).result()
+        return _sample_simple(logits, seqs, generator)
     logits, finite = _finite_rows(logits)
     max_n = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
     raw_logprobs = logits.log_softmax(dim=-1) if max_n is not None else None
@@ -158,18 +169,21 @@ def sample(
         if max_n > 0:
             top_vals, top_ids = raw_logprobs.topk(max_n, dim=-1)
             columns += [top_ids.double(), top_vals.double()]
-    rows = read_back(torch.cat(columns, dim=1)).tolist()
-    results = []
-    for s, row in zip(seqs, rows):
-        token, finite_row = int(row[0]), bool(row[1])
-        n = s.params.logprobs
-        if n is None or raw_logprobs is None:
-            results.append(SampledToken(token, None, None, None, finite_row))
-        else:
-            top_ids_row, top_vals_row = row[4 : 4 + max_n], row[4 + max_n :]
-            top = [(int(t), v) for t, v in zip(top_ids_row[:n], top_vals_row[:n])]
-            results.append(SampledToken(token, row[2], int(row[3]), top, finite_row))
-    return results
+    wants = [s.params.logprobs if raw_logprobs is not None else None for s in seqs]
+
+    def unpack(rows: list[list[float]]) -> list[SampledToken]:
+        results = []
+        for n, row in zip(wants, rows):
+            token, finite_row = int(row[0]), bool(row[1])
+            if n is None:
+                results.append(SampledToken(token, None, None, None, finite_row))
+            else:
+                top_ids_row, top_vals_row = row[4 : 4 + max_n], row[4 + max_n :]
+                top = [(int(t), v) for t, v in zip(top_ids_row[:n], top_vals_row[:n])]
+                results.append(SampledToken(token, row[2], int(row[3]), top, finite_row))
+        return results
+
+    return DeferredTokens(tokens, torch.cat(columns, dim=1), unpack)
 
 
 def _finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -178,10 +192,10 @@ def _finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=0.0).where(finite[:, None], torch.zeros_like(logits)), finite
 
 
-def sample_deferred(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator) -> DeferredTokens:
-    """sample() for a batch of greedy / plain-temperature rows (every seq.simple_sampling): the
-    same device operations as the general path (whose penalties, masks and filters would change
-    nothing here), one host pass over the sequences, and no wait: the tokens come back later.
+def _sample_simple(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator) -> DeferredTokens:
+    """sample_deferred() for a batch of greedy / plain-temperature rows (every seq.simple_sampling):
+    the same device operations as the general path (whose penalties, masks and filters would change
+    nothing here) and one host pass over the sequences.
     A non-finite row is flagged and its token never used (the sequence ends with an error), so the
     rows are not sanitized first: that would be three more passes over [B, V] each step."""
     finite = torch.isfinite(logits).all(dim=-1)
@@ -204,7 +218,11 @@ def sample_deferred(logits: torch.Tensor, seqs: list[Sequence], generator: torch
             greedy = to_device([s.params.temperature == 0.0 for s in seqs], torch.bool, logits.device)
             sampled = torch.where(greedy, tokens, sampled)
         tokens = sampled
-    return DeferredTokens(torch.stack([tokens, finite.long()], dim=1))
+    return DeferredTokens(tokens, torch.stack([tokens, finite.long()], dim=1), _plain_tokens)
+
+
+def _plain_tokens(rows: list[list[int]]) -> list[SampledToken]:
+    return [SampledToken(token, None, None, None, bool(ok)) for token, ok in rows]
 
 
 def prompt_logprobs_for(

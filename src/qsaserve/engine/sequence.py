@@ -38,6 +38,10 @@ class Sequence:
             and not params.presence_penalty and not params.frequency_penalty
             and params.top_k <= 0 and params.top_p >= 1.0 and params.min_p == 0.0
         )
+        # Penalties read the output token ids on the host, so a step with such a row waits for
+        # the previous step's tokens (no async scheduling overlap for it).
+        self.uses_penalties = bool(params.repetition_penalty != 1.0 or params.presence_penalty
+                                   or params.frequency_penalty)
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.status = SequenceStatus.WAITING
