@@ -71,7 +71,7 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
         replays_before = sum(graphs.replays.values()) if graphs is not None else 0
         breakdown_elapsed = _run_engine(engine, work, temperature, breakdown)
         graph_replays = sum(graphs.replays.values()) - replays_before if graphs is not None else 0
-        cuda_graphs = engine.executor.runner.graphs is not None
+        cuda_graphs = graphs is not None
         hf_config = engine.checkpoint.hf_config
     finally:
         engine.shutdown()

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from qsaserve.engine.block_manager import BlockTables
+from qsaserve.engine.sampler import to_device
 from qsaserve.engine.scheduler import ScheduledChunk
 from qsaserve.engine.sequence import Sequence
 
@@ -54,9 +55,8 @@ class TokenFeed:
             input_ids[:n].copy_(self.tokens[:n])
             return
         dev = input_ids.device
-        dst = torch.tensor(self.dst, dtype=torch.long).pin_memory() if dev.type == "cuda" else torch.tensor(self.dst)
-        src = torch.tensor(self.src, dtype=torch.long).pin_memory() if dev.type == "cuda" else torch.tensor(self.src)
-        input_ids.index_copy_(0, dst.to(dev, non_blocking=True), self.tokens.index_select(0, src.to(dev, non_blocking=True)))
+        input_ids.index_copy_(0, to_device(self.dst, torch.long, dev),
+                              self.tokens.index_select(0, to_device(self.src, torch.long, dev)))
 
 
 def pad_tables(tables: list[list[int]]) -> np.ndarray:

@@ -222,7 +222,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         feed = self._feed_from(prev, sched) if prev is not None and sched else None
         if prev is not None and feed is None:  # no in-flight sequence runs now: finish that step first
-            results += self._complete(prev, prev.tokens.result(), set(), outputs)
+            results += self._complete_in_flight(prev, outputs)
             prev = None
             sched.chunks = [c for c in sched.chunks if not c.seq.is_finished]
         if not sched:
@@ -235,7 +235,7 @@ class LLMEngine:
                 and not any(s.uses_penalties for s in plan.sample_seqs)):
             tokens = sample_deferred(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator)
             if prev is not None:
-                results += self._complete(prev, prev.tokens.result(), set(), outputs)
+                results += self._complete_in_flight(prev, outputs)
             self._in_flight = _InFlight(sched, plan, tokens, self._advance(sched))
             for seq in plan.sample_seqs:
                 if not seq.is_finished:
@@ -246,7 +246,7 @@ class LLMEngine:
         errored = self._record_prompt_logprobs(logits, plan)
         sampled = sample(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator) if num_sampled else []
         if prev is not None:
-            results += self._complete(prev, prev.tokens.result(), set(), outputs)
+            results += self._complete_in_flight(prev, outputs)
         return results + self._complete(_InFlight(sched, plan, None, self._advance(sched)), sampled, errored, outputs)
 
     def _feed_from(self, prev: "_InFlight", sched: SchedulerOutput) -> TokenFeed | None:
@@ -276,6 +276,10 @@ class LLMEngine:
             if seq.num_computed_tokens // block_size != before // block_size:
                 filled.append(seq)
         return filled
+
+    def _complete_in_flight(self, step: "_InFlight", outputs: str) -> list[RequestOutput]:
+        """Waits for a deferred step's tokens (only their copy), then its host work."""
+        return self._complete(step, step.tokens.result(), set(), outputs)
 
     def _complete(self, step: "_InFlight", sampled: list[SampledToken], errored: set[int],
                   outputs: str) -> list[RequestOutput]:
@@ -365,7 +369,7 @@ class LLMEngine:
             num_output = len(seq.token_ids) - seq.num_prompt_tokens
             if p.stop_strings and num_output >= p.min_tokens and self._check_stop_strings(seq, old_len):
                 pass
-            elif p.max_tokens is not None and num_output >= p.max_tokens:
+            elif seq.at_max_tokens:
                 seq.finish_reason = "length"
             elif len(seq.token_ids) >= self.max_model_len:
                 seq.finish_reason = "length"

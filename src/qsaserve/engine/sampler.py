@@ -72,7 +72,7 @@ class DeferredTokens:
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0 or s.params.presence_penalty or s.params.frequency_penalty]
+    rows = [i for i, s in enumerate(seqs) if s.uses_penalties]
     if not rows:
         return logits
     vocab = logits.shape[-1]

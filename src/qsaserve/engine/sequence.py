@@ -33,15 +33,14 @@ class Sequence:
         self.generator = generator  # per-request RNG (seeded requests); None: the engine's RNG
         # Greedy or plain temperature sampling: no penalties, min_tokens, top-k/top-p/min-p filters or
         # logprobs, so the sampler's batched path needs no per-sequence work (params never change).
-        self.simple_sampling = (
-            params.logprobs is None and params.min_tokens == 0 and params.repetition_penalty == 1.0
-            and not params.presence_penalty and not params.frequency_penalty
-            and params.top_k <= 0 and params.top_p >= 1.0 and params.min_p == 0.0
-        )
         # Penalties read the output token ids on the host, so a step with such a row waits for
         # the previous step's tokens (no async scheduling overlap for it).
         self.uses_penalties = bool(params.repetition_penalty != 1.0 or params.presence_penalty
                                    or params.frequency_penalty)
+        self.simple_sampling = (
+            params.logprobs is None and params.min_tokens == 0 and not self.uses_penalties
+            and params.top_k <= 0 and params.top_p >= 1.0 and params.min_p == 0.0
+        )
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.status = SequenceStatus.WAITING

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qsaserve.ops.device import num_sms
+
 
 @triton.jit
 def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, act_ptr, H, I, K,
@@ -133,8 +135,6 @@ def moe_experts_decode_triton(x: torch.Tensor, indices: torch.Tensor, weights: t
     """x [N, H], indices / weights [N, k], gate_up_proj [E, 2I, H], down_proj [E, H, I] -> [N, H]
     (SiLU experts), as moe_experts_sync_free. block_n: (gate/up, down) row blocks (default: by
     pick_block_n; the benchmark compares others)."""
-    from qsaserve.ops.device import num_sms
-
     n, k = indices.shape
     h = x.shape[1]
     inter = down_proj.shape[2]

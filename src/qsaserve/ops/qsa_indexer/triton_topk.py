@@ -197,16 +197,12 @@ def topk_indices_triton(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.T
     """keys [B, N] int64 (`paged.selection_keys`) -> [B, k] int64 group indices in descending key
     order, as torch.topk(keys, k, dim=1).indices for every visible group. Device tensors only,
     shapes from tensor shapes (CUDA-graph safe). k > MAX_K is torch.topk itself."""
-    _check(keys, k)
+    early = _without_kernel(keys, k)
+    if early is not None:
+        return early
     b, n = keys.shape
-    if k == 0:  # as torch.topk(keys, 0): nothing to choose (no complete group yet, or budget < r)
-        return torch.empty((b, 0), dtype=torch.int64, device=keys.device)
-    if k > MAX_K:  # the sort holds k keys on chip; past this it would not fit an SM's shared memory
-        return torch.topk(keys, k, dim=1).indices
     keys = keys.contiguous()
     out = torch.empty((b, k), dtype=torch.int64, device=keys.device)
-    if b == 0:
-        return out
     k_pow2 = triton.next_power_of_2(k)
     scratch = torch.empty((b, k_pow2), dtype=torch.int64, device=keys.device)
     tile = min(tile, max(16, triton.next_power_of_2(n)))
@@ -218,16 +214,12 @@ def topk_indices_triton(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.T
 def topk_indices_split(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.Tensor:
     """As topk_indices_triton, with each row split over ceil(N / tile) programs: six launches (and
     one memset) whose time does not grow with N the way one program per row does."""
-    _check(keys, k)
+    early = _without_kernel(keys, k)
+    if early is not None:
+        return early
     b, n = keys.shape
-    if k == 0:
-        return torch.empty((b, 0), dtype=torch.int64, device=keys.device)
-    if k > MAX_K:
-        return torch.topk(keys, k, dim=1).indices
     keys = keys.contiguous()
     out = torch.empty((b, k), dtype=torch.int64, device=keys.device)
-    if b == 0:
-        return out
     tile = min(tile, max(16, triton.next_power_of_2(n)))
     splits = triton.cdiv(n, tile)
     k_pow2 = triton.next_power_of_2(k)
@@ -248,11 +240,18 @@ def topk_indices_split(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.Te
     return out
 
 
-def _check(keys: torch.Tensor, k: int) -> None:
+def _without_kernel(keys: torch.Tensor, k: int) -> torch.Tensor | None:
+    """Checks the arguments; the answer where no kernel is needed (or none fits), else None."""
     if keys.dtype != torch.int64 or keys.dim() != 2:
         raise ValueError(f"keys: expected a 2-D int64 tensor, got {keys.dtype} {tuple(keys.shape)}")
-    if not 0 <= k <= keys.shape[1]:
-        raise ValueError(f"k: must be in [0, {keys.shape[1]}], got {k}")
+    b, n = keys.shape
+    if not 0 <= k <= n:
+        raise ValueError(f"k: must be in [0, {n}], got {k}")
+    if k == 0 or b == 0:  # as torch.topk: nothing to choose (no complete group yet, or budget < r)
+        return torch.empty((b, k), dtype=torch.int64, device=keys.device)
+    if k > MAX_K:  # the sort holds k keys on chip; past this it would not fit an SM's shared memory
+        return torch.topk(keys, k, dim=1).indices
+    return None
 
 
 __all__ = ["MAX_K", "RADIX_MAX_GROUPS", "RADIX_MIN_ROWS", "topk_indices", "topk_indices_split", "topk_indices_triton"]
