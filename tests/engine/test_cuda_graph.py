@@ -160,7 +160,7 @@ def _generate(model: str, enforce_eager: bool, batch: int, replays: list | None 
     assert (runner.graphs is None) == enforce_eager
     if runner.graphs is not None and replays is not None:
         original = runner.graphs.replay
-        runner.graphs.replay = lambda b, bucket: (replays.append(bucket), original(b, bucket))[1]
+        runner.graphs.replay = lambda b, bucket, feed=None: (replays.append(bucket), original(b, bucket, feed))[1]
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     for i in range(batch):

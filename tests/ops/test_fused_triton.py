@@ -150,9 +150,16 @@ def check_sigmoid_gated_add(device, dtype, rows=3, cols=300):
     x, y = (torch.randn(rows, cols, generator=gen) * 2).to(dtype), torch.randn(rows, cols, generator=gen).to(dtype)
     wide = (torch.randn(rows, 5, generator=gen) * 3).to(dtype)
     gate = wide[:, 2:3]
-    want = sigmoid_gated_add_reference(x, y, gate)
     got = tf.sigmoid_gated_add(x.to(device), y.to(device), gate.to(device)).cpu()
-    torch.testing.assert_close(got, want, **_tol(dtype))
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, sigmoid_gated_add_reference(x, y, gate), **_tol(dtype))
+        return
+    # The kernel rounds once, the torch reference after each op, so near-cancelling sums differ by
+    # more than one ulp of the result. Hold the kernel to the fp32 answer: one rounding of a value
+    # no larger than |x| + |y|.
+    want = sigmoid_gated_add_reference(x.float(), y.float(), gate.float())
+    bound = torch.finfo(dtype).eps * (x.float().abs() + y.float().abs()) + 1e-6
+    assert ((got.float() - want).abs() <= bound).all(), (got.float() - want).abs().max()
 
 
 INTERPRETER_CHECKS = [
