@@ -95,6 +95,8 @@ def _measure(args, llm, eng, dcp: int, backend: str, prompts: list[dict], startu
     res.update(greedy(args, llm, prompts))
     print(json.dumps({"progress": "greedy", "dcp": dcp, "backend": backend, "tokens": res["greedy_tokens"]}),
           file=sys.stderr, flush=True)
+    if args.greedy_only:
+        return res
     vocab = eng.vocab_size
     # Warm-up: kernels compiled and tuned for decode and for a full prefill chunk, so TTFT is not
     # charged with one-time Triton compiles.
@@ -173,6 +175,7 @@ def main() -> None:
     p.add_argument("--ple-placement", default="gpu", help="gpu: random PLE tables made on the device (fast startup)")
     p.add_argument("--profile-steps", type=int, default=16, help="step breakdown at the first context; 0: off")
     p.add_argument("--identity-dtype", default=None, help="e.g. float32: also compare greedy tokens in this dtype")
+    p.add_argument("--greedy-only", action="store_true", help="capacity and greedy tokens only (no timed requests)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.contexts = [int(x) for x in args.contexts.split(",") if x]
@@ -221,7 +224,7 @@ def main() -> None:
                "capacity_ratio": run["kv_tokens"] / base["kv_tokens"],
                "greedy_identical_to_dcp1": run["greedy_tokens"] == base["greedy_tokens"],
                "greedy_divergences": divergences(run, base)}
-        for mine, ref in zip(run["timed"], base["timed"]):
+        for mine, ref in zip(run.get("timed", []), base.get("timed", [])):
             if mine["decode_tok_s"] and ref["decode_tok_s"]:
                 row[f"decode_speed_ratio_ctx{mine['prompt_len'] + args.decode_tokens}"] = mine["decode_tok_s"] / ref["decode_tok_s"]
         summary.append(row)

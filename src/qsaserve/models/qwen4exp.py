@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -666,17 +667,31 @@ class Qwen4ExpForCausalLM(nn.Module):
 
     # ---- weights ----
     def init_dummy_weights(self, seed: int) -> None:
-        """Random weights for load_format="dummy" (speed/memory runs; outputs mean nothing)."""
-        gen = torch.Generator(device=self.weights["embed_tokens.weight"].device).manual_seed(seed)
-        for name, w in self.weights.items():
-            if name.endswith("A_log"):
-                w.uniform_(0.0, 1.0, generator=gen)
-            elif name.endswith("linear_attn.norm.weight"):
+        """Random weights for load_format="dummy" (speed/memory runs; outputs mean nothing).
+        Each tensor is drawn whole from a generator seeded by (seed, name), then cut to this rank's
+        shard as a checkpoint would be: the logical model is the same at every TP / DCP layout, so
+        runs at different layouts can be compared token for token."""
+        device = self.weights["embed_tokens.weight"].device
+        gen = torch.Generator(device=device)
+        tied = self.weights["lm_head.weight"] is self.weights["embed_tokens.weight"]
+        for name, shape in weight_shapes(self.cfg).items():
+            if name == "lm_head.weight" and tied:
+                continue
+            w = self.weights[name]
+            if name.endswith("linear_attn.norm.weight"):
                 w.fill_(1.0)
-            elif "norm" in name or name.endswith("dt_bias"):
+                continue
+            if "norm" in name or name.endswith("dt_bias"):
                 w.zero_()  # 1-centred norms: zero is the identity scale
+                continue
+            gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.empty(shape, dtype=w.dtype, device=device)
+            if name.endswith("A_log"):
+                full.uniform_(0.0, 1.0, generator=gen)
             else:
-                w.normal_(0.0, 0.02, generator=gen)
+                full.normal_(0.0, 0.02, generator=gen)
+            w.copy_(self._tp_shard(name, full))
+            del full
 
     def load_weights(self, weights) -> None:
         """Accepts HF names with `model.`, `model.language_model.` or no prefix. Per-expert
