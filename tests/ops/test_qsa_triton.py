@@ -272,19 +272,19 @@ def check_topk(device, n=300, k=24, rows=5, tile=64, seed=3, split=False):
 
 
 def test_topk_dispatch_by_row_width(monkeypatch):
-    """topk_indices: the radix kernel up to RADIX_MAX_GROUPS groups or from RADIX_MIN_ROWS rows,
-    torch.topk for few wider rows (one program per row loses there, see triton_topk.py); both give
-    the same indices."""
+    """topk_indices: one program per row up to RADIX_MAX_GROUPS groups or from RADIX_MIN_ROWS rows,
+    the split kernel for few wider rows (see triton_topk.py); both give torch.topk's indices."""
     from qsaserve.ops.qsa_indexer import triton_topk as tt
 
     calls = []
-    monkeypatch.setattr(tt, "topk_indices_triton", lambda keys, k: calls.append(keys.shape) or torch.topk(keys, k).indices)
+    monkeypatch.setattr(tt, "topk_indices_triton", lambda keys, k: calls.append(("one", keys.shape)) or torch.topk(keys, k).indices)
+    monkeypatch.setattr(tt, "topk_indices_split", lambda keys, k: calls.append(("split", keys.shape)) or torch.topk(keys, k).indices)
     narrow, wide = torch.arange(2 * 64).view(2, 64), torch.arange(2 * (tt.RADIX_MAX_GROUPS + 1)).view(2, -1)
     many = torch.arange(tt.RADIX_MIN_ROWS * (tt.RADIX_MAX_GROUPS + 1)).view(tt.RADIX_MIN_ROWS, -1)
-    assert torch.equal(tt.topk_indices(narrow, 5), torch.topk(narrow, 5).indices) and calls == [narrow.shape]
-    assert torch.equal(tt.topk_indices(wide, 5), torch.topk(wide, 5).indices) and calls == [narrow.shape]
-    tt.topk_indices(many, 5)  # many wide rows (a prefill chunk): the radix kernel
-    assert calls == [narrow.shape, many.shape]
+    assert torch.equal(tt.topk_indices(narrow, 5), torch.topk(narrow, 5).indices)
+    assert torch.equal(tt.topk_indices(wide, 5), torch.topk(wide, 5).indices)
+    tt.topk_indices(many, 5)  # many wide rows (a prefill chunk): one program per row
+    assert calls == [("one", narrow.shape), ("split", wide.shape), ("one", many.shape)]
 
 
 INTERPRETER_CHECKS = [

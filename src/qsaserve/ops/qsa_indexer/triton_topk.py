@@ -27,15 +27,19 @@ _LOW_WORD = tl.constexpr(4294967295)  # 2^32 - 1
 # Largest k sorted on chip: 4096 int64 keys are 32 KiB. A QSA selection keeps budget / r groups
 # (512 for qwen4exp-small); larger k, e.g. k = N in tests, goes to torch.topk (same indices).
 MAX_K = 4096
-# One program per row: its time grows with N whatever the batch (H200, graphs: 17 us at 2K groups,
-# 49 us at 8K, 200 us at 32K, 391 us at 64K), while torch.topk's stays ~45-170 us from 2K to 64K
-# groups at batch 1-64 (benchmarks/results/qsa_decode_h200_2026-11-30_84e1636.json). So few rows
-# wider than this go to torch.topk. Many rows (a prefill chunk's queries) keep the radix kernel:
-# there one program per row fills the GPU, and it is what the prefill-chunk figure measured (8,192
-# query rows over 32K groups). topk_indices_split (each row over several programs) is the candidate
-# for few wide rows; bench_qsa times it (topk_split_graph_ms), and it takes their place once
-# measured faster.
-RADIX_MAX_GROUPS = 8192
+# One program per row (topk_indices_triton): its time grows with N whatever the batch. Each row
+# over N / 2048 programs (topk_indices_split): six launches, flat in N at few rows. H200, graphs,
+# qwen4exp-small keys (benchmarks/results/qsa_decode_h200_2026-11-30_f167007.json), us:
+#   groups            2K    8K    32K    64K
+#   one program       18    52    193    379   (batch 1-64 alike)
+#   split, batch 1    29    29     30     31
+#   split, batch 64   32    39     87    155
+#   torch.topk, b1    41    64     94     99
+# So rows up to 4096 groups take one program per row, wider rows the split kernel. Many rows (a
+# prefill chunk's queries) keep one program per row: it then fills the GPU (the prefill-chunk
+# figure measured 8,192 query rows over 32K groups that way), while the split kernel's work grows
+# with the rows (atomics on one histogram per row).
+RADIX_MAX_GROUPS = 4096
 RADIX_MIN_ROWS = 256  # about two programs per SM
 
 
@@ -187,10 +191,10 @@ def _sort_kernel(scratch_ptr, out_ptr, K, stride_sb, stride_ob, K_POW2: tl.const
 
 
 def topk_indices(keys: torch.Tensor, k: int) -> torch.Tensor:
-    """The faster of the radix kernel and torch.topk for this shape (same indices)."""
+    """The faster radix top-k for this shape (the same indices as torch.topk)."""
     if keys.shape[-1] <= RADIX_MAX_GROUPS or keys.shape[0] >= RADIX_MIN_ROWS:
         return topk_indices_triton(keys, k)
-    return torch.topk(keys, k, dim=1).indices
+    return topk_indices_split(keys, k)
 
 
 def topk_indices_triton(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.Tensor:
