@@ -3,20 +3,23 @@
 Process model. Node 0 runs the engine (rank 0) and spawns its other local ranks; node k > 0 runs
 `run_worker_node`, which spawns that node's ranks and waits. All ranks join one torch.distributed
 world (NCCL on CUDA, gloo on CPU) through --master-addr/--master-port, plus a gloo "control" group
-over which rank 0 broadcasts each step's BatchInput (plain lists, pickled by
-broadcast_object_list). Workers keep no request state: they run the step and drop the logits.
+for startup agreements. Rank 0 hands each step's BatchInput (plain lists) to the other ranks over
+a step channel (step_channel.py: pipes on one node, the control group's broadcast across nodes).
+Workers keep no request state: they run the step and drop the logits.
 Decode steps replay CUDA graphs on every rank or on none (agree_on_graphs); which graph is a
 function of the broadcast batch, so all ranks replay the same one and their collectives match.
 
-Failure model. A dead peer makes gloo fail the pending collective ("connection closed"), and
+Failure model. A dead peer makes gloo fail the pending collective ("connection closed") and a
+write to its step pipe fail (broken pipe), and
 every collective is bounded by --distributed-timeout-s; rank 0 also watches its local workers'
 process sentinels, so startup and steps fail fast with EngineDeadError naming the rank instead of
-hanging. Workers exit when rank 0's connection closes or their parent process disappears.
+hanging. Workers exit when rank 0's step pipe or connection closes or their parent process disappears.
 Shutdown is bounded: workers get a stop message, then are joined, terminated, killed.
 """
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import logging
 import os
@@ -37,6 +40,7 @@ from qsaserve.engine.executor import Rank0Views
 from qsaserve.errors import EngineDeadError
 from qsaserve.parallel.dcp import DcpGeometry
 from qsaserve.parallel.state import ParallelContext
+from qsaserve.parallel.step_channel import GlooBroadcast, PipeReceiver, PipeSender
 
 logger = logging.getLogger("qsaserve")
 
@@ -53,6 +57,7 @@ class WorkerSpec:
     local_rank: int
     master_addr: str
     master_port: int
+    step_fd: int | None = None  # read end of this rank's step pipe (one node); None: the control broadcast
 
 
 def master_endpoint(config: EngineConfig) -> tuple[str, int]:
@@ -161,12 +166,12 @@ def worker_main(spec: WorkerSpec, error_fd: int) -> None:
         runner, num_blocks, _ = build_runner(spec, ctx, device, control)
         if num_blocks < 2:
             return  # rank 0 refuses the configuration and closes the world
+        steps = PipeReceiver(spec.step_fd) if spec.step_fd is not None else GlooBroadcast(control)
         while True:
-            box = [None]
-            dist.broadcast_object_list(box, src=0, group=control)
-            if box[0] is None:
+            batch = steps.recv()
+            if batch is None:
                 break
-            runner.execute(box[0])
+            runner.execute(batch)
     except BaseException as e:  # noqa: BLE001 - report anything, then die
         message = f"rank {spec.rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
         print(message, file=sys.stderr, flush=True)
@@ -192,16 +197,25 @@ def _destroy_bounded() -> None:
 class _Worker:
     """A spawned rank: a fresh interpreter running this module (`python -m`), so the caller's
     __main__ is never re-imported (scripts need no `if __name__ == "__main__"` guard). The spec
-    travels pickled on stdin; a startup or step error comes back as text on a pipe."""
+    travels pickled on stdin; a startup or step error comes back as text on a pipe. step_pipe: the
+    worker also gets a step pipe (one node), whose write end is then `step_write_fd`."""
 
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, step_pipe: bool = False):
         self.rank = spec.rank
         read_fd, write_fd = os.pipe()
+        passed = [write_fd]
+        self.step_write_fd = None
+        if step_pipe:
+            step_read, self.step_write_fd = os.pipe()
+            spec = dataclasses.replace(spec, step_fd=step_read)
+            passed.append(step_read)
         self.popen = subprocess.Popen(
             [sys.executable, "-m", "qsaserve.parallel.worker", str(write_fd)], stdin=subprocess.PIPE,
-            pass_fds=(write_fd,), env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            pass_fds=tuple(passed), env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         os.close(write_fd)
+        if step_pipe:
+            os.close(spec.step_fd)  # only the worker reads it, so its exit breaks our writes
         self._errors = os.fdopen(read_fd, "rb", buffering=0)
         os.set_blocking(read_fd, False)
         self.popen.stdin.write(pickle.dumps(spec))
@@ -264,7 +278,9 @@ class MultiprocExecutor(Rank0Views):
         model_path = None if config.load_format == "dummy" else checkpoint.path
         self._dead: str | None = None
         self._closed = False
-        self.workers = [_Worker(WorkerSpec(config, model_path, max_model_len, local, local, addr, port))
+        pipes = config.nnodes == 1  # across nodes every rank must join the control broadcast
+        self._steps = None
+        self.workers = [_Worker(WorkerSpec(config, model_path, max_model_len, local, local, addr, port), step_pipe=pipes)
                         for local in range(1, per_node)]
         atexit.register(self.shutdown)
         spec0 = WorkerSpec(config, model_path, max_model_len, 0, 0, addr, port)
@@ -306,6 +322,8 @@ class MultiprocExecutor(Rank0Views):
                 raise EngineDeadError(f"parallel startup failed: {dead}") from result["error"]
             raise result["error"]
         self.control = result["control"]
+        self._steps = (PipeSender([w.step_write_fd for w in self.workers]) if self.config.nnodes == 1
+                       else GlooBroadcast(self.control))
         self.runner, self.num_kv_blocks, self.kv_budget_bytes = result["runner"]
         if self.config.torch_device.type == "cuda":
             torch.cuda.set_device(self.runner.device)  # the side thread's choice is per-thread
@@ -338,7 +356,7 @@ class MultiprocExecutor(Rank0Views):
     def execute(self, batch) -> torch.Tensor:
         self.check_health()
         try:
-            dist.broadcast_object_list([batch], src=0, group=self.control)
+            self._steps.send(batch)
             return self.runner.execute(batch)
         except Exception as e:
             # Ranks are out of step now whatever the cause; name a dead worker if there is one.
@@ -347,6 +365,12 @@ class MultiprocExecutor(Rank0Views):
 
     def _abort(self) -> None:
         self._closed = True
+        if self._steps is not None:
+            self._steps.close()
+        else:  # startup failed before rank 0 took the write ends over
+            for w in self.workers:
+                if w.step_write_fd is not None:
+                    os.close(w.step_write_fd)
         _stop(self.workers, 0.0)
         if dist.is_initialized():
             _destroy_bounded()
@@ -362,11 +386,13 @@ class MultiprocExecutor(Rank0Views):
         if self._closed:
             return
         self._closed = True
-        if self._dead is None:
+        if self._dead is None and self._steps is not None:
             try:
-                dist.broadcast_object_list([None], src=0, group=self.control)
+                self._steps.send(None)
             except Exception:  # noqa: BLE001 - a dead worker: terminated below
                 pass
+        if self._steps is not None:
+            self._steps.close()
         _stop(self.workers, _TEARDOWN_TIMEOUT_S)
         self.runner.bind_kv_cache([])
         _destroy_bounded()
