@@ -69,6 +69,7 @@ def run_config(args, dcp: int, backend: str, prompts: list[dict], identity_dtype
               decode_context_parallel_size=dcp, dcp_comm_backend=backend, max_model_len=args.max_model_len,
               kv_cache_memory=int(args.kv_cache_gib * 2**30), max_num_batched_tokens=args.chunk,
               max_num_seqs=max(len(prompts), 1), seed=0, ple_placement=args.ple_placement,
+              async_scheduling=args.async_scheduling and identity_dtype is None,
               **({"enforce_eager": True} if eager else {}), **({"dtype": identity_dtype} if identity_dtype else {}))
     eng = llm.engine
     try:
@@ -175,6 +176,8 @@ def main() -> None:
     p.add_argument("--ple-placement", default="gpu", help="gpu: random PLE tables made on the device (fast startup)")
     p.add_argument("--profile-steps", type=int, default=16, help="step breakdown at the first context; 0: off")
     p.add_argument("--identity-dtype", default=None, help="e.g. float32: also compare greedy tokens in this dtype")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="every timed configuration with async scheduling (rank 0 feeds tokens on the device)")
     p.add_argument("--greedy-only", action="store_true", help="capacity and greedy tokens only (no timed requests)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -192,7 +195,7 @@ def main() -> None:
         "num_gpus": torch.cuda.device_count(), "date": datetime.date.today().isoformat(), "commit": commit,
         "torch": torch.__version__, "preset": args.preset, "weights": "random (load_format=dummy)",
         "tensor_parallel_size": args.tp, "kv_cache_gib_per_gpu": args.kv_cache_gib, "max_model_len": args.max_model_len,
-        "prefill_chunk": args.chunk, "enforce_eager": args.enforce_eager, "prompt_lengths": lengths, "runs": [],
+        "prefill_chunk": args.chunk, "enforce_eager": args.enforce_eager, "async_scheduling": args.async_scheduling, "prompt_lengths": lengths, "runs": [],
     }
     configs = [(1, "ag_rs")] + [(args.dcp, b) for b in args.backends.split(",") if b]
     for dcp, backend in configs:

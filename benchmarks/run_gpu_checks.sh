@@ -56,6 +56,8 @@ elif [ "$mode" = multi ]; then
     part parallel_gpu_tests 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE -s --junitxml="$out/parallel_gpu_tests.xml" \
         tests/parallel
     part bench_dcp 540 python benchmarks/bench_dcp.py --contexts 8192,131072 --identity-dtype float32 --out "$out/bench_dcp.json"
+    # The same speed runs with async scheduling (the host's work overlaps the device's step).
+    part bench_dcp_async 420 python benchmarks/bench_dcp.py --contexts 8192,131072 --async-scheduling --out "$out/bench_dcp_async.json"
 else
     echo "mode: single or multi, got $mode" >&2
     exit 2

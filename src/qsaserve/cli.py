@@ -36,7 +36,7 @@ _HELP = {
     "master_port": "port of node 0's rendezvous (default: $MASTER_PORT, or a free port on one node)",
     "distributed_timeout_s": "seconds one collective may wait before the engine is declared dead",
     "enforce_eager": "run every step eagerly (no CUDA graphs for decode steps; graphs are always off on CPU)",
-    "async_scheduling": "launch each decode step before the previous step's tokens are read back, so host work overlaps the device (one rank only)",
+    "async_scheduling": "launch each decode step before the previous step's tokens are read back, so host work overlaps the device",
     "cuda_graph_sizes": "comma-separated decode batch sizes to capture as CUDA graphs (default 1,2,4,8,16,24,...,256 capped at --max-num-seqs)",
 }
 

@@ -45,7 +45,7 @@ class EngineConfig:
     enforce_eager: bool = False
     cuda_graph_sizes: str | None = None  # comma-separated batch sizes to capture; None: 1,2,4,8,16,24,...,256
     # Launch decode step N+1 before reading step N's sampled tokens back (the host's scheduling and
-    # output work overlaps the device's step); one rank only (engine/llm_engine.py, "The step").
+    # output work overlaps the device's step; engine/llm_engine.py, "The step").
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:
@@ -80,9 +80,6 @@ class EngineConfig:
             raise InvalidRequestError("enforce_eager", f"must be true or false, got {self.enforce_eager!r}")
         if not isinstance(self.async_scheduling, bool):
             raise InvalidRequestError("async_scheduling", f"must be true or false, got {self.async_scheduling!r}")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise InvalidRequestError("async_scheduling", "needs tensor_parallel_size 1 (the next step's input tokens "
-                                      "are fed from rank 0's device; workers would not have them)")
         self.cuda_graph_sizes = _normalize_sizes(self.cuda_graph_sizes)
 
     def _check_kv_cache(self) -> None:

@@ -11,7 +11,6 @@ from qsaserve import SamplingParams
 from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import PLACEHOLDER_TOKEN
 from qsaserve.engine.llm_engine import LLMEngine
-from qsaserve.errors import InvalidRequestError
 
 TINY = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
@@ -179,11 +178,6 @@ def test_hybrid_model_equals_sync():
     prompts = [p[:12] for p in PROMPTS[:4]]
     assert generate(overlapped, params, prompts) == generate(sync, params, prompts)
     assert any(fed)
-
-
-def test_needs_one_rank():
-    with pytest.raises(InvalidRequestError, match="async_scheduling"):
-        EngineConfig(device="cpu", async_scheduling=True, tensor_parallel_size=2)
 
 
 @pytest.mark.gpu

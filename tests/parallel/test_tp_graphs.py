@@ -76,7 +76,7 @@ GEN = 12
 SIZES = "1,2,4"
 
 
-def _generate(dcp: int, enforce_eager: bool):
+def _generate(dcp: int, enforce_eager: bool, async_scheduling: bool = False):
     """(tokens, chosen-token logprobs) per prompt and rank 0's replays per bucket, for one engine."""
     from qsaserve import LLM
     from qsaserve.sampling_params import SamplingParams
@@ -88,7 +88,7 @@ def _generate(dcp: int, enforce_eager: bool):
     llm = LLM("qwen4exp-tiny-1kv", load_format="dummy", device="cuda", dtype="bfloat16", tensor_parallel_size=2,
               decode_context_parallel_size=dcp, max_model_len=256, block_size=16, kv_cache_memory=1 << 26,
               ple_placement="gpu", enforce_eager=enforce_eager, max_num_seqs=4, cuda_graph_sizes=SIZES,
-              progress=False)
+              async_scheduling=async_scheduling, progress=False)
     try:
         runner = llm.engine.executor.runner
         # After startup every rank has graphs or none has (agree_on_graphs): rank 0's stand for all.
@@ -116,3 +116,16 @@ def test_tp2_graph_decode_equals_eager(dcp):
     for (tg, lg), (te, le) in zip(graph, eager, strict=True):
         assert tg == te
         assert max(abs(x - y) for x, y in zip(lg, le)) < 0.02
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dcp", [2, 1])
+def test_tp2_async_scheduling_graph_decode_equals_sync(dcp):
+    """Async scheduling at TP2: rank 0 feeds its sampled tokens on the device and broadcasts the
+    input ids to rank 1 before each graph replay; the outputs are the synchronous engine's."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (NCCL)")
+    sync, sync_replays = _generate(dcp, enforce_eager=False)
+    overlapped, replays = _generate(dcp, enforce_eager=False, async_scheduling=True)
+    assert replays == sync_replays
+    assert overlapped == sync

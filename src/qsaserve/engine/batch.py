@@ -59,6 +59,26 @@ class TokenFeed:
                               self.tokens.index_select(0, to_device(self.src, torch.long, dev)))
 
 
+class FedByRank0:
+    """A worker rank's TokenFeed under tensor parallelism: rank 0 holds the sampled tokens and
+    applies the real feed; the runner then broadcasts the input ids from rank 0 (FeedAcrossRanks)."""
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        pass
+
+
+class FeedAcrossRanks:
+    """A feed (rank 0's TokenFeed or a worker's FedByRank0) followed by the broadcast of the whole
+    input-id buffer from rank 0, so every rank embeds the same tokens."""
+
+    def __init__(self, feed, parallel):
+        self.feed, self.parallel = feed, parallel
+
+    def apply(self, input_ids: torch.Tensor) -> None:
+        self.feed.apply(input_ids)
+        self.parallel.broadcast_from_first(input_ids)
+
+
 def pad_tables(tables: list[list[int]]) -> np.ndarray:
     """Ragged per-sequence block tables as one null-block-padded [B, width] int32 array."""
     width = max((len(t) for t in tables), default=0)

@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 
 from qsaserve.cache.kv_cache import LayerCache, allocate_kv_cache
 from qsaserve.config import EngineConfig
-from qsaserve.engine.batch import BatchInput, TokenFeed
+from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, TokenFeed
 from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata
 from qsaserve.models.ple_table import dummy_ple_tables, is_table_tensor, open_ple_tables
 from qsaserve.models.registry import build_model
@@ -182,6 +182,8 @@ class ModelRunner:
         Under tensor parallelism every rank gets the same batch and has graphs or has none
         (agreed at startup), so the choice below is the same on every rank (calibration's cache
         observers, which force eager steps, run only with one rank)."""
+        if feed is not None and self.parallel.tp_size > 1:
+            feed = FeedAcrossRanks(feed, self.parallel)
         if self.graphs is not None and not self._observing():
             bucket = self.graphs.bucket_for(batch)
             if bucket is not None:

@@ -5,7 +5,9 @@ Process model. Node 0 runs the engine (rank 0) and spawns its other local ranks;
 world (NCCL on CUDA, gloo on CPU) through --master-addr/--master-port, plus a gloo "control" group
 for startup agreements. Rank 0 hands each step's BatchInput (plain lists) to the other ranks over
 a step channel (step_channel.py: pipes on one node, the control group's broadcast across nodes).
-Workers keep no request state: they run the step and drop the logits.
+Workers keep no request state: they run the step and drop the logits. With async scheduling a
+step's input ids may still be on rank 0's device (its previous sample): the message then says so,
+and every rank takes the ids from rank 0 by a broadcast inside the step (ParallelContext).
 Decode steps replay CUDA graphs on every rank or on none (agree_on_graphs); which graph is a
 function of the broadcast batch, so all ranks replay the same one and their collectives match.
 
@@ -36,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from qsaserve.config import EngineConfig
+from qsaserve.engine.batch import FedByRank0
 from qsaserve.engine.executor import Rank0Views
 from qsaserve.errors import EngineDeadError
 from qsaserve.parallel.dcp import DcpGeometry
@@ -168,10 +171,11 @@ def worker_main(spec: WorkerSpec, error_fd: int) -> None:
             return  # rank 0 refuses the configuration and closes the world
         steps = PipeReceiver(spec.step_fd) if spec.step_fd is not None else GlooBroadcast(control)
         while True:
-            batch = steps.recv()
-            if batch is None:
+            step = steps.recv()
+            if step is None:
                 break
-            runner.execute(batch)
+            batch, fed = step
+            runner.execute(batch, FedByRank0() if fed else None)
     except BaseException as e:  # noqa: BLE001 - report anything, then die
         message = f"rank {spec.rank}: {type(e).__name__}: {e}\n{traceback.format_exc()}"
         print(message, file=sys.stderr, flush=True)
@@ -353,11 +357,13 @@ class MultiprocExecutor(Rank0Views):
             raise EngineDeadError("tensor-parallel engine was shut down")
 
     # ---- the engine's interface ----
-    def execute(self, batch) -> torch.Tensor:
+    def execute(self, batch, feed=None) -> torch.Tensor:
+        """feed (async scheduling): rank 0's TokenFeed; the workers are told to take their input
+        ids from rank 0's broadcast instead."""
         self.check_health()
         try:
-            self._steps.send(batch)
-            return self.runner.execute(batch)
+            self._steps.send((batch, feed is not None))
+            return self.runner.execute(batch, feed)
         except Exception as e:
             # Ranks are out of step now whatever the cause; name a dead worker if there is one.
             self._dead = self._find_dead_worker(wait=2.0) or f"step failed on rank 0: {type(e).__name__}: {e}"

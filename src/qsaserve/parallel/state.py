@@ -41,6 +41,13 @@ class ParallelContext:
         out = _all_gather(x, self.tp_size, self.tp_group)
         return out.movedim(0, -2).flatten(-2)
 
+    def broadcast_from_first(self, x: torch.Tensor) -> torch.Tensor:
+        """x as TP rank 0 holds it, on every rank, in place (async scheduling's input ids, which
+        rank 0 takes from its own device-resident samples)."""
+        if self.tp_size > 1:
+            dist.broadcast(x, src=0, group=self.tp_group)
+        return x
+
     # ---- decode context parallel ----
     def dcp_gather_heads(self, q: torch.Tensor) -> torch.Tensor:
         """[T, Hl, Dh] query heads of this rank -> [T, D*Hl, Dh]: the heads of the whole DCP group,
