@@ -12,6 +12,7 @@ so a decode step launches few kernels besides the GEMMs and attention. Layers th
 (hidden, residual) along; the arithmetic is the same as x = x + block(norm(x))."""
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -132,6 +133,28 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def checkpoint_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a full (unsharded) checkpoint of this config, by HF name without `model.`."""
+    h, d, inter = c.hidden_size, c.head_dim, c.intermediate_size
+    q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (c.vocab_size, h), "norm.weight": (h,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    for i in range(c.num_hidden_layers):
+        p = f"layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                       p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                       p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter)})
+        if c.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if c.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+    return shapes
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, c: LlamaConfig, max_positions: int, ctx: ParallelContext | None = None):
         super().__init__()
@@ -165,14 +188,23 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- weights ----
     def init_dummy_weights(self, seed: int) -> None:
-        """Random weights for load_format="dummy" (speed/memory runs; outputs mean nothing)."""
-        gen = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
-        with torch.no_grad():
-            for name, p in self.named_parameters():
+        """Random weights for load_format="dummy" (speed/memory runs; outputs mean nothing). Each
+        checkpoint tensor is drawn whole from a generator seeded by (seed, name) and loaded like a
+        real one, so every TP layout holds its shard of the same logical model."""
+        device = self.embed_tokens.weight.device
+        dtype = self.embed_tokens.weight.dtype
+        gen = torch.Generator(device=device)
+
+        def tensors():
+            for name, shape in checkpoint_shapes(self.config).items():
                 if "norm" in name:
-                    p.fill_(1.0)
-                else:
-                    p.normal_(0.0, 0.02, generator=gen)
+                    yield name, torch.ones(shape, dtype=dtype, device=device)
+                    continue
+                gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                yield name, torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
+
+        with torch.no_grad():
+            self.load_weights(tensors())
 
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
