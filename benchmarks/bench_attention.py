@@ -31,8 +31,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 import triton
-from triton.testing import do_bench
 
+from qsaserve.bench.gpu_timing import do_bench_graph_s, do_bench_s
 from qsaserve.ops.device import num_sms
 
 from qsaserve.cache.kv_cache import KVCacheSpec
@@ -41,10 +41,6 @@ from qsaserve.ops.attention import triton_paged as tp
 HQ, HKV, D = 32, 8, 128
 DT = torch.bfloat16
 MEM_LIMIT = 40e9  # bytes per K/V copy; keeps ours + SDPA's buffers well inside 139 GiB
-
-
-def bench(fn, warmup=20, rep=80):
-    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median") * 1e-3  # seconds
 
 
 def make_meta(q_lens, s_lens, page, device, seed=0):
@@ -92,7 +88,7 @@ def copy_bandwidth():
     n = 2 * 2**30  # 4 GiB of bf16
     a = torch.empty(n, dtype=DT, device="cuda").normal_()
     b = torch.empty_like(a)
-    t = bench(lambda: b.copy_(a))
+    t = do_bench_s(lambda: b.copy_(a))
     del a, b
     return {"bytes_read_plus_written": 2 * n * 2, "tb_s": 2 * n * 2 / t / 1e12}
 
@@ -101,7 +97,7 @@ def sdpa_decode_time(b, ctx):
     q = rand_(torch.empty(b, HQ, 1, D, dtype=DT, device="cuda"))
     k = rand_(torch.empty(b, HKV, ctx, D, dtype=DT, device="cuda"))
     v = rand_(torch.empty(b, HKV, ctx, D, dtype=DT, device="cuda"))
-    t = bench(lambda: F.scaled_dot_product_attention(q, k, v, scale=D**-0.5, enable_gqa=True))
+    t = do_bench_s(lambda: F.scaled_dot_product_attention(q, k, v, scale=D**-0.5, enable_gqa=True))
     del q, k, v
     return t
 
@@ -124,7 +120,7 @@ def decode_case(b, ctx, page, cfg=None, num_splits=None, seed=0):
 
     if cfg is default and num_splits == auto:
         run = lambda: tp.paged_attention(q, cache, meta, D**-0.5, out=out)  # noqa: E731  (the engine's entry point)
-    t = bench(run)
+    t = do_bench_s(run)
     del cache
     return t, b * ctx * HKV * D * 2 * 2, num_splits
 
@@ -185,8 +181,6 @@ def decode_sweep(args):
 def decode_diag(args):
     """Small cases are launch-bound in eager mode: split host overhead, CUDA-graph time and
     per-kernel device time (profiler), ours and SDPA's; plus block_n 64 vs 128 at low batch."""
-    from triton.testing import do_bench_cudagraph
-
     rows = []
     for b, ctx in ((1, 2048), (1, 8192), (1, 32768), (1, 131072), (2, 32768), (4, 32768), (8, 2048), (8, 8192), (8, 32768)):
         meta, nb = make_meta([1] * b, [ctx] * b, 16, "cuda")
@@ -202,8 +196,8 @@ def decode_diag(args):
             fn()
         host = (time.perf_counter() - t0) / 200
         torch.cuda.synchronize()
-        row = {"batch": b, "ctx": ctx, "host_us_per_call": host * 1e6, "eager_us": bench(fn) * 1e6,
-               "graph_us": do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e3}
+        row = {"batch": b, "ctx": ctx, "host_us_per_call": host * 1e6, "eager_us": do_bench_s(fn) * 1e6,
+               "graph_us": do_bench_graph_s(fn) * 1e6}
         try:
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(20):
@@ -220,15 +214,15 @@ def decode_diag(args):
             f2 = lambda: tp.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, D**-0.5,  # noqa: E731
                                          num_seqs=b, max_seq_len=ctx, config=cfg)
             f2()
-            row[f"graph_bn{bn}_tb_s"] = kv / (do_bench_cudagraph(f2, rep=50, return_mode="median") * 1e3) / 1e6
+            row[f"graph_bn{bn}_tb_s"] = kv / (do_bench_graph_s(f2) * 1e6) / 1e6
         del cache
         qs = rand_(torch.empty(b, HQ, 1, D, dtype=DT, device="cuda"))
         k = rand_(torch.empty(b, HKV, ctx, D, dtype=DT, device="cuda"))
         v = rand_(torch.empty(b, HKV, ctx, D, dtype=DT, device="cuda"))
         fs = lambda: F.scaled_dot_product_attention(qs, k, v, scale=D**-0.5, enable_gqa=True)  # noqa: E731
         fs()
-        row["sdpa_eager_us"] = bench(fs) * 1e6
-        row["sdpa_graph_us"] = do_bench_cudagraph(fs, rep=50, return_mode="median") * 1e3
+        row["sdpa_eager_us"] = do_bench_s(fs) * 1e6
+        row["sdpa_graph_us"] = do_bench_graph_s(fs) * 1e6
         row["sdpa_graph_tb_s"] = kv / row["sdpa_graph_us"] / 1e6
         row["graph_ratio"] = row["graph_tb_s"] / row["sdpa_graph_tb_s"]
         del k, v
@@ -248,14 +242,6 @@ def kv_capacity(budget_gib: float, num_layers: int, page: int) -> dict:
     return out
 
 
-def graph_time(fn) -> float:
-    """Median seconds of fn replayed as a CUDA graph (triton's do_bench_cudagraph)."""
-    from triton.testing import do_bench_cudagraph
-
-    fn()
-    return do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e-3
-
-
 def fp8_variant_row(name, cfg, q, cache8, meta, out, ks, vs, ctx, elems, bf16_s, ref, num_splits=None):
     """One FP8 decode launch configuration timed through paged_decode (the merge included)."""
     b = q.shape[0]
@@ -268,7 +254,7 @@ def fp8_variant_row(name, cfg, q, cache8, meta, out, ks, vs, ctx, elems, bf16_s,
 
     run()
     diff = (out.float() - ref).abs().max().item()
-    t = bench(run)
+    t = do_bench_s(run)
     return {"name": name, **dataclasses.asdict(cfg), "splits": splits, "splits_forced": num_splits is not None,
             "us": t * 1e6, "tb_s": elems / t / 1e12, "speedup_vs_bf16": bf16_s / t, "max_abs_diff_vs_default": diff}
 
@@ -287,9 +273,9 @@ def fp8_table(args):
         elems = b * ctx * HKV * D * 2  # K and V values read
         row = {"batch": b, "ctx": ctx, "kv_gb_bf16": elems * 2 / 1e9, "kv_gb_fp8": elems / 1e9}
         cache = rand_(torch.empty(2, nb, page, HKV, D, dtype=DT, device="cuda"))
-        t = bench(lambda: tp.paged_attention(q, cache, meta, D**-0.5, out=out))
+        t = do_bench_s(lambda: tp.paged_attention(q, cache, meta, D**-0.5, out=out))
         row.update(bf16_us=t * 1e6, bf16_tb_s=elems * 2 / t / 1e12)
-        bf16_graph = graph_time(lambda: tp.paged_attention(q, cache, meta, D**-0.5, out=out))
+        bf16_graph = do_bench_graph_s(lambda: tp.paged_attention(q, cache, meta, D**-0.5, out=out))
         cache8 = (cache / 0.05).to(torch.float8_e4m3fn)  # |x| <= 80: finite E4M3
         del cache
         fp8_cfg = tp.decode_config(b * HKV, fp8=True)
@@ -297,10 +283,10 @@ def fp8_table(args):
         row["fp8_splits"] = tp.num_decode_splits(b * HKV, ctx, num_sms(q.device), fp8_cfg.block_n, fp8_cfg.ctas_per_sm)
         tp.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=vs)
         ref = out.float().clone()  # the default's output: every variant must agree with it
-        t8 = bench(lambda: tp.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=vs))
+        t8 = do_bench_s(lambda: tp.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=vs))
         row.update(fp8_us=t8 * 1e6, fp8_tb_s=elems / t8 / 1e12, fp8_speedup=t / t8)
         # As the engine runs decode: inside a CUDA graph, so launch overhead drops out.
-        g8 = graph_time(lambda: tp.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=vs))
+        g8 = do_bench_graph_s(lambda: tp.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=vs))
         row.update(fp8_graph_us=g8 * 1e6, bf16_graph_us=bf16_graph * 1e6)
         row["fp8_graph_speedup"] = row["bf16_graph_us"] / row["fp8_graph_us"]
         variants = []
@@ -333,7 +319,7 @@ def prefill_case(q_lens, s_lens, page, cfg=None):
     cache = rand_(torch.empty(2, nb, page, HKV, D, dtype=DT, device="cuda"))
     q = rand_(torch.empty(sum(q_lens), HQ, D, dtype=DT, device="cuda"))
     out = torch.empty_like(q)
-    t = bench(lambda: tp.paged_attention(q, cache, meta, D**-0.5, out=out, prefill_config=cfg))
+    t = do_bench_s(lambda: tp.paged_attention(q, cache, meta, D**-0.5, out=out, prefill_config=cfg))
     return t
 
 
@@ -352,7 +338,7 @@ def sdpa_prefill_time(b, n):
             k, v = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
             fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=D**-0.5)  # noqa: E731
             how = "flash, K/V expanded"
-        t = bench(fn)
+        t = do_bench_s(fn)
     return t, how
 
 
@@ -395,7 +381,7 @@ def write_bench(args):
     cache = torch.zeros(2, t_tok // 16 + 1, 16, HKV, D, dtype=DT, device="cuda")
     slots = (torch.randperm(t_tok // 16, device="cuda") + 1)[:, None] * 16 + torch.arange(16, device="cuda")
     slots = slots.flatten()
-    t = bench(lambda: tp.write_kv(k, v, cache, slots))
+    t = do_bench_s(lambda: tp.write_kv(k, v, cache, slots))
     by = 2 * 2 * t_tok * HKV * D * 2  # read k, v; write both
     return {"tokens": t_tok, "us": t * 1e6, "tb_s": by / t / 1e12}
 

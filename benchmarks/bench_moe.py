@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from bench_qsa import graph_ms
+from qsaserve.bench.gpu_timing import graph_ms
 from qsaserve.models.qwen4exp_blocks import moe_experts_sync_free
 from qsaserve.ops.moe.triton_moe import BLOCK_N_CHOICES, moe_experts_decode_triton, pick_block_n
 from qsaserve.ops.device import num_sms

@@ -24,12 +24,12 @@ import datetime
 import json
 import os
 import random
-import statistics
 import subprocess
 import time
 
 import torch
 
+from qsaserve.bench.gpu_timing import event_ms, graph_ms
 from qsaserve.ops.attention.triton_paged import paged_decode
 from qsaserve.ops.qsa_attention.triton_sparse import SparseConfig, sparse_attention_paged_triton
 from qsaserve.ops.qsa_indexer import rope_inv_freq
@@ -58,36 +58,6 @@ VARIANTS = [
     ("bn32_w8_s2_p4_run4_pf", SparseConfig(32, 8, 2, 4, prefetch=True), R),
 ]
 DT = torch.bfloat16
-
-
-def time_ms(fn, iters=30, repeats=5) -> float:
-    """Median over `repeats` of the mean time of `iters` back-to-back calls (CUDA events)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        out.append(start.elapsed_time(end) / iters)
-    return statistics.median(out)
-
-
-def graph_ms(fn) -> float | None:
-    """The same call captured in a CUDA graph and replayed (launch overhead removed)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_ms(graph.replay)
 
 
 def make_case(batch: int, context: int, num_blocks: int, dev, seed: int):
@@ -224,9 +194,9 @@ def run_ops(dev: torch.device) -> list[dict]:
             sel_bytes = int((state["sel"] >= 0).sum()) * HKV * D * 2 * 2  # K and V rows read
             row = dict(batch=batch, context=context, selected_tokens=int((state["sel"] >= 0).sum(1).max()),
                        fused_equals_unfused=bool(torch.equal(state["sel"], unfused)),
-                       score_ms=time_ms(score), select_torch_ms=time_ms(select_torch),
-                       score_select_ms=time_ms(score_select), attention_ms=time_ms(attend),
-                       qsa_ms=time_ms(qsa), dense_ms=time_ms(dense))
+                       score_ms=event_ms(score), select_torch_ms=event_ms(select_torch),
+                       score_select_ms=event_ms(score_select), attention_ms=event_ms(attend),
+                       qsa_ms=event_ms(qsa), dense_ms=event_ms(dense))
             for name, fn in (("score_select_graph_ms", score_select), ("attention_graph_ms", attend), ("qsa_graph_ms", qsa),
                              ("topk_torch_graph_ms", topk_torch), ("topk_radix_graph_ms", topk_radix),
                              ("topk_split_graph_ms", topk_split)):
@@ -329,8 +299,8 @@ def prefill_chunk(dev: torch.device, chunk: int = 8192, context: int = 131072) -
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated(dev) - base
     row = dict(section="prefill_chunk", chunk=chunk, context=context,
-               pool_ms=time_ms(pool, iters=3, repeats=3), select_ms=time_ms(select, iters=3, repeats=3),
-               attention_ms=time_ms(attend, iters=3, repeats=3), layer_ms=time_ms(layer, iters=3, repeats=3),
+               pool_ms=event_ms(pool, iters=3, repeats=3), select_ms=event_ms(select, iters=3, repeats=3),
+               attention_ms=event_ms(attend, iters=3, repeats=3), layer_ms=event_ms(layer, iters=3, repeats=3),
                peak_extra_mib=extra / 2**20)
     row["prompt_s_upper_bound"] = row["layer_ms"] * (context // chunk) / 1e3  # this layer over the whole prompt
     return row
