@@ -59,6 +59,7 @@ def test_bench_throughput(tiny, capsys):
     _check_provenance(r)
     res = r["results"]
     assert res["output_tokens"] >= 3 * 4 and res["output_tok_s"] > 0 and res["total_time_s"] > 0
+    assert res["repeat_output_tok_s"] > 0 and res["repeat_total_time_s"] > 0
     assert r["params"]["num_prompts"] == 3 and r["params"]["ignore_eos"]
     assert r["peer"]["num_prompts"] == 2 and r["peer"]["batch_size"] == 2 and r["peer"]["output_tok_s"] > 0
     assert "output_tok_s_vs_hf" in r["ratios"]
