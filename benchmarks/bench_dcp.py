@@ -117,8 +117,7 @@ def _measure(args, llm, eng, dcp: int, backend: str, prompts: list[dict], startu
 
 def greedy(args, llm, prompts: list[dict]) -> dict:
     """Greedy tokens of the fixed prompt set, and at each position the gap between the best and the
-    next distinct logprob. Random weights are drawn per rank with one seed, so each vocab shard of
-    the LM head is the same and every logit appears tp times: the top tp + 1 hold the next value."""
+    next distinct logprob among the top tp + 1 returned."""
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.greedy_tokens, ignore_eos=True,
                                                 logprobs=args.tp + 1), use_tqdm=False)
     margins = []

@@ -174,7 +174,7 @@ def run_ops(dev: torch.device) -> list[dict]:
             def topk_torch():  # the top-k alone, as torch does it on the packed keys
                 state["topk"] = torch.topk(keys, k, dim=1).indices
 
-            def topk_radix():  # the same with the one-program-per-row radix kernel (rows <= 8,192 groups)
+            def topk_radix():  # the same with the one-program-per-row radix kernel
                 state["topk"] = topk_indices_triton(keys, k)
 
             def topk_split():  # the radix select with each row split over N / 2048 programs

@@ -47,4 +47,7 @@ def test_writing_to_a_dead_reader_raises_broken_pipe():
     sender = PipeSender([write_fd])
     with pytest.raises(BrokenPipeError):
         sender.send([1, 2, 3])
+    assert sender.broken  # the stream may hold a partial message: no later send (or stop message) goes out
+    with pytest.raises(BrokenPipeError, match="interrupted"):
+        sender.send(None)
     sender.close()

@@ -200,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
                 if "norm" in name:
                     yield name, torch.ones(shape, dtype=dtype, device=device)
                     continue
-                gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                gen.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
                 yield name, torch.empty(shape, dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
 
         with torch.no_grad():

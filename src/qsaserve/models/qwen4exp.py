@@ -684,7 +684,14 @@ class Qwen4ExpForCausalLM(nn.Module):
             if "norm" in name or name.endswith("dt_bias"):
                 w.zero_()  # 1-centred norms: zero is the identity scale
                 continue
-            gen.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+                # [E, ...]: one expert at a time, so the peak is one expert's full tensor, not the layer's.
+                for e in range(shape[0]):
+                    gen.manual_seed(zlib.crc32(f"{seed}:{name}:{e}".encode()))
+                    full = torch.empty((1, *shape[1:]), dtype=w.dtype, device=device).normal_(0.0, 0.02, generator=gen)
+                    w[e].copy_(self._tp_shard(name, full)[0])
+                continue
+            gen.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
             full = torch.empty(shape, dtype=w.dtype, device=device)
             if name.endswith("A_log"):
                 full.uniform_(0.0, 1.0, generator=gen)

@@ -160,6 +160,9 @@ def worker_main(spec: WorkerSpec, error_fd: int) -> None:
     """Entry point of a spawned rank: join, load, then run each broadcast step until told to stop."""
     logging.basicConfig(level=logging.WARNING, format=f"%(levelname)s rank{spec.rank}: %(message)s")
     _watch_parent()
+    for fd in (error_fd, spec.step_fd):  # pass_fds made them inheritable: keep them out of our own children
+        if fd is not None:
+            os.set_inheritable(fd, False)
     if spec.config.torch_device.type == "cpu":
         # Ranks of one node share its cores.
         per_node = spec.config.tensor_parallel_size // spec.config.nnodes
@@ -236,10 +239,16 @@ class _Worker:
     def is_alive(self) -> bool:
         return self.popen.poll() is None
 
+    def close_error_pipe(self) -> None:
+        try:
+            self._errors.close()
+        except OSError:
+            pass
+
     def error_text(self) -> str:
         try:
             data = self._errors.read() or b""
-        except (BlockingIOError, OSError):
+        except (BlockingIOError, OSError, ValueError):  # ValueError: already closed by _stop
             data = b""
         return data.decode(errors="replace").strip()
 
@@ -267,6 +276,7 @@ def _stop(workers: list[_Worker], timeout: float) -> None:
         if w.is_alive():
             w.popen.kill()
             w.join(2.0)
+        w.close_error_pipe()
 
 
 class MultiprocExecutor(Rank0Views):
@@ -284,11 +294,13 @@ class MultiprocExecutor(Rank0Views):
         self._closed = False
         pipes = config.nnodes == 1  # across nodes every rank must join the control broadcast
         self._steps = None
-        self.workers = [_Worker(WorkerSpec(config, model_path, max_model_len, local, local, addr, port), step_pipe=pipes)
-                        for local in range(1, per_node)]
+        self.workers: list[_Worker] = []
         atexit.register(self.shutdown)
         spec0 = WorkerSpec(config, model_path, max_model_len, 0, 0, addr, port)
         try:
+            for local in range(1, per_node):  # inside the try: a failed spawn stops those already started
+                self.workers.append(_Worker(WorkerSpec(config, model_path, max_model_len, local, local, addr, port),
+                                            step_pipe=pipes))
             self._start_rank0(spec0, checkpoint, progress)
         except BaseException:
             self._abort()
@@ -392,7 +404,7 @@ class MultiprocExecutor(Rank0Views):
         if self._closed:
             return
         self._closed = True
-        if self._dead is None and self._steps is not None:
+        if self._dead is None and self._steps is not None and not self._steps.broken:
             try:
                 self._steps.send(None)
             except Exception:  # noqa: BLE001 - a dead worker: terminated below

@@ -27,20 +27,27 @@ class PipeSender:
 
     def __init__(self, write_fds: list[int]):
         self._files = [os.fdopen(fd, "wb") for fd in write_fds]
+        self.broken = False  # a send was cut short: the streams hold a partial message
 
     def send(self, obj) -> None:
+        if self.broken:
+            raise BrokenPipeError("step channel: an earlier send was interrupted")
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         header = len(data).to_bytes(_HEADER, "little")
-        for f in self._files:
-            f.write(header)
-            f.write(data)
-            f.flush()
+        try:
+            for f in self._files:
+                f.write(header)
+                f.write(data)
+                f.flush()
+        except BaseException:
+            self.broken = True
+            raise
 
     def close(self) -> None:
         for f in self._files:
             try:
                 f.close()
-            except OSError:  # a dead worker's pipe: nothing left to flush to
+            except OSError:  # a dead worker's pipe (or a cut send): nothing left to flush to
                 pass
         self._files = []
 
@@ -68,6 +75,8 @@ class GlooBroadcast:
 
     def __init__(self, control):
         self._control = control
+
+    broken = False
 
     def send(self, obj) -> None:
         dist.broadcast_object_list([obj], src=0, group=self._control)
