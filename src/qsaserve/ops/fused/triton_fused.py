@@ -175,6 +175,23 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def rotate_half_partner(d, ROT):
+    """Partial rotate-half RoPE over the first ROT of the lanes d: each lane's partner lane
+    (d + ROT/2 in the first half, d - ROT/2 in the second) and whether the lane rotates."""
+    half = ROT // 2
+    return tl.where(d < half, d + half, d - half), d < ROT
+
+
+@triton.jit
+def rotate_half_apply(x, x_partner, c, s, d, ROT, dt):
+    """x * cos + rotate_half(x) * sin on fp32 lanes (x_partner: the partner lane's value), each
+    product rounded to dt as the torch path rounds it; lanes past ROT keep x. Returns dt."""
+    xp = tl.where(d < ROT // 2, -x_partner, x_partner)
+    rotated = ((x * c).to(dt).to(tl.float32) + (xp * s).to(dt).to(tl.float32)).to(dt)
+    return tl.where(d < ROT, rotated, x.to(dt))
+
+
+@triton.jit
 def _norm_rope_heads_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, D, ROT, eps,
                             stride_xt, stride_xh, stride_c, stride_ot, stride_oh, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -185,21 +202,16 @@ def _norm_rope_heads_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, D, ROT, 
     xf = x.to(tl.float32)
     w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
     n = (xf * tl.rsqrt(tl.sum(xf * xf, 0) / D + eps) * (1.0 + w)).to(x.dtype)  # 1-centred RMSNorm
-    # Rotate-half over the first ROT dims: partner of d is d + ROT/2 (negated) or d - ROT/2.
-    half = ROT // 2
-    rot = d < ROT
-    partner = tl.where(d < half, d + half, d - half)
+    partner, rot = rotate_half_partner(d, ROT)
     xp = tl.load(x_ptr + t * stride_xt + h * stride_xh + partner, mask=rot, other=0.0).to(tl.float32)
     wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
     # The partner's normed value: same row RMS, its own weight.
     inv = tl.rsqrt(tl.sum(xf * xf, 0) / D + eps)
     npart = (xp * inv * (1.0 + wp)).to(x.dtype).to(tl.float32)
-    npart = tl.where(d < half, -npart, npart)
     c = tl.load(cos_ptr + t * stride_c + d, mask=rot, other=1.0).to(tl.float32)
     s = tl.load(sin_ptr + t * stride_c + d, mask=rot, other=0.0).to(tl.float32)
-    dt = x.dtype
-    rotated = ((n.to(tl.float32) * c).to(dt).to(tl.float32) + (npart * s).to(dt).to(tl.float32)).to(dt)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, tl.where(rot, rotated, n), mask=ok)
+    out = rotate_half_apply(n.to(tl.float32), npart, c, s, d, ROT, x.dtype)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, out, mask=ok)
 
 
 def norm_rope_heads(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

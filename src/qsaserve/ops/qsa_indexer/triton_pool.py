@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qsaserve.ops.fused.triton_fused import rotate_half_apply, rotate_half_partner
+
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _pool_kernel(tails_ptr, slots_ptr, raw_ptr, keys_ptr, bt_ptr, pos_ptr, valid_ptr, w_ptr, inv_freq_ptr, eps,
@@ -37,13 +39,11 @@ def _pool_kernel(tails_ptr, slots_ptr, raw_ptr, keys_ptr, bt_ptr, pos_ptr, valid
     pooled = (mean * inv_rms * (1.0 + w)).to(dt).to(tl.float32)
     # Partial rotate-half RoPE at the group's first position (cos/sin as rope_cos_sin: fp32, then dt).
     g = tl.maximum((p + 1) // R - 1, 0)
-    half = ROT // 2
-    rot = d < ROT
-    j = tl.where(d < half, d, d - half)
+    partner, rot = rotate_half_partner(d, ROT)
+    j = tl.where(d < ROT // 2, d, d - ROT // 2)
     freq = (g * R).to(tl.float32) * tl.load(inv_freq_ptr + j, mask=rot, other=0.0)
     c = tl.cos(freq).to(dt).to(tl.float32)
     s = tl.sin(freq).to(dt).to(tl.float32)
-    partner = tl.where(d < half, d + half, d - half)
     # The partner's pooled value: recompute it (same row RMS) rather than shuffle registers.
     xp = tl.load(tail + rr[:, None] * stride_tr + partner[None, :], mask=(rr[:, None] != col) & rot[None, :],
                  other=0.0)
@@ -52,9 +52,7 @@ def _pool_kernel(tails_ptr, slots_ptr, raw_ptr, keys_ptr, bt_ptr, pos_ptr, valid
     mp = (tl.sum(xp, 0) / R).to(dt).to(tl.float32)
     wp = tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)
     pp = (mp * inv_rms * (1.0 + wp)).to(dt).to(tl.float32)
-    pp = tl.where(d < half, -pp, pp)
-    rotated = ((pooled * c).to(dt).to(tl.float32) + (pp * s).to(dt).to(tl.float32)).to(dt)
-    key = tl.where(rot, rotated, pooled.to(dt))
+    key = rotate_half_apply(pooled, pp, c, s, d, ROT, dt)
     done = (tl.load(valid_ptr + b) != 0) & ((pos + 1) % R == 0)
     page = tl.load(bt_ptr + b.to(tl.int64) * stride_bt + g // GPP, mask=done, other=0).to(tl.int64)
     tl.store(keys_ptr + (page * GPP + g % GPP) * D + d, key.to(keys_ptr.dtype.element_ty), mask=done & d_ok)
