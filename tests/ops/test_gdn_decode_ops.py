@@ -1,11 +1,12 @@
-"""The GDN decode step's small ops: Triton kernels against their torch references (gates, one-token
-causal conv with per-slot state incl. fresh sequences and a shared padding slot, gated RMSNorm),
-float32 tightly and bf16 within bf16 rounding; under the Triton interpreter on CPU and on a GPU."""
+"""The GDN decode step's ops: Triton kernels against their torch references (gates, one-token
+causal conv with per-slot state incl. fresh sequences and a shared padding slot, the one-token
+delta rule with its state updated in its slot, gated RMSNorm), float32 tightly and bf16 within
+bf16 rounding; under the Triton interpreter on CPU and on a GPU."""
 import torch
 from triton_interpreter import triton_check_tests
 
 from qsaserve.models.qwen4exp_blocks import gated_rms_norm
-from qsaserve.ops.gdn.decode_ops import conv1d_decode_reference_, gdn_gates_reference
+from qsaserve.ops.gdn.decode_ops import conv1d_decode_reference_, delta_rule_decode_reference_, gdn_gates_reference
 
 
 def _tol(dtype):
@@ -44,11 +45,32 @@ def check_decode_ops(device, dtype, gates, conv_, norm):
             torch.testing.assert_close(got, want, **_tol(dtype))
 
 
+def check_delta_rule(device, dtype, step_):
+    """4 rows: slots 2, 0, 4, 4 (the last two share a padding slot), row 1 fresh; Hk 2, Hv 4 (GVA),
+    Dk 24 and Dv 48 (neither a power of two, Dv two 32-wide column tiles); states of decaying size."""
+    g = torch.Generator().manual_seed(2)
+    q, k = torch.randn(4, 2, 24, generator=g).to(dtype), torch.randn(4, 2, 24, generator=g).to(dtype)
+    v = torch.randn(4, 4, 48, generator=g).to(dtype)
+    decay = -torch.rand(4, 4, generator=g) * 2  # fp32 log decay
+    beta = torch.sigmoid(torch.randn(4, 4, generator=g)).to(dtype)
+    states = torch.randn(6, 4, 24, 48, generator=g) * 0.5
+    slots, fresh = torch.tensor([2, 0, 4, 4]), torch.tensor([False, True, False, False])
+    ref_states = states.clone()
+    want = delta_rule_decode_reference_(q, k, v, decay, beta, ref_states, slots, fresh)
+    dev_states = states.clone().to(device)
+    got = step_(*(x.to(device) for x in (q, k, v, decay, beta)), dev_states, slots.to(device), fresh.to(device))
+    assert got.dtype == dtype and got.shape == (4, 4, 48)
+    torch.testing.assert_close(got.cpu()[:2], want[:2], **_tol(dtype))
+    kept = [0, 1, 2, 3, 5]  # slot 4 holds whichever padding row wrote last
+    torch.testing.assert_close(dev_states.cpu()[kept], ref_states[kept], atol=1e-5, rtol=1e-5)
+
+
 def _triton_checks(device):
     from qsaserve.ops.gdn import triton_decode as td
 
     for dtype in (torch.float32, torch.bfloat16):
         check_decode_ops(device, dtype, td.gdn_gates_triton, td.conv1d_decode_triton_, td.gated_rms_norm_triton)
+        check_delta_rule(device, dtype, td.delta_rule_decode_triton_)
 
 
 test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)

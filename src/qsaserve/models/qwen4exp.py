@@ -36,7 +36,7 @@ from qsaserve.models.qwen4exp_blocks import (
 from qsaserve.models.qwen4exp_ple import PLEHashParams, ple_embed, ple_initial_context, ple_layer_forward
 from qsaserve.ops.attention.reference import gather_context, write_kv_reference
 from qsaserve.ops.fused import triton_fused, use_fused
-from qsaserve.ops.gdn.decode_ops import conv1d_decode_, gated_norm, gdn_gates
+from qsaserve.ops.gdn.decode_ops import conv1d_decode_, delta_rule_decode_, gated_norm, gdn_gates
 from qsaserve.ops.gdn.dispatch import gated_delta_rule
 from qsaserve.ops.hyper_connection import hc_step
 from qsaserve.ops.moe import moe_route_triton
@@ -339,7 +339,9 @@ class Qwen4ExpForCausalLM(nn.Module):
         seq_lens = meta.seq_lens.long()
         valid = seq_lens > 0
         step = _Step(decode=True, slot_idx=slot_idx.long(), valid=valid,
-                     fresh=seq_lens == 1,  # a one-token prompt: its state starts here
+                     # A one-token prompt's state starts here; padding rows (seq_len 0) also start
+                     # from zeros, not from what other padding rows left in the shared scratch slot.
+                     fresh=seq_lens <= 1,
                      query_pos=torch.where(valid, seq_lens - 1, -1))
         dcp = self.ctx.dcp
         if dcp.enabled:
@@ -436,15 +438,12 @@ class Qwen4ExpForCausalLM(nn.Module):
         # beta = sigmoid(b); decay g in fp32 (exp(A_log) may overflow half precision).
         beta, g = gdn_gates(b, a, w["A_log"], w["dt_bias"])
         if step.decode:
-            recurrent = torch.where(step.fresh[:, None, None, None], 0, st.recurrent[slot_idx])
-            # One token per sequence from its conv state slot (updated in place; zeros when fresh).
+            # One token per sequence from its conv and delta-rule state slots (both advanced in place;
+            # zeros when fresh).
             conv = conv1d_decode_(mixed, w["conv1d.weight"], st.conv, slot_idx, step.fresh, c.hidden_act)
             q, k, v = torch.split(conv, [Hk * Dk, Hk * Dk, Hv * Dv], dim=-1)
-            o, final = gated_delta_rule(  # one token per sequence: batch of t, no cu_seqlens to read back
-                q.reshape(t, 1, Hk, Dk), k.reshape(t, 1, Hk, Dk), v.reshape(t, 1, Hv, Dv), g[:, None], beta[:, None],
-                recurrent, None, single_token=True,
-            )
-            o = o[:, 0]
+            o = delta_rule_decode_(q.view(t, Hk, Dk), k.view(t, Hk, Dk), v.view(t, Hv, Dv), g, beta, st.recurrent,
+                                   slot_idx, step.fresh)
         else:
             conv, new_conv = causal_conv1d_reference(mixed.t()[None], w["conv1d.weight"], None, st.conv[slot_idx],
                                                      activation=c.hidden_act, cu_seqlens=step.cu_seqlens)
@@ -455,7 +454,7 @@ class Qwen4ExpForCausalLM(nn.Module):
                 st.recurrent[slot_idx], step.cu_seqlens, single_token=t == len(step.spans),
             )
             o = o[0]
-        st.recurrent[slot_idx] = final.float()
+            st.recurrent[slot_idx] = final.float()
         o = gated_norm(o, z, w["norm.weight"], c.rms_norm_eps, c.output_gate_type or c.hidden_act)
         return self.ctx.all_reduce(F.linear(o.reshape(t, Hv * Dv), w["out_proj.weight"]))
 

@@ -6,6 +6,10 @@ output norm. `triton_decode.py` runs each as one kernel.
   exp(A_log) may overflow half precision).
 * conv1d_decode_: depthwise causal conv of one token per sequence continuing from its state slot
   (zeros for a fresh sequence), SiLU; the slot's state (the last W-1 inputs) is updated in place.
+* delta_rule_decode_: the gated delta rule for one token per sequence, continuing from its
+  state slot (zeros for a fresh sequence), the slot advanced in place. The reference gathers the
+  states, runs `dispatch.gated_delta_rule` (fla-core's recurrent kernel on CUDA) and scatters them
+  back; the Triton kernel reads and writes each state once, in its slot.
 * gated_rms_norm: `qwen4exp_blocks.gated_rms_norm` (weight * norm(x), times act(gate) in fp32).
 """
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from qsaserve.ops import fused
+from qsaserve.ops.gdn.dispatch import gated_delta_rule
 
 try:  # CPU-only installs keep the references
     from qsaserve.ops.gdn import triton_decode
@@ -46,6 +51,19 @@ def conv1d_decode_reference_(x: torch.Tensor, weight: torch.Tensor, states: torc
     return y.to(x.dtype)
 
 
+def delta_rule_decode_reference_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                 beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                                 fresh: torch.Tensor) -> torch.Tensor:
+    """q, k [B, Hk, Dk], v [B, Hv, Dv], g [B, Hv] (fp32 log decay), beta [B, Hv]; states
+    [N, Hv, Dk, Dv] fp32, slots [B], fresh [B] bool -> o [B, Hv, Dv] in q's dtype. q and k are
+    L2-normalized inside, q scaled by Dk^-0.5; states[slots[b]] becomes the state after the token."""
+    start = torch.where(fresh[:, None, None, None], 0, states[slots])
+    o, final = gated_delta_rule(q[:, None], k[:, None], v[:, None], g[:, None], beta[:, None], start, None,
+                                single_token=True)  # a batch of one-token sequences: no cu_seqlens
+    states[slots] = final.float()
+    return o[:, 0]
+
+
 # ---- dispatch: one Triton launch each on CUDA (fused kernels on), these references elsewhere ----
 
 def _fast(x: torch.Tensor) -> bool:
@@ -60,6 +78,11 @@ def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: to
 def conv1d_decode_(x, weight, states, slots, fresh, activation: str = "silu") -> torch.Tensor:
     fn = triton_decode.conv1d_decode_triton_ if _fast(x) else conv1d_decode_reference_
     return fn(x, weight, states, slots, fresh, activation)
+
+
+def delta_rule_decode_(q, k, v, g, beta, states, slots, fresh) -> torch.Tensor:
+    fn = triton_decode.delta_rule_decode_triton_ if _fast(q) else delta_rule_decode_reference_
+    return fn(q, k, v, g, beta, states, slots, fresh)
 
 
 def gated_norm(x, gate, weight, eps: float, activation: str = "silu") -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""One Triton kernel each for the ops around the gated delta rule in a GDN decode step (references
-in decode_ops.py and qwen4exp_blocks.gated_rms_norm). In torch they are 8-13 small kernels each,
-per GDN layer per step; at batch 1 those launches, not their bytes, are the cost."""
+"""One Triton kernel each for the ops of a GDN decode step, the delta rule included (references in
+decode_ops.py and qwen4exp_blocks.gated_rms_norm). In torch the small ops are 8-13 kernels each per
+GDN layer per step, and at batch 1 those launches, not their bytes, are the cost; the delta rule's
+state gather / scatter around fla-core's kernel moves each fp32 state four times instead of twice."""
 from __future__ import annotations
 
 import torch
@@ -69,6 +70,40 @@ def _conv_decode_kernel(x_ptr, w_ptr, states_ptr, slots_ptr, fresh_ptr, y_ptr, C
 
 
 @triton.jit
+def _delta_rule_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, slots_ptr, fresh_ptr, o_ptr, scale,
+                            stride_q, stride_qh, stride_k, stride_kh, stride_v, stride_vh, stride_g, stride_beta,
+                            stride_sn, stride_sh, stride_sk, stride_o, stride_oh,
+                            GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                            BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """One token of one value head, BLOCK_V columns of its [DK, DV] state: the state is read from
+    the sequence's slot (zeros when fresh), advanced and written back in place."""
+    row = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    hk = hv // GROUP  # GVA: value head hv reads key/query head hv // (Hv / Hk)
+    kk = tl.arange(0, BLOCK_K)
+    k_ok = kk < DK
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = vv < DV
+    q = tl.load(q_ptr + row * stride_q + hk * stride_qh + kk, mask=k_ok, other=0.0).to(tl.float32)
+    k = tl.load(k_ptr + row * stride_k + hk * stride_kh + kk, mask=k_ok, other=0.0).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale  # L2 norm as reference.l2norm (eps inside the root)
+    k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    v = tl.load(v_ptr + row * stride_v + hv * stride_vh + vv, mask=v_ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * stride_g + hv).to(tl.float32)
+    beta = tl.load(beta_ptr + row * stride_beta + hv).to(tl.float32)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    keep = tl.load(fresh_ptr + row) == 0
+    s_ptrs = states_ptr + slot * stride_sn + hv * stride_sh + kk[:, None] * stride_sk + vv[None, :]
+    s_ok = k_ok[:, None] & v_ok[None, :]
+    state = tl.load(s_ptrs, mask=s_ok & keep, other=0.0) * tl.exp(g)
+    u = beta * (v - tl.sum(state * k[:, None], 0))  # beta * (v - S^T k)
+    state = state + k[:, None] * u[None, :]
+    tl.store(s_ptrs, state, mask=s_ok)
+    o = tl.sum(state * q[:, None], 0)  # S^T (scale * q)
+    tl.store(o_ptr + row * stride_o + hv * stride_oh + vv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+
+
+@triton.jit
 def _gated_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, D, eps, stride_x, stride_z, stride_o,
                        SILU: tl.constexpr, ROUND_WN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # one (token, head) row of D values
@@ -115,6 +150,28 @@ def conv1d_decode_triton_(x: torch.Tensor, weight: torch.Tensor, states: torch.T
             W=width, SPAN_POW2=triton.next_power_of_2(width - 1), SILU=activation is not None, BLOCK_C=block_c,
             num_warps=4)
     return y
+
+
+def delta_rule_decode_triton_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                              beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                              fresh: torch.Tensor) -> torch.Tensor:
+    """decode_ops.delta_rule_decode_reference_ in one launch, the state updated in its slot."""
+    b, hk, dk = q.shape
+    hv, dv = v.shape[1:]
+    if (k.shape != q.shape or hv % hk or states.shape[1:] != (hv, dk, dv) or states.dtype != torch.float32
+            or g.shape != (b, hv) or beta.shape != (b, hv)):
+        raise ValueError("delta_rule_decode: q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv], fp32 states [N, Hv, Dk, Dv]")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or states.stride(-1) != 1:
+        raise ValueError("delta_rule_decode: unit last strides")
+    o = torch.empty((b, hv, dv), dtype=q.dtype, device=q.device)
+    if b:
+        block_v = min(32, triton.next_power_of_2(dv))
+        _delta_rule_step_kernel[(b, hv, triton.cdiv(dv, block_v))](
+            q, k, v, g, beta, states, slots, fresh, o, dk**-0.5, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            v.stride(0), v.stride(1), g.stride(0), beta.stride(0), states.stride(0), states.stride(1), states.stride(2),
+            o.stride(0), o.stride(1), GROUP=hv // hk, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk),
+            BLOCK_V=block_v, num_warps=4)
+    return o
 
 
 def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
