@@ -37,7 +37,7 @@ if [ "$mode" = single ]; then
     part gpu_tests_kernels 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_kernels.xml" \
         tests/ops/test_hyper_connection.py tests/ops/test_gdn_decode_ops.py tests/ops/test_moe_triton.py \
         tests/ops/test_dcp_merge.py tests/ops/test_ple_triton.py tests/ops/test_qsa_pool_triton.py tests/ops/test_qsa_triton.py \
-        tests/ops/test_fused_triton.py
+        tests/ops/test_fused_triton.py tests/ops/test_gemv_triton.py
     part gpu_tests_models 360 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_models.xml" \
         tests/models tests/engine tests/quant tests/bench tests/ops/test_gdn_reference.py
     part gpu_tests_attention 360 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_attention.xml" \
@@ -45,6 +45,7 @@ if [ "$mode" = single ]; then
     part bench_attention 150 python benchmarks/bench_attention.py --sections env,decode,fp8,diag --out "$out/bench_attention.json"
     part bench_qsa 180 python benchmarks/bench_qsa.py --out "$out/bench_qsa.json"
     part bench_moe 120 python benchmarks/bench_moe.py --out "$out/bench_moe.json"
+    part bench_gemv 150 python benchmarks/bench_gemv.py --out "$out/bench_gemv.json"
     part bench_qsa_model 300 python benchmarks/bench_qsa.py --model-only --out "$out/bench_qsa_model.json"
     part latency_llama1b 240 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --peer hf --profile-steps 16 > '$out/latency_llama1b.json'"
     part latency_llama8b 240 sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,16 --prompt-lens 1024 --peer hf --profile-steps 16 > '$out/latency_llama8b.json'"
