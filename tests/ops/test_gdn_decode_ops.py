@@ -5,8 +5,8 @@ bf16 rounding; under the Triton interpreter on CPU and on a GPU."""
 import torch
 from triton_interpreter import triton_check_tests
 
-from qsaserve.models.qwen4exp_blocks import gated_rms_norm
-from qsaserve.ops.gdn.decode_ops import conv1d_decode_reference_, delta_rule_decode_reference_, gdn_gates_reference
+from qsaserve.ops.gdn.decode_ops import (conv1d_decode_reference_, delta_rule_decode_reference_, gated_rms_norm,
+                                         gdn_gates_reference)
 
 
 def _tol(dtype):

@@ -35,7 +35,7 @@ def check_hc_step(device, dtype, step_fn, t=3, hc=4, h=48, lr=20):
 
 
 def test_reference_is_the_model_composition():
-    from qsaserve.models.qwen4exp_blocks import hc_gated_residual, hc_inject
+    from qsaserve.ops.hyper_connection.reference import hc_gated_residual, hc_inject
 
     gen = torch.Generator().manual_seed(0)
     c = _case(2, 2, 16, 8, torch.float32, gen)

@@ -25,6 +25,9 @@ from qsaserve.ops.gdn.reference import (
     gdn_recurrent_reference,
 )
 from qsaserve.ops.fused import triton_fused, use_fused
+from qsaserve.ops.fused.reference import grouped_rms_norm_reference
+from qsaserve.ops.gdn.decode_ops import gated_rms_norm
+from qsaserve.ops.hyper_connection.reference import hc_gated_residual, hc_inject
 from qsaserve.ops.moe import moe_experts_decode_triton, use_triton_moe
 from qsaserve.ops.qsa_attention.reference import sparse_attention_reference
 from qsaserve.ops.qsa_indexer.reference import (
@@ -73,25 +76,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int 
     """
     if group_size is None:
         return rms_norm_one_centred(x, weight, eps)
-    if use_fused(x) and x.stride(-1) == 1:  # CUDA: one Triton launch (this code is its reference)
+    if use_fused(x) and x.stride(-1) == 1:  # CUDA: one Triton launch
         return triton_fused.grouped_rms_norm(x, weight, eps, group_size)
-    xf = x.float().unflatten(-1, (-1, group_size))
-    out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
-    return (out * (1.0 + weight.float())).to(x.dtype)
-
-
-def gated_rms_norm(
-    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str = "silu"
-) -> torch.Tensor:
-    """GDN output norm (``Qwen4ExpTextRMSNormGated``), per head over the last dim.
-
-    ``weight * norm(x)`` (plain weight, norm in fp32 then cast to the input dtype) times
-    ``act(gate)`` in fp32; ``activation`` is ``config.output_gate_type or config.hidden_act``.
-    """
-    dtype = x.dtype
-    xf = x.float()
-    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-    return ((weight * normed) * _act(activation)(gate.float())).to(dtype)
+    return grouped_rms_norm_reference(x, weight, eps, group_size)
 
 
 # --------------------------------------------------------------------------- hyper-connections
@@ -100,42 +87,6 @@ def gated_rms_norm(
 def hc_expand(embeddings: torch.Tensor, hc_count: int) -> torch.Tensor:
     """Initial residual: the token embedding copied into every stream, ``[..., hc_count * H]``."""
     return embeddings.repeat(*([1] * (embeddings.dim() - 1)), hc_count)
-
-
-def hc_gated_residual(
-    hyper: torch.Tensor,
-    hc_norm_weight: torch.Tensor,
-    input_mix_weight_down: torch.Tensor,
-    input_mix_weight_up: torch.Tensor,
-    block_inject_weight: torch.Tensor | None,
-    hc_count: int,
-    eps: float,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``Qwen4ExpTextGatedResidual``: collapse ``hc_count`` streams into one block input.
-
-    ``hyper`` ``[..., hc_count * H]``. Returns the mixed input ``[..., H]`` and (unless
-    ``block_inject_weight`` is None, as in the final ``hyper_connection_mixer``) the per-stream
-    injection weights ``[..., hc_count]`` for :func:`hc_inject`::
-
-        xn  = grouped_rms_norm(hyper)                       # 1-centred hc_norm, groups of H
-        mix = sigmoid(up(silu(down(xn) / hc)))              # [..., hc, H]
-        out = mean_over_streams(mix * xn)                   # [..., H]
-        inj = 2 * sigmoid(block_inject(xn) / hc)            # [..., hc]
-    """
-    H = hyper.shape[-1] // hc_count
-    xn = rms_norm(hyper, hc_norm_weight, eps, group_size=H)
-    mix = F.silu(F.linear(xn, input_mix_weight_down) / hc_count)
-    mix = torch.sigmoid(F.linear(mix, input_mix_weight_up)).unflatten(-1, (hc_count, H))
-    mixed = (mix * xn.unflatten(-1, (hc_count, H))).mean(dim=-2)
-    if block_inject_weight is None:
-        return mixed, None
-    inject = 2 * torch.sigmoid(F.linear(xn, block_inject_weight) / hc_count)
-    return mixed, inject
-
-
-def hc_inject(hyper: torch.Tensor, block_out: torch.Tensor, injection_weights: torch.Tensor) -> torch.Tensor:
-    """Residual update: stream ``s`` += ``injection_weights[..., s] * block_out`` (un-normalised ``hyper``)."""
-    return hyper + (block_out.unsqueeze(-2) * injection_weights.unsqueeze(-1)).flatten(-2)
 
 
 # --------------------------------------------------------------------------- MoE

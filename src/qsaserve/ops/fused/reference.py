@@ -22,6 +22,14 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return (weight.float() * xf).to(x.dtype)
 
 
+def grouped_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int) -> torch.Tensor:
+    """Qwen4Exp's 1-centred RMSNorm with one RMS per `group_size` features (the weight spans the
+    full width): fp32 `norm(x) * (1 + weight)`, cast back to x's dtype."""
+    xf = x.float().unflatten(-1, (-1, group_size))
+    out = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2)
+    return (out * (1.0 + weight.float())).to(x.dtype)
+
+
 def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): the block output joins the residual stream, which

@@ -254,7 +254,7 @@ def inject_norm_kernel(hyper_ptr, out_ptr, inj_ptr, w_ptr, new_ptr, xn_ptr, H, e
 
 def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int) -> torch.Tensor:
     """Qwen4Exp's 1-centred RMSNorm with one RMS per `group_size` features (weight over the full
-    width): `qwen4exp_blocks.rms_norm(x, weight, eps, group_size)`. x [..., width], unit last stride."""
+    width): `reference.grouped_rms_norm_reference`. x [..., width], unit last stride."""
     width = x.shape[-1]
     if width % group_size or x.stride(-1) != 1 or group_size > _MAX_NORM_COLS:
         raise ValueError("grouped_rms_norm: width a multiple of group_size (<= 32768), with a unit last stride")

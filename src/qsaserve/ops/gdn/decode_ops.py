@@ -10,7 +10,8 @@ output norm. `triton_decode.py` runs each as one kernel.
   state slot (zeros for a fresh sequence), the slot advanced in place. The reference gathers the
   states, runs `dispatch.gated_delta_rule` (fla-core's recurrent kernel on CUDA) and scatters them
   back; the Triton kernel reads and writes each state once, in its slot.
-* gated_rms_norm: `qwen4exp_blocks.gated_rms_norm` (weight * norm(x), times act(gate) in fp32).
+* gated_rms_norm: the GDN output norm (weight * norm(x), times act(gate) in fp32), also the
+  model's CPU path (qwen4exp_blocks re-exports it).
 """
 from __future__ import annotations
 
@@ -64,6 +65,23 @@ def delta_rule_decode_reference_(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return o[:, 0]
 
 
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str = "silu"
+) -> torch.Tensor:
+    """GDN output norm (``Qwen4ExpTextRMSNormGated``), per head over the last dim.
+
+    ``weight * norm(x)`` (plain weight, norm in fp32 then cast to the input dtype) times
+    ``act(gate)`` in fp32; ``activation`` is ``config.output_gate_type or config.hidden_act``.
+    """
+    dtype = x.dtype
+    xf = x.float()
+    normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    act = {"silu": F.silu, "swish": F.silu, "sigmoid": torch.sigmoid}.get(activation)
+    if act is None:
+        raise ValueError(f"unsupported activation {activation!r}")
+    return ((weight * normed) * act(gate.float())).to(dtype)
+
+
 # ---- dispatch: one Triton launch each on CUDA (fused kernels on), these references elsewhere ----
 
 def _fast(x: torch.Tensor) -> bool:
@@ -86,9 +104,7 @@ def delta_rule_decode_(q, k, v, g, beta, states, slots, fresh) -> torch.Tensor:
 
 
 def gated_norm(x, gate, weight, eps: float, activation: str = "silu") -> torch.Tensor:
-    """qwen4exp_blocks.gated_rms_norm (the reference) on any device."""
+    """gated_rms_norm (the reference) on any device."""
     if _fast(x):
         return triton_decode.gated_rms_norm_triton(x, gate, weight, eps, activation)
-    from qsaserve.models.qwen4exp_blocks import gated_rms_norm  # the model's own math
-
     return gated_rms_norm(x, gate, weight, eps, activation)

@@ -1,7 +1,7 @@
-"""One Triton kernel each for the ops of a GDN decode step, the delta rule included (references in
-decode_ops.py and qwen4exp_blocks.gated_rms_norm). In torch the small ops are 8-13 kernels each per
-GDN layer per step, and at batch 1 those launches, not their bytes, are the cost; the delta rule's
-state gather / scatter around fla-core's kernel moves each fp32 state four times instead of twice."""
+"""One Triton kernel each for the ops of a GDN decode step, the delta rule included (references
+in decode_ops.py). In torch the small ops are 8-13 kernels each per GDN layer per step, and at
+batch 1 those launches, not their bytes, are the cost; the delta rule's state gather / scatter
+around fla-core's kernel moves each fp32 state four times instead of twice."""
 from __future__ import annotations
 
 import torch
