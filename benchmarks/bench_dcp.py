@@ -22,15 +22,14 @@ import argparse
 import datetime
 import gc
 import json
-import os
 import random
-import subprocess
 import sys
 import time
 
 import torch
 
 from qsaserve import LLM, SamplingParams
+from qsaserve.bench.common import source_commit
 
 
 def fixed_prompts(vocab: int, lengths: list[int], seed: int = 1) -> list[dict]:
@@ -186,8 +185,7 @@ def main() -> None:
     from qsaserve.models.presets import preset_config
 
     prompts = fixed_prompts(preset_config(args.preset)["vocab_size"], lengths)
-    commit = os.environ.get("QSASERVE_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = source_commit()
     report = {
         "benchmark": "decode context parallelism",
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import time
 
 import torch
 import torch.nn.functional as F
 
+from qsaserve.bench.common import emit_report, source_commit
 from qsaserve.bench.gpu_timing import graph_ms
 from qsaserve.ops.device import num_sms
 from qsaserve.ops.gemv.triton_gemv import gemv, pick_block_n
@@ -67,8 +66,7 @@ def main() -> None:
     start = time.perf_counter()
     rows = [r for m in (int(v) for v in args.rows.split(",")) for model, projs in SHAPES.items()
             for name, (n, k) in projs.items() for r in case(model, name, n, k, m, dev)]
-    commit = os.environ.get("QSASERVE_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                                                 text=True).stdout.strip()
+    commit = source_commit()
     best = {}
     for r in rows:
         key = (r["model"], r["proj"], r["rows"])
@@ -81,10 +79,7 @@ def main() -> None:
     report = {"bench": "gemv_decode", "device": torch.cuda.get_device_name(), "commit": commit,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
               "rows": rows, "summary": summary, "wall_s": round(time.perf_counter() - start, 1)}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    print(json.dumps(report))
+    emit_report(report, args.out)
 
 
 if __name__ == "__main__":

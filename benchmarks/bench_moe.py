@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import time
 
 import torch
 
+from qsaserve.bench.common import emit_report, source_commit
 from qsaserve.bench.gpu_timing import graph_ms
 from qsaserve.models.qwen4exp_blocks import moe_experts_sync_free
 from qsaserve.ops.moe.triton_moe import BLOCK_N_CHOICES, moe_experts_decode_triton, pick_block_n
@@ -67,18 +66,13 @@ def main() -> None:
     dev = torch.device("cuda")
     start = time.perf_counter()
     rows = [r for inter in (512, 256) for b in BATCHES for r in case(b, inter, dev)]
-    commit = os.environ.get("QSASERVE_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                                                 text=True).stdout.strip()
+    commit = source_commit()
     report = {"bench": "moe_decode", "device": torch.cuda.get_device_name(), "commit": commit,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
               "shapes": {"experts": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN, "inter": [512, 256],
                          "layers_cycled": LAYERS},
               "rows": rows, "wall_s": round(time.perf_counter() - start, 1)}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit_report(report, args.out)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import random
-import subprocess
 import time
 
 import torch
 
+from qsaserve.bench.common import emit_report, source_commit
 from qsaserve.bench.gpu_timing import event_ms, graph_ms
 from qsaserve.ops.attention.triton_paged import paged_decode
 from qsaserve.ops.qsa_attention.triton_sparse import SparseConfig, sparse_attention_paged_triton
@@ -83,7 +82,7 @@ def main() -> None:
     args = ap.parse_args()
     t_start = time.perf_counter()
     if args.model_only:
-        _emit(dict(_provenance(), model_decode=model_decode_steps(), wall_s=time.perf_counter() - t_start), args.out)
+        emit_report(dict(_provenance(), model_decode=model_decode_steps(), wall_s=time.perf_counter() - t_start), args.out)
         return
     prefill = prefill_chunk(torch.device("cuda"))
     print(json.dumps(prefill), flush=True)
@@ -113,22 +112,13 @@ def main() -> None:
     if args.model:
         report["model_decode"] = model_decode_steps()
     report["wall_s"] = time.perf_counter() - t_start
-    _emit(report, args.out)
+    emit_report(report, args.out)
 
 
 def _provenance() -> dict:
-    commit = os.environ.get("QSASERVE_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                                                 text=True).stdout.strip()
+    commit = source_commit()
     return dict(date=datetime.datetime.now().isoformat(timespec="seconds"), device=torch.cuda.get_device_name(),
                 commit=commit, torch=torch.__version__)
-
-
-def _emit(report: dict, out: str | None) -> None:
-    text = json.dumps(report, indent=1)
-    print(text)
-    if out:
-        with open(out, "w") as f:
-            f.write(text)
 
 
 def model_decode_steps() -> dict:

@@ -19,6 +19,7 @@ import time
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from qsaserve.bench.common import emit_report
 from qsaserve.engine.batch import BatchInput
 from qsaserve.parallel.step_channel import GlooBroadcast, PipeReceiver, PipeSender
 
@@ -105,10 +106,7 @@ def main() -> None:
             results.append(row)
     report = {"bench": "step_channel", "machine": platform.machine(), "cpus": os.cpu_count(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": args.steps, "results": results}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(report, f, indent=1)
-    print(json.dumps(report))
+    emit_report(report, args.out)
 
 
 if __name__ == "__main__":

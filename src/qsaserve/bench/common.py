@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import os
 import platform
 import random
@@ -23,7 +24,7 @@ def provenance(config: EngineConfig, with_transformers: bool = False) -> dict:
         "torch": torch.__version__,
         "triton": _version("triton"),
         # QSASERVE_COMMIT: set when running from an exported snapshot that has no .git of its own.
-        "git_commit": os.environ.get("QSASERVE_COMMIT") or _git("rev-parse", "HEAD"),
+        "git_commit": source_commit(),
         "git_dirty": False if os.environ.get("QSASERVE_COMMIT") else bool(_git("status", "--porcelain", "--untracked-files=no")),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "config": dataclasses.asdict(config),
@@ -31,6 +32,20 @@ def provenance(config: EngineConfig, with_transformers: bool = False) -> dict:
     if with_transformers:
         info["transformers"] = _version("transformers")
     return info
+
+
+def source_commit() -> str | None:
+    """The commit measured: $QSASERVE_COMMIT (an exported snapshot has no .git) or git's HEAD."""
+    return os.environ.get("QSASERVE_COMMIT") or _git("rev-parse", "HEAD")
+
+
+def emit_report(report: dict, out: str | None) -> None:
+    """A benchmark's JSON document: printed, and written to `out` when given."""
+    text = json.dumps(report, indent=1)
+    print(text)
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text)
 
 
 def _version(module: str) -> str | None:
