@@ -41,3 +41,14 @@ def test_rejects_too_many_rows_and_strided_weights():
 
 
 test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)
+
+
+def test_linear_takes_cublas_unless_opted_in_on_cuda(monkeypatch):
+    """layers.linear: CPU tensors take F.linear even when opted in (the GEMV wiring runs on a GPU:
+    tests/models/test_llama_fused.py)."""
+    from qsaserve.layers import linear as linear_mod
+
+    monkeypatch.setattr(linear_mod, "GEMV_ENABLED", True)
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    assert not linear_mod.use_gemv(x, w)  # CPU tensors
+    torch.testing.assert_close(linear_mod.linear_weight(x, w, torch.ones(4)), torch.nn.functional.linear(x, w, torch.ones(4)))

@@ -23,6 +23,7 @@ from qsaserve.cache.kv_cache import KVCacheSpec
 from qsaserve.layers.activation import SiluAndMul
 from qsaserve.layers.attention import Attention, AttentionMetadata
 from qsaserve.layers.dcp_attention import DcpAttention
+from qsaserve.layers.linear import linear
 from qsaserve.layers.rmsnorm import RMSNorm
 from qsaserve.layers.rotary import RotaryEmbedding
 from qsaserve.parallel.state import ParallelContext
@@ -91,13 +92,13 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary.rotate_qk(positions, q, k)  # on CUDA in place: q, k stay views of the qkv output
-        return self.ctx.all_reduce(self.o_proj(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta)))
+        return self.ctx.all_reduce(linear(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta), self.o_proj))
 
 
 class LlamaMLP(nn.Module):
@@ -110,7 +111,7 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ctx.all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
+        return self.ctx.all_reduce(linear(self.act(linear(x, self.gate_up_proj)), self.down_proj))
 
 
 class LlamaDecoderLayer(nn.Module):

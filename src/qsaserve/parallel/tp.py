@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from qsaserve.errors import InvalidRequestError
+from qsaserve.layers.linear import linear_weight
 from qsaserve.parallel.dcp import check_dcp_config
 
 
@@ -65,7 +66,7 @@ def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, vocab_size
 
 def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, ctx) -> torch.Tensor:
     """LM head with vocab-split rows: local logits, gathered over ranks, padding cut."""
-    logits = F.linear(hidden, weight).float()
+    logits = linear_weight(hidden, weight).float()
     return ctx.all_gather_last(logits)[..., :vocab_size]
 
 

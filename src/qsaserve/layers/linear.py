@@ -1,0 +1,38 @@
+"""Linear projections of the Llama-family model: F.linear (cuBLAS), or for 1-4 rows on CUDA the
+Triton GEMV of ops/gemv when QSASERVE_TRITON_GEMV=1 (read at import). cuBLAS reads the small q/k/v
+and o projections of a batch-1 decode step at ~40% of HBM bandwidth; the GEMV stays opt-in until
+benchmarks/bench_gemv.py and `qsaserve bench latency` measure it faster."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+try:  # CPU-only installs: F.linear only
+    from qsaserve.ops.gemv.triton_gemv import MAX_ROWS, gemv
+except ImportError:
+    gemv, MAX_ROWS = None, 0
+
+GEMV_ENABLED = os.environ.get("QSASERVE_TRITON_GEMV", "0") == "1" and gemv is not None
+
+
+def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (GEMV_ENABLED and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+            and weight.stride(-1) == 1 and x.dtype == weight.dtype)
+
+
+def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias)."""
+    if use_gemv(x, weight):
+        y = gemv(x, weight)
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
+
+
+def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    return linear_weight(x, layer.weight, layer.bias)
+
+
+__all__ = ["GEMV_ENABLED", "linear", "linear_weight", "use_gemv"]
