@@ -46,6 +46,7 @@ if [ "$mode" = single ]; then
     part bench_qsa 180 python benchmarks/bench_qsa.py --out "$out/bench_qsa.json"
     part bench_moe 120 python benchmarks/bench_moe.py --out "$out/bench_moe.json"
     part bench_gemv 150 python benchmarks/bench_gemv.py --out "$out/bench_gemv.json"
+    part bench_gdn 90 python benchmarks/bench_gdn.py --out "$out/bench_gdn.json"
     part bench_qsa_model 300 python benchmarks/bench_qsa.py --model-only --out "$out/bench_qsa_model.json"
     part latency_llama1b 240 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --peer hf --profile-steps 16 > '$out/latency_llama1b.json'"
     part latency_llama8b 240 sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,16 --prompt-lens 1024 --peer hf --profile-steps 16 > '$out/latency_llama8b.json'"
