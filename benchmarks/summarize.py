@@ -29,7 +29,7 @@ def rows(dirs):
     def add(target, value, ok, source):
         out.append({"target": target, "measured": value, "met": ok, "source": source})
 
-    for suffix, tag in (("", ""), ("_async", " (--async-scheduling)")):
+    for suffix, tag in (("", ""), ("_async", " (--async-scheduling)"), ("_gemv", " (async + Triton GEMV)")):
         lat = _load(dirs, f"latency_llama1b{suffix}.json")
         if lat:
             frac = lat["roofline"]["fraction_batch1"]
@@ -44,6 +44,9 @@ def rows(dirs):
         tok_s = thr_async["results"]["output_tok_s"]
         add("throughput >= 25,000 output tok/s (--async-scheduling)", tok_s, tok_s >= 25000,
             "throughput_llama1b_async.json")
+        ratio = thr_async.get("ratios", {}).get("output_tok_s_vs_hf")
+        if ratio is not None:
+            add("throughput >= 50x HF generate (--async-scheduling)", ratio, ratio >= 50, "throughput_llama1b_async.json")
     thr = _load(dirs, "throughput_llama1b.json")
     if thr:
         tok_s = thr["results"]["output_tok_s"]
@@ -78,22 +81,26 @@ def rows(dirs):
     if qm and "model_decode" in qm:
         r = qm["model_decode"]["step_t256k_over_t8k"]
         add("qwen4exp-small decode step t(256K)/t(8K) <= 1.3 (batch 1)", r, r <= 1.3, "bench_qsa_model.json")
-    dcp = _load(dirs, "bench_dcp.json")
+    for name, suffix in (("bench_dcp.json", ""), ("bench_dcp_async.json", ", async")):
+        _dcp_rows(_load(dirs, name), name, suffix, add)
+    return out
+
+
+def _dcp_rows(dcp: dict | None, name: str, suffix: str, add) -> None:
     if dcp:
         for s in dcp.get("summary_vs_dcp1", []):
-            tag = f"DCP{s['dcp']} {s['backend']}"
-            add(f"{tag} capacity >= 1.9x", s["capacity_ratio"], s["capacity_ratio"] >= 1.9, "bench_dcp.json")
+            tag = f"DCP{s['dcp']} {s['backend']}{suffix}"
+            add(f"{tag} capacity >= 1.9x", s["capacity_ratio"], s["capacity_ratio"] >= 1.9, name)
             for key, bound in (("decode_speed_ratio_ctx8192", 0.97), ("decode_speed_ratio_ctx131072", 1.0)):
                 v = s.get(key)
                 add(f"{tag} {key} >= {bound}", v, v is not None and v >= bound if bound < 1 else v is not None and v > 1,
-                    "bench_dcp.json")
+                    name)
             add(f"{tag} greedy identical (bf16)", s["greedy_identical_to_dcp1"], s["greedy_identical_to_dcp1"],
-                "bench_dcp.json")
+                name)
         ident = dcp.get("identity")
         if ident:
-            add(f"DCP greedy identical ({ident['dtype']})", ident["greedy_identical"], ident["greedy_identical"],
-                "bench_dcp.json")
-    return out
+            add(f"DCP greedy identical ({ident['dtype']}{suffix})", ident["greedy_identical"],
+                ident["greedy_identical"], name)
 
 
 def main() -> None:
