@@ -84,6 +84,16 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None, iters: in
         else:
             nbytes = 64 << 20
     nbytes -= nbytes % 4096
+    read_s, copy_s = _time_read_and_copy(device, nbytes, iters)  # its buffers are freed on return
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    read, copy = nbytes / read_s / 1e9, 2 * nbytes / copy_s / 1e9
+    return {"buffer_bytes": nbytes, "read_gb_s": round(read, 1), "copy_gb_s": round(copy, 1),
+            "used_gb_s": round(max(read, copy), 1)}
+
+
+def _time_read_and_copy(device: torch.device, nbytes: int, iters: int) -> tuple[float, float]:
+    """Seconds per read-only reduction and per copy of an nbytes buffer."""
     src = torch.zeros(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     words = src.view(torch.float32)
@@ -97,14 +107,7 @@ def measure_bandwidth(device: torch.device, nbytes: int | None = None, iters: in
         sync(device)
         return (time.perf_counter() - start) / iters
 
-    read_s = timed(lambda: words.sum())
-    copy_s = timed(lambda: dst.copy_(src))
-    del src, dst, words
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    read, copy = nbytes / read_s / 1e9, 2 * nbytes / copy_s / 1e9
-    return {"buffer_bytes": nbytes, "read_gb_s": round(read, 1), "copy_gb_s": round(copy, 1),
-            "used_gb_s": round(max(read, copy), 1)}
+    return timed(lambda: words.sum()), timed(lambda: dst.copy_(src))
 
 
 def decode_weight_bytes(model) -> int:
