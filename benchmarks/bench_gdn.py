@@ -18,6 +18,7 @@ import torch
 from qsaserve.bench.common import emit_report, source_commit
 from qsaserve.bench.gpu_timing import graph_ms
 from qsaserve.ops.gdn.decode_ops import delta_rule_decode_reference_
+from qsaserve.ops.gdn.dispatch import fla_available
 from qsaserve.ops.gdn.triton_decode import delta_rule_decode_triton_
 
 L2_BYTES = 256 << 20
@@ -44,7 +45,8 @@ def case(batch: int, hk: int, hv: int, dev) -> list[dict]:
     diff = float((got.float() - want.float()).abs().max())
     state_diff = float((check_fast - check_ref).abs().max())
     rows = []
-    for name, fn in (("torch_fla", delta_rule_decode_reference_), ("triton", delta_rule_decode_triton_)):
+    reference = "torch_fla" if fla_available() else "torch_reference_no_fla"  # without fla-core: the Python loop
+    for name, fn in ((reference, delta_rule_decode_reference_), ("triton", delta_rule_decode_triton_)):
         def run(fn=fn):
             for pool in pools:
                 fn(q, k, v, g, beta, pool, slots, fresh)
@@ -65,7 +67,7 @@ def main() -> None:
     rows = [r for hk, hv in ((16, 32), (8, 16)) for b in BATCHES for r in case(b, hk, hv, dev)]
     report = {"bench": "gdn_decode", "device": torch.cuda.get_device_name(), "commit": source_commit(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
-              "rows": rows, "wall_s": round(time.perf_counter() - start, 1)}
+              "fla_core": fla_available(), "rows": rows, "wall_s": round(time.perf_counter() - start, 1)}
     emit_report(report, args.out)
 
 

@@ -1,5 +1,6 @@
-"""Linear projections of the Llama-family model: F.linear (cuBLAS), or for 1-4 rows on CUDA the
-Triton GEMV of ops/gemv when QSASERVE_TRITON_GEMV=1 (read at import). cuBLAS reads the small q/k/v
+"""Linear projections of the Llama-family model and every model's LM head (parallel/tp.py):
+F.linear (cuBLAS), or for 1-4 rows on CUDA, without bias, the Triton GEMV of ops/gemv when
+QSASERVE_TRITON_GEMV=1 (read at import). cuBLAS reads the small q/k/v
 and o projections of a batch-1 decode step at ~40% of HBM bandwidth; the GEMV stays opt-in until
 benchmarks/bench_gemv.py and `qsaserve bench latency` measure it faster."""
 from __future__ import annotations
@@ -24,10 +25,9 @@ def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias)."""
-    if use_gemv(x, weight):
-        y = gemv(x, weight)
-        return y if bias is None else y + bias
+    """x @ weight^T (+ bias). With a bias, cuBLAS: it adds the bias before its one rounding."""
+    if bias is None and use_gemv(x, weight):
+        return gemv(x, weight)
     return F.linear(x, weight, bias)
 
 

@@ -161,8 +161,10 @@ def delta_rule_decode_triton_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if (k.shape != q.shape or hv % hk or states.shape[1:] != (hv, dk, dv) or states.dtype != torch.float32
             or g.shape != (b, hv) or beta.shape != (b, hv)):
         raise ValueError("delta_rule_decode: q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv], fp32 states [N, Hv, Dk, Dv]")
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or states.stride(-1) != 1:
+    if (q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or states.stride(-1) != 1
+            or g.stride(-1) != 1 or beta.stride(-1) != 1):
         raise ValueError("delta_rule_decode: unit last strides")
+    slots, fresh = slots.contiguous(), fresh.contiguous()
     o = torch.empty((b, hv, dv), dtype=q.dtype, device=q.device)
     if b:
         block_v = min(32, triton.next_power_of_2(dv))
