@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from qsaserve.bench.common import emit_report, source_commit
+from qsaserve.bench.common import emit_report, kernel_report
 from qsaserve.bench.gpu_timing import graph_ms
 from qsaserve.ops.gdn.decode_ops import delta_rule_decode_reference_
 from qsaserve.ops.gdn.dispatch import fla_available
@@ -65,9 +65,8 @@ def main() -> None:
     dev = torch.device("cuda")
     start = time.perf_counter()
     rows = [r for hk, hv in ((16, 32), (8, 16)) for b in BATCHES for r in case(b, hk, hv, dev)]
-    report = {"bench": "gdn_decode", "device": torch.cuda.get_device_name(), "commit": source_commit(),
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
-              "fla_core": fla_available(), "rows": rows, "wall_s": round(time.perf_counter() - start, 1)}
+    report = kernel_report("gdn_decode", fla_core=fla_available(), rows=rows,
+                           wall_s=round(time.perf_counter() - start, 1))
     emit_report(report, args.out)
 
 

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from qsaserve.bench.common import emit_report, source_commit
+from qsaserve.bench.common import emit_report, kernel_report
 from qsaserve.bench.gpu_timing import graph_ms
 from qsaserve.ops.device import num_sms
 from qsaserve.ops.gemv.triton_gemv import gemv, pick_block_n
@@ -66,7 +66,6 @@ def main() -> None:
     start = time.perf_counter()
     rows = [r for m in (int(v) for v in args.rows.split(",")) for model, projs in SHAPES.items()
             for name, (n, k) in projs.items() for r in case(model, name, n, k, m, dev)]
-    commit = source_commit()
     best = {}
     for r in rows:
         key = (r["model"], r["proj"], r["rows"])
@@ -76,9 +75,7 @@ def main() -> None:
                 "cublas_tb_s": next(r["tb_s"] for r in rows if (r["model"], r["proj"], r["rows"]) == (m, p, n)
                                     and r["variant"] == "cublas"),
                 "best_triton": b["variant"], "best_triton_tb_s": b["tb_s"]} for (m, p, n), b in best.items()]
-    report = {"bench": "gemv_decode", "device": torch.cuda.get_device_name(), "commit": commit,
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
-              "rows": rows, "summary": summary, "wall_s": round(time.perf_counter() - start, 1)}
+    report = kernel_report("gemv_decode", rows=rows, summary=summary, wall_s=round(time.perf_counter() - start, 1))
     emit_report(report, args.out)
 
 

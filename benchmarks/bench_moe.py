@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from qsaserve.bench.common import emit_report, source_commit
+from qsaserve.bench.common import emit_report, kernel_report
 from qsaserve.bench.gpu_timing import graph_ms
 from qsaserve.models.qwen4exp_blocks import moe_experts_sync_free
 from qsaserve.ops.moe.triton_moe import BLOCK_N_CHOICES, moe_experts_decode_triton, pick_block_n
@@ -66,12 +66,9 @@ def main() -> None:
     dev = torch.device("cuda")
     start = time.perf_counter()
     rows = [r for inter in (512, 256) for b in BATCHES for r in case(b, inter, dev)]
-    commit = source_commit()
-    report = {"bench": "moe_decode", "device": torch.cuda.get_device_name(), "commit": commit,
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__,
-              "shapes": {"experts": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN, "inter": [512, 256],
-                         "layers_cycled": LAYERS},
-              "rows": rows, "wall_s": round(time.perf_counter() - start, 1)}
+    report = kernel_report("moe_decode", shapes={"experts": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN,
+                                                 "inter": [512, 256], "layers_cycled": LAYERS},
+                           rows=rows, wall_s=round(time.perf_counter() - start, 1))
     emit_report(report, args.out)
 
 

@@ -39,6 +39,12 @@ def source_commit() -> str | None:
     return os.environ.get("QSASERVE_COMMIT") or _git("rev-parse", "HEAD")
 
 
+def kernel_report(bench: str, **fields) -> dict:
+    """The head of a GPU kernel benchmark's JSON document: what ran, where, at which commit, when."""
+    return {"bench": bench, "device": torch.cuda.get_device_name(), "commit": source_commit(),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__, **fields}
+
+
 def emit_report(report: dict, out: str | None) -> None:
     """A benchmark's JSON document: printed, and written to `out` when given."""
     text = json.dumps(report, indent=1)
