@@ -9,13 +9,11 @@ and one write of each row's fp32 state. Prints JSON (one line per case, then the
 """
 from __future__ import annotations
 
-import argparse
 import json
-import time
 
 import torch
 
-from qsaserve.bench.common import emit_report, kernel_report
+from qsaserve.bench.common import kernel_bench_main
 from qsaserve.bench.gpu_timing import graph_ms
 from qsaserve.ops.gdn.decode_ops import delta_rule_decode_reference_
 from qsaserve.ops.gdn.dispatch import fla_available
@@ -59,15 +57,8 @@ def case(batch: int, hk: int, hv: int, dev) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    dev = torch.device("cuda")
-    start = time.perf_counter()
-    rows = [r for hk, hv in ((16, 32), (8, 16)) for b in BATCHES for r in case(b, hk, hv, dev)]
-    report = kernel_report("gdn_decode", fla_core=fla_available(), rows=rows,
-                           wall_s=round(time.perf_counter() - start, 1))
-    emit_report(report, args.out)
+    kernel_bench_main("gdn_decode", lambda dev: [r for hk, hv in ((16, 32), (8, 16)) for b in BATCHES
+                                                 for r in case(b, hk, hv, dev)], fla_core=fla_available())
 
 
 if __name__ == "__main__":

@@ -8,13 +8,11 @@ the batch actually chose. Prints JSON (one line per case, then the document).
 """
 from __future__ import annotations
 
-import argparse
 import json
-import time
 
 import torch
 
-from qsaserve.bench.common import emit_report, kernel_report
+from qsaserve.bench.common import kernel_bench_main
 from qsaserve.bench.gpu_timing import graph_ms
 from qsaserve.models.qwen4exp_blocks import moe_experts_sync_free
 from qsaserve.ops.moe.triton_moe import BLOCK_N_CHOICES, moe_experts_decode_triton, pick_block_n
@@ -60,16 +58,9 @@ def case(batch: int, inter: int, dev) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    dev = torch.device("cuda")
-    start = time.perf_counter()
-    rows = [r for inter in (512, 256) for b in BATCHES for r in case(b, inter, dev)]
-    report = kernel_report("moe_decode", shapes={"experts": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN,
-                                                 "inter": [512, 256], "layers_cycled": LAYERS},
-                           rows=rows, wall_s=round(time.perf_counter() - start, 1))
-    emit_report(report, args.out)
+    kernel_bench_main("moe_decode", lambda dev: [r for inter in (512, 256) for b in BATCHES for r in case(b, inter, dev)],
+                      shapes={"experts": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN, "inter": [512, 256],
+                              "layers_cycled": LAYERS})
 
 
 if __name__ == "__main__":

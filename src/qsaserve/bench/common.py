@@ -2,6 +2,7 @@
 random prompts, a memory-bandwidth probe and the bytes one decode step must read."""
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import json
@@ -43,6 +44,17 @@ def kernel_report(bench: str, **fields) -> dict:
     """The head of a GPU kernel benchmark's JSON document: what ran, where, at which commit, when."""
     return {"bench": bench, "device": torch.cuda.get_device_name(), "commit": source_commit(),
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__, **fields}
+
+
+def kernel_bench_main(bench: str, make_rows, **fields) -> None:
+    """A kernel benchmark's command line (--out FILE): rows = make_rows(cuda device), then the
+    document (kernel_report head, fields, rows, wall seconds) printed and written."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    start = time.perf_counter()
+    rows = make_rows(torch.device("cuda"))
+    emit_report(kernel_report(bench, **fields, rows=rows, wall_s=round(time.perf_counter() - start, 1)), args.out)
 
 
 def emit_report(report: dict, out: str | None) -> None:

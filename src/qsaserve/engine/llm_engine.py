@@ -236,12 +236,12 @@ class LLMEngine:
             tokens = sample_deferred(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator)
             if prev is not None:
                 results += self._complete_in_flight(prev, outputs)
-            self._in_flight = _InFlight(sched, plan, tokens, self._advance(sched))
-            for seq in plan.sample_seqs:
-                if not seq.is_finished:
-                    seq.token_ids.append(PLACEHOLDER_TOKEN)
-            if all(seq.is_finished for seq in plan.sample_seqs):
-                self._in_flight = None  # every row of it is dropped anyway
+            filled = self._advance(sched)
+            live = [seq for seq in plan.sample_seqs if not seq.is_finished]
+            for seq in live:
+                seq.token_ids.append(PLACEHOLDER_TOKEN)
+            if live:  # otherwise every row of it is dropped anyway
+                self._in_flight = _InFlight(sched, plan, tokens, filled)
             return results
         errored = self._record_prompt_logprobs(logits, plan)
         sampled = sample(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator) if num_sampled else []

@@ -201,36 +201,37 @@ def topk_indices_triton(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.T
     """keys [B, N] int64 (`paged.selection_keys`) -> [B, k] int64 group indices in descending key
     order, as torch.topk(keys, k, dim=1).indices for every visible group. Device tensors only,
     shapes from tensor shapes (CUDA-graph safe). k > MAX_K is torch.topk itself."""
-    early = _without_kernel(keys, k)
-    if early is not None:
-        return early
-    b, n = keys.shape
-    keys = keys.contiguous()
-    out = torch.empty((b, k), dtype=torch.int64, device=keys.device)
-    k_pow2 = triton.next_power_of_2(k)
-    scratch = torch.empty((b, k_pow2), dtype=torch.int64, device=keys.device)
-    tile = min(tile, max(16, triton.next_power_of_2(n)))
-    _topk_kernel[(b,)](keys, scratch, out, n, k, keys.stride(0), scratch.stride(0), out.stride(0),
-                       TILE=tile, K_POW2=k_pow2, num_warps=8 if tile >= 1024 else 4)
-    return out
+    return _radix_topk(keys, k, tile, _launch_one_program_per_row)
 
 
 def topk_indices_split(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.Tensor:
     """As topk_indices_triton, with each row split over ceil(N / tile) programs: six launches (and
     one memset) whose time does not grow with N the way one program per row does."""
+    return _radix_topk(keys, k, tile, _launch_split_rows)
+
+
+def _radix_topk(keys: torch.Tensor, k: int, tile: int, launch) -> torch.Tensor:
     early = _without_kernel(keys, k)
     if early is not None:
         return early
+    keys, out, scratch, tile = _buffers(keys, k, tile)
+    launch(keys, k, out, scratch, tile)
+    return out
+
+
+def _launch_one_program_per_row(keys, k, out, scratch, tile) -> None:
     b, n = keys.shape
-    keys = keys.contiguous()
-    out = torch.empty((b, k), dtype=torch.int64, device=keys.device)
-    tile = min(tile, max(16, triton.next_power_of_2(n)))
+    _topk_kernel[(b,)](keys, scratch, out, n, k, keys.stride(0), scratch.stride(0), out.stride(0),
+                       TILE=tile, K_POW2=scratch.shape[1], num_warps=8 if tile >= 1024 else 4)
+
+
+def _launch_split_rows(keys, k, out, scratch, tile) -> None:
+    b, n = keys.shape
+    k_pow2 = scratch.shape[1]
     splits = triton.cdiv(n, tile)
-    k_pow2 = triton.next_power_of_2(k)
     # Row histograms of the four digits, then one kept-key counter per row: one zeroed buffer.
     counters = torch.zeros(4 * b * 256 + b, dtype=torch.int32, device=keys.device)
     last_digit = torch.empty(b * splits * 256, dtype=torch.int32, device=keys.device)
-    scratch = torch.empty((b, k_pow2), dtype=torch.int64, device=keys.device)
     stride_pass = b * 256
     warps = 8 if tile >= 1024 else 4
     for p in range(4):
@@ -241,7 +242,15 @@ def topk_indices_split(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.Te
                                     S_POW2=triton.next_power_of_2(splits), num_warps=warps)
     _sort_kernel[(b,)](scratch, out, k, scratch.stride(0), out.stride(0), K_POW2=k_pow2,
                        num_warps=8 if k_pow2 >= 1024 else 4)
-    return out
+
+
+def _buffers(keys: torch.Tensor, k: int, tile: int):
+    """Both kernels' inputs and outputs: contiguous keys, the [B, k] result, the [B, k_pow2]
+    scratch the sort reads, and the key tile clamped to the row width."""
+    b, n = keys.shape
+    out = torch.empty((b, k), dtype=torch.int64, device=keys.device)
+    scratch = torch.empty((b, triton.next_power_of_2(k)), dtype=torch.int64, device=keys.device)
+    return keys.contiguous(), out, scratch, min(tile, max(16, triton.next_power_of_2(n)))
 
 
 def _without_kernel(keys: torch.Tensor, k: int) -> torch.Tensor | None:
