@@ -19,7 +19,7 @@ import time
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from qsaserve.bench.common import emit_report
+from qsaserve.bench.common import emit_report, source_commit
 from qsaserve.engine.batch import BatchInput
 from qsaserve.parallel.step_channel import GlooBroadcast, PipeReceiver, PipeSender
 
@@ -104,7 +104,7 @@ def main() -> None:
                    "p90_us": round(1e6 * sorted(lat)[int(0.9 * len(lat))], 1)}
             print(json.dumps(row), flush=True)
             results.append(row)
-    report = {"bench": "step_channel", "machine": platform.machine(), "cpus": os.cpu_count(),
+    report = {"bench": "step_channel", "commit": source_commit(), "machine": platform.machine(), "cpus": os.cpu_count(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "steps": args.steps, "results": results}
     emit_report(report, args.out)
 
