@@ -60,6 +60,7 @@ def test_bench_throughput(tiny, capsys):
     res = r["results"]
     assert res["output_tokens"] >= 3 * 4 and res["output_tok_s"] > 0 and res["total_time_s"] > 0
     assert res["repeat_output_tok_s"] > 0 and res["repeat_total_time_s"] > 0
+    assert res["triton_compiles"]["total"] == 0 == res["repeat_triton_compiles"]["total"]  # CPU: nothing built
     assert r["params"]["num_prompts"] == 3 and r["params"]["ignore_eos"]
     assert r["peer"]["num_prompts"] == 2 and r["peer"]["batch_size"] == 2 and r["peer"]["output_tok_s"] > 0
     assert "output_tok_s_vs_hf" in r["ratios"]
@@ -75,3 +76,21 @@ def test_bench_throughput(tiny, capsys):
 def test_bench_bad_batch_size_names_parameter(tiny, capsys):
     assert main(["bench", "latency", tiny, *ENGINE, "--batch-sizes", "1,300"]) == 2
     assert "batch_sizes" in capsys.readouterr().err
+
+
+def test_record_triton_compiles_counts_by_kernel_and_restores_the_hook():
+    triton = pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from qsaserve.bench.common import record_triton_compiles
+
+    before = triton.knobs.runtime.jit_post_compile_hook
+    with record_triton_compiles() as compiles:
+        hook = triton.knobs.runtime.jit_post_compile_hook
+        for key in ("a1", "a2", "b1", "a3", "a4"):
+            hook(key=key, repr="", fn=SimpleNamespace(name=f"kernel_{key[0]}"), compile={},
+                 is_manual_warmup=False, already_compiled=False)
+    assert triton.knobs.runtime.jit_post_compile_hook is before
+    r = compiles.report()
+    assert r["total"] == 5 and r["by_kernel"] == {"kernel_a": 4, "kernel_b": 1}
+    assert r["example_keys"]["kernel_a"] == ["a1", "a2", "a3"]  # at most three kept

@@ -3,6 +3,8 @@ random prompts, a memory-bandwidth probe and the bytes one decode step must read
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -55,6 +57,44 @@ def kernel_bench_main(bench: str, make_rows, **fields) -> None:
     start = time.perf_counter()
     rows = make_rows(torch.device("cuda"))
     emit_report(kernel_report(bench, **fields, rows=rows, wall_s=round(time.perf_counter() - start, 1)), args.out)
+
+
+class TritonCompiles:
+    """Counts the Triton kernels built (compiled, or loaded from Triton's disk cache) while the
+    recorder is active, by kernel name, with a few of each kernel's specialization keys. A timed
+    pass that builds kernels paid for compiles its warm-up did not meet; this names them."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.keys: dict[str, list[str]] = {}
+
+    def on_compile(self, *, key, fn, **_) -> None:
+        self.counts[fn.name] += 1
+        self.keys.setdefault(fn.name, [])
+        if len(self.keys[fn.name]) < 3:
+            self.keys[fn.name].append(str(key)[:300])
+
+    def report(self) -> dict:
+        return {"total": sum(self.counts.values()), "by_kernel": dict(self.counts.most_common()),
+                "example_keys": {name: self.keys[name] for name, _ in self.counts.most_common(5)}}
+
+
+@contextlib.contextmanager
+def record_triton_compiles():
+    """`with record_triton_compiles() as compiles:` ... `compiles.report()`. Without Triton (or
+    on CPU, where nothing is compiled) the count stays 0."""
+    compiles = TritonCompiles()
+    try:
+        from triton import knobs
+    except ImportError:
+        yield compiles
+        return
+    previous = knobs.runtime.jit_post_compile_hook
+    knobs.runtime.jit_post_compile_hook = compiles.on_compile
+    try:
+        yield compiles
+    finally:
+        knobs.runtime.jit_post_compile_hook = previous
 
 
 def emit_report(report: dict, out: str | None) -> None:

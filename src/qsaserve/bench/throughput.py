@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import time
 
-from qsaserve.bench.common import provenance, random_prompt, release_memory
+from qsaserve.bench.common import provenance, random_prompt, record_triton_compiles, release_memory
 from qsaserve.bench.step_profile import ExecuteTimer, StepBreakdown
 from qsaserve.config import EngineConfig
 from qsaserve.engine.llm_engine import LLMEngine
@@ -62,11 +62,13 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
         # Untimed warm-up (nano-vllm's benchmark runs one short request): a short and a longest
         # prompt together, so kernels meet long contexts and mixed steps before the clock starts.
         _run_engine(engine, [([1] * 16, 16), ([1] * max_input_len, 16)], temperature)
-        elapsed = _run_engine(engine, work, temperature)
+        with record_triton_compiles() as first_compiles:
+            elapsed = _run_engine(engine, work, temperature)
         # The same workload once more, timed the same way: a first pass slower than this one paid
         # one-time costs (compiles, allocations) that the warm-up did not meet.
         engine.block_manager.reset_prefix_cache()  # the same prompts again must be prefilled again
-        repeat_elapsed = _run_engine(engine, work, temperature)
+        with record_triton_compiles() as repeat_compiles:
+            repeat_elapsed = _run_engine(engine, work, temperature)
         # The same workload again with each step timed (a device sync after each forward):
         # where the time goes, kept apart from the headline figure above.
         engine.block_manager.reset_prefix_cache()  # the same prompts again must be prefilled again
@@ -88,7 +90,10 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
     report["results"] = {"total_time_s": round(elapsed, 3), "prompt_tokens": sum(len(p) for p, _ in work),
                          "output_tokens": output_tokens, "output_tok_s": round(output_tokens / elapsed, 1),
                          "repeat_total_time_s": round(repeat_elapsed, 3),
-                         "repeat_output_tok_s": round(output_tokens / repeat_elapsed, 1)}
+                         "repeat_output_tok_s": round(output_tokens / repeat_elapsed, 1),
+                         # Triton kernels built inside each timed pass (compiles the warm-up missed)
+                         "triton_compiles": first_compiles.report(),
+                         "repeat_triton_compiles": repeat_compiles.report()}
     report["step_breakdown"] = {"total_time_s": round(breakdown_elapsed, 3), **breakdown.report(),
                                 "graph_replays": graph_replays}
     if peer == "hf":

@@ -673,7 +673,9 @@ def paged_decode(
         _merge_kernel[(rows, hq)](
             out, lse_t, part_o, part_lse, key_lens, cu_query_lens, ids, chunk,
             out.stride(0), out.stride(1), *es, *ps,
-            QLEN_MAX=qlen_max, S_POW2=triton.next_power_of_2(num_splits), S_BLOCK=min(16, triton.next_power_of_2(num_splits)),
+            # One build for every split count (up to MAX_SPLITS): a constexpr that followed the
+            # count would compile a new kernel each time a step's batch or context moved it.
+            QLEN_MAX=qlen_max, S_POW2=max(MAX_SPLITS, triton.next_power_of_2(num_splits)), S_BLOCK=16,
             D=d, D_POW2=d_pow2, HAS_SEQ_IDS=seq_ids is not None, WRITE_LSE=lse is not None,
             num_warps=4 if d >= 128 else 2,
         )
