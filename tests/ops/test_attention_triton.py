@@ -269,6 +269,20 @@ def test_triton_module_imports_without_cuda():
     assert math.isfinite(tp._LOG2E)
 
 
+def test_decode_block_m_has_two_sizes_per_group():
+    """The decode kernel's Q tile is the one-token tile while the rows fit, else the tile of the
+    longest query it takes: varying multi-token rows cannot each compile the kernel again."""
+    from qsaserve.ops.attention import triton_paged as tp
+
+    for group in (1, 2, 4, 8, 16, 32):
+        cap = tp.decode_qlen_cap(group)
+        sizes = {tp.decode_block_m(group, n) for n in range(1, cap + 1)}
+        assert len(sizes) <= 2 and all(m >= group * 1 and m >= 16 for m in sizes)
+        assert tp.decode_block_m(group, 1) == max(16, group)
+        assert tp.decode_block_m(group, cap) >= group * cap  # every row of the longest query fits
+    assert tp.decode_block_m(4, 4) == 16 and tp.decode_block_m(4, 5) == 64
+
+
 def test_kernels_compile_for_hopper():
     """Every kernel variant the engine launches (FP8 E4M3 / bf16 pages, K offset, split-KV merge
     with LSE, DCP shard positions, head_dim 80) compiles to an sm_90 cubin: the interpreter does
@@ -298,11 +312,11 @@ def test_kernels_compile_for_hopper():
                                       (False, False, 1, False, 0)):
         build(tp._decode_kernel, {**page_args, "q_ptr": "*bf16", "cache_ptr": "*fp8e4nv" if fp8 else "*bf16",
                                   "seq_ids_ptr": "*i32", "out_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"},
-              dict(G=4, QLEN_MAX=2, BLOCK_M=16, BLOCK_N=64, D=128, D_POW2=128, PAGE=16, HAS_SEQ_IDS=True,
+              dict(G=4, BLOCK_M=16, BLOCK_N=64, D=128, D_POW2=128, PAGE=16, HAS_SEQ_IDS=True,
                    SINGLE_SPLIT=single, IS_FP8=fp8, WRITE_LSE=dcp > 1, DCP_SIZE=dcp, DCP_I=8, F16_DOT=f16, V_GROUP=vg))
     build(tp._merge_kernel, {"out_ptr": "*fp32", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
                              "key_lens_ptr": "*i32", "cu_q_ptr": "*i32", "seq_ids_ptr": "*i32"},
-          dict(QLEN_MAX=1, S_POW2=64, S_BLOCK=16, D=128, D_POW2=128, HAS_SEQ_IDS=False, WRITE_LSE=True))
+          dict(S_POW2=128, S_BLOCK=16, D=128, D_POW2=128, HAS_SEQ_IDS=False, WRITE_LSE=True))
     build(tp._prefill_kernel, {**page_args, "q_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "tiles_ptr": "*i32",
                                "out_ptr": "*fp32"},
           dict(G=4, BLOCK_M=128, BLOCK_N=64, D=80, D_POW2=128, PAGE=16, IS_FP8=True, WRITE_LSE=True, DCP_SIZE=2, DCP_I=1))
@@ -326,12 +340,14 @@ def test_fp8_decode_sm90_code():
     types = {"q_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "key_lens_ptr": "*i32",
              "cu_q_ptr": "*i32", "seq_ids_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
              "out_ptr": "*fp32", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
-    consts = dict(G=4, QLEN_MAX=1, BLOCK_M=16, BLOCK_N=cfg.block_n, D=128, D_POW2=128, PAGE=16, HAS_SEQ_IDS=False,
+    consts = dict(G=4, BLOCK_M=16, BLOCK_N=cfg.block_n, D=128, D_POW2=128, PAGE=16, HAS_SEQ_IDS=False,
                   SINGLE_SPLIT=False, IS_FP8=True, WRITE_LSE=False, DCP_SIZE=1, DCP_I=1, F16_DOT=True,
                   V_GROUP=tp._v_group(cfg, 16, 128))
     assert consts["V_GROUP"] > 0
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if n.startswith("stride_") or n.endswith("_ptr")}
+    # as the launcher specializes: data pointers and strides aligned, metadata pointers not
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+               if (n.startswith("stride_") or n.endswith("_ptr")) and n not in fn.do_not_specialize_on_alignment}
     ptx = triton.compile(ASTSource(fn, sig, consts, attrs=aligned), target=GPUTarget("cuda", 90, 32),
                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}).asm["ptx"]
     assert "cvt.rn.f16x2.e4m3x2" in ptx

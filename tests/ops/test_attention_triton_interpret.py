@@ -71,18 +71,20 @@ def check_write_kv_fp8_bit_equal_to_reference(tp):
 
 
 def check_fp8_decode_and_prefill_poisoned_pages(tp):
-    """A mixed batch (decode rows, a 2-token verify row, prefill over a cached prefix) over E4M3
-    pages whose unused bytes are NaN: finite, equal to the fp32 reference; the split-KV decode
-    (forced to many splits, some empty) equals the single-split one."""
+    """A mixed batch (decode rows, a 2-token verify row, a 9-token row that takes the decode
+    kernel's tall Q tile, prefill over a cached prefix) over E4M3 pages whose unused bytes are NaN:
+    finite, equal to the fp32 reference; the split-KV decode (forced to many splits, some empty)
+    equals the single-split one."""
     hq, hkv, d, page = 4, 2, 32, 8
     ks, vs = torch.tensor(0.02), torch.tensor(0.015)
-    specs = [(1, 1), (1, 75), (2, 130), (40, 90), (1, 9)]
+    specs = [(1, 1), (1, 75), (2, 130), (40, 90), (1, 9), (9, 60)]
     q, k, v, cache, meta = fp8_case(specs, hq, hkv, d, page, 3, ks, vs, qdtype=F16)
     tp.write_kv(k.to(F16), v.to(F16), cache, meta.slot_mapping, ks, vs)
     out = tp.paged_attention(q, cache, meta, d**-0.5, k_scale=ks, v_scale=vs)
     ref = ref_fp8(q, cache, meta, d**-0.5, ks, vs)
     check_close(out, ref, F16, "fp8 mixed batch")
     plan = tp._plan(meta, hq // hkv, tp._prefill_config(d).block_m, q.device)
+    assert plan.qlen_max == 16 and tp.decode_block_m(hq // hkv, plan.qlen_max) == 32
     split = out.clone()
     tp.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, split, d**-0.5,
                     num_seqs=plan.num_decode, max_seq_len=plan.max_decode_len, qlen_max=plan.qlen_max,

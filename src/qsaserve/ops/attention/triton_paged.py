@@ -21,7 +21,9 @@ Nothing here touches CUDA at import time; host-side planning uses only the metad
 Integer arguments that change from step to step (block-table widths, split lengths, partial-buffer
 strides, the DCP rank) are `do_not_specialize`: Triton would otherwise compile a kernel again, in
 the middle of serving, each time such a value moves between "== 1", "multiple of 16" and neither.
-The QSA and DCP kernels do the same.
+The QSA and DCP kernels do the same. Likewise the int32 metadata pointers (block tables, lengths,
+query offsets, sequence ids) take no 16-byte-alignment specialization: they are often views at
+an offset into a larger buffer, read a scalar at a time, and alignment would only add builds.
 CUDA-graph contract (decode): a batch where every row decodes builds no host tensor and never
 syncs (no .item()/.tolist()/boolean indexing); `meta.seq_lens_list` may be a static upper bound
 of the device `meta.seq_lens` (it only sizes the split grid; splits past a row's true length
@@ -196,16 +198,18 @@ def _permute_cols(x, ROWS: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
 # Split 0 always runs, so a row with no keys (padding row, empty shard) still gets out 0 and
 # lse -inf; later splits past the row's key count return at once and the merge never reads them.
 # ----------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["chunk", "dcp_rank", "stride_bt", "stride_pr", "stride_ph", "stride_lr", "stride_lh"])
+@triton.jit(do_not_specialize=["chunk", "dcp_rank", "qlen_max", "stride_bt", "stride_pr", "stride_ph", "stride_lr", "stride_lh"],
+            do_not_specialize_on_alignment=[
+                "bt_ptr", "seq_lens_ptr", "key_lens_ptr", "cu_q_ptr", "seq_ids_ptr", "k_scale_ptr", "v_scale_ptr"])
 def _decode_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, key_lens_ptr, cu_q_ptr, seq_ids_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
-    qk_scale, chunk, dcp_rank,
+    qk_scale, chunk, dcp_rank, qlen_max,
     stride_qt, stride_qh,
     stride_c2, stride_cb, stride_ct, stride_ch,
     stride_bt, stride_ot, stride_oh, stride_et, stride_eh,
     stride_pr, stride_ph, stride_ps, stride_lr, stride_lh,
-    G: tl.constexpr, QLEN_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     D: tl.constexpr, D_POW2: tl.constexpr, PAGE: tl.constexpr,
     HAS_SEQ_IDS: tl.constexpr, SINGLE_SPLIT: tl.constexpr, IS_FP8: tl.constexpr, WRITE_LSE: tl.constexpr,
     DCP_SIZE: tl.constexpr, DCP_I: tl.constexpr, F16_DOT: tl.constexpr, V_GROUP: tl.constexpr,
@@ -232,7 +236,7 @@ def _decode_kernel(
     rows = tl.arange(0, BLOCK_M)
     j = rows // G
     head = kvh * G + rows % G
-    row_ok = (j < q_len) & (rows < G * QLEN_MAX)
+    row_ok = (j < q_len) & (rows < G * qlen_max)
     q_pos = seq_len - q_len + j  # causal limit of each row
     d = tl.arange(0, D_POW2)
     d_ok = d < D
@@ -290,23 +294,24 @@ def _decode_kernel(
         if WRITE_LSE:
             tl.store(lse_ptr + (q_start + j).to(tl.int64) * stride_et + head * stride_eh, lse, mask=row_ok)
     else:
-        prow = (idx * QLEN_MAX + j).to(tl.int64)
+        prow = (idx * qlen_max + j).to(tl.int64)
         p_ptrs = part_o_ptr + prow[:, None] * stride_pr + head[:, None] * stride_ph + split * stride_ps + d[None, :]
         tl.store(p_ptrs, o, mask=row_ok[:, None] & d_ok[None, :])
         tl.store(part_lse_ptr + prow * stride_lr + head * stride_lh + split, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["chunk", "stride_pr", "stride_ph", "stride_lr", "stride_lh"])
+@triton.jit(do_not_specialize=["chunk", "qlen_max", "stride_pr", "stride_ph", "stride_lr", "stride_lh"],
+            do_not_specialize_on_alignment=["key_lens_ptr", "cu_q_ptr", "seq_ids_ptr"])
 def _merge_kernel(
-    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, key_lens_ptr, cu_q_ptr, seq_ids_ptr, chunk,
+    out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, key_lens_ptr, cu_q_ptr, seq_ids_ptr, chunk, qlen_max,
     stride_ot, stride_oh, stride_et, stride_eh, stride_pr, stride_ph, stride_ps, stride_lr, stride_lh,
-    QLEN_MAX: tl.constexpr, S_POW2: tl.constexpr, S_BLOCK: tl.constexpr,
+    S_POW2: tl.constexpr, S_BLOCK: tl.constexpr,
     D: tl.constexpr, D_POW2: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     prow = tl.program_id(0)
     head = tl.program_id(1)
-    idx = prow // QLEN_MAX
-    j = prow % QLEN_MAX
+    idx = prow // qlen_max
+    j = prow % qlen_max
     if HAS_SEQ_IDS:
         seq = tl.load(seq_ids_ptr + idx)
     else:
@@ -345,7 +350,8 @@ def _merge_kernel(
 # q_len tokens of the context, so row i sits at position seq_len - q_len + i. Keys before the
 # tile's first row are visible to every row and take the unmasked loop.
 # ----------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["dcp_rank", "stride_bt"])
+@triton.jit(do_not_specialize=["dcp_rank", "stride_bt"], do_not_specialize_on_alignment=[
+    "bt_ptr", "seq_lens_ptr", "key_lens_ptr", "cu_q_ptr", "tiles_ptr", "k_scale_ptr", "v_scale_ptr"])
 def _prefill_kernel(
     q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, key_lens_ptr, cu_q_ptr, tiles_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, lse_ptr, qk_scale, dcp_rank,
@@ -584,6 +590,17 @@ def decode_qlen_cap(group: int) -> int:
     return max(1, min(16, 64 // group))
 
 
+def decode_block_m(group: int, qlen_max: int) -> int:
+    """The decode kernel's Q tile height: the one-token tile while the rows fit in it, else the
+    tile of the longest query it takes. Two sizes, not one per query length, so that a batch's
+    varying multi-token rows (a chunked prompt's short tail, speculative tokens) do not each
+    compile the kernel again."""
+    one = max(16, triton.next_power_of_2(group))
+    if group * qlen_max <= one:
+        return one
+    return max(one, triton.next_power_of_2(group * decode_qlen_cap(group)))
+
+
 def _make_plan(query_lens: list[int], seq_lens: list[int], group: int, block_m: int, device) -> _Plan:
     """Pure Python over host lists; a tensor is built only for a batch that does not all decode.
     seq_lens may be upper bounds of the true lengths (CUDA-graph capture)."""
@@ -655,14 +672,14 @@ def paged_decode(
     ks, vs = (k_scale, v_scale) if fp8 else (seq_lens, seq_lens)
     lse_t, es = (lse, (lse.stride(0), lse.stride(1))) if lse is not None else (out, (0, 0))
     d_pow2 = triton.next_power_of_2(d)
-    block_m = max(16, triton.next_power_of_2(group * qlen_max))
+    block_m = decode_block_m(group, qlen_max)
     _decode_kernel[(num_seqs, hkv, num_splits)](
         q, kv_cache, block_tables, seq_lens, key_lens, cu_query_lens, ids, ks, vs, out, lse_t, part_o, part_lse,
-        scale * _LOG2E, chunk, rank,
+        scale * _LOG2E, chunk, rank, qlen_max,
         q.stride(0), q.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1), *es, *ps,
-        G=group, QLEN_MAX=qlen_max, BLOCK_M=block_m,
+        G=group, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, D=d, D_POW2=d_pow2, PAGE=kv_cache.shape[2],
         HAS_SEQ_IDS=seq_ids is not None, SINGLE_SPLIT=single, IS_FP8=fp8, WRITE_LSE=lse is not None,
         DCP_SIZE=dcp_size, DCP_I=dcp_i, F16_DOT=fp8 and cfg.fp8_dot == "fp16",
@@ -671,11 +688,11 @@ def paged_decode(
     )
     if not single:
         _merge_kernel[(rows, hq)](
-            out, lse_t, part_o, part_lse, key_lens, cu_query_lens, ids, chunk,
+            out, lse_t, part_o, part_lse, key_lens, cu_query_lens, ids, chunk, qlen_max,
             out.stride(0), out.stride(1), *es, *ps,
             # One build for every split count (up to MAX_SPLITS): a constexpr that followed the
             # count would compile a new kernel each time a step's batch or context moved it.
-            QLEN_MAX=qlen_max, S_POW2=max(MAX_SPLITS, triton.next_power_of_2(num_splits)), S_BLOCK=16,
+            S_POW2=max(MAX_SPLITS, triton.next_power_of_2(num_splits)), S_BLOCK=16,
             D=d, D_POW2=d_pow2, HAS_SEQ_IDS=seq_ids is not None, WRITE_LSE=lse is not None,
             num_warps=4 if d >= 128 else 2,
         )
