@@ -94,3 +94,12 @@ def test_record_triton_compiles_counts_by_kernel_and_restores_the_hook():
     r = compiles.report()
     assert r["total"] == 5 and r["by_kernel"] == {"kernel_a": 4, "kernel_b": 1}
     assert r["example_keys"]["kernel_a"] == ["a1", "a2", "a3"]  # at most three kept
+
+
+def test_busy_and_span_merges_overlapping_intervals():
+    from qsaserve.bench.step_profile import busy_and_span
+
+    assert busy_and_span([]) == (0.0, 0.0)
+    # [0,2] and [1,3] overlap (3 busy), [5,6] apart (1 busy), [5.5,5.8] inside it; span 0..6
+    assert busy_and_span([(5, 6), (0, 2), (1, 3), (5.5, 5.8)]) == (4.0, 6.0)
+    assert busy_and_span([(0, 10), (2, 3)]) == (10.0, 10.0)

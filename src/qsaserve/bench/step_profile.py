@@ -7,6 +7,7 @@ messages, sampling); if close, the named top kernels are where to look. Under te
 context parallelism it profiles rank 0 (the engine's own process)."""
 from __future__ import annotations
 
+import collections
 import statistics
 import time
 
@@ -66,26 +67,64 @@ def profile_decode_steps(engine: LLMEngine, steps: int = 16, top: int = 15) -> d
     if not cuda:
         return report
     try:
-        activities = [torch.profiler.ProfilerActivity.CUDA]
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(steps):
                 engine.step(outputs="finished")
             torch.cuda.synchronize()
-        kernels = []
-        for e in prof.key_averages():
-            device_us = getattr(e, "self_device_time_total", None)
-            if device_us is None:
-                device_us = e.self_cuda_time_total
-            if device_us > 0:
-                kernels.append((device_us, e.count, e.key))
+        # Aggregated from the events themselves, by kind: with CPU activity on, key_averages()
+        # also credits kernel time to the host ops that launched it.
+        device_time, device_calls = collections.Counter(), collections.Counter()
+        host_time, host_calls = collections.Counter(), collections.Counter()
+        intervals = []
+        for e in prof.events():
+            if _is_device_event(e):
+                device_time[e.name] += e.time_range.elapsed_us()
+                device_calls[e.name] += 1
+                intervals.append((e.time_range.start, e.time_range.end))
+            elif e.self_cpu_time_total > 0:
+                host_time[e.name] += e.self_cpu_time_total
+                host_calls[e.name] += 1
+        kernels = [(us, device_calls[name], name) for name, us in device_time.items() if us > 0]
+        host_ops = [(us, host_calls[name], name) for name, us in host_time.items()]
         kernels.sort(reverse=True)
+        host_ops.sort(reverse=True)
         report["device_ms"] = round(sum(k[0] for k in kernels) / steps / 1e3, 3)
         report["kernel_launches_per_step"] = round(sum(k[1] for k in kernels) / steps, 1)
         report["top_kernels"] = [{"name": name[:120], "ms_per_step": round(us / steps / 1e3, 4),
                                   "calls_per_step": round(n / steps, 2)} for us, n, name in kernels[:top]]
+        # From the first kernel's start to the last one's end, per step, and how much of that
+        # no kernel ran: idle device time inside a run of steps is time the host (or a peer rank
+        # this one waits for outside a kernel) kept the device waiting.
+        busy, span = busy_and_span(intervals)
+        report["device_span_ms"] = round(span / steps / 1e3, 3)
+        report["device_idle_ms"] = round((span - busy) / steps / 1e3, 3)
+        report["top_host_ops"] = [{"name": name[:120], "ms_per_step": round(us / steps / 1e3, 4),
+                                   "calls_per_step": round(n / steps, 2)} for us, n, name in host_ops[:top]]
     except Exception as e:  # profiler unavailable (CUPTI missing): keep the timings
         report["profiler_error"] = repr(e)[:300]
     return report
+
+
+def _is_device_event(event) -> bool:
+    device_type = getattr(event, "device_type", None)
+    return device_type is not None and device_type != torch.autograd.DeviceType.CPU
+
+
+def busy_and_span(intervals: list[tuple[float, float]]) -> tuple[float, float]:
+    """(time covered by at least one interval, first start to last end) of (start, end) pairs."""
+    if not intervals:
+        return 0.0, 0.0
+    ordered = sorted(intervals)
+    busy, cur_start, cur_end = 0.0, *ordered[0]
+    for start, end in ordered[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    return busy, max(end for _, end in ordered) - ordered[0][0]
 
 
 class StepBreakdown:
