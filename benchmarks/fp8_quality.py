@@ -42,6 +42,8 @@ def main() -> int:
     p.add_argument("--with-fp32-reference", action="store_true", help="also score a float32 KV cache")
     p.add_argument("--with-mean-offset", action="store_true",
                    help="also score scales calibrated with the plain mean K offset (no sink alignment)")
+    p.add_argument("--with-rotation", action="store_true",
+                   help="also calibrate and score with kv_rotation=hadamard (quant/kv_rotation.py), calibrated and unit scales")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--date", default=datetime.date.today().isoformat())
     args = p.parse_args()
@@ -58,6 +60,12 @@ def main() -> int:
                   margin=args.margin, align_sink=False)
     kv_spec = cal_llm.engine.executor.kv_spec  # model-dtype pages: the geometry kv_capacity_report sizes
     del cal_llm
+    rot_path = os.path.join(args.out_dir, f"kv_scales_smollm2_{args.date}_hadamard.json")
+    if args.with_rotation:  # the same calibration with the heads rotated (the file records it)
+        rot_llm = LLM(progress=False, **calibration_config(EngineConfig(**common, kv_rotation="hadamard")).__dict__)
+        calibrate(rot_llm, pydoc_topics("calibration"), rot_path, num_tokens=args.calib_tokens, seq_len=args.window,
+                  margin=args.margin)
+        del rot_llm
     t_cal = time.perf_counter() - t0
 
     candidates = {
@@ -66,6 +74,9 @@ def main() -> int:
     }
     if args.with_mean_offset:
         candidates["fp8_e4m3_calibrated_mean_offset"] = {"kv_cache_dtype": "fp8_e4m3", "kv_scales": mean_path}
+    if args.with_rotation:
+        candidates["fp8_e4m3_calibrated_hadamard"] = {"kv_cache_dtype": "fp8_e4m3", "kv_scales": rot_path}
+        candidates["fp8_e4m3_unit_scales_hadamard"] = {"kv_cache_dtype": "fp8_e4m3", "kv_rotation": "hadamard"}
     if args.with_fp32_reference:
         candidates["float32_kv_reference"] = {"kv_cache_dtype": "float32"}
     report = run_qualify(common, {"kv_cache_dtype": "bfloat16"}, candidates, pydoc_topics("evaluation"),
@@ -82,11 +93,18 @@ def main() -> int:
         "calibrated_no_worse_than_unit_kl": c["kl_mean"] <= u["kl_mean"],
         "calibrated_no_worse_than_unit_top1": c["top1_agreement"] >= u["top1_agreement"],
     }
+    if args.with_rotation:
+        h = report["candidates"]["fp8_e4m3_calibrated_hadamard"]
+        report["targets_met"]["hadamard_calibrated_ppl_change_below_1pct"] = abs(h["ppl_change_pct"]) < TARGETS["ppl_change_pct_below"]
+        report["targets_met"]["hadamard_calibrated_top1_agreement_at_least_97pct"] = (
+            h["top1_agreement"] >= TARGETS["top1_agreement_at_least"])
     report["method"] = ("FP8 E4M3 K/V pages, one k_scale and one v_scale per attention layer (absmax * margin / 448); "
                         "calibrated keys are stored as K - k_offset, k_offset the per-layer, per-KV-head, per-channel "
                         "mean of K over the calibration text, moved by at most half an E4M3 step so that the mean "
                         "first-token (attention sink) key minus k_offset is exactly representable (exact for "
-                        "attention); mean_offset: the plain mean; unit scales: 1.0, no offset")
+                        "attention); mean_offset: the plain mean; unit scales: 1.0, no offset; hadamard: q, k, v of every "
+                        "head multiplied by the normalized Hadamard matrix before the cache and the output multiplied "
+                        "back (exact in real arithmetic; quant/kv_rotation.py), scales calibrated after the rotation")
     report["calibration"] = {k: cal[k] for k in ("margin", "num_tokens", "seq_len", "dataset", "scale_rule", "k_offset_rule")}
     report["kv_capacity"] = kv_capacity_report(kv_spec, common["kv_cache_memory"])
     report["scales_file"] = os.path.relpath(scales_path, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from qsaserve.errors import InvalidRequestError
+from qsaserve.quant.kv_rotation import KV_ROTATIONS
 from qsaserve.quant.kv_scales import KV_CACHE_DTYPES
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -31,6 +32,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     kv_scales: str | None = None  # overlay JSON of per-layer k/v scales (`qsaserve calibrate`)
     strict_kv_scales: bool = False  # every scale required under FP8 (always on when auto picks FP8)
+    kv_rotation: str | None = None  # none | hadamard (quant/kv_rotation.py); None: what the --kv-scales file names
     # Parallelism (see parallel/): rank 0 is the engine process, other ranks are worker processes.
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1  # shards each request's KV over D of the TP ranks
@@ -91,6 +93,8 @@ class EngineConfig:
             raise InvalidRequestError("kv_scales", f"must be a path to a JSON file, got {self.kv_scales!r}")
         if not isinstance(self.strict_kv_scales, bool):
             raise InvalidRequestError("strict_kv_scales", f"must be true or false, got {self.strict_kv_scales!r}")
+        if self.kv_rotation is not None and self.kv_rotation not in KV_ROTATIONS:
+            raise InvalidRequestError("kv_rotation", f"must be one of {', '.join(KV_ROTATIONS)}; got {self.kv_rotation!r}")
 
     def _check_parallel(self) -> None:
         """Model-independent checks; the KV-head constraints are checked once the model config is known."""

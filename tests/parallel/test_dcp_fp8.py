@@ -34,3 +34,18 @@ def test_tp2_and_tp2_dcp2_fp8_match_tp1_fp8(mqa_with_scales):
                      dcp_interleave_size=2, **ENGINE)
     assert_same_outputs(base, tp2, TOL)
     assert_same_outputs(base, dcp, TOL)
+
+
+def test_rotated_fp8_under_tp2_and_dcp2_matches_tp1(mqa_with_scales, tmp_path):
+    """A scales file measured with kv_rotation=hadamard: every rank rotates its heads (DCP: the
+    gathered query heads and the merged output too), so TP2 and TP2/DCP2 give TP1's outputs."""
+    path, scales = mqa_with_scales
+    doc = json.loads(open(scales).read())
+    rotated = tmp_path / "rotated.json"
+    rotated.write_text(json.dumps({**doc, "version": 3, "kv_rotation": "hadamard"}))
+    base = run_engine(path, PROMPTS, PARAMS, kv_scales=str(rotated), **ENGINE)
+    tp2 = run_engine(path, PROMPTS, PARAMS, kv_scales=str(rotated), tensor_parallel_size=2, **ENGINE)
+    dcp = run_engine(path, PROMPTS, PARAMS, kv_scales=str(rotated), tensor_parallel_size=2,
+                     decode_context_parallel_size=2, dcp_interleave_size=2, **ENGINE)
+    assert_same_outputs(base, tp2, TOL)
+    assert_same_outputs(base, dcp, TOL)

@@ -23,6 +23,7 @@ from qsaserve.models.ple_table import dummy_ple_tables, is_table_tensor, open_pl
 from qsaserve.models.registry import build_model
 from qsaserve.parallel.dcp import DcpGeometry
 from qsaserve.parallel.state import ParallelContext
+from qsaserve.errors import InvalidRequestError
 from qsaserve.quant.kv_scales import CheckpointScales, attention_layer_ids, resolve_kv_cache
 
 logger = logging.getLogger("qsaserve")
@@ -60,6 +61,9 @@ class ModelRunner:
         self.kv_quant = resolve_kv_cache(config, checkpoint.identity, attention_layer_ids(model), ckpt_scales.scales,
                                          self.dtype, self.device, tp_size=self.parallel.tp_size,
                                          tp_rank=self.parallel.tp_rank)
+        if self.kv_quant.rotation != "none" and not getattr(model, "supports_kv_rotation", False):
+            raise InvalidRequestError("kv_rotation", f"{self.kv_quant.rotation} is implemented by the Llama-family "
+                                      f"attention layers; {type(model).__name__} does not apply it")
         # Per-rank pages of block_size tokens; under DCP an engine block spans block_size * D tokens.
         self.kv_spec_dcp1 = dataclasses.replace(model.kv_cache_spec(config.block_size, self.dtype), kv_dtype=self.kv_quant.dtype)
         self.kv_spec = self.parallel.dcp.scale_spec(self.kv_spec_dcp1)

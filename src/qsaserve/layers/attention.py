@@ -14,6 +14,7 @@ from torch import nn
 
 from qsaserve.cache.kv_cache import LayerCache
 from qsaserve.ops.attention.reference import paged_attention_reference, write_kv_reference
+from qsaserve.quant.kv_rotation import rotate_heads
 
 try:  # Triton kernels for CUDA tensors; CPU-only installs keep the reference
     from qsaserve.ops.attention import triton_paged as _triton
@@ -74,6 +75,8 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         cache = self.cache
+        if cache.rotation is not None:  # the pages hold rotated K/V (quant/kv_rotation.py)
+            q, k, v = (rotate_heads(x, cache.rotation) for x in (q, k, v))
         if cache.observer is not None:
             cache.observer(k, v)
         if use_triton(q):
@@ -84,4 +87,6 @@ class Attention(nn.Module):
             write_kv_ref(k, v, cache, meta.slot_mapping)
             out = paged_attention_reference(q, cache.kv, meta.block_tables, meta.query_lens, meta.seq_lens_list, self.scale,
                                             k_scale=cache.k_scale, v_scale=cache.v_scale)
+        if cache.rotation is not None:
+            out = rotate_heads(out, cache.rotation)  # the rotation is its own inverse
         return out.reshape(t, self.num_heads * self.head_dim)

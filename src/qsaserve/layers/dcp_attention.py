@@ -12,6 +12,7 @@ from torch import nn
 from qsaserve.cache.kv_cache import LayerCache
 from qsaserve.layers.attention import AttentionMetadata, _triton, use_triton, write_kv_ref
 from qsaserve.ops.attention.dcp_reference import paged_attention_partial
+from qsaserve.quant.kv_rotation import rotate_heads
 
 
 def shard_keys(meta: AttentionMetadata, dcp, device: torch.device):
@@ -45,6 +46,8 @@ class DcpAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         cache = self.cache
+        if cache.rotation is not None:  # the pages hold rotated K/V (quant/kv_rotation.py)
+            q, k, v = (rotate_heads(x, cache.rotation) for x in (q, k, v))
         if cache.observer is not None:  # KV-scale calibration sees every new K/V, owned here or not
             cache.observer(k, v)
         q_group = self.ctx.dcp_gather_heads(q.view(t, self.num_heads, self.head_dim))
@@ -60,4 +63,7 @@ class DcpAttention(nn.Module):
             out, lse = paged_attention_partial(q_group, cache.kv, meta.block_tables, meta.query_lens,
                                                meta.seq_lens_list, plan.local_seq_lens, keys, self.scale,
                                                cache.k_scale, cache.v_scale)
-        return self.ctx.dcp_merge(out, lse).to(q.dtype).reshape(t, -1)
+        out = self.ctx.dcp_merge(out, lse).to(q.dtype)
+        if cache.rotation is not None:
+            out = rotate_heads(out, cache.rotation)  # the rotation is its own inverse
+        return out.reshape(t, -1)

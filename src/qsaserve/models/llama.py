@@ -157,6 +157,8 @@ def checkpoint_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 class LlamaForCausalLM(nn.Module):
+    supports_kv_rotation = True  # its attention layers (layers/attention.py, dcp_attention.py) apply cache.rotation
+
     def __init__(self, c: LlamaConfig, max_positions: int, ctx: ParallelContext | None = None):
         super().__init__()
         self.config = c

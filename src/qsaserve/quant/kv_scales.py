@@ -10,6 +10,9 @@ An overlay layer may also carry `k_offset`, a per-KV-head, per-channel vector [H
 from every key before it is stored (exact for attention, see ops/attention/reference.py); its
 k_scale was then measured after the subtraction, so the two are only used together. Checkpoint
 tensors give no offset; files without offsets (version 1) load with none.
+A file may name the head rotation its K/V were measured after (`kv_rotation`, version 3; see
+quant/kv_rotation.py); older files measured none. Scales only apply in the basis they were
+measured in, so an engine asked for another rotation refuses the file.
 
 The dtype decision (`resolve_kv_cache`):
   - an explicit bfloat16 / float16 / float32 always wins (an overlay is still validated);
@@ -31,12 +34,13 @@ import torch
 
 from qsaserve.errors import InvalidRequestError
 from qsaserve.quant.fp8 import FP8_E4M3, is_fp8
+from qsaserve.quant.kv_rotation import KV_ROTATIONS, hadamard_matrix
 
 logger = logging.getLogger("qsaserve")
 
 FILE_FORMAT = "qsaserve-kv-scales"
-FILE_VERSION = 2  # 2: optional per-layer k_offset; version 1 files (scales only) still load
-READABLE_VERSIONS = (1, 2)
+FILE_VERSION = 3  # 2: optional per-layer k_offset; 3: kv_rotation. Versions 1-2 (no rotation) still load
+READABLE_VERSIONS = (1, 2, 3)
 HIGH_PRECISION = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", *HIGH_PRECISION, "fp8_e4m3")
 
@@ -51,6 +55,7 @@ class ScaleSet:
     v: dict[int, float] = field(default_factory=dict)
     source: str = ""
     k_offset: dict[int, torch.Tensor] = field(default_factory=dict)  # [Hkv, D] float32 (CPU), overlay only
+    rotation: str = "none"  # the head rotation K/V were measured after (quant/kv_rotation.py), overlay only
 
     def __bool__(self) -> bool:
         return bool(self.k or self.v)
@@ -59,7 +64,8 @@ class ScaleSet:
         """Per entry, the overlay wins. A layer's offset belongs with the overlay's own k_scale
         (read_scales_file requires both), so offsets come from the overlay only."""
         sources = " + ".join(s for s in (self.source if self else "", overlay.source if overlay else "") if s)
-        return ScaleSet({**self.k, **overlay.k}, {**self.v, **overlay.v}, sources, dict(overlay.k_offset))
+        return ScaleSet({**self.k, **overlay.k}, {**self.v, **overlay.v}, sources, dict(overlay.k_offset),
+                        overlay.rotation)
 
 
 # ---- overlay files ----
@@ -104,7 +110,10 @@ def read_scales_file(path: str, identity: str) -> ScaleSet:
     layers = doc.get("layers")
     if not isinstance(layers, dict):
         raise InvalidRequestError("kv_scales", f"{path}: 'layers' must be an object of layer -> {{k_scale, v_scale}}")
-    out = ScaleSet(source=f"overlay {path}")
+    rotation = doc.get("kv_rotation", "none")
+    if rotation not in KV_ROTATIONS:
+        raise InvalidRequestError("kv_scales", f"{path}: kv_rotation must be one of {', '.join(KV_ROTATIONS)}, got {rotation!r}")
+    out = ScaleSet(source=f"overlay {path}", rotation=rotation)
     for key, entry in layers.items():
         if not str(key).isdigit() or not isinstance(entry, dict):
             raise InvalidRequestError("kv_scales", f"{path}: bad layer entry {key!r}")
@@ -181,14 +190,23 @@ class KVCacheQuant:
     reason: str = ""
     k_offsets: list[torch.Tensor | None] | None = None  # per layer [Hkv, D] fp32 device tensor (this rank's heads) or None
     layer_ids: list[int] | None = None
+    rotation: str = "none"  # head rotation around the cache (quant/kv_rotation.py), in any page dtype
+    rotation_dtype: torch.dtype = torch.float32  # the activations' dtype, which the rotation matrix takes
 
     @property
     def is_fp8(self) -> bool:
         return is_fp8(self.dtype)
 
     def attach(self, caches: list) -> list:
-        """Gives each LayerCache its layer's scales and K offset; returns the list. An offset whose
-        [Hkv, D] is not the cache's is refused here, at startup, naming the layer."""
+        """Gives each LayerCache its layer's scales, K offset and rotation; returns the list. An
+        offset whose [Hkv, D] is not the cache's is refused here, at startup, naming the layer."""
+        if self.rotation != "none" and caches:
+            d = caches[0].kv.shape[-1]
+            if d & (d - 1):
+                raise InvalidRequestError("kv_rotation", f"hadamard needs a power-of-two head_dim, this model's is {d}")
+            matrix = hadamard_matrix(d, self.rotation_dtype, caches[0].kv.device)
+            for cache in caches:
+                cache.rotation = matrix
         if self.is_fp8:
             offsets = self.k_offsets or [None] * len(self.k_scales)
             for n, (cache, k, v, m) in enumerate(zip(caches, self.k_scales, self.v_scales, offsets, strict=True)):
@@ -217,15 +235,18 @@ def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_sca
     scales = ckpt.merged(overlay)
     requested = config.kv_cache_dtype
     model_name = _dtype_name(model_dtype)
+    asked_rotation = getattr(config, "kv_rotation", None)  # None: the overlay's, if one is used
 
     if requested in HIGH_PRECISION:
         if scales:
             logger.info("kv_scales: %s present but kv_cache_dtype=%s was requested explicitly; scales unused",
                         scales.source, requested)
-        return KVCacheQuant(HIGH_PRECISION[requested], requested, reason="explicit")
+        return KVCacheQuant(HIGH_PRECISION[requested], requested, reason="explicit", rotation=asked_rotation or "none",
+                            rotation_dtype=model_dtype)
     if requested == "auto":
         if not scales:
-            return KVCacheQuant(model_dtype, model_name, reason="auto: no calibrated KV scales for this model")
+            return KVCacheQuant(model_dtype, model_name, reason="auto: no calibrated KV scales for this model",
+                                rotation=asked_rotation or "none", rotation_dtype=model_dtype)
         strict, reason = True, f"auto: calibrated scales from {scales.source} (strict)"
     else:
         strict = bool(config.strict_kv_scales)
@@ -253,8 +274,22 @@ def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_sca
                for i in layer_ids]
     if scales.k_offset:
         reason += f", K offsets for {len(scales.k_offset)} of {len(layer_ids)} layers"
+    rotation = overlay.rotation if overlay else "none"
+    if asked_rotation is not None and overlay and asked_rotation != rotation:
+        raise InvalidRequestError(
+            "kv_rotation", f"{asked_rotation} was requested, but the scales in {config.kv_scales} were measured with "
+            f"kv_rotation={rotation} (scales only apply in the basis they were measured in; recalibrate with "
+            f"--kv-rotation {asked_rotation})")
+    rotation = asked_rotation or rotation
+    from_checkpoint = sorted(((set(ckpt.k) | set(ckpt.v)) - (set(overlay.k) | set(overlay.v))) & set(layer_ids))
+    if rotation != "none" and from_checkpoint:
+        raise InvalidRequestError(
+            "kv_rotation", f"{rotation} was requested, but the checkpoint's scales for layers {_ranges(from_checkpoint)} "
+            "were measured without a rotation; calibrate with --kv-rotation and pass the file with --kv-scales")
+    if rotation != "none":
+        reason += f", heads rotated ({rotation})"
     return KVCacheQuant(FP8_E4M3, "fp8_e4m3", tensors(scales.k), tensors(scales.v), reason=reason,
-                        k_offsets=offsets, layer_ids=list(layer_ids))
+                        k_offsets=offsets, layer_ids=list(layer_ids), rotation=rotation, rotation_dtype=model_dtype)
 
 
 def _rank_heads(offset: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:

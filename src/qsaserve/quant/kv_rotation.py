@@ -1,0 +1,41 @@
+"""Hadamard rotation of attention heads around an FP8 KV cache (`kv_rotation="hadamard"`).
+
+q.k is unchanged when both sides are multiplied by the same orthogonal matrix, and so is the
+attention output once it is multiplied back. With H the normalized Sylvester-Hadamard matrix of
+the head dimension (symmetric, H @ H = I), the layer stores K H and V H and attends with Q H:
+
+    softmax((Q H)(K H)^T) (V H) H = softmax(Q K^T) V
+
+E4M3 keeps a relative precision of 2^-4 per element, so the error of q.k is dominated by the
+channels where both q and k are large. Keys have such channels (a fixed bias, RoPE's slow pairs);
+H spreads every channel over all of them, so no product dominates and the same 8 bits lose less.
+On SmolLM2 over held-out text (benchmarks/fp8_quality.py) this lowers the mean KL divergence to
+the bfloat16-KV model by ~30% at calibrated scales; see docs/fp8.md.
+
+The rotation is part of what a scales file measured (`qsaserve calibrate --kv-rotation hadamard`
+records K and V after it), so the file names it and loading checks it. In exact arithmetic it is
+the identity, so it only matters for quantized pages; the layers apply it whenever it is set.
+"""
+from __future__ import annotations
+
+import torch
+
+KV_ROTATIONS = ("none", "hadamard")
+
+
+def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """The n x n Sylvester-Hadamard matrix divided by sqrt(n) (n a power of two): symmetric and
+    orthogonal, entries +-1/sqrt(n)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"hadamard_matrix: n must be a power of two, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / n**0.5).to(dtype=dtype, device=device)
+
+
+def rotate_heads(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Each head_dim-wide slice of x's last dimension (heads flattened or not) times `rotation`
+    [D, D]; same shape and dtype as x."""
+    d = rotation.shape[0]
+    return (x.unflatten(-1, (-1, d)) @ rotation).flatten(-2)
