@@ -103,3 +103,16 @@ def test_busy_and_span_merges_overlapping_intervals():
     # [0,2] and [1,3] overlap (3 busy), [5,6] apart (1 busy), [5.5,5.8] inside it; span 0..6
     assert busy_and_span([(5, 6), (0, 2), (1, 3), (5.5, 5.8)]) == (4.0, 6.0)
     assert busy_and_span([(0, 10), (2, 3)]) == (10.0, 10.0)
+
+
+def test_device_events_exclude_user_annotations():
+    from types import SimpleNamespace
+
+    import torch
+
+    from qsaserve.bench.step_profile import _is_device_event
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    assert _is_device_event(SimpleNamespace(device_type=cuda, is_user_annotation=False))
+    assert not _is_device_event(SimpleNamespace(device_type=cuda, is_user_annotation=True))  # e.g. an NCCL range
+    assert not _is_device_event(SimpleNamespace(device_type=cpu, is_user_annotation=False))

@@ -281,6 +281,10 @@ def test_decode_block_m_has_two_sizes_per_group():
         assert tp.decode_block_m(group, 1) == max(16, group)
         assert tp.decode_block_m(group, cap) >= group * cap  # every row of the longest query fits
     assert tp.decode_block_m(4, 4) == 16 and tp.decode_block_m(4, 5) == 64
+    q = torch.zeros(1, 4, 16)
+    with pytest.raises(ValueError, match="^qlen_max: the decode kernel takes queries of <= 16 tokens"):
+        tp.paged_decode(q, torch.zeros(2, 1, 16, 1, 16), None, None, None, q, 1.0, num_seqs=1, max_seq_len=1,
+                        qlen_max=17)
 
 
 def test_kernels_compile_for_hopper():

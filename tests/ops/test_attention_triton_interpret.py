@@ -84,7 +84,7 @@ def check_fp8_decode_and_prefill_poisoned_pages(tp):
     ref = ref_fp8(q, cache, meta, d**-0.5, ks, vs)
     check_close(out, ref, F16, "fp8 mixed batch")
     plan = tp._plan(meta, hq // hkv, tp._prefill_config(d).block_m, q.device)
-    assert plan.qlen_max == 16 and tp.decode_block_m(hq // hkv, plan.qlen_max) == 32
+    assert plan.qlen_max == 9 and tp.decode_block_m(hq // hkv, plan.qlen_max) == 32
     split = out.clone()
     tp.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, split, d**-0.5,
                     num_seqs=plan.num_decode, max_seq_len=plan.max_decode_len, qlen_max=plan.qlen_max,

@@ -34,6 +34,22 @@ def test_hadamard_matrix_needs_a_power_of_two(n):
         hadamard_matrix(n)
 
 
+def test_rotation_is_exact_in_bfloat16_activations():
+    """The product is taken in float32: at head_dim 128, 1/sqrt(128) is not a bfloat16 number, and a
+    bfloat16 H would give H @ H = 0.9998 I, a bias that survives the bfloat16 rounding of the
+    rotated values (which averages out over many of them)."""
+    h = hadamard_matrix(128)
+    x = torch.randn(512, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert rotate_heads(x, h).dtype == torch.bfloat16
+
+    def scale(twice):  # least-squares factor between x and x rotated twice
+        return ((twice.double() * x.double()).sum() / (x.double() ** 2).sum()).item()
+
+    assert abs(scale(rotate_heads(rotate_heads(x, h), h)) - 1) < 1e-5  # observed 2.4e-7
+    h16 = h.to(torch.bfloat16)
+    assert abs(scale((x @ h16) @ h16) - 1) > 3e-5  # what a bfloat16 H does (observed 6.7e-5)
+
+
 def test_rotated_attention_equals_plain_attention():
     """softmax((QH)(KH)^T)(VH)H == softmax(QK^T)V on paged, causal, GQA attention (the reference
     computes in float32)."""
@@ -42,7 +58,7 @@ def test_rotated_attention_equals_plain_attention():
     q = torch.randn(t, hq, d, generator=g, dtype=torch.float64)
     k = torch.randn(t, hkv, d, generator=g, dtype=torch.float64) * torch.linspace(0.1, 8, d, dtype=torch.float64)
     v = torch.randn(t, hkv, d, generator=g, dtype=torch.float64)
-    h = hadamard_matrix(d, torch.float64)
+    h = hadamard_matrix(d)  # float32, as the layers hold it
     tables = torch.arange(1, 4, dtype=torch.int32)[None]  # 3 pages after the null block
 
     def run(q, k, v):
@@ -132,13 +148,22 @@ def test_bad_rotation_values_are_refused(tiny_llama, tiny_identity, tmp_path):
 
 
 def test_checkpoint_scales_refuse_a_rotation(tmp_path):
+    """Checkpoint scales were measured unrotated: refused under a rotation, also when a rotated
+    overlay covers only part of them (here layer 0's v_scale but not its k_scale)."""
     from fp8_testing import save_tiny_llama
+    from qsaserve.loader.checkpoint import load_checkpoint
 
     extra = {f"model.layers.{i}.self_attn.{kind}": torch.tensor(val)
              for i, (k, v) in SCALES.items() for kind, val in (("k_scale", k), ("v_scale", v))}
     path = save_tiny_llama(tmp_path / "ckpt", extra_tensors=extra)
-    with pytest.raises(InvalidRequestError, match="^kv_rotation: hadamard was requested, but the checkpoint's scales"):
+    with pytest.raises(InvalidRequestError, match="^kv_rotation: hadamard was requested, but the checkpoint's"):
         engine(path, kv_rotation="hadamard")
+    identity = load_checkpoint(path, progress=False).identity
+    partial = {"format": "qsaserve-kv-scales", "version": 3, "model_identity": identity, "kv_rotation": "hadamard",
+               "layers": {"0": {"v_scale": 0.1}, "1": {"k_scale": 0.1, "v_scale": 0.1}, "2": {"k_scale": 0.1, "v_scale": 0.1}}}
+    (tmp_path / "partial.json").write_text(json.dumps(partial))
+    with pytest.raises(InvalidRequestError, match="^kv_rotation: .*checkpoint's k_scale of layers 0 were measured"):
+        engine(path, kv_scales=str(tmp_path / "partial.json"))
 
 
 def test_models_without_rotation_support_refuse_it():

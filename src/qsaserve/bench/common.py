@@ -62,7 +62,8 @@ def kernel_bench_main(bench: str, make_rows, **fields) -> None:
 class TritonCompiles:
     """Counts the Triton kernels built (compiled, or loaded from Triton's disk cache) while the
     recorder is active, by kernel name, with a few of each kernel's specialization keys. A timed
-    pass that builds kernels paid for compiles its warm-up did not meet; this names them."""
+    pass that builds kernels paid for compiles its warm-up did not meet; this names them. It sees
+    this process only: under tensor parallelism, rank 0's builds."""
 
     def __init__(self) -> None:
         self.counts: collections.Counter[str] = collections.Counter()

@@ -95,7 +95,9 @@ def profile_decode_steps(engine: LLMEngine, steps: int = 16, top: int = 15) -> d
                                   "calls_per_step": round(n / steps, 2)} for us, n, name in kernels[:top]]
         # From the first kernel's start to the last one's end, per step, and how much of that
         # no kernel ran: idle device time inside a run of steps is time the host (or a peer rank
-        # this one waits for outside a kernel) kept the device waiting.
+        # this one waits for outside a kernel) kept the device waiting. These steps run under the
+        # profiler (host tracing adds its own cost, so the idle time is an upper bound), and host
+        # ops include blocking waits (cudaStreamSynchronize, a readback's memcpy).
         busy, span = busy_and_span(intervals)
         report["device_span_ms"] = round(span / steps / 1e3, 3)
         report["device_idle_ms"] = round((span - busy) / steps / 1e3, 3)
@@ -107,8 +109,11 @@ def profile_decode_steps(engine: LLMEngine, steps: int = 16, top: int = 15) -> d
 
 
 def _is_device_event(event) -> bool:
+    """A kernel, memcpy or memset on the device; not a GPU-side user annotation (e.g. an NCCL
+    range), which spans kernels that are counted themselves."""
     device_type = getattr(event, "device_type", None)
-    return device_type is not None and device_type != torch.autograd.DeviceType.CPU
+    return (device_type is not None and device_type != torch.autograd.DeviceType.CPU
+            and not getattr(event, "is_user_annotation", False))
 
 
 def busy_and_span(intervals: list[tuple[float, float]]) -> tuple[float, float]:

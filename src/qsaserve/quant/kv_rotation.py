@@ -36,6 +36,8 @@ def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32, device=None) -> 
 
 def rotate_heads(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """Each head_dim-wide slice of x's last dimension (heads flattened or not) times `rotation`
-    [D, D]; same shape and dtype as x."""
+    [D, D] float32; same shape and dtype as x. The product is taken in float32: 1/sqrt(D) is not
+    a bfloat16 number at D = 128, and H @ H would then be 0.9998 I, a small temperature change on
+    every score and a scale on every output."""
     d = rotation.shape[0]
-    return (x.unflatten(-1, (-1, d)) @ rotation).flatten(-2)
+    return (x.unflatten(-1, (-1, d)).float() @ rotation).flatten(-2).to(x.dtype)

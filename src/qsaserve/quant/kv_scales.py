@@ -191,7 +191,6 @@ class KVCacheQuant:
     k_offsets: list[torch.Tensor | None] | None = None  # per layer [Hkv, D] fp32 device tensor (this rank's heads) or None
     layer_ids: list[int] | None = None
     rotation: str = "none"  # head rotation around the cache (quant/kv_rotation.py), in any page dtype
-    rotation_dtype: torch.dtype = torch.float32  # the activations' dtype, which the rotation matrix takes
 
     @property
     def is_fp8(self) -> bool:
@@ -204,7 +203,7 @@ class KVCacheQuant:
             d = caches[0].kv.shape[-1]
             if d & (d - 1):
                 raise InvalidRequestError("kv_rotation", f"hadamard needs a power-of-two head_dim, this model's is {d}")
-            matrix = hadamard_matrix(d, self.rotation_dtype, caches[0].kv.device)
+            matrix = hadamard_matrix(d, torch.float32, caches[0].kv.device)
             for cache in caches:
                 cache.rotation = matrix
         if self.is_fp8:
@@ -241,12 +240,11 @@ def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_sca
         if scales:
             logger.info("kv_scales: %s present but kv_cache_dtype=%s was requested explicitly; scales unused",
                         scales.source, requested)
-        return KVCacheQuant(HIGH_PRECISION[requested], requested, reason="explicit", rotation=asked_rotation or "none",
-                            rotation_dtype=model_dtype)
+        return KVCacheQuant(HIGH_PRECISION[requested], requested, reason="explicit", rotation=asked_rotation or "none")
     if requested == "auto":
         if not scales:
             return KVCacheQuant(model_dtype, model_name, reason="auto: no calibrated KV scales for this model",
-                                rotation=asked_rotation or "none", rotation_dtype=model_dtype)
+                                rotation=asked_rotation or "none")
         strict, reason = True, f"auto: calibrated scales from {scales.source} (strict)"
     else:
         strict = bool(config.strict_kv_scales)
@@ -281,15 +279,18 @@ def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_sca
             f"kv_rotation={rotation} (scales only apply in the basis they were measured in; recalibrate with "
             f"--kv-rotation {asked_rotation})")
     rotation = asked_rotation or rotation
-    from_checkpoint = sorted(((set(ckpt.k) | set(ckpt.v)) - (set(overlay.k) | set(overlay.v))) & set(layer_ids))
+    # per scale: an overlay giving a layer's v_scale alone leaves that layer's checkpoint k_scale in use
+    from_checkpoint = sorted(({(i, "k_scale") for i in ckpt.k} - {(i, "k_scale") for i in overlay.k})
+                             | ({(i, "v_scale") for i in ckpt.v} - {(i, "v_scale") for i in overlay.v}))
+    from_checkpoint = [(i, kind) for i, kind in from_checkpoint if i in set(layer_ids)]
     if rotation != "none" and from_checkpoint:
         raise InvalidRequestError(
-            "kv_rotation", f"{rotation} was requested, but the checkpoint's scales for layers {_ranges(from_checkpoint)} "
-            "were measured without a rotation; calibrate with --kv-rotation and pass the file with --kv-scales")
+            "kv_rotation", f"{rotation} was requested, but the checkpoint's {_describe(from_checkpoint)} were measured "
+            "without a rotation; calibrate with --kv-rotation and pass the file with --kv-scales")
     if rotation != "none":
         reason += f", heads rotated ({rotation})"
     return KVCacheQuant(FP8_E4M3, "fp8_e4m3", tensors(scales.k), tensors(scales.v), reason=reason,
-                        k_offsets=offsets, layer_ids=list(layer_ids), rotation=rotation, rotation_dtype=model_dtype)
+                        k_offsets=offsets, layer_ids=list(layer_ids), rotation=rotation)
 
 
 def _rank_heads(offset: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:

@@ -607,7 +607,7 @@ def _make_plan(query_lens: list[int], seq_lens: list[int], group: int, block_m: 
     cap = decode_qlen_cap(group)
     dec = [i for i, n in enumerate(query_lens) if 0 < n <= cap]
     pre = [i for i, n in enumerate(query_lens) if n > cap]
-    qlen_max = triton.next_power_of_2(max((query_lens[i] for i in dec), default=1))
+    qlen_max = max((query_lens[i] for i in dec), default=1)  # a runtime kernel argument: no rounding needed
     max_dec = max((seq_lens[i] for i in dec), default=0)
     decode_ids = None if len(dec) == len(query_lens) else (_host_int32(dec, device) if dec else None)
     tiles = []
@@ -652,6 +652,9 @@ def paged_decode(
     fp8 = _check_scales(kv_cache, k_scale, v_scale)
     cfg = config or decode_config(num_seqs * hkv, fp8)
     group = hq // hkv
+    if qlen_max > decode_qlen_cap(group):  # the Q tile holds group * qlen_max rows at most (decode_block_m)
+        raise ValueError(f"qlen_max: the decode kernel takes queries of <= {decode_qlen_cap(group)} tokens at "
+                         f"{group} query heads per KV head, got {qlen_max}")
     if num_seqs == 0:
         return out
     if num_splits is None:
