@@ -15,8 +15,8 @@ from qsaserve.quant.kv_rotation import hadamard_matrix, rotate_heads
 SCALES = {0: (0.02, 0.01), 1: (0.03, 0.015), 2: (0.04, 0.02)}
 
 
-def engine(path, **kw):
-    return LLM(path, dtype="float32", device="cpu", max_model_len=128, kv_cache_memory=4 << 20,
+def engine(path, device="cpu", **kw):
+    return LLM(path, dtype="float32", device=device, max_model_len=128, kv_cache_memory=4 << 20,
                enable_prefix_caching=False, progress=False, **kw)
 
 
@@ -91,6 +91,20 @@ def test_rotation_is_exact_through_the_engine(tiny_llama):
     rotated = _greedy(llm, PROMPTS)
     for (toks_a, lp_a), (toks_b, lp_b) in zip(plain, rotated):
         assert toks_a == toks_b and lp_a == pytest.approx(lp_b, abs=1e-4)
+
+
+@pytest.mark.gpu
+def test_rotation_on_gpu(tiny_llama):
+    """On CUDA (Triton KV write and attention, decode in CUDA graphs): float32 pages with the
+    rotation give the unrotated tokens and logprobs, and rotated E4M3 pages stay close to them."""
+    plain = _greedy(engine(tiny_llama, "cuda", kv_cache_dtype="float32", max_num_batched_tokens=32), PROMPTS)
+    rotated = _greedy(engine(tiny_llama, "cuda", kv_cache_dtype="float32", kv_rotation="hadamard",
+                             max_num_batched_tokens=32), PROMPTS)
+    fp8 = _greedy(engine(tiny_llama, "cuda", kv_cache_dtype="fp8_e4m3", kv_rotation="hadamard",
+                         max_num_batched_tokens=32), PROMPTS)
+    for (toks_a, lp_a), (toks_b, lp_b), (_, lp_c) in zip(plain, rotated, fp8):
+        assert toks_a == toks_b and lp_a == pytest.approx(lp_b, abs=1e-3)
+        assert abs(lp_c - lp_a) < 0.5 * len(toks_a)  # 8 tokens: within 0.5 nats each on average
 
 
 def test_rotated_fp8_pages_track_float32_pages(tiny_llama):
