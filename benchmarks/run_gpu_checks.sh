@@ -55,6 +55,8 @@ if [ "$mode" = single ]; then
     part latency_llama1b_async 200 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --async-scheduling --profile-steps 16 > '$out/latency_llama1b_async.json'"
     # Batch-1 projections on the Triton GEMV instead of cuBLAS (opt-in; see benchmarks/bench_gemv.py).
     part latency_llama1b_gemv 200 env QSASERVE_TRITON_GEMV=1 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --batch-sizes 1 --async-scheduling --profile-steps 16 > '$out/latency_llama1b_gemv.json'"
+    # FP8 pages with the Hadamard head rotation (docs/fp8.md): its cost at batch 1 (unit scales).
+    part latency_llama1b_fp8_rotation 200 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --batch-sizes 1 --async-scheduling --kv-cache-dtype fp8_e4m3 --kv-rotation hadamard --profile-steps 16 > '$out/latency_llama1b_fp8_rotation.json'"
     part throughput_llama1b_async 200 sh -c "python -m qsaserve.cli bench throughput llama-1b --load-format dummy --max-model-len 4096 --async-scheduling --peer hf > '$out/throughput_llama1b_async.json'"
 elif [ "$mode" = multi ]; then
     part parallel_gpu_tests 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE -s --junitxml="$out/parallel_gpu_tests.xml" \
