@@ -19,11 +19,11 @@ from qsaserve.cache.kv_cache import LayerCache, allocate_kv_cache
 from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, TokenFeed
 from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata
+from qsaserve.errors import InvalidRequestError
 from qsaserve.models.ple_table import dummy_ple_tables, is_table_tensor, open_ple_tables
 from qsaserve.models.registry import build_model
 from qsaserve.parallel.dcp import DcpGeometry
 from qsaserve.parallel.state import ParallelContext
-from qsaserve.errors import InvalidRequestError
 from qsaserve.quant.kv_scales import CheckpointScales, attention_layer_ids, resolve_kv_cache
 
 logger = logging.getLogger("qsaserve")

@@ -183,11 +183,10 @@ def calibrate_windows(llm, windows: list[list[int]], output: str, dataset_descri
             layers[i]["k_sink"] = sinks[i].k_offset().cpu().tolist()
     from qsaserve import __version__
 
-    rotation = engine.executor.runner.kv_quant.rotation
     meta = {
         "kv_cache_dtype": "fp8_e4m3",
         # K and V were observed after this head rotation; loading requires the same (quant/kv_rotation.py)
-        "kv_rotation": rotation,
+        "kv_rotation": engine.executor.runner.kv_quant.rotation,
         "scale_rule": f"scale = absmax * margin / {FP8_E4M3_MAX:g} (per layer, per tensor; for K the absmax of "
                       "K - k_mean, K after norm and RoPE" + (", times 17/16: aligning the offset to k_sink moves "
                       "|K - k_offset| by at most 1/16" if align_sink else "") + ")",

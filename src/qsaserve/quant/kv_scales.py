@@ -234,7 +234,7 @@ def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_sca
     scales = ckpt.merged(overlay)
     requested = config.kv_cache_dtype
     model_name = _dtype_name(model_dtype)
-    asked_rotation = getattr(config, "kv_rotation", None)  # None: the overlay's, if one is used
+    asked_rotation = config.kv_rotation  # None: the overlay's, if one is used
 
     if requested in HIGH_PRECISION:
         if scales:
@@ -272,22 +272,21 @@ def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_sca
                for i in layer_ids]
     if scales.k_offset:
         reason += f", K offsets for {len(scales.k_offset)} of {len(layer_ids)} layers"
-    rotation = overlay.rotation if overlay else "none"
-    if asked_rotation is not None and overlay and asked_rotation != rotation:
+    rotation = asked_rotation or overlay.rotation  # an absent overlay measured "none"
+    if config.kv_scales and rotation != overlay.rotation:
         raise InvalidRequestError(
-            "kv_rotation", f"{asked_rotation} was requested, but the scales in {config.kv_scales} were measured with "
-            f"kv_rotation={rotation} (scales only apply in the basis they were measured in; recalibrate with "
-            f"--kv-rotation {asked_rotation})")
-    rotation = asked_rotation or rotation
-    # per scale: an overlay giving a layer's v_scale alone leaves that layer's checkpoint k_scale in use
-    from_checkpoint = sorted(({(i, "k_scale") for i in ckpt.k} - {(i, "k_scale") for i in overlay.k})
-                             | ({(i, "v_scale") for i in ckpt.v} - {(i, "v_scale") for i in overlay.v}))
-    from_checkpoint = [(i, kind) for i, kind in from_checkpoint if i in set(layer_ids)]
-    if rotation != "none" and from_checkpoint:
-        raise InvalidRequestError(
-            "kv_rotation", f"{rotation} was requested, but the checkpoint's {_describe(from_checkpoint)} were measured "
-            "without a rotation; calibrate with --kv-rotation and pass the file with --kv-scales")
+            "kv_rotation", f"{rotation} was requested, but the scales in {config.kv_scales} were measured with "
+            f"kv_rotation={overlay.rotation} (scales only apply in the basis they were measured in; recalibrate with "
+            f"--kv-rotation {rotation})")
     if rotation != "none":
+        # per scale: an overlay giving a layer's v_scale alone leaves that layer's checkpoint k_scale in use
+        from_checkpoint = [(i, kind) for i in layer_ids for kind, ck, ov in (("k_scale", ckpt.k, overlay.k),
+                                                                            ("v_scale", ckpt.v, overlay.v))
+                           if i in ck and i not in ov]
+        if from_checkpoint:
+            raise InvalidRequestError(
+                "kv_rotation", f"{rotation} was requested, but the checkpoint's {_describe(from_checkpoint)} were "
+                "measured without a rotation; calibrate with --kv-rotation and pass the file with --kv-scales")
         reason += f", heads rotated ({rotation})"
     return KVCacheQuant(FP8_E4M3, "fp8_e4m3", tensors(scales.k), tensors(scales.v), reason=reason,
                         k_offsets=offsets, layer_ids=list(layer_ids), rotation=rotation)
