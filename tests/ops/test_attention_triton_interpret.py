@@ -212,7 +212,24 @@ def check_fp8_decode_candidates(tp):
     assert torch.isfinite(out[keep]).all()
 
 
-CHECKS = [check_write_kv_fp8_bit_equal_to_reference, check_fp8_decode_and_prefill_poisoned_pages,
+def check_warm_up_launches_every_variant_and_leaves_the_cache(tp):
+    """triton_paged.warm_up (run at engine startup) launches each decode variant (the launch
+    configs x one or two splits x with or without seq ids) and the prefill kernel, over fp16 and
+    NaN-poisoned E4M3 pages and in the DCP partial form, and writes nothing to the cache."""
+    hkv, page, d = 2, 16, 32
+    for dtype, scales, geometry in ((F16, (None, None), None), (FP8_E4M3, (torch.tensor(0.02), torch.tensor(0.01)), None),
+                                    (F16, (None, None), (2, 1, 1))):
+        cache = torch.randn(2, 3, page, hkv, d).to(dtype)
+        if dtype == FP8_E4M3:
+            cache[:, 0] = nan_bytes(cache[:, 0].shape)
+        before = cache.view(torch.uint8).clone()
+        launches = tp.warm_up(cache, 4, F16, k_scale=scales[0], v_scale=scales[1], shard_geometry=geometry)
+        configs = 1 if dtype == FP8_E4M3 else 2  # E4M3 pages have one launch config at every batch
+        assert launches == configs * 2 * 2 + 1, launches
+        assert torch.equal(cache.view(torch.uint8), before)
+
+
+CHECKS = [check_warm_up_launches_every_variant_and_leaves_the_cache, check_write_kv_fp8_bit_equal_to_reference, check_fp8_decode_and_prefill_poisoned_pages,
           check_padding_rows_and_bound_seq_lens, check_dcp_partial_matches_reference, check_fp8_decode_candidates]
 
 

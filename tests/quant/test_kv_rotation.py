@@ -102,8 +102,11 @@ def test_rotation_on_gpu(tiny_llama):
                              max_num_batched_tokens=32), PROMPTS)
     fp8 = _greedy(engine(tiny_llama, "cuda", kv_cache_dtype="fp8_e4m3", kv_rotation="hadamard",
                          max_num_batched_tokens=32), PROMPTS)
+    # The Triton kernels take float32 dots in TF32 (tl.dot's default: 10-bit mantissa), and the
+    # rotated scores round differently from the plain ones: summed logprobs differ by a few 1e-3
+    # (observed 0.0038 over 8 tokens), where the CPU float32 path above agrees to 1e-4.
     for (toks_a, lp_a), (toks_b, lp_b), (_, lp_c) in zip(plain, rotated, fp8):
-        assert toks_a == toks_b and lp_a == pytest.approx(lp_b, abs=1e-3)
+        assert toks_a == toks_b and lp_a == pytest.approx(lp_b, abs=2e-2)
         assert abs(lp_c - lp_a) < 0.5 * len(toks_a)  # 8 tokens: within 0.5 nats each on average
 
 

@@ -160,6 +160,7 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.bind_kv_cache(self.kv_quant.attach(allocate_kv_cache(self.kv_spec, num_blocks, self.device)))
+        self._warm_up_kernels()
         if self.graphs_off_reason is None:
             graphs = DecodeGraphs(self.model, self.config.cuda_graph_capture_sizes, self.max_model_len,
                                   self.kv_spec.block_size, self.device)
@@ -171,6 +172,16 @@ class ModelRunner:
                 logger.warning("CUDA graphs off: %s", self.graphs_off_reason)
                 return
             self.graphs = graphs
+
+    @torch.inference_mode()
+    def _warm_up_kernels(self) -> None:
+        """Builds the attention kernels' variants now, so that no early request waits for Triton
+        (graph capture builds only the ones its buckets replay)."""
+        if self.device.type != "cuda":
+            return
+        launches = sum(layer.warm_up(self.dtype) for layer in self.attention_layers if hasattr(layer, "warm_up"))
+        if launches:
+            torch.cuda.synchronize(self.device)
 
     def bind_kv_cache(self, caches: list[LayerCache]) -> None:
         self.graphs = None  # captured graphs point at the old cache

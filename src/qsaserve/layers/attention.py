@@ -68,6 +68,13 @@ class Attention(nn.Module):
     def kv_cache(self) -> torch.Tensor:
         return self.cache.kv
 
+    def warm_up(self, dtype: torch.dtype) -> int:
+        """Builds the Triton attention kernels this layer's steps may take (kernel launches made)."""
+        if not use_triton(self.cache.kv):
+            return 0
+        return _triton.warm_up(self.cache.kv, self.num_heads, dtype, k_scale=self.cache.k_scale,
+                                      v_scale=self.cache.v_scale)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq*D], k/v: [T, Hkv*D] -> [T, Hq*D]."""
         t = q.shape[0]

@@ -40,6 +40,15 @@ class DcpAttention(nn.Module):
     def kv_cache(self) -> torch.Tensor:
         return self.cache.kv
 
+    def warm_up(self, dtype: torch.dtype) -> int:
+        """Builds the Triton attention kernels this layer's steps may take (kernel launches made): the
+        partial form over the DCP group's query heads."""
+        if not use_triton(self.cache.kv):
+            return 0
+        dcp = self.ctx.dcp
+        return _triton.warm_up(self.cache.kv, self.num_heads * dcp.size, dtype, k_scale=self.cache.k_scale,
+                                      v_scale=self.cache.v_scale, shard_geometry=(dcp.size, dcp.rank, dcp.interleave))
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq*D] (this rank's heads), k/v: [T, Hkv*D] -> [T, Hq*D]."""
         t, plan = q.shape[0], meta.dcp

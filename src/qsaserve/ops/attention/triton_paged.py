@@ -502,19 +502,21 @@ DECODE_CONFIG = DecodeConfig()
 DECODE_CONFIG_FEW = DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=1)
 FEW_PAIRS = 16
 # FP8 pages, any batch. A tile of E4M3 is half the bytes of bf16, so it takes twice the keys to
-# keep as many bytes in flight. H200, batch 8 x 8 KV heads, d128, 128K context, do_bench with L2
-# flushed: 128-key tiles, 2 stages, 4 programs per SM read 1.61x and 1.67x faster than the bf16
-# kernel in two runs (3 stages / 3 per SM: 1.57x, 1.63x; 64-key tiles 1.42x; the bf16-dot kernel
-# before the fp16 path 0.85x). benchmarks/results/attention_fp8_diag_h200_2026-11-30_{4c67de0,7ad7c44}.json
-DECODE_CONFIG_FP8 = DecodeConfig(block_n=128, num_warps=4, num_stages=2, ctas_per_sm=4)
+# keep as many bytes in flight. H200, batch 8 x 8 KV heads, d128, do_bench with L2 flushed, five
+# runs at 128K: 128-key tiles, 3 stages, 3 programs per SM read 1.56-1.63x faster than the bf16
+# kernel (32K: 1.49-1.56x); 2 stages / 4 per SM varied more, 1.44-1.67x (32K: 1.35-1.56x);
+# 64-key tiles ~1.37x; the bf16-dot kernel before the fp16 path ~0.8x.
+# benchmarks/results/attention_fp8_diag_h200_2026-11-30_{0ce2f75,4c67de0,7ad7c44}.json and
+# attention_h200_2026-11-30_51aa9a9.json.
+DECODE_CONFIG_FP8 = DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=3)
 # Candidates the benchmark times side by side (benchmarks/bench_attention.py, section fp8); the GPU
 # tests run each against the reference. "bf16_dot_bn64" is the kernel before the fp16 path.
 FP8_DECODE_CANDIDATES = {
     "bf16_dot_bn64": DecodeConfig(64, 4, 3, 2, fp8_dot="query", fp8_permute_v=False),
     "f16_bn64_s3": DecodeConfig(64, 4, 3, 4),
-    "f16_bn128_s2": DECODE_CONFIG_FP8,
+    "f16_bn128_s2": DecodeConfig(128, 4, 2, 4),
     "f16_bn128_s2_c3": DecodeConfig(128, 4, 2, 3),
-    "f16_bn128_s3": DecodeConfig(128, 4, 3, 3),
+    "f16_bn128_s3": DECODE_CONFIG_FP8,
     "f16_bn128_s3_c2": DecodeConfig(128, 4, 3, 2),
     "f16_bn128_s4": DecodeConfig(128, 4, 4, 3),
     "f16_bn128_s5": DecodeConfig(128, 4, 5, 3),
@@ -700,6 +702,41 @@ def paged_decode(
             num_warps=4 if d >= 128 else 2,
         )
     return out
+
+
+def warm_up(kv_cache: torch.Tensor, num_q_heads: int, q_dtype: torch.dtype, *, k_scale=None, v_scale=None,
+            shard_geometry: tuple[int, int, int] | None = None) -> int:
+    """Builds the prefill, decode and merge kernel variants a serving step can ask for, so that no
+    request waits for a Triton build (0.3-1 s each). CUDA-graph capture builds only the split,
+    all-decode variants; eager steps also take one split (short contexts), the FEW/default launch
+    configs and, in a batch that mixes prefill and decode rows, the seq-id variants. Reads two
+    null-block rows of `kv_cache` (block 0, never allocated), writes only scratch tensors.
+
+    shard_geometry: (size, rank, interleave) under decode context parallelism, whose layers
+    take the partial form (fp32 out and LSE). Returns the number of launches."""
+    device, hkv, d = kv_cache.device, kv_cache.shape[3], kv_cache.shape[4]
+    fp8 = _check_scales(kv_cache, k_scale, v_scale)
+    seq_lens = torch.ones(2, dtype=torch.int32, device=device)
+    cu_q = torch.arange(3, dtype=torch.int32, device=device)
+    tables = torch.zeros((2, 1), dtype=torch.int32, device=device)
+    ids = torch.arange(2, dtype=torch.int32, device=device)
+    q = torch.zeros((2, num_q_heads, d), dtype=q_dtype, device=device)
+    partial = shard_geometry is not None
+    out = torch.empty(q.shape, dtype=torch.float32 if partial else q_dtype, device=device)
+    lse = torch.empty((2, num_q_heads), dtype=torch.float32, device=device) if partial else None
+    shard = ShardKeys(*shard_geometry, seq_lens, [1, 1]) if partial else None
+    launches = 0
+    for cfg in dict.fromkeys((decode_config(1, fp8), decode_config(FEW_PAIRS + 1, fp8))):
+        for splits in (1, 2):
+            for seq_ids in (None, ids):
+                paged_decode(q, kv_cache, tables, seq_lens, cu_q, out, 1.0, num_seqs=2,
+                             max_seq_len=splits * cfg.block_n, seq_ids=seq_ids, config=cfg, num_splits=splits,
+                             k_scale=k_scale, v_scale=v_scale, lse=lse, shard=shard)
+                launches += 1
+    tiles = torch.zeros((1, 2), dtype=torch.int32, device=device)  # (seq 0, first row 0)
+    paged_prefill(q, kv_cache, tables, seq_lens, cu_q, out, 1.0, tiles=tiles, num_tiles=1,
+                  k_scale=k_scale, v_scale=v_scale, lse=lse, shard=shard)
+    return launches + 1
 
 
 def paged_prefill(

@@ -1,0 +1,28 @@
+"""Startup builds the attention kernels' variants (ModelRunner._warm_up_kernels, triton_paged.warm_up):
+a workload that mixes prefill and decode rows, short and long contexts, and batches larger than
+every CUDA-graph bucket then builds no attention kernel while requests wait."""
+import pytest
+import torch
+
+from qsaserve import LLM, SamplingParams
+from qsaserve.bench.common import record_triton_compiles
+
+ATTENTION_KERNELS = {"_decode_kernel", "_merge_kernel", "_prefill_kernel"}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_no_attention_kernel_built_after_startup(kv_cache_dtype):
+    llm = LLM("smollm2-135m", load_format="dummy", device="cuda", max_model_len=2048, kv_cache_memory=512 << 20,
+              max_num_seqs=48, cuda_graph_sizes="1,2,4", kv_cache_dtype=kv_cache_dtype, progress=False)
+    gen = torch.Generator().manual_seed(0)
+    lengths = [int(n) for n in torch.randint(8, 1500, (40,), generator=gen)]
+    prompts = [{"prompt_token_ids": [int(t) for t in torch.randint(5, 40000, (n,), generator=gen)]} for n in lengths]
+    params = [SamplingParams(max_tokens=int(m), ignore_eos=True, temperature=0)
+              for m in torch.randint(1, 64, (40,), generator=gen)]
+    with record_triton_compiles() as compiles:
+        llm.generate(prompts[:1], params[:1], use_tqdm=False)  # batch 1: graph bucket 1
+        llm.generate(prompts, params, use_tqdm=False)  # mixed steps, batches past bucket 4, one-split contexts
+    report = compiles.report()
+    built = {name: n for name, n in report["by_kernel"].items() if name in ATTENTION_KERNELS}
+    assert not built, report
