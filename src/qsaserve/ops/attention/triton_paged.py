@@ -714,7 +714,7 @@ def warm_up(kv_cache: torch.Tensor, num_q_heads: int, q_dtype: torch.dtype, *, k
 
     shard_geometry: (size, rank, interleave) under decode context parallelism, whose layers
     take the partial form (fp32 out and LSE). Returns the number of launches."""
-    device, hkv, d = kv_cache.device, kv_cache.shape[3], kv_cache.shape[4]
+    device, d = kv_cache.device, kv_cache.shape[4]
     fp8 = _check_scales(kv_cache, k_scale, v_scale)
     seq_lens = torch.ones(2, dtype=torch.int32, device=device)
     cu_q = torch.arange(3, dtype=torch.int32, device=device)
