@@ -214,7 +214,7 @@ def check_fp8_decode_candidates(tp):
 
 def check_warm_up_launches_every_variant_and_leaves_the_cache(tp):
     """triton_paged.warm_up (run at engine startup) launches each decode variant (the launch
-    configs x one or two splits x with or without seq ids) and the prefill kernel, over fp16 and
+    configs x Q tile heights x one or two splits x with or without seq ids) and the prefill kernel, over fp16 and
     NaN-poisoned E4M3 pages and in the DCP partial form, and writes nothing to the cache."""
     hkv, page, d = 2, 16, 32
     for dtype, scales, geometry in ((F16, (None, None), None), (FP8_E4M3, (torch.tensor(0.02), torch.tensor(0.01)), None),
@@ -225,7 +225,7 @@ def check_warm_up_launches_every_variant_and_leaves_the_cache(tp):
         before = cache.view(torch.uint8).clone()
         launches = tp.warm_up(cache, 4, F16, k_scale=scales[0], v_scale=scales[1], shard_geometry=geometry)
         configs = 1 if dtype == FP8_E4M3 else 2  # E4M3 pages have one launch config at every batch
-        assert launches == configs * 2 * 2 + 1, launches
+        assert launches == configs * 2 * 2 * 2 + 1, launches  # x two Q tile heights at group 2
         assert torch.equal(cache.view(torch.uint8), before)
 
 

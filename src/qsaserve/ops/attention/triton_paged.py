@@ -709,8 +709,9 @@ def warm_up(kv_cache: torch.Tensor, num_q_heads: int, q_dtype: torch.dtype, *, k
     """Builds the prefill, decode and merge kernel variants a serving step can ask for, so that no
     request waits for a Triton build (0.3-1 s each). CUDA-graph capture builds only the split,
     all-decode variants; eager steps also take one split (short contexts), the FEW/default launch
-    configs and, in a batch that mixes prefill and decode rows, the seq-id variants. Reads two
-    null-block rows of `kv_cache` (block 0, never allocated), writes only scratch tensors.
+    configs, the tall Q tile (a chunked prompt's short tail, speculative tokens) and, in a batch that
+    mixes prefill and decode rows, the seq-id variants. Reads two null-block rows of `kv_cache`
+    (block 0, never allocated), writes only scratch tensors.
 
     shard_geometry: (size, rank, interleave) under decode context parallelism, whose layers
     take the partial form (fp32 out and LSE). Returns the number of launches."""
@@ -726,13 +727,17 @@ def warm_up(kv_cache: torch.Tensor, num_q_heads: int, q_dtype: torch.dtype, *, k
     lse = torch.empty((2, num_q_heads), dtype=torch.float32, device=device) if partial else None
     shard = ShardKeys(*shard_geometry, seq_lens, [1, 1]) if partial else None
     launches = 0
+    group = num_q_heads // kv_cache.shape[3]
+    tile_qlens = dict.fromkeys((1, decode_qlen_cap(group)), None)  # the Q tile sizes: one per distinct height
+    tile_qlens = {decode_block_m(group, n): n for n in tile_qlens}.values()
     for cfg in dict.fromkeys((decode_config(1, fp8), decode_config(FEW_PAIRS + 1, fp8))):
-        for splits in (1, 2):
-            for seq_ids in (None, ids):
-                paged_decode(q, kv_cache, tables, seq_lens, cu_q, out, 1.0, num_seqs=2,
-                             max_seq_len=splits * cfg.block_n, seq_ids=seq_ids, config=cfg, num_splits=splits,
-                             k_scale=k_scale, v_scale=v_scale, lse=lse, shard=shard)
-                launches += 1
+        for qlen_max in tile_qlens:
+            for splits in (1, 2):
+                for seq_ids in (None, ids):
+                    paged_decode(q, kv_cache, tables, seq_lens, cu_q, out, 1.0, num_seqs=2, max_seq_len=splits * cfg.block_n,
+                                 qlen_max=qlen_max, seq_ids=seq_ids, config=cfg, num_splits=splits,
+                                 k_scale=k_scale, v_scale=v_scale, lse=lse, shard=shard)
+                    launches += 1
     tiles = torch.zeros((1, 2), dtype=torch.int32, device=device)  # (seq 0, first row 0)
     paged_prefill(q, kv_cache, tables, seq_lens, cu_q, out, 1.0, tiles=tiles, num_tiles=1,
                   k_scale=k_scale, v_scale=v_scale, lse=lse, shard=shard)
