@@ -26,3 +26,23 @@ def test_no_attention_kernel_built_after_startup(kv_cache_dtype):
     report = compiles.report()
     built = {name: n for name, n in report["by_kernel"].items() if name in ATTENTION_KERNELS}
     assert not built, report
+
+
+@pytest.mark.parametrize("dcp_size, rank", [(2, 1), (4, 3)])
+def test_dcp_layer_warms_the_partial_form_over_the_group_heads(monkeypatch, dcp_size, rank):
+    """DcpAttention attends the DCP group's query heads over this rank's shard and takes the
+    partial form (fp32 out + LSE): its warm-up asks for that, with the rank's geometry."""
+    from types import SimpleNamespace
+
+    import qsaserve.layers.dcp_attention as dcp_attention
+
+    calls = []
+    fake = SimpleNamespace(warm_up=lambda *a, **kw: calls.append((a, kw)) or 17)
+    monkeypatch.setattr(dcp_attention, "_triton", fake)
+    monkeypatch.setattr(dcp_attention, "use_triton", lambda x: True)
+    ctx = SimpleNamespace(dcp=SimpleNamespace(size=dcp_size, rank=rank, interleave=2))
+    layer = dcp_attention.DcpAttention(num_heads=3, num_kv_heads=1, head_dim=8, scale=0.35, ctx=ctx)
+    layer.cache = SimpleNamespace(kv=torch.zeros(2, 2, 4, 1, 8), k_scale=None, v_scale=None)
+    assert layer.warm_up(torch.bfloat16) == 17
+    (args, kw), = calls
+    assert args[1:] == (3 * dcp_size, torch.bfloat16) and kw["shard_geometry"] == (dcp_size, rank, 2)
