@@ -10,7 +10,7 @@ from fp8_testing import write_overlay
 from qsaserve import LLM, EngineConfig, InvalidRequestError, SamplingParams
 from qsaserve.ops.attention.reference import paged_attention_reference
 from qsaserve.quant.calibrate import calibrate_windows
-from qsaserve.quant.kv_rotation import hadamard_matrix, rotate_heads
+from qsaserve.quant.kv_rotation import fold_into_columns, fold_into_rows, hadamard_matrix, rotate_heads
 
 SCALES = {0: (0.02, 0.01), 1: (0.03, 0.015), 2: (0.04, 0.02)}
 
@@ -48,6 +48,45 @@ def test_rotation_is_exact_in_bfloat16_activations():
     assert abs(scale(rotate_heads(rotate_heads(x, h), h)) - 1) < 1e-5  # observed 2.4e-7
     h16 = h.to(torch.bfloat16)
     assert abs(scale((x @ h16) @ h16) - 1) > 3e-5  # what a bfloat16 H does (observed 6.7e-5)
+
+
+def test_folded_projections_rotate_values_and_take_rotated_outputs():
+    """fold_into_rows: the projection's per-head outputs come out rotated (bias included);
+    fold_into_columns: the projection takes rotated heads and gives the unrotated result."""
+    g = torch.Generator().manual_seed(0)
+    d, heads, k_in, n_out = 16, 3, 24, 20
+    h = hadamard_matrix(d)
+    x = torch.randn(5, k_in, generator=g, dtype=torch.float64)
+    w, b = torch.randn(heads * d, k_in, generator=g), torch.randn(heads * d, generator=g)
+    w2, b2 = w.clone(), b.clone()
+    fold_into_rows(w2, h, b2)
+    want = rotate_heads(x @ w.double().T + b.double(), h)
+    assert torch.allclose(x @ w2.double().T + b2.double(), want, atol=1e-4)
+    o = torch.randn(5, heads * d, generator=g, dtype=torch.float64)
+    wo = torch.randn(n_out, heads * d, generator=g)
+    wo2 = wo.clone()
+    fold_into_columns(wo2, h)
+    assert torch.allclose(rotate_heads(o, h) @ wo2.double().T, o @ wo.double().T, atol=1e-4)
+
+
+def test_engine_folds_v_and_output_rotation_into_the_weights(tiny_llama):
+    """With a rotation the runner folds it into V's rows of qkv_proj and o_proj's columns (q/k
+    rows untouched), and the layers then rotate only q and k."""
+    plain = engine(tiny_llama, kv_cache_dtype="float32").engine.executor.runner.model
+    rotated = engine(tiny_llama, kv_cache_dtype="float32", kv_rotation="hadamard").engine.executor.runner.model
+    for a, b in zip(plain.layers, rotated.layers):
+        pa, ra = a.self_attn, b.self_attn
+        h = hadamard_matrix(pa.head_dim)
+        qk = slice(0, pa.q_size + pa.kv_size)
+        v = slice(pa.q_size + pa.kv_size, pa.q_size + 2 * pa.kv_size)
+        assert torch.equal(pa.qkv_proj.weight[qk], ra.qkv_proj.weight[qk])
+        w = pa.qkv_proj.weight[v].clone()
+        fold_into_rows(w, h)
+        assert torch.equal(ra.qkv_proj.weight[v], w)
+        wo = pa.o_proj.weight.clone()
+        fold_into_columns(wo, h)
+        assert torch.equal(ra.o_proj.weight, wo)
+        assert ra.attn.vo_rotated and not pa.attn.vo_rotated
 
 
 def test_rotated_attention_equals_plain_attention():

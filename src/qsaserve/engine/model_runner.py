@@ -64,6 +64,8 @@ class ModelRunner:
         if self.kv_quant.rotation != "none" and not getattr(model, "supports_kv_rotation", False):
             raise InvalidRequestError("kv_rotation", f"{self.kv_quant.rotation} is implemented by the Llama-family "
                                       f"attention layers; {type(model).__name__} does not apply it")
+        if self.kv_quant.rotation != "none":  # V's and the output's rotation go into the weights, once
+            model.fold_kv_rotation(self.kv_quant.rotation_matrix(model.config.head_dim, self.device))
         # Per-rank pages of block_size tokens; under DCP an engine block spans block_size * D tokens.
         self.kv_spec_dcp1 = dataclasses.replace(model.kv_cache_spec(config.block_size, self.dtype), kv_dtype=self.kv_quant.dtype)
         self.kv_spec = self.parallel.dcp.scale_spec(self.kv_spec_dcp1)

@@ -63,6 +63,9 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.cache: LayerCache | None = None  # bound by the model runner after allocation
+        # True once the model has folded the head rotation into its V and output projections
+        # (quant/kv_rotation.fold_into_rows/columns): then only q and k are rotated here.
+        self.vo_rotated = False
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -83,7 +86,9 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         cache = self.cache
         if cache.rotation is not None:  # the pages hold rotated K/V (quant/kv_rotation.py)
-            q, k, v = (rotate_heads(x, cache.rotation) for x in (q, k, v))
+            q, k = rotate_heads(q, cache.rotation), rotate_heads(k, cache.rotation)
+            if not self.vo_rotated:
+                v = rotate_heads(v, cache.rotation)
         if cache.observer is not None:
             cache.observer(k, v)
         if use_triton(q):
@@ -94,6 +99,6 @@ class Attention(nn.Module):
             write_kv_ref(k, v, cache, meta.slot_mapping)
             out = paged_attention_reference(q, cache.kv, meta.block_tables, meta.query_lens, meta.seq_lens_list, self.scale,
                                             k_scale=cache.k_scale, v_scale=cache.v_scale)
-        if cache.rotation is not None:
+        if cache.rotation is not None and not self.vo_rotated:
             out = rotate_heads(out, cache.rotation)  # the rotation is its own inverse
         return out.reshape(t, self.num_heads * self.head_dim)

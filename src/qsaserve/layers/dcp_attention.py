@@ -35,6 +35,9 @@ class DcpAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.ctx = ctx
         self.cache: LayerCache | None = None  # bound by the model runner after allocation
+        # True once the model has folded the head rotation into its V and output projections
+        # (quant/kv_rotation.fold_into_rows/columns): then only q and k are rotated here.
+        self.vo_rotated = False
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -56,7 +59,9 @@ class DcpAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         cache = self.cache
         if cache.rotation is not None:  # the pages hold rotated K/V (quant/kv_rotation.py)
-            q, k, v = (rotate_heads(x, cache.rotation) for x in (q, k, v))
+            q, k = rotate_heads(q, cache.rotation), rotate_heads(k, cache.rotation)
+            if not self.vo_rotated:
+                v = rotate_heads(v, cache.rotation)
         if cache.observer is not None:  # KV-scale calibration sees every new K/V, owned here or not
             cache.observer(k, v)
         q_group = self.ctx.dcp_gather_heads(q.view(t, self.num_heads, self.head_dim))
@@ -73,6 +78,6 @@ class DcpAttention(nn.Module):
                                                meta.seq_lens_list, plan.local_seq_lens, keys, self.scale,
                                                cache.k_scale, cache.v_scale)
         out = self.ctx.dcp_merge(out, lse).to(q.dtype)
-        if cache.rotation is not None:
+        if cache.rotation is not None and not self.vo_rotated:
             out = rotate_heads(out, cache.rotation)  # the rotation is its own inverse
         return out.reshape(t, -1)

@@ -27,6 +27,7 @@ from qsaserve.layers.linear import linear
 from qsaserve.layers.rmsnorm import RMSNorm
 from qsaserve.layers.rotary import RotaryEmbedding
 from qsaserve.parallel.state import ParallelContext
+from qsaserve.quant.kv_rotation import fold_into_columns, fold_into_rows
 from qsaserve.parallel.tp import (even_range, kv_head_range, shard_vocab, take, vocab_parallel_embedding,
                                   vocab_parallel_logits, vocab_shard_rows)
 
@@ -169,6 +170,19 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(c, rotary, ctx) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, vocab_rows, bias=False)
+
+    @torch.no_grad()
+    def fold_kv_rotation(self, rotation: torch.Tensor) -> None:
+        """Folds the head rotation of V and of the attention output into the weights (V's rows of
+        qkv_proj, o_proj's columns), so each layer rotates only q and k at run time. Once, after
+        the weights are loaded (quant/kv_rotation.py)."""
+        for layer in self.layers:
+            a = layer.self_attn
+            rows = slice(a.q_size + a.kv_size, a.q_size + 2 * a.kv_size)
+            bias = a.qkv_proj.bias[rows] if a.qkv_proj.bias is not None else None
+            fold_into_rows(a.qkv_proj.weight[rows], rotation.to(a.qkv_proj.weight.device), bias)
+            fold_into_columns(a.o_proj.weight, rotation.to(a.o_proj.weight.device))
+            a.attn.vo_rotated = True
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """This rank's pages at DCP1 (B tokens each); the runner scales it for DCP."""

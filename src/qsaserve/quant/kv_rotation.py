@@ -12,6 +12,11 @@ H spreads every channel over all of them, so no product dominates and the same 8
 On SmolLM2 over held-out text (benchmarks/fp8_quality.py) this lowers the mean KL divergence to
 the bfloat16-KV model by ~30% at calibrated scales; see docs/fp8.md.
 
+V and the output need no work at run time: V H = x (H W_v)^T and (O H) W_o^T = O (W_o H)^T, so a
+model folds H into V's rows of its projection and into the output projection's columns once, at
+load (fold_into_rows / fold_into_columns, models/llama.py), and its attention layers rotate only
+q and k, which RoPE sits between.
+
 The rotation is part of what a scales file measured (`qsaserve calibrate --kv-rotation hadamard`
 records K and V after it), so the file names it and loading checks it. In exact arithmetic it is
 the identity, so it only matters for quantized pages; the layers apply it whenever it is set.
@@ -41,3 +46,19 @@ def rotate_heads(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     every score and a scale on every output."""
     d = rotation.shape[0]
     return (x.unflatten(-1, (-1, d)).float() @ rotation).flatten(-2).to(x.dtype)
+
+
+def fold_into_rows(weight: torch.Tensor, rotation: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    """In place: a projection's output rows, head_dim-wide head blocks ([H*D, K] weight, [H*D]
+    bias), now give (x W^T + b) rotated per head. Taken in float32, rounded once."""
+    d = rotation.shape[0]
+    w = weight.unflatten(0, (-1, d))  # [H, D, K]
+    weight.copy_((rotation @ w.float()).flatten(0, 1))  # H symmetric: (x W_h^T) H = x (H W_h)^T
+    if bias is not None:
+        bias.copy_(rotate_heads(bias.float(), rotation))
+
+
+def fold_into_columns(weight: torch.Tensor, rotation: torch.Tensor) -> None:
+    """In place: a projection reading head_dim-wide head blocks ([N, H*D] weight) now takes them
+    rotated per head: (O H) W'^T = O W^T. Taken in float32, rounded once."""
+    weight.copy_(rotate_heads(weight.float(), rotation))

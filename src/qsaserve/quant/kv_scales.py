@@ -196,14 +196,20 @@ class KVCacheQuant:
     def is_fp8(self) -> bool:
         return is_fp8(self.dtype)
 
+    def rotation_matrix(self, head_dim: int, device=None) -> torch.Tensor | None:
+        """The [D, D] float32 head rotation (None without one); a head_dim it cannot rotate is
+        refused naming kv_rotation."""
+        if self.rotation == "none":
+            return None
+        if head_dim & (head_dim - 1):
+            raise InvalidRequestError("kv_rotation", f"hadamard needs a power-of-two head_dim, this model's is {head_dim}")
+        return hadamard_matrix(head_dim, torch.float32, device)
+
     def attach(self, caches: list) -> list:
         """Gives each LayerCache its layer's scales, K offset and rotation; returns the list. An
         offset whose [Hkv, D] is not the cache's is refused here, at startup, naming the layer."""
         if self.rotation != "none" and caches:
-            d = caches[0].kv.shape[-1]
-            if d & (d - 1):
-                raise InvalidRequestError("kv_rotation", f"hadamard needs a power-of-two head_dim, this model's is {d}")
-            matrix = hadamard_matrix(d, torch.float32, caches[0].kv.device)
+            matrix = self.rotation_matrix(caches[0].kv.shape[-1], caches[0].kv.device)
             for cache in caches:
                 cache.rotation = matrix
         if self.is_fp8:
