@@ -20,7 +20,7 @@ def test_cli_writes_a_valid_loadable_file(tiny_llama, tiny_identity, tmp_path):
     assert main(["calibrate", tiny_llama, "-o", str(out), "--dataset", str(data), "--num-tokens", "300", "--seq-len", "100",
                  "--dtype", "float32", "--device", "cpu", "--max-model-len", "256", "--kv-cache-memory", str(4 << 20)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["format"] == "qsaserve-kv-scales" and doc["version"] == 3 and doc["kv_rotation"] == "none"
+    assert doc["format"] == "qsaserve-kv-scales" and doc["version"] == 4 and doc["kv_rotation"] == "none"
     assert doc["model_identity"] == tiny_identity
     assert doc["tool"].startswith("qsaserve ") and doc["tool"].endswith(" calibrate")
     assert doc["dataset"] == text_file(str(data)).description and doc["num_tokens"] == 300 and doc["margin"] == 1.25
@@ -30,7 +30,10 @@ def test_cli_writes_a_valid_loadable_file(tiny_llama, tiny_identity, tmp_path):
         assert entry["k_scale"] == pytest.approx(entry["k_absmax_after_mean"] * 17 / 16 * 1.25 / 448)
         assert entry["k_absmax_after_offset"] * 1.25 / 448 <= entry["k_scale"] * (1 + 1e-6)
         assert len(entry["k_offset"]) == 2 and len(entry["k_offset"][0]) == 16
-        assert entry["v_scale"] == pytest.approx(entry["v_absmax"] * 1.25 / 448)
+        # V likewise (a Llama model folds the V offset into its biases)
+        assert entry["v_scale"] == pytest.approx(entry["v_absmax_after_mean"] * 17 / 16 * 1.25 / 448)
+        assert entry["v_absmax_after_offset"] * 1.25 / 448 <= entry["v_scale"] * (1 + 1e-6)
+        assert len(entry["v_offset"]) == 2 and len(entry["v_offset"][0]) == 16
         assert entry["k_absmax"] > 0 and entry["v_absmax"] > 0
     # auto + this file -> strict E4M3 with exactly these scales
     llm = LLM(tiny_llama, dtype="float32", device="cpu", max_model_len=128, kv_cache_memory=4 << 20, kv_scales=str(out),

@@ -174,7 +174,7 @@ def test_scales_file_names_its_rotation(tiny_llama, tiny_identity, tmp_path):
     window = [int(t) for t in torch.randint(4, 99, (90,), generator=torch.Generator().manual_seed(0))]
     cal = engine(tiny_llama, kv_cache_dtype="float32", kv_rotation="hadamard")
     doc = calibrate_windows(cal, [window], str(tmp_path / "rot.json"), {"name": "random ids"})
-    assert doc["version"] == 3 and doc["kv_rotation"] == "hadamard"
+    assert doc["version"] == 4 and doc["kv_rotation"] == "hadamard"
     # the observer saw rotated K/V: with a float32 cache starting at zero, the pages hold them
     for i, cache in enumerate(cal.engine.executor.runner.kv_caches):
         assert doc["layers"][str(i)]["v_absmax"] == cache.kv[1].abs().max().item()

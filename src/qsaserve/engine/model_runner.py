@@ -66,6 +66,11 @@ class ModelRunner:
                                       f"attention layers; {type(model).__name__} does not apply it")
         if self.kv_quant.rotation != "none":  # V's and the output's rotation go into the weights, once
             model.fold_kv_rotation(self.kv_quant.rotation_matrix(model.config.head_dim, self.device))
+        if self.kv_quant.v_offsets:  # V - v_offset stored, v_offset added back: both in the weights, once
+            if not hasattr(model, "fold_v_offsets"):
+                raise InvalidRequestError("kv_scales", f"the scales file has V offsets (v_offset), which Llama-family models "
+                                          f"apply; {type(model).__name__} does not (recalibrate with this model)")
+            model.fold_v_offsets(self.kv_quant.v_offsets)
         # Per-rank pages of block_size tokens; under DCP an engine block spans block_size * D tokens.
         self.kv_spec_dcp1 = dataclasses.replace(model.kv_cache_spec(config.block_size, self.dtype), kv_dtype=self.kv_quant.dtype)
         self.kv_spec = self.parallel.dcp.scale_spec(self.kv_spec_dcp1)

@@ -184,6 +184,30 @@ class LlamaForCausalLM(nn.Module):
             fold_into_columns(a.o_proj.weight, rotation.to(a.o_proj.weight.device))
             a.attn.vo_rotated = True
 
+    @torch.no_grad()
+    def fold_v_offsets(self, offsets: list[torch.Tensor | None]) -> None:
+        """V is stored as V - c (c: [Hkv, D] per layer, this rank's KV heads, in the stored basis;
+        quant/calibrate.py) and c is added back to the attention output, which is exact since a
+        query's weights sum to one. Both go into the weights: qkv_proj's V bias takes -c, and o_proj
+        gets the bias W_o c_q (c_q: c for each query head's KV head); under tensor parallelism that
+        is this rank's share of W_o c, summed by the all-reduce. Once, after fold_kv_rotation."""
+        from qsaserve.errors import InvalidRequestError
+
+        for n, (layer, c) in enumerate(zip(self.layers, offsets, strict=True)):
+            if c is None:
+                continue
+            a = layer.self_attn
+            if tuple(c.shape) != (a.num_kv_heads, a.head_dim):
+                raise InvalidRequestError("kv_scales", f"layer {n} v_offset has shape {tuple(c.shape)} but this rank's "
+                                          f"attention has {a.num_kv_heads} KV heads of {a.head_dim}")
+            w = a.qkv_proj.weight
+            bias = a.qkv_proj.bias if a.qkv_proj.bias is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
+            rows = slice(a.q_size + a.kv_size, a.q_size + 2 * a.kv_size)
+            bias[rows] = (bias[rows].float() - c.reshape(-1).to(w.device)).to(w.dtype)
+            a.qkv_proj.bias = nn.Parameter(bias, requires_grad=False)
+            c_q = c.to(w.device).repeat_interleave(a.num_heads // a.num_kv_heads, 0).reshape(-1)
+            a.o_proj.bias = nn.Parameter((a.o_proj.weight.float() @ c_q).to(a.o_proj.weight.dtype), requires_grad=False)
+
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """This rank's pages at DCP1 (B tokens each); the runner scales it for DCP."""
         c = self.config

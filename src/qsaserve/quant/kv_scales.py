@@ -9,7 +9,9 @@ Layer keys are the model's own layer numbers (for Qwen4Exp, the QSA layers' indi
 An overlay layer may also carry `k_offset`, a per-KV-head, per-channel vector [Hkv][D] subtracted
 from every key before it is stored (exact for attention, see ops/attention/reference.py); its
 k_scale was then measured after the subtraction, so the two are only used together. Checkpoint
-tensors give no offset; files without offsets (version 1) load with none.
+tensors give no offset; files without offsets (version 1) load with none. Likewise `v_offset`
+(version 4): V is stored as V - v_offset and the offset added back to the attention output, exact
+because a query's attention weights sum to one; the model folds both into its projection biases.
 A file may name the head rotation its K/V were measured after (`kv_rotation`, version 3; see
 quant/kv_rotation.py); older files measured none. Scales only apply in the basis they were
 measured in, so an engine asked for another rotation refuses the file.
@@ -39,8 +41,8 @@ from qsaserve.quant.kv_rotation import KV_ROTATIONS, hadamard_matrix
 logger = logging.getLogger("qsaserve")
 
 FILE_FORMAT = "qsaserve-kv-scales"
-FILE_VERSION = 3  # 2: optional per-layer k_offset; 3: kv_rotation. Versions 1-2 (no rotation) still load
-READABLE_VERSIONS = (1, 2, 3)
+FILE_VERSION = 4  # 2: optional per-layer k_offset; 3: kv_rotation; 4: optional per-layer v_offset. All still load
+READABLE_VERSIONS = (1, 2, 3, 4)
 HIGH_PRECISION = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", *HIGH_PRECISION, "fp8_e4m3")
 
@@ -55,6 +57,7 @@ class ScaleSet:
     v: dict[int, float] = field(default_factory=dict)
     source: str = ""
     k_offset: dict[int, torch.Tensor] = field(default_factory=dict)  # [Hkv, D] float32 (CPU), overlay only
+    v_offset: dict[int, torch.Tensor] = field(default_factory=dict)  # [Hkv, D] float32 (CPU), overlay only
     rotation: str = "none"  # the head rotation K/V were measured after (quant/kv_rotation.py), overlay only
 
     def __bool__(self) -> bool:
@@ -65,7 +68,7 @@ class ScaleSet:
         (read_scales_file requires both), so offsets come from the overlay only."""
         sources = " + ".join(s for s in (self.source if self else "", overlay.source if overlay else "") if s)
         return ScaleSet({**self.k, **overlay.k}, {**self.v, **overlay.v}, sources, dict(overlay.k_offset),
-                        overlay.rotation)
+                        dict(overlay.v_offset), overlay.rotation)
 
 
 # ---- overlay files ----
@@ -125,6 +128,11 @@ def read_scales_file(path: str, identity: str) -> ScaleSet:
                 raise InvalidRequestError("kv_scales", f"{path}: layer {key} has a k_offset but no k_scale (the scale "
                                           "is measured after the offset; they are only valid together)")
             out.k_offset[int(key)] = _check_offset(entry["k_offset"], f"{path}: layer {key} k_offset")
+        if "v_offset" in entry:
+            if "v_scale" not in entry:
+                raise InvalidRequestError("kv_scales", f"{path}: layer {key} has a v_offset but no v_scale (the scale "
+                                          "is measured after the offset; they are only valid together)")
+            out.v_offset[int(key)] = _check_offset(entry["v_offset"], f"{path}: layer {key} v_offset")
     return out
 
 
@@ -189,6 +197,9 @@ class KVCacheQuant:
     v_scales: list[torch.Tensor] | None = None
     reason: str = ""
     k_offsets: list[torch.Tensor | None] | None = None  # per layer [Hkv, D] fp32 device tensor (this rank's heads) or None
+    # per layer [Hkv, D] fp32 device tensor (this rank's heads) or None: V is stored as V - v_offset;
+    # the model folds it into its projection biases (models/llama.py fold_v_offsets)
+    v_offsets: list[torch.Tensor | None] | None = None
     layer_ids: list[int] | None = None
     rotation: str = "none"  # head rotation around the cache (quant/kv_rotation.py), in any page dtype
 
@@ -276,8 +287,12 @@ def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_sca
 
     offsets = [_rank_heads(scales.k_offset[i], tp_size, tp_rank).to(device) if i in scales.k_offset else None
                for i in layer_ids]
+    v_offsets = [_rank_heads(scales.v_offset[i], tp_size, tp_rank).to(device) if i in scales.v_offset else None
+                 for i in layer_ids]
     if scales.k_offset:
         reason += f", K offsets for {len(scales.k_offset)} of {len(layer_ids)} layers"
+    if scales.v_offset:
+        reason += f", V offsets for {len(scales.v_offset)} of {len(layer_ids)} layers"
     rotation = asked_rotation or overlay.rotation  # an absent overlay measured "none"
     if config.kv_scales and rotation != overlay.rotation:
         raise InvalidRequestError(
@@ -295,7 +310,8 @@ def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_sca
                 "measured without a rotation; calibrate with --kv-rotation and pass the file with --kv-scales")
         reason += f", heads rotated ({rotation})"
     return KVCacheQuant(FP8_E4M3, "fp8_e4m3", tensors(scales.k), tensors(scales.v), reason=reason,
-                        k_offsets=offsets, layer_ids=list(layer_ids), rotation=rotation)
+                        k_offsets=offsets, v_offsets=v_offsets if scales.v_offset else None, layer_ids=list(layer_ids),
+                        rotation=rotation)
 
 
 def _rank_heads(offset: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:

@@ -1,0 +1,89 @@
+"""The calibrated V offset: values stored as V - c with c added back to the attention output
+(exact, since a query's attention weights sum to one), folded into the projection biases by the
+Llama model; calibrate aligns c so the first-token value is stored exactly; scales files carry it
+(version 4) and bad ones are refused naming --kv-scales."""
+import json
+
+import pytest
+import torch
+
+from qsaserve import LLM, InvalidRequestError, SamplingParams
+from qsaserve.quant.calibrate import calibrate_windows
+from qsaserve.quant.fp8 import dequantize_fp8, quantize_fp8
+
+HKV, D = 2, 16
+PROMPTS = [{"prompt_token_ids": [5, 17, 33, 8, 61, 2, 90, 41, 12]}, {"prompt_token_ids": [71, 3, 3, 50]}]
+
+
+def engine(path, **kw):
+    return LLM(path, dtype="float32", device="cpu", max_model_len=128, kv_cache_memory=4 << 20,
+               enable_prefix_caching=False, progress=False, **kw)
+
+
+def greedy(llm):
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, logprobs=0), use_tqdm=False)
+    return [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob for lp in o.outputs[0].logprobs]) for o in outs]
+
+
+def prompt_logprobs(llm):
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    out = llm.generate([{"prompt_token_ids": list(range(4, 60))}], params, use_tqdm=False)[0]
+    return torch.tensor([next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]])
+
+
+def test_folded_offset_changes_no_output(tiny_llama):
+    """float32 pages: folding any V offset (V - c stored, W_o c added) gives the same tokens and
+    logprobs, and the pages hold V - c."""
+    plain = engine(tiny_llama, kv_cache_dtype="float32")
+    want = greedy(plain)
+    folded = engine(tiny_llama, kv_cache_dtype="float32")
+    offsets = [torch.randn(HKV, D, generator=torch.Generator().manual_seed(i)) * 3 for i in range(3)]
+    folded.engine.executor.runner.model.fold_v_offsets(offsets)
+    got = greedy(folded)
+    for (ta, la), (tb, lb) in zip(want, got):
+        assert ta == tb and la == pytest.approx(lb, abs=1e-4)
+    runner_a, runner_b = plain.engine.executor.runner, folded.engine.executor.runner
+    for ca, cb, c in zip(runner_a.kv_caches, runner_b.kv_caches, offsets):
+        written = ca.kv[1].abs().sum(-1) > 0  # slots holding a value ([blocks, page, Hkv])
+        torch.testing.assert_close(cb.kv[1][written], (ca.kv[1] - c)[written], atol=1e-4, rtol=1e-4)
+
+
+def test_calibrated_v_offset_stores_the_sink_exactly_and_loads(tiny_llama, tmp_path):
+    window = [int(t) for t in torch.randint(4, 99, (90,), generator=torch.Generator().manual_seed(0))]
+    cal = engine(tiny_llama, kv_cache_dtype="float32")
+    doc = calibrate_windows(cal, [window, window[::-1]], str(tmp_path / "s.json"), {"name": "random ids"})
+    assert doc["version"] == 4 and "v_offset_rule" in doc
+    for entry in doc["layers"].values():
+        s = torch.tensor(entry["v_scale"], dtype=torch.float32)
+        stored = torch.tensor(entry["v_sink"]) - torch.tensor(entry["v_offset"])
+        # the sink's value: no E4M3 rounding error (only float32's, in sink - offset)
+        torch.testing.assert_close(dequantize_fp8(quantize_fp8(stored, s), s), stored, rtol=1e-6, atol=0)
+        assert (torch.tensor(entry["v_offset"]) - torch.tensor(entry["v_mean"])).abs().max() <= 0.5 * entry["v_scale"] * 32
+    llm = engine(tiny_llama, kv_scales=str(tmp_path / "s.json"))
+    quant = llm.engine.executor.runner.kv_quant
+    assert quant.name == "fp8_e4m3" and "V offsets for 3 of 3 layers" in quant.reason
+    model = llm.engine.executor.runner.model
+    assert all(layer.self_attn.o_proj.bias is not None for layer in model.layers)
+    # teacher-forced prompt logprobs near the float32 cache's (a random model's near-ties make
+    # greedy continuations part ways, so those are not compared)
+    diff = (prompt_logprobs(llm) - prompt_logprobs(engine(tiny_llama, kv_cache_dtype="float32"))).abs()
+    assert torch.isfinite(diff).all() and diff.mean() < 0.1 and diff.max() < 0.5
+
+
+@pytest.mark.parametrize("case, match", [
+    ("shape", r"layer 0 v_offset has shape \(2, 17\) but this rank's attention has 2 KV heads of 16"),
+    ("nan", "layer 0 v_offset must be finite"),
+    ("no_v_scale", "layer 0 has a v_offset but no v_scale"),
+])
+def test_bad_v_offsets_are_refused(tiny_llama, tiny_identity, tmp_path, case, match):
+    offset = {"shape": [[0.0] * 17] * 2, "nan": [[float("nan")] * D] * 2}.get(case, [[0.0] * D] * 2)
+    layers = {str(i): {"k_scale": 0.02, "v_scale": 0.01} for i in range(3)}
+    layers["0"]["v_offset"] = offset
+    if case == "no_v_scale":
+        del layers["0"]["v_scale"]
+    path = tmp_path / "s.json"
+    path.write_text(json.dumps({"format": "qsaserve-kv-scales", "version": 4, "model_identity": tiny_identity,
+                                "layers": layers}))
+    with pytest.raises(InvalidRequestError, match=match) as e:
+        engine(tiny_llama, kv_cache_dtype="fp8_e4m3", kv_scales=str(path))
+    assert e.value.param == "kv_scales"
