@@ -1,7 +1,7 @@
 """FP8 E4M3 KV quality on the default model (SmolLM2-135M-Instruct, float32 weights/activations).
 
 1. `qsaserve calibrate` on the calibration part of CPython's pydoc topics -> a scales file
-   (per layer: k_scale, v_scale and the per-channel K offset aligned to the attention-sink key;
+   (per layer: k_scale, v_scale and the per-channel K and V offsets aligned to the attention sink;
    see docs/fp8.md), and with --with-mean-offset a second one with the plain mean offset;
 2. `qsaserve qualify` on the held-out part: FP8 KV with calibrated scales and with unit scales
    (1.0 everywhere) against a bfloat16 KV baseline, same token stream (plus, with
@@ -84,6 +84,7 @@ def main() -> int:
     with_offsets = [name for name, over in candidates.items() if over.get("kv_scales")]
     for name in candidates:
         report["candidates"][name]["k_offsets"] = name in with_offsets and all("k_offset" in e for e in cal["layers"].values())
+        report["candidates"][name]["v_offsets"] = name in with_offsets and all("v_offset" in e for e in cal["layers"].values())
     c, u = report["candidates"]["fp8_e4m3_calibrated"], report["candidates"]["fp8_e4m3_unit_scales"]
     report["targets"] = TARGETS
     report["targets_met"] = {
@@ -102,10 +103,13 @@ def main() -> int:
                         "calibrated keys are stored as K - k_offset, k_offset the per-layer, per-KV-head, per-channel "
                         "mean of K over the calibration text, moved by at most half an E4M3 step so that the mean "
                         "first-token (attention sink) key minus k_offset is exactly representable (exact for "
-                        "attention); mean_offset: the plain mean; unit scales: 1.0, no offset; hadamard: q, k, v of every "
+                        "attention); values likewise stored as V - v_offset (sink-aligned per-channel V mean), "
+                        "v_offset added back to the attention output (exact: the weights sum to one; folded into the "
+                        "projection biases); mean_offset: the plain mean K offset, no V offset; unit scales: 1.0, no offset; hadamard: q, k, v of every "
                         "head multiplied by the normalized Hadamard matrix before the cache and the output multiplied "
                         "back (exact in real arithmetic; quant/kv_rotation.py), scales calibrated after the rotation")
-    report["calibration"] = {k: cal[k] for k in ("margin", "num_tokens", "seq_len", "dataset", "scale_rule", "k_offset_rule")}
+    report["calibration"] = {k: cal[k] for k in ("margin", "num_tokens", "seq_len", "dataset", "scale_rule", "k_offset_rule",
+                                                 "v_offset_rule") if k in cal}
     report["kv_capacity"] = kv_capacity_report(kv_spec, common["kv_cache_memory"])
     report["scales_file"] = os.path.relpath(scales_path, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     report["command"] = shlex.join(["python", "benchmarks/fp8_quality.py", *sys.argv[1:]])
