@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import random
 import re
+import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -352,8 +355,9 @@ def test_fp8_decode_sm90_code():
     # as the launcher specializes: data pointers and strides aligned, metadata pointers not
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                if (n.startswith("stride_") or n.endswith("_ptr")) and n not in fn.do_not_specialize_on_alignment}
-    ptx = triton.compile(ASTSource(fn, sig, consts, attrs=aligned), target=GPUTarget("cuda", 90, 32),
-                         options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}).asm["ptx"]
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs=aligned), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    ptx = kernel.asm["ptx"]
     assert "cvt.rn.f16x2.e4m3x2" in ptx
     assert "cvt.bf16.f16" not in ptx and "cvt.f32.f16" not in ptx
     assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx
@@ -363,3 +367,18 @@ def test_fp8_decode_sm90_code():
     sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+)", ptx)
     assert sizes.count("0x10") >= 2 * 2 * cfg.block_n // 16
     assert set(sizes) <= {"0x10", "0x4"}, sorted(set(sizes))  # block-table entries are async only when 3+ stages
+    # The split plan's programs per SM fit: in registers (ptxas, as the driver allocates them: per
+    # warp, rounded up to 256) and in shared memory (228 KB per SM on sm_90, 1 KB of it reserved
+    # per program).
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if os.access(ptxas, os.X_OK):
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "k.ptx")
+            with open(src, "w") as fh:
+                fh.write(ptx)
+            info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(tmp, "k.cubin")],
+                                  capture_output=True, text=True, check=True)
+        regs = int(re.search(r"Used (\d+) registers", info.stdout + info.stderr).group(1))
+        per_warp = -(-regs * 32 // 256) * 256
+        assert cfg.ctas_per_sm * cfg.num_warps * per_warp <= 65536, (regs, cfg)
+        assert cfg.ctas_per_sm * (kernel.metadata.shared + 1024) <= 228 * 1024, (kernel.metadata.shared, cfg)

@@ -505,7 +505,9 @@ FEW_PAIRS = 16
 # keep as many bytes in flight. H200, batch 8 x 8 KV heads, d128, do_bench with L2 flushed, five
 # runs at 128K: 128-key tiles, 3 stages, 3 programs per SM read 1.56-1.63x faster than the bf16
 # kernel (32K: 1.49-1.56x); 2 stages / 4 per SM varied more, 1.44-1.67x (32K: 1.35-1.56x);
-# 64-key tiles ~1.37x; the bf16-dot kernel before the fp16 path ~0.8x.
+# 64-key tiles ~1.37x; the bf16-dot kernel before the fp16 path ~0.8x. Why 3 per SM: ptxas gives
+# the 128-key kernel 149 registers a thread (sm_90a, d128, 4 warps; 41 KB of shared memory), so
+# 65,536 registers hold 3 programs, and a split plan for 4 left a partial last wave.
 # benchmarks/results/attention_fp8_diag_h200_2026-11-30_{0ce2f75,4c67de0,7ad7c44}.json and
 # attention_h200_2026-11-30_51aa9a9.json.
 DECODE_CONFIG_FP8 = DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=3)
