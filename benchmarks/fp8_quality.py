@@ -81,10 +81,10 @@ def main() -> int:
         candidates["float32_kv_reference"] = {"kv_cache_dtype": "float32"}
     report = run_qualify(common, {"kv_cache_dtype": "bfloat16"}, candidates, pydoc_topics("evaluation"),
                          num_tokens=args.eval_tokens, window=args.window)
-    with_offsets = [name for name, over in candidates.items() if over.get("kv_scales")]
-    for name in candidates:
-        report["candidates"][name]["k_offsets"] = name in with_offsets and all("k_offset" in e for e in cal["layers"].values())
-        report["candidates"][name]["v_offsets"] = name in with_offsets and all("v_offset" in e for e in cal["layers"].values())
+    for name, over in candidates.items():  # what each candidate's own scales file carries
+        layers = json.load(open(over["kv_scales"], encoding="utf-8"))["layers"].values() if over.get("kv_scales") else []
+        report["candidates"][name]["k_offsets"] = bool(layers) and all("k_offset" in e for e in layers)
+        report["candidates"][name]["v_offsets"] = bool(layers) and all("v_offset" in e for e in layers)
     c, u = report["candidates"]["fp8_e4m3_calibrated"], report["candidates"]["fp8_e4m3_unit_scales"]
     report["targets"] = TARGETS
     report["targets_met"] = {

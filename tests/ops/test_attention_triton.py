@@ -329,6 +329,29 @@ def test_kernels_compile_for_hopper():
           dict(G=4, BLOCK_M=128, BLOCK_N=64, D=80, D_POW2=128, PAGE=16, IS_FP8=True, WRITE_LSE=True, DCP_SIZE=2, DCP_I=1))
 
 
+def _compile_fp8_decode_sm90(triton, tp, cfg, block_m=16, dcp=False):
+    """The FP8 decode kernel (d128, group 4) compiled for sm_90 as the launcher specializes it:
+    data pointers and strides 16-byte aligned, metadata pointers and the do_not_specialize
+    integers not. dcp: the partial form (fp32 out and LSE, two ranks)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = tp._decode_kernel
+    types = {"q_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "key_lens_ptr": "*i32",
+             "cu_q_ptr": "*i32", "seq_ids_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+             "out_ptr": "*fp32", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
+    consts = dict(G=4, BLOCK_M=block_m, BLOCK_N=cfg.block_n, D=128, D_POW2=128, PAGE=16, HAS_SEQ_IDS=False,
+                  SINGLE_SPLIT=False, IS_FP8=True, WRITE_LSE=dcp, DCP_SIZE=2 if dcp else 1, DCP_I=1, F16_DOT=True,
+                  V_GROUP=tp._v_group(cfg, block_m, 128))
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+               if (n.startswith("stride_") or n.endswith("_ptr"))
+               and n not in fn.do_not_specialize_on_alignment and n not in fn.do_not_specialize}
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs=aligned), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    return kernel, consts
+
+
 def test_fp8_decode_sm90_code():
     """The sm_90 code of the default FP8 decode (d128, group 4, 16-byte-aligned strides as the
     launcher specializes them) is what makes it fast, and only the compiler shows it: E4M3 -> fp16
@@ -336,27 +359,14 @@ def test_fp8_decode_sm90_code():
     async copies, and no byte-wise shared-memory reads of V (the head_dim permutation)."""
     triton = pytest.importorskip("triton")
     from triton.backends import backends
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from qsaserve.ops.attention import triton_paged as tp
 
     if "nvidia" not in backends:
         pytest.skip("Triton has no NVIDIA backend here")
-    fn, cfg = tp._decode_kernel, tp.DECODE_CONFIG_FP8
-    types = {"q_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "key_lens_ptr": "*i32",
-             "cu_q_ptr": "*i32", "seq_ids_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
-             "out_ptr": "*fp32", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
-    consts = dict(G=4, BLOCK_M=16, BLOCK_N=cfg.block_n, D=128, D_POW2=128, PAGE=16, HAS_SEQ_IDS=False,
-                  SINGLE_SPLIT=False, IS_FP8=True, WRITE_LSE=False, DCP_SIZE=1, DCP_I=1, F16_DOT=True,
-                  V_GROUP=tp._v_group(cfg, 16, 128))
+    cfg = tp.DECODE_CONFIG_FP8
+    kernel, consts = _compile_fp8_decode_sm90(triton, tp, cfg)
     assert consts["V_GROUP"] > 0
-    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
-    # as the launcher specializes: data pointers and strides aligned, metadata pointers not
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-               if (n.startswith("stride_") or n.endswith("_ptr")) and n not in fn.do_not_specialize_on_alignment}
-    kernel = triton.compile(ASTSource(fn, sig, consts, attrs=aligned), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     ptx = kernel.asm["ptx"]
     assert "cvt.rn.f16x2.e4m3x2" in ptx
     assert "cvt.bf16.f16" not in ptx and "cvt.f32.f16" not in ptx
@@ -367,18 +377,34 @@ def test_fp8_decode_sm90_code():
     sizes = re.findall(r"cp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+)", ptx)
     assert sizes.count("0x10") >= 2 * 2 * cfg.block_n // 16
     assert set(sizes) <= {"0x10", "0x4"}, sorted(set(sizes))  # block-table entries are async only when 3+ stages
-    # The split plan's programs per SM fit: in registers (ptxas, as the driver allocates them: per
-    # warp, rounded up to 256) and in shared memory (228 KB per SM on sm_90, 1 KB of it reserved
-    # per program).
+
+
+@pytest.mark.parametrize("dcp", [False, True])
+def test_fp8_decode_programs_per_sm_fit(dcp):
+    """The split plan assumes DECODE_CONFIG_FP8.ctas_per_sm programs resident per SM; the one-token
+    Q tile's sm_90 build (plain and DCP partial form) must fit that many in the register file
+    (registers per thread from ptxas, allocated per warp in units of 256) and in shared memory
+    (228 KB per SM, 1 KB reserved per program). The old default planned 4 programs at 149-153
+    registers a thread, of which 3 fit. (The 64-row tile of multi-token rows fits only 2.)"""
+    triton = pytest.importorskip("triton")
+    from triton.backends import backends
+
+    from qsaserve.ops.attention import triton_paged as tp
+
+    if "nvidia" not in backends:
+        pytest.skip("Triton has no NVIDIA backend here")
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if os.access(ptxas, os.X_OK):
-        with tempfile.TemporaryDirectory() as tmp:
-            src = os.path.join(tmp, "k.ptx")
-            with open(src, "w") as fh:
-                fh.write(ptx)
-            info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(tmp, "k.cubin")],
-                                  capture_output=True, text=True, check=True)
-        regs = int(re.search(r"Used (\d+) registers", info.stdout + info.stderr).group(1))
-        per_warp = -(-regs * 32 // 256) * 256
-        assert cfg.ctas_per_sm * cfg.num_warps * per_warp <= 65536, (regs, cfg)
-        assert cfg.ctas_per_sm * (kernel.metadata.shared + 1024) <= 228 * 1024, (kernel.metadata.shared, cfg)
+    if not os.access(ptxas, os.X_OK):
+        pytest.skip(f"no ptxas at {ptxas} to count registers")
+    cfg = tp.DECODE_CONFIG_FP8
+    kernel, _ = _compile_fp8_decode_sm90(triton, tp, cfg, dcp=dcp)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as fh:
+            fh.write(kernel.asm["ptx"])
+        info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, check=True)
+    regs = int(re.search(r"Used (\d+) registers", info.stdout + info.stderr).group(1))
+    per_warp = -(-regs * 32 // 256) * 256
+    assert cfg.ctas_per_sm * cfg.num_warps * per_warp <= 65536, (regs, cfg)
+    assert cfg.ctas_per_sm * (kernel.metadata.shared + 1024) <= 228 * 1024, (kernel.metadata.shared, cfg)

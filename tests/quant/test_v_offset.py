@@ -64,6 +64,17 @@ def test_calibrated_v_offset_stores_the_sink_exactly_and_loads(tiny_llama, tmp_p
     assert quant.name == "fp8_e4m3" and "V offsets for 3 of 3 layers" in quant.reason
     model = llm.engine.executor.runner.model
     assert all(layer.self_attn.o_proj.bias is not None for layer in model.layers)
+    # calibrated on one window, so its first token's value is the sink: a prompt starting with that
+    # token stores V - v_offset on the E4M3 grid, i.e. exactly v_sink - v_offset
+    one = engine(tiny_llama, kv_cache_dtype="float32")
+    single = calibrate_windows(one, [window], str(tmp_path / "one.json"), {"name": "random ids"})
+    llm1 = engine(tiny_llama, kv_scales=str(tmp_path / "one.json"))
+    llm1.generate([{"prompt_token_ids": window[:5]}], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
+    for i, cache in enumerate(llm1.engine.executor.runner.kv_caches):
+        entry = single["layers"][str(i)]
+        want = torch.tensor(entry["v_sink"]) - torch.tensor(entry["v_offset"])  # [Hkv, D]
+        pages = dequantize_fp8(cache.kv[1], torch.tensor(entry["v_scale"], dtype=torch.float32))  # [blocks, page, Hkv, D]
+        assert ((pages - want).abs().amax((-1, -2)) < 1e-5).any(), i
     # teacher-forced prompt logprobs near the float32 cache's (a random model's near-ties make
     # greedy continuations part ways, so those are not compared)
     diff = (prompt_logprobs(llm) - prompt_logprobs(engine(tiny_llama, kv_cache_dtype="float32"))).abs()

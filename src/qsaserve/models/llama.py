@@ -203,9 +203,13 @@ class LlamaForCausalLM(nn.Module):
             w = a.qkv_proj.weight
             bias = a.qkv_proj.bias if a.qkv_proj.bias is not None else torch.zeros(w.shape[0], dtype=w.dtype, device=w.device)
             rows = slice(a.q_size + a.kv_size, a.q_size + 2 * a.kv_size)
-            bias[rows] = (bias[rows].float() - c.reshape(-1).to(w.device)).to(w.dtype)
+            before = bias[rows].float().clone()  # .float() of a float32 bias is the bias itself
+            bias[rows] = (before - c.reshape(-1).to(w.device)).to(w.dtype)
+            # What the bias now subtracts, after its rounding to the weight dtype (bfloat16 moves c by
+            # up to 2^-9 of |b - c|): adding back exactly that keeps the fold exact.
+            subtracted = (before - bias[rows].float()).view(a.num_kv_heads, a.head_dim)
             a.qkv_proj.bias = nn.Parameter(bias, requires_grad=False)
-            c_q = c.to(w.device).repeat_interleave(a.num_heads // a.num_kv_heads, 0).reshape(-1)
+            c_q = subtracted.repeat_interleave(a.num_heads // a.num_kv_heads, 0).reshape(-1)
             a.o_proj.bias = nn.Parameter((a.o_proj.weight.float() @ c_q).to(a.o_proj.weight.dtype), requires_grad=False)
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:

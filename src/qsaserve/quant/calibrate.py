@@ -221,6 +221,9 @@ def calibrate_windows(llm, windows: list[list[int]], output: str, dataset_descri
             layers[i]["k_sink"] = sinks[i].k_offset().cpu().tolist()
         if with_v_offset:
             v_mean = obs.v_mean()
+            if not 0 < obs.v_absmax_after(v_mean) < float("inf"):
+                raise RuntimeError(f"calibrate: layer {i} has |V - mean| max {obs.v_absmax_after(v_mean)}; cannot derive "
+                                   "a V scale")
             v_offset, v_max_off, v_scale = _sink_aligned(v_mean, obs.v_absmax_after, sinks[i].v_mean(), margin, "V")
             layers[i].update(v_scale=v_scale, v_offset=v_offset.cpu().tolist(), v_absmax_after_offset=v_max_off,
                              v_mean=v_mean.cpu().tolist(), v_absmax_after_mean=obs.v_absmax_after(v_mean),
