@@ -6,7 +6,6 @@ Triton kernels on GPU); models only see this module.
 """
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -21,20 +20,10 @@ try:  # Triton kernels for CUDA tensors; CPU-only installs keep the reference
 except ImportError:
     _triton = None
 
-# The reference writer learns `k_offset` with the K-offset calibration; until then the offset is
-# subtracted here, which is the same arithmetic.
-_REF_TAKES_K_OFFSET = "k_offset" in inspect.signature(write_kv_reference).parameters
-
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor) -> None:
     """Reference cache write of a layer's K/V with its FP8 scales and K offset (if any)."""
-    k_offset = getattr(cache, "k_offset", None)
-    if _REF_TAKES_K_OFFSET:
-        write_kv_reference(k, v, cache.kv, slots, cache.k_scale, cache.v_scale, k_offset=k_offset)
-        return
-    if k_offset is not None:
-        k = k.float() - k_offset
-    write_kv_reference(k, v, cache.kv, slots, cache.k_scale, cache.v_scale)
+    write_kv_reference(k, v, cache.kv, slots, cache.k_scale, cache.v_scale, k_offset=getattr(cache, "k_offset", None))
 
 
 def use_triton(x: torch.Tensor) -> bool:
