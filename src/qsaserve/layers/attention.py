@@ -23,7 +23,7 @@ except ImportError:
 
 def write_kv_ref(k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor) -> None:
     """Reference cache write of a layer's K/V with its FP8 scales and K offset (if any)."""
-    write_kv_reference(k, v, cache.kv, slots, cache.k_scale, cache.v_scale, k_offset=getattr(cache, "k_offset", None))
+    write_kv_reference(k, v, cache.kv, slots, cache.k_scale, cache.v_scale, k_offset=cache.k_offset)
 
 
 def use_triton(x: torch.Tensor) -> bool:
@@ -82,7 +82,7 @@ class Attention(nn.Module):
             cache.observer(k, v)
         if use_triton(q):
             _triton.write_kv(k, v, cache.kv, meta.slot_mapping, cache.k_scale, cache.v_scale,
-                             k_offset=getattr(cache, "k_offset", None))
+                             k_offset=cache.k_offset)
             out = _triton.paged_attention(q, cache.kv, meta, self.scale, k_scale=cache.k_scale, v_scale=cache.v_scale)
         else:
             write_kv_ref(k, v, cache, meta.slot_mapping)

@@ -67,7 +67,7 @@ class DcpAttention(nn.Module):
         q_group = self.ctx.dcp_gather_heads(q.view(t, self.num_heads, self.head_dim))
         if use_triton(q):
             _triton.write_kv(k[plan.write_rows], v[plan.write_rows], cache.kv, plan.write_slots, cache.k_scale,
-                             cache.v_scale, k_offset=getattr(cache, "k_offset", None))
+                             cache.v_scale, k_offset=cache.k_offset)
             out, lse = _triton.paged_attention_partial(q_group, cache.kv, meta, self.scale,
                                                        shard_keys(meta, self.ctx.dcp, q.device),
                                                        cache.k_scale, cache.v_scale)
