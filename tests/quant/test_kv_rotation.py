@@ -86,7 +86,7 @@ def test_engine_folds_v_and_output_rotation_into_the_weights(tiny_llama):
         wo = pa.o_proj.weight.clone()
         fold_into_columns(wo, h)
         assert torch.equal(ra.o_proj.weight, wo)
-        assert ra.attn.vo_rotated and not pa.attn.vo_rotated
+        assert ra.attn.cache.rotation is not None and pa.attn.cache.rotation is None  # q, k rotated at run time
 
 
 def test_rotated_attention_equals_plain_attention():

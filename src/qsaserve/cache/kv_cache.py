@@ -64,7 +64,7 @@ class LayerCache:
     v_scale: torch.Tensor | None = None
     k_offset: torch.Tensor | None = None  # [Hkv, D] fp32 device tensor: keys are stored as k - k_offset (exact for softmax)
     observer: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # sees each write's (K, V) [T, Hkv, D] (calibration)
-    rotation: torch.Tensor | None = None  # [D, D]: q, k, v enter rotated, the output is rotated back (quant/kv_rotation.py)
+    rotation: torch.Tensor | None = None  # [D, D]: the pages hold K, V rotated; q, k are rotated by the layer, V and the output by the model's folded weights (quant/kv_rotation.py)
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[LayerCache]:

@@ -61,10 +61,10 @@ class ModelRunner:
         self.kv_quant = resolve_kv_cache(config, checkpoint.identity, attention_layer_ids(model), ckpt_scales.scales,
                                          self.dtype, self.device, tp_size=self.parallel.tp_size,
                                          tp_rank=self.parallel.tp_rank)
-        if self.kv_quant.rotation != "none" and not getattr(model, "supports_kv_rotation", False):
-            raise InvalidRequestError("kv_rotation", f"{self.kv_quant.rotation} is implemented by the Llama-family "
-                                      f"attention layers; {type(model).__name__} does not apply it")
         if self.kv_quant.rotation != "none":  # V's and the output's rotation go into the weights, once
+            if not hasattr(model, "fold_kv_rotation"):
+                raise InvalidRequestError("kv_rotation", f"{self.kv_quant.rotation} is implemented by the Llama-family "
+                                          f"attention layers; {type(model).__name__} does not apply it")
             model.fold_kv_rotation(self.kv_quant.rotation_matrix(model.config.head_dim, self.device))
         if self.kv_quant.v_offsets:  # V - v_offset stored, v_offset added back: both in the weights, once
             if not hasattr(model, "fold_v_offsets"):

@@ -52,9 +52,6 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.cache: LayerCache | None = None  # bound by the model runner after allocation
-        # True once the model has folded the head rotation into its V and output projections
-        # (quant/kv_rotation.fold_into_rows/columns): then only q and k are rotated here.
-        self.vo_rotated = False
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -65,7 +62,7 @@ class Attention(nn.Module):
         if not use_triton(self.cache.kv):
             return 0
         return _triton.warm_up(self.cache.kv, self.num_heads, dtype, k_scale=self.cache.k_scale,
-                                      v_scale=self.cache.v_scale)
+                               v_scale=self.cache.v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq*D], k/v: [T, Hkv*D] -> [T, Hq*D]."""
@@ -74,10 +71,9 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         cache = self.cache
-        if cache.rotation is not None:  # the pages hold rotated K/V (quant/kv_rotation.py)
+        if cache.rotation is not None:  # the pages hold rotated K/V (quant/kv_rotation.py); the model's
+            # V and output projections carry V's rotation and its inverse (fold_kv_rotation)
             q, k = rotate_heads(q, cache.rotation), rotate_heads(k, cache.rotation)
-            if not self.vo_rotated:
-                v = rotate_heads(v, cache.rotation)
         if cache.observer is not None:
             cache.observer(k, v)
         if use_triton(q):
@@ -88,6 +84,4 @@ class Attention(nn.Module):
             write_kv_ref(k, v, cache, meta.slot_mapping)
             out = paged_attention_reference(q, cache.kv, meta.block_tables, meta.query_lens, meta.seq_lens_list, self.scale,
                                             k_scale=cache.k_scale, v_scale=cache.v_scale)
-        if cache.rotation is not None and not self.vo_rotated:
-            out = rotate_heads(out, cache.rotation)  # the rotation is its own inverse
         return out.reshape(t, self.num_heads * self.head_dim)

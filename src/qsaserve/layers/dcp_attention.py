@@ -35,9 +35,6 @@ class DcpAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.ctx = ctx
         self.cache: LayerCache | None = None  # bound by the model runner after allocation
-        # True once the model has folded the head rotation into its V and output projections
-        # (quant/kv_rotation.fold_into_rows/columns): then only q and k are rotated here.
-        self.vo_rotated = False
 
     @property
     def kv_cache(self) -> torch.Tensor:
@@ -50,7 +47,7 @@ class DcpAttention(nn.Module):
             return 0
         dcp = self.ctx.dcp
         return _triton.warm_up(self.cache.kv, self.num_heads * dcp.size, dtype, k_scale=self.cache.k_scale,
-                                      v_scale=self.cache.v_scale, shard_geometry=(dcp.size, dcp.rank, dcp.interleave))
+                               v_scale=self.cache.v_scale, shard_geometry=(dcp.size, dcp.rank, dcp.interleave))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq*D] (this rank's heads), k/v: [T, Hkv*D] -> [T, Hq*D]."""
@@ -58,10 +55,9 @@ class DcpAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         cache = self.cache
-        if cache.rotation is not None:  # the pages hold rotated K/V (quant/kv_rotation.py)
+        if cache.rotation is not None:  # the pages hold rotated K/V (quant/kv_rotation.py); the model's
+            # V and output projections carry V's rotation and its inverse (fold_kv_rotation)
             q, k = rotate_heads(q, cache.rotation), rotate_heads(k, cache.rotation)
-            if not self.vo_rotated:
-                v = rotate_heads(v, cache.rotation)
         if cache.observer is not None:  # KV-scale calibration sees every new K/V, owned here or not
             cache.observer(k, v)
         q_group = self.ctx.dcp_gather_heads(q.view(t, self.num_heads, self.head_dim))
@@ -78,6 +74,4 @@ class DcpAttention(nn.Module):
                                                meta.seq_lens_list, plan.local_seq_lens, keys, self.scale,
                                                cache.k_scale, cache.v_scale)
         out = self.ctx.dcp_merge(out, lse).to(q.dtype)
-        if cache.rotation is not None and not self.vo_rotated:
-            out = rotate_heads(out, cache.rotation)  # the rotation is its own inverse
         return out.reshape(t, -1)

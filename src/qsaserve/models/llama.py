@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from qsaserve.cache.kv_cache import KVCacheSpec
+from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.activation import SiluAndMul
 from qsaserve.layers.attention import Attention, AttentionMetadata
 from qsaserve.layers.dcp_attention import DcpAttention
@@ -27,9 +28,9 @@ from qsaserve.layers.linear import linear
 from qsaserve.layers.rmsnorm import RMSNorm
 from qsaserve.layers.rotary import RotaryEmbedding
 from qsaserve.parallel.state import ParallelContext
-from qsaserve.quant.kv_rotation import fold_into_columns, fold_into_rows
 from qsaserve.parallel.tp import (even_range, kv_head_range, shard_vocab, take, vocab_parallel_embedding,
                                   vocab_parallel_logits, vocab_shard_rows)
+from qsaserve.quant.kv_rotation import fold_into_columns, fold_into_rows
 
 
 @dataclass(frozen=True)
@@ -158,8 +159,6 @@ def checkpoint_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
 
 
 class LlamaForCausalLM(nn.Module):
-    supports_kv_rotation = True  # its attention layers (layers/attention.py, dcp_attention.py) apply cache.rotation
-
     def __init__(self, c: LlamaConfig, max_positions: int, ctx: ParallelContext | None = None):
         super().__init__()
         self.config = c
@@ -182,7 +181,6 @@ class LlamaForCausalLM(nn.Module):
             bias = a.qkv_proj.bias[rows] if a.qkv_proj.bias is not None else None
             fold_into_rows(a.qkv_proj.weight[rows], rotation.to(a.qkv_proj.weight.device), bias)
             fold_into_columns(a.o_proj.weight, rotation.to(a.o_proj.weight.device))
-            a.attn.vo_rotated = True
 
     @torch.no_grad()
     def fold_v_offsets(self, offsets: list[torch.Tensor | None]) -> None:
@@ -191,8 +189,6 @@ class LlamaForCausalLM(nn.Module):
         query's weights sum to one. Both go into the weights: qkv_proj's V bias takes -c, and o_proj
         gets the bias W_o c_q (c_q: c for each query head's KV head); under tensor parallelism that
         is this rank's share of W_o c, summed by the all-reduce. Once, after fold_kv_rotation."""
-        from qsaserve.errors import InvalidRequestError
-
         for n, (layer, c) in enumerate(zip(self.layers, offsets, strict=True)):
             if c is None:
                 continue

@@ -221,13 +221,13 @@ def calibrate_windows(llm, windows: list[list[int]], output: str, dataset_descri
             layers[i]["k_sink"] = sinks[i].k_offset().cpu().tolist()
         if with_v_offset:
             v_mean = obs.v_mean()
-            if not 0 < obs.v_absmax_after(v_mean) < float("inf"):
-                raise RuntimeError(f"calibrate: layer {i} has |V - mean| max {obs.v_absmax_after(v_mean)}; cannot derive "
-                                   "a V scale")
-            v_offset, v_max_off, v_scale = _sink_aligned(v_mean, obs.v_absmax_after, sinks[i].v_mean(), margin, "V")
+            v_max_mean = obs.v_absmax_after(v_mean)
+            if not 0 < v_max_mean < float("inf"):
+                raise RuntimeError(f"calibrate: layer {i} has |V - mean| max {v_max_mean}; cannot derive a V scale")
+            v_sink = sinks[i].v_mean()
+            v_offset, v_max_off, v_scale = _sink_aligned(v_mean, obs.v_absmax_after, v_sink, margin, "V")
             layers[i].update(v_scale=v_scale, v_offset=v_offset.cpu().tolist(), v_absmax_after_offset=v_max_off,
-                             v_mean=v_mean.cpu().tolist(), v_absmax_after_mean=obs.v_absmax_after(v_mean),
-                             v_sink=sinks[i].v_mean().cpu().tolist())
+                             v_mean=v_mean.cpu().tolist(), v_absmax_after_mean=v_max_mean, v_sink=v_sink.cpu().tolist())
     from qsaserve import __version__
 
     meta = {

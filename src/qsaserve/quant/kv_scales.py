@@ -123,16 +123,13 @@ def read_scales_file(path: str, identity: str) -> ScaleSet:
         for kind, target in (("k_scale", out.k), ("v_scale", out.v)):
             if kind in entry:
                 target[int(key)] = _check_scale(entry[kind], f"{path}: layer {key} {kind}")
-        if "k_offset" in entry:
-            if "k_scale" not in entry:
-                raise InvalidRequestError("kv_scales", f"{path}: layer {key} has a k_offset but no k_scale (the scale "
-                                          "is measured after the offset; they are only valid together)")
-            out.k_offset[int(key)] = _check_offset(entry["k_offset"], f"{path}: layer {key} k_offset")
-        if "v_offset" in entry:
-            if "v_scale" not in entry:
-                raise InvalidRequestError("kv_scales", f"{path}: layer {key} has a v_offset but no v_scale (the scale "
-                                          "is measured after the offset; they are only valid together)")
-            out.v_offset[int(key)] = _check_offset(entry["v_offset"], f"{path}: layer {key} v_offset")
+        for kind, target in (("k", out.k_offset), ("v", out.v_offset)):
+            if f"{kind}_offset" not in entry:
+                continue
+            if f"{kind}_scale" not in entry:
+                raise InvalidRequestError("kv_scales", f"{path}: layer {key} has a {kind}_offset but no {kind}_scale (the "
+                                          "scale is measured after the offset; they are only valid together)")
+            target[int(key)] = _check_offset(entry[f"{kind}_offset"], f"{path}: layer {key} {kind}_offset")
     return out
 
 
@@ -285,10 +282,9 @@ def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_sca
     def tensors(table: dict[int, float]) -> list[torch.Tensor]:
         return [torch.tensor(table.get(i, 1.0), dtype=torch.float32, device=device) for i in layer_ids]
 
-    offsets = [_rank_heads(scales.k_offset[i], tp_size, tp_rank).to(device) if i in scales.k_offset else None
-               for i in layer_ids]
-    v_offsets = [_rank_heads(scales.v_offset[i], tp_size, tp_rank).to(device) if i in scales.v_offset else None
-                 for i in layer_ids]
+    def rank_offsets(table: dict[int, torch.Tensor]) -> list[torch.Tensor | None]:
+        return [_rank_heads(table[i], tp_size, tp_rank).to(device) if i in table else None for i in layer_ids]
+
     if scales.k_offset:
         reason += f", K offsets for {len(scales.k_offset)} of {len(layer_ids)} layers"
     if scales.v_offset:
@@ -310,8 +306,8 @@ def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_sca
                 "measured without a rotation; calibrate with --kv-rotation and pass the file with --kv-scales")
         reason += f", heads rotated ({rotation})"
     return KVCacheQuant(FP8_E4M3, "fp8_e4m3", tensors(scales.k), tensors(scales.v), reason=reason,
-                        k_offsets=offsets, v_offsets=v_offsets if scales.v_offset else None, layer_ids=list(layer_ids),
-                        rotation=rotation)
+                        k_offsets=rank_offsets(scales.k_offset), v_offsets=rank_offsets(scales.v_offset) if scales.v_offset
+                        else None, layer_ids=list(layer_ids), rotation=rotation)
 
 
 def _rank_heads(offset: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:

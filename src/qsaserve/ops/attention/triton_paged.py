@@ -502,14 +502,15 @@ DECODE_CONFIG = DecodeConfig()
 DECODE_CONFIG_FEW = DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=1)
 FEW_PAIRS = 16
 # FP8 pages, any batch. A tile of E4M3 is half the bytes of bf16, so it takes twice the keys to
-# keep as many bytes in flight. H200, batch 8 x 8 KV heads, d128, do_bench with L2 flushed, five
+# keep as many bytes in flight. H200, batch 8 x 8 KV heads, d128, do_bench with L2 flushed, six
 # runs at 128K: 128-key tiles, 3 stages, 3 programs per SM read 1.56-1.63x faster than the bf16
-# kernel (32K: 1.49-1.56x); 2 stages / 4 per SM varied more, 1.44-1.67x (32K: 1.35-1.56x);
+# kernel (32K: 1.47-1.56x); 2 stages / 4 per SM varied more, 1.44-1.67x (32K: 1.35-1.56x);
 # 64-key tiles ~1.37x; the bf16-dot kernel before the fp16 path ~0.8x. Why 3 per SM: ptxas gives
-# the 128-key kernel 149 registers a thread (sm_90a, d128, 4 warps; 41 KB of shared memory), so
+# the 128-key kernel 153 registers a thread (168 in the DCP partial form; sm_90a, d128, 4 warps,
+# 41 KB of shared memory; tests/ops/test_attention_triton.py test_fp8_decode_programs_per_sm_fit), so
 # 65,536 registers hold 3 programs, and a split plan for 4 left a partial last wave.
 # benchmarks/results/attention_fp8_diag_h200_2026-11-30_{0ce2f75,4c67de0,7ad7c44}.json and
-# attention_h200_2026-11-30_51aa9a9.json.
+# attention_h200_2026-11-30_51aa9a9.json, attention_fp8_h200_2026-11-30_3acc8e9.json.
 DECODE_CONFIG_FP8 = DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=3)
 # Candidates the benchmark times side by side (benchmarks/bench_attention.py, section fp8); the GPU
 # tests run each against the reference. "bf16_dot_bn64" is the kernel before the fp16 path.
@@ -730,8 +731,8 @@ def warm_up(kv_cache: torch.Tensor, num_q_heads: int, q_dtype: torch.dtype, *, k
     shard = ShardKeys(*shard_geometry, seq_lens, [1, 1]) if partial else None
     launches = 0
     group = num_q_heads // kv_cache.shape[3]
-    tile_qlens = dict.fromkeys((1, decode_qlen_cap(group)), None)  # the Q tile sizes: one per distinct height
-    tile_qlens = {decode_block_m(group, n): n for n in tile_qlens}.values()
+    # one query length per Q tile height the kernel can take (decode_block_m)
+    tile_qlens = {decode_block_m(group, n): n for n in (1, decode_qlen_cap(group))}.values()
     for cfg in dict.fromkeys((decode_config(1, fp8), decode_config(FEW_PAIRS + 1, fp8))):
         for qlen_max in tile_qlens:
             for splits in (1, 2):
