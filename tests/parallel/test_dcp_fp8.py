@@ -8,7 +8,7 @@ import pytest
 from qsaserve import SamplingParams
 from qsaserve.loader.checkpoint import load_checkpoint
 
-from parallel_helpers import assert_same_outputs, run_engine, tiny_llama
+from parallel_helpers import assert_same_outputs, run_engine, tiny_llama, token_logprobs
 
 TOL = 2e-4
 PROMPTS = [[5 + (i * 7 + j * 13) % 200 for j in range(30 + 9 * i)] for i in range(3)]
@@ -49,3 +49,31 @@ def test_rotated_fp8_under_tp2_and_dcp2_matches_tp1(mqa_with_scales, tmp_path):
                      decode_context_parallel_size=2, dcp_interleave_size=2, **ENGINE)
     assert_same_outputs(base, tp2, TOL)
     assert_same_outputs(base, dcp, TOL)
+
+
+@pytest.mark.parametrize("kv_heads, rotation", [(1, "none"), (1, "hadamard"), (2, "none")])
+def test_v_offsets_under_tp2_and_dcp2_match_tp1(tmp_path, kv_heads, rotation):
+    """A scales file with V offsets (distinct per KV head and channel, stored basis): each rank
+    folds its KV heads' offsets into its biases, and its share of W_o c is summed by the
+    all-reduce (2 KV heads: each rank takes its own head's offset; 1: both hold the same head), so
+    TP2 (and, with one KV head, TP2/DCP2) give TP1's outputs."""
+    path = tiny_llama(tmp_path / "model", heads=4, kv_heads=kv_heads, seed=2)
+    offsets = [[[round(0.05 * ((3 * layer + 5 * h + c) % 11) - 0.2, 3) for c in range(16)] for h in range(kv_heads)]
+               for layer in range(2)]
+    doc = {"format": "qsaserve-kv-scales", "version": 4, "model_identity": load_checkpoint(path, progress=False).identity,
+           "kv_rotation": rotation,
+           "layers": {str(i): {"k_scale": 0.02, "v_scale": 0.01, "v_offset": offsets[i]} for i in range(2)}}
+    scales = tmp_path / "scales.json"
+    scales.write_text(json.dumps(doc))
+    base = run_engine(path, PROMPTS, PARAMS, kv_scales=str(scales), **ENGINE)
+    no_offsets = tmp_path / "plain.json"
+    no_offsets.write_text(json.dumps({**doc, "layers": {k: {"k_scale": 0.02, "v_scale": 0.01} for k in doc["layers"]}}))
+    plain = run_engine(path, PROMPTS, PARAMS, kv_scales=str(no_offsets), **ENGINE)
+    # the offsets change what E4M3 stores (so they were applied), within FP8's rounding
+    moved = [abs(a - b) for x, y in zip(base, plain) for a, b in zip(token_logprobs(x)[2], token_logprobs(y)[2])]
+    assert max(moved) > 1e-4
+    assert_same_outputs(base, run_engine(path, PROMPTS, PARAMS, kv_scales=str(scales), tensor_parallel_size=2, **ENGINE), TOL)
+    if kv_heads == 1:
+        dcp = run_engine(path, PROMPTS, PARAMS, kv_scales=str(scales), tensor_parallel_size=2,
+                         decode_context_parallel_size=2, dcp_interleave_size=2, **ENGINE)
+        assert_same_outputs(base, dcp, TOL)
