@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import statistics
+import tempfile
 import time
 
 import torch
@@ -66,46 +67,61 @@ def profile_decode_steps(engine: LLMEngine, steps: int = 16, top: int = 15) -> d
               "cuda_graphs": getattr(executor, "runner", None) is not None and executor.runner.graphs is not None}
     if not cuda:
         return report
+    workers = getattr(executor, "profile_workers", None)  # tensor/decode-context parallel: the other ranks too
     try:
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with torch.profiler.profile(activities=activities) as prof:
-            for _ in range(steps):
-                engine.step(outputs="finished")
-            torch.cuda.synchronize()
-        # Aggregated from the events themselves, by kind: with CPU activity on, key_averages()
-        # also credits kernel time to the host ops that launched it.
-        device_time, device_calls = collections.Counter(), collections.Counter()
-        host_time, host_calls = collections.Counter(), collections.Counter()
-        intervals = []
-        for e in prof.events():
-            if _is_device_event(e):
-                device_time[e.name] += e.time_range.elapsed_us()
-                device_calls[e.name] += 1
-                intervals.append((e.time_range.start, e.time_range.end))
-            elif e.self_cpu_time_total > 0:
-                host_time[e.name] += e.self_cpu_time_total
-                host_calls[e.name] += 1
-        kernels = [(us, device_calls[name], name) for name, us in device_time.items() if us > 0]
-        host_ops = [(us, host_calls[name], name) for name, us in host_time.items()]
-        kernels.sort(reverse=True)
-        host_ops.sort(reverse=True)
-        report["device_ms"] = round(sum(k[0] for k in kernels) / steps / 1e3, 3)
-        report["kernel_launches_per_step"] = round(sum(k[1] for k in kernels) / steps, 1)
-        report["top_kernels"] = [{"name": name[:120], "ms_per_step": round(us / steps / 1e3, 4),
-                                  "calls_per_step": round(n / steps, 2)} for us, n, name in kernels[:top]]
-        # From the first kernel's start to the last one's end, per step, and how much of that
-        # no kernel ran: idle device time inside a run of steps is time the host (or a peer rank
-        # this one waits for outside a kernel) kept the device waiting. These steps run under the
-        # profiler (host tracing adds its own cost, so the idle time is an upper bound), and host
-        # ops include blocking waits (cudaStreamSynchronize, a readback's memcpy).
-        busy, span = busy_and_span(intervals)
-        report["device_span_ms"] = round(span / steps / 1e3, 3)
-        report["device_idle_ms"] = round((span - busy) / steps / 1e3, 3)
-        report["top_host_ops"] = [{"name": name[:120], "ms_per_step": round(us / steps / 1e3, 4),
-                                   "calls_per_step": round(n / steps, 2)} for us, n, name in host_ops[:top]]
+        with tempfile.TemporaryDirectory() as worker_dir:
+            if workers is not None:
+                workers("start", worker_dir)
+            with torch.profiler.profile(activities=activities) as prof:
+                for _ in range(steps):
+                    engine.step(outputs="finished")
+                torch.cuda.synchronize()
+            report.update(summarize_events(prof.events(), steps, top))
+            if workers is not None:
+                report["worker_ranks"] = workers("stop", worker_dir, steps=steps, top=top)
     except Exception as e:  # profiler unavailable (CUPTI missing): keep the timings
         report["profiler_error"] = repr(e)[:300]
     return report
+
+
+def summarize_events(events, steps: int, top: int = 15) -> dict:
+    """Per-step figures of a torch.profiler run over `steps` steps: device time and launches, the
+    top kernels, the device's span and idle time, the top host ops. Also what a worker rank
+    reports about its own steps (MultiprocExecutor.profile_workers)."""
+    # Aggregated from the events themselves, by kind: with CPU activity on, key_averages() also
+    # credits kernel time to the host ops that launched it.
+    device_time, device_calls = collections.Counter(), collections.Counter()
+    host_time, host_calls = collections.Counter(), collections.Counter()
+    intervals = []
+    for e in events:
+        if _is_device_event(e):
+            device_time[e.name] += e.time_range.elapsed_us()
+            device_calls[e.name] += 1
+            intervals.append((e.time_range.start, e.time_range.end))
+        elif e.self_cpu_time_total > 0:
+            host_time[e.name] += e.self_cpu_time_total
+            host_calls[e.name] += 1
+    kernels = sorted(((us, device_calls[name], name) for name, us in device_time.items() if us > 0), reverse=True)
+    host_ops = sorted(((us, host_calls[name], name) for name, us in host_time.items()), reverse=True)
+    out = {"device_ms": round(sum(k[0] for k in kernels) / steps / 1e3, 3),
+           "kernel_launches_per_step": round(sum(k[1] for k in kernels) / steps, 1),
+           # Collectives spin inside their kernel until every peer has arrived: a rank that waits
+           # for a slower peer shows it here.
+           "nccl_ms": round(sum(k[0] for k in kernels if "nccl" in k[2].lower()) / steps / 1e3, 3),
+           "top_kernels": [{"name": name[:120], "ms_per_step": round(us / steps / 1e3, 4),
+                            "calls_per_step": round(n / steps, 2)} for us, n, name in kernels[:top]]}
+    # From the first kernel's start to the last one's end, per step, and how much of that no
+    # kernel ran: idle device time inside a run of steps is time the host (or a peer rank this
+    # one waits for outside a kernel) kept the device waiting. Host tracing adds its own cost, so
+    # the idle time is an upper bound; host ops include blocking waits (cudaStreamSynchronize, a
+    # readback's memcpy, an event wait).
+    busy, span = busy_and_span(intervals)
+    out["device_span_ms"] = round(span / steps / 1e3, 3)
+    out["device_idle_ms"] = round((span - busy) / steps / 1e3, 3)
+    out["top_host_ops"] = [{"name": name[:120], "ms_per_step": round(us / steps / 1e3, 4),
+                            "calls_per_step": round(n / steps, 2)} for us, n, name in host_ops[:top]]
+    return out
 
 
 def _is_device_event(event) -> bool:

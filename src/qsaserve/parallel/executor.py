@@ -51,6 +51,49 @@ _CONTROL_TIMEOUT = datetime.timedelta(days=30)  # workers idle in the control br
 _TEARDOWN_TIMEOUT_S = 10.0
 
 
+@dataclass(frozen=True)
+class ProfileCommand:
+    """Rank 0 -> workers, on the step channel between steps: "start" a torch.profiler over the
+    steps that follow, or "stop" it and write this rank's per-step summary
+    (bench/step_profile.summarize_events over `steps` steps) to `directory`/rank{r}.json. How a
+    benchmark sees whether a worker rank waits in collectives or leaves its device idle."""
+
+    action: str  # "start" | "stop"
+    directory: str
+    steps: int = 1
+    top: int = 15
+
+
+class _WorkerProfiler:
+    def __init__(self, rank: int):
+        self.rank, self.prof = rank, None
+
+    def handle(self, cmd: ProfileCommand) -> None:
+        import json
+
+        from qsaserve.bench.step_profile import summarize_events
+
+        if cmd.action == "start":
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities)
+            self.prof.__enter__()
+            return
+        if self.prof is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        report = {"rank": self.rank, **summarize_events(self.prof.events(), cmd.steps, cmd.top)}
+        self.prof = None
+        os.makedirs(cmd.directory, exist_ok=True)
+        tmp = os.path.join(cmd.directory, f".rank{self.rank}.json")
+        with open(tmp, "w") as f:
+            json.dump(report, f)
+        os.replace(tmp, os.path.join(cmd.directory, f"rank{self.rank}.json"))  # appears whole
+
+
 @dataclass
 class WorkerSpec:
     config: EngineConfig
@@ -173,10 +216,14 @@ def worker_main(spec: WorkerSpec, error_fd: int) -> None:
         if num_blocks < 2:
             return  # rank 0 refuses the configuration and closes the world
         steps = PipeReceiver(spec.step_fd) if spec.step_fd is not None else GlooBroadcast(control)
+        profiler = _WorkerProfiler(spec.rank)
         while True:
             step = steps.recv()
             if step is None:
                 break
+            if isinstance(step, ProfileCommand):
+                profiler.handle(step)
+                continue
             batch, fed = step
             runner.execute(batch, FedByRank0() if fed else None)
     except BaseException as e:  # noqa: BLE001 - report anything, then die
@@ -380,6 +427,31 @@ class MultiprocExecutor(Rank0Views):
             # Ranks are out of step now whatever the cause; name a dead worker if there is one.
             self._dead = self._find_dead_worker(wait=2.0) or f"step failed on rank 0: {type(e).__name__}: {e}"
             raise EngineDeadError(f"tensor-parallel engine is dead: {self._dead}") from e
+
+    def profile_workers(self, action: str, directory: str, steps: int = 1, top: int = 15,
+                        timeout_s: float = 120.0) -> list[dict] | None:
+        """Profile this node's worker ranks over the steps between "start" and "stop" (bench/
+        step_profile.py). "stop" returns their summaries in rank order (written to `directory`)."""
+        if action not in ("start", "stop"):
+            raise ValueError(f"action: must be start or stop, got {action!r}")
+        self.check_health()
+        self._steps.send(ProfileCommand(action, directory, steps, top))
+        if action == "start":
+            return None
+        paths = [os.path.join(directory, f"rank{w.rank}.json") for w in self.workers]
+        deadline = time.monotonic() + timeout_s
+        while not all(os.path.exists(p) for p in paths):
+            self.check_health()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker profiles not written within {timeout_s} s: {paths}")
+            time.sleep(0.05)
+        import json
+
+        reports = []
+        for p in paths:
+            with open(p) as f:
+                reports.append(json.load(f))
+        return reports
 
     def _abort(self) -> None:
         self._closed = True
