@@ -79,6 +79,10 @@ class _WorkerProfiler:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(activities=activities)
             self.prof.__enter__()
+            # Rank 0 waits for this before its own steps: a profiler takes a while to start, and
+            # rank 0's collectives would count that wait as theirs.
+            os.makedirs(cmd.directory, exist_ok=True)
+            open(os.path.join(cmd.directory, f"started.rank{self.rank}"), "w").close()
             return
         if self.prof is None:
             return
@@ -140,7 +144,11 @@ def init_rank(spec: WorkerSpec) -> tuple[ParallelContext, torch.device, object]:
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
     d = c.decode_context_parallel_size
     dcp_group = None
-    if d > 1:
+    if d == c.tensor_parallel_size > 1:
+        # One DCP group of every rank: reuse the world's communicator. A second NCCL communicator
+        # over the same GPUs would add its own per-launch work to every decode graph.
+        dcp_group = dist.group.WORLD
+    elif d > 1:
         for ranks in DcpGeometry.group_ranks(c.tensor_parallel_size, d):
             group = dist.new_group(ranks)
             if spec.rank in ranks:
@@ -436,15 +444,16 @@ class MultiprocExecutor(Rank0Views):
             raise ValueError(f"action: must be start or stop, got {action!r}")
         self.check_health()
         self._steps.send(ProfileCommand(action, directory, steps, top))
-        if action == "start":
-            return None
-        paths = [os.path.join(directory, f"rank{w.rank}.json") for w in self.workers]
+        name = "started.rank{}" if action == "start" else "rank{}.json"
+        paths = [os.path.join(directory, name.format(w.rank)) for w in self.workers]
         deadline = time.monotonic() + timeout_s
         while not all(os.path.exists(p) for p in paths):
             self.check_health()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"worker profiles not written within {timeout_s} s: {paths}")
-            time.sleep(0.05)
+            time.sleep(0.01)
+        if action == "start":
+            return None
         import json
 
         reports = []
