@@ -95,11 +95,14 @@ def test_v_offsets_on_gpu(tiny_llama, tmp_path):
     assert gpu.engine.executor.runner.graphs is not None
     assert all(layer.self_attn.o_proj.bias is not None for layer in gpu.engine.executor.runner.model.layers)
     cpu = engine(tiny_llama, kv_scales=str(tmp_path / "s.json"))
-    # The same E4M3 pages up to float32 rounding (TF32 dots on CUDA): logprobs within a few 1e-3.
+    # The same pages up to rounding: CUDA takes float32 dots in TF32, and a K or V element that
+    # lands near an E4M3 rounding boundary can take the neighbouring code (a 1/16 step) on one
+    # device only. Observed on an H200: mean 0.0034, max 0.028 over 55 positions. A missing or
+    # doubled fold moves logprobs by tenths.
     diff = (prompt_logprobs(gpu) - prompt_logprobs(cpu)).abs()
-    assert torch.isfinite(diff).all() and diff.max() < 2e-2, diff.max()
+    assert torch.isfinite(diff).all() and diff.mean() < 1e-2 and diff.max() < 6e-2, diff
     for (ta, la), (tb, lb) in zip(greedy(cpu), greedy(gpu)):
-        assert ta[0] == tb[0] and la[0] == pytest.approx(lb[0], abs=2e-2)
+        assert ta[0] == tb[0] and la[0] == pytest.approx(lb[0], abs=6e-2)
         assert all(torch.isfinite(torch.tensor(lb)))
 
 
