@@ -162,7 +162,38 @@ def check_sigmoid_gated_add(device, dtype, rows=3, cols=300):
     assert ((got.float() - want).abs() <= bound).all(), (got.float() - want).abs().max()
 
 
+def check_head_rotate_qk(device, dtype, tokens=3, hq=5, hk=2, head_dim=32):
+    """q and k rotated in place inside one qkv-like buffer (v untouched) against rotate_heads."""
+    from qsaserve.ops.fused import triton_fused as tf
+    from qsaserve.quant.kv_rotation import hadamard_matrix, rotate_heads
+
+    gen = torch.Generator().manual_seed(hq * head_dim + tokens)
+    qkv = (torch.randn(tokens, (hq + 2 * hk) * head_dim, generator=gen) * 3).to(dtype)
+    q = qkv[:, : hq * head_dim].view(tokens, hq, head_dim)
+    k = qkv[:, hq * head_dim : (hq + hk) * head_dim].view(tokens, hk, head_dim)
+    rot = hadamard_matrix(head_dim)
+    want_q, want_k = rotate_heads(q, rot), rotate_heads(k, rot)
+    buf = qkv.to(device)
+    got_q, got_k = tf.head_rotate_qk_(buf[:, : hq * head_dim].view(tokens, hq, head_dim),
+                                      buf[:, hq * head_dim : (hq + hk) * head_dim].view(tokens, hk, head_dim),
+                                      rot.to(device))
+    assert got_q.data_ptr() == buf.data_ptr()  # in place
+    # One rounding of a float32 sum of D products on both sides, summed in another order.
+    torch.testing.assert_close(buf[:, : hq * head_dim].cpu().view_as(want_q), want_q, **_tol(dtype))
+    torch.testing.assert_close(buf[:, hq * head_dim : (hq + hk) * head_dim].cpu().view_as(want_k), want_k, **_tol(dtype))
+    torch.testing.assert_close(buf[:, (hq + hk) * head_dim :].cpu(), qkv[:, (hq + hk) * head_dim :], rtol=0, atol=0)
+    # Rotating twice is the identity (H is symmetric and orthogonal).
+    tf.head_rotate_qk_(got_q, got_k, rot.to(device))
+    # Each pass rounds every element once; H keeps the error vector's norm, so an element near
+    # zero can carry its neighbours' rounding: bound by a few ulps of the largest element.
+    scale = qkv.float().abs().max().item()
+    torch.testing.assert_close(buf.cpu().float(), qkv.float(), rtol=0, atol=4 * torch.finfo(dtype).eps * scale)
+
+
 INTERPRETER_CHECKS = [
+    ("head_rotate_qk_fp32", lambda: check_head_rotate_qk("cpu", torch.float32)),
+    ("head_rotate_qk_fp16_many_heads", lambda: check_head_rotate_qk("cpu", torch.float16, tokens=2, hq=20, hk=17,
+                                                                    head_dim=16)),
     ("sigmoid_gated_add_fp32", lambda: check_sigmoid_gated_add("cpu", torch.float32)),
     ("grouped_rms_norm_fp32", lambda: check_grouped_rms_norm("cpu", torch.float32)),
     ("norm_rope_heads_fp32", lambda: check_norm_rope_heads("cpu", torch.float32)),
@@ -231,6 +262,14 @@ def test_rope_on_gpu(dtype):
     check_rope("cuda", dtype, tokens=65, hq=32, hk=8, head_dim=64, rotary_dim=64)  # llama-1b
     check_rope("cuda", dtype, tokens=9, hq=128, hk=8, head_dim=128, rotary_dim=128)  # several head blocks
     check_rope("cuda", dtype, hq=5, hk=1, head_dim=48, rotary_dim=24)  # partial rotary
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_head_rotate_qk_on_gpu(dtype):
+    check_head_rotate_qk("cuda", dtype)
+    check_head_rotate_qk("cuda", dtype, tokens=33, hq=32, hk=8, head_dim=64)  # llama-1b
+    check_head_rotate_qk("cuda", dtype, tokens=5, hq=32, hk=8, head_dim=128)  # llama-8b
 
 
 @pytest.mark.gpu

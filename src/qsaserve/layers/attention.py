@@ -13,7 +13,7 @@ from torch import nn
 
 from qsaserve.cache.kv_cache import LayerCache
 from qsaserve.ops.attention.reference import paged_attention_reference, write_kv_reference
-from qsaserve.quant.kv_rotation import rotate_heads
+from qsaserve.quant.kv_rotation import rotate_qk
 
 try:  # Triton kernels for CUDA tensors; CPU-only installs keep the reference
     from qsaserve.ops.attention import triton_paged as _triton
@@ -73,7 +73,7 @@ class Attention(nn.Module):
         cache = self.cache
         if cache.rotation is not None:  # the pages hold rotated K/V (quant/kv_rotation.py); the model's
             # V and output projections carry V's rotation and its inverse (fold_kv_rotation)
-            q, k = rotate_heads(q, cache.rotation), rotate_heads(k, cache.rotation)
+            q, k = rotate_qk(q, k, cache.rotation)
         if cache.observer is not None:
             cache.observer(k, v)
         if use_triton(q):

@@ -12,7 +12,7 @@ from torch import nn
 from qsaserve.cache.kv_cache import LayerCache
 from qsaserve.layers.attention import AttentionMetadata, _triton, use_triton, write_kv_ref
 from qsaserve.ops.attention.dcp_reference import paged_attention_partial
-from qsaserve.quant.kv_rotation import rotate_heads
+from qsaserve.quant.kv_rotation import rotate_qk
 
 
 def shard_keys(meta: AttentionMetadata, dcp, device: torch.device):
@@ -52,15 +52,16 @@ class DcpAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq*D] (this rank's heads), k/v: [T, Hkv*D] -> [T, Hq*D]."""
         t, plan = q.shape[0], meta.dcp
+        q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         cache = self.cache
         if cache.rotation is not None:  # the pages hold rotated K/V (quant/kv_rotation.py); the model's
             # V and output projections carry V's rotation and its inverse (fold_kv_rotation)
-            q, k = rotate_heads(q, cache.rotation), rotate_heads(k, cache.rotation)
+            q, k = rotate_qk(q, k, cache.rotation)
         if cache.observer is not None:  # KV-scale calibration sees every new K/V, owned here or not
             cache.observer(k, v)
-        q_group = self.ctx.dcp_gather_heads(q.view(t, self.num_heads, self.head_dim))
+        q_group = self.ctx.dcp_gather_heads(q)
         if use_triton(q):
             _triton.write_kv(k[plan.write_rows], v[plan.write_rows], cache.kv, plan.write_slots, cache.k_scale,
                              cache.v_scale, k_offset=cache.k_offset)

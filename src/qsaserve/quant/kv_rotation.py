@@ -48,6 +48,16 @@ def rotate_heads(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return (x.unflatten(-1, (-1, d)).float() @ rotation).flatten(-2).to(x.dtype)
 
 
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotate_heads of q [T, Hq, D] and k [T, Hk, D]. On CUDA one fused kernel rotates both in place
+    (views into the qkv output included; ops/fused); elsewhere new tensors come back."""
+    from qsaserve.ops import fused
+
+    if fused.use_fused(q) and q.shape[-1] >= 16:
+        return fused.triton_fused.head_rotate_qk_(q, k, rotation)
+    return rotate_heads(q, rotation), rotate_heads(k, rotation)
+
+
 def fold_into_rows(weight: torch.Tensor, rotation: torch.Tensor, bias: torch.Tensor | None = None) -> None:
     """In place: a projection's output rows, head_dim-wide head blocks ([H*D, K] weight, [H*D]
     bias), now give (x W^T + b) rotated per head. Taken in float32, rounded once."""

@@ -296,3 +296,50 @@ def sigmoid_gated_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> t
         _sigmoid_gated_add_kernel[(n, triton.cdiv(h, block))](x, y, gate, out, h, x.stride(0), y.stride(0),
                                                                gate.stride(0), out.stride(0), BLOCK=block, num_warps=4)
     return out
+
+
+@triton.jit
+def _rotate_head_block(x_ptr, r, t, hb, stride_t, stride_h, n_heads, D: tl.constexpr, BLOCK_H: tl.constexpr):
+    h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, D)
+    ptrs = x_ptr + t * stride_t + h[:, None] * stride_h + d[None, :]
+    ok = (h < n_heads)[:, None]
+    x = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    y = tl.dot(x, r, input_precision="ieee")  # float32 FMAs: TF32 would cost ~1e-3 per score
+    tl.store(ptrs, y.to(x_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _head_rotate_qk_kernel(q_ptr, k_ptr, r_ptr, stride_qt, stride_qh, stride_kt, stride_kh, HQ, HK,
+                           D: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    d = tl.arange(0, D)
+    r = tl.load(r_ptr + d[:, None] * D + d[None, :])
+    if tl.program_id(2) == 0:
+        if hb * BLOCK_H < HQ:
+            _rotate_head_block(q_ptr, r, t, hb, stride_qt, stride_qh, HQ, D, BLOCK_H)
+    else:
+        if hb * BLOCK_H < HK:
+            _rotate_head_block(k_ptr, r, t, hb, stride_kt, stride_kh, HK, D, BLOCK_H)
+
+
+def head_rotate_qk_(q: torch.Tensor, k: torch.Tensor, rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D] and k [T, Hk, D] (views into the qkv output are fine) times `rotation` [D, D]
+    float32 per head, in place, in one launch: products and sums in float32, one rounding to the
+    input dtype (what quant/kv_rotation.rotate_heads computes). D: a power of two >= 16. Returns q, k."""
+    if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q, k: expected [T, Hq, D] and [T, Hk, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or k.dtype != q.dtype:
+        raise ValueError("q, k: same dtype and a contiguous head_dim required")
+    d = q.shape[2]
+    if rotation.shape != (d, d) or rotation.dtype != torch.float32 or d < 16 or d & (d - 1):
+        raise ValueError(f"rotation: expected a float32 [{d}, {d}] matrix with head_dim a power of two >= 16, "
+                         f"got {rotation.dtype} {tuple(rotation.shape)}")
+    if q.shape[0] == 0:
+        return q, k
+    block_h = 16  # tl.dot's smallest M; heads past H are masked
+    grid = (q.shape[0], triton.cdiv(max(q.shape[1], k.shape[1]), block_h), 2)
+    _head_rotate_qk_kernel[grid](q, k, rotation.contiguous(), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                 q.shape[1], k.shape[1], D=d, BLOCK_H=block_h, num_warps=4 if d <= 64 else 8)
+    return q, k
