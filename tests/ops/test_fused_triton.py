@@ -185,9 +185,11 @@ def check_head_rotate_qk(device, dtype, tokens=3, hq=5, hk=2, head_dim=32):
     # Rotating twice is the identity (H is symmetric and orthogonal).
     tf.head_rotate_qk_(got_q, got_k, rot.to(device))
     # Each pass rounds every element once; H keeps the error vector's norm, so an element near
-    # zero can carry its neighbours' rounding: bound by a few ulps of the largest element.
+    # zero can carry its neighbours' rounding: a few ulps of the largest element, plus the float32
+    # sums of head_dim products (observed on an H200 at D = 64: 7.6e-6 where 4 ulps gave 6.4e-6).
     scale = qkv.float().abs().max().item()
-    torch.testing.assert_close(buf.cpu().float(), qkv.float(), rtol=0, atol=4 * torch.finfo(dtype).eps * scale)
+    bound = 4 * scale * (torch.finfo(dtype).eps + head_dim**0.5 * torch.finfo(torch.float32).eps)
+    torch.testing.assert_close(buf.cpu().float(), qkv.float(), rtol=0, atol=bound)
 
 
 INTERPRETER_CHECKS = [
