@@ -73,13 +73,15 @@ def profile_decode_steps(engine: LLMEngine, steps: int = 16, top: int = 15) -> d
         with tempfile.TemporaryDirectory() as worker_dir:
             if workers is not None:
                 workers("start", worker_dir)
-            with torch.profiler.profile(activities=activities) as prof:
-                for _ in range(steps):
-                    engine.step(outputs="finished")
-                torch.cuda.synchronize()
-            report.update(summarize_events(prof.events(), steps, top))
-            if workers is not None:
-                report["worker_ranks"] = workers("stop", worker_dir, steps=steps, top=top)
+            try:
+                with torch.profiler.profile(activities=activities) as prof:
+                    for _ in range(steps):
+                        engine.step(outputs="finished")
+                    torch.cuda.synchronize()
+                report.update(summarize_events(prof.events(), steps, top))
+            finally:  # a started worker profiler records until told to stop
+                if workers is not None:
+                    report["worker_ranks"] = workers("stop", worker_dir, steps=steps, top=top)
     except Exception as e:  # profiler unavailable (CUPTI missing): keep the timings
         report["profiler_error"] = repr(e)[:300]
     return report
