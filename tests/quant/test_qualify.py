@@ -40,6 +40,8 @@ def test_identical_candidate_scores_zero(tiny_llama):
     same = report["candidates"]["same"]
     assert report["num_positions"] == sum(len(w) - 1 for w in WINDOWS)
     assert same["top1_agreement"] == 1.0 and abs(same["ppl_change_pct"]) < 1e-3 and same["kl_mean"] < 1e-9
+    assert same["top1_flips"] == 0 and sum(same["top1_flip_margin_histogram"].values()) == 0
+    assert sum(report["baseline"]["top2_margin_histogram"].values()) == report["num_positions"]
 
 
 def test_fp8_kv_tracks_bf16_kv_on_the_tiny_llama(tiny_llama, tmp_path):
@@ -55,6 +57,19 @@ def test_fp8_kv_tracks_bf16_kv_on_the_tiny_llama(tiny_llama, tmp_path):
     fp8 = report["candidates"]["fp8"]
     assert fp8["kl_mean"] < 0.01 and abs(fp8["ppl_change_pct"]) < 2 and fp8["top1_agreement"] >= 0.9
     assert fp8["kl_mean"] > 0  # it is quantizing
+    flips = fp8["top1_flip_margin_histogram"]
+    assert sum(flips.values()) == fp8["top1_flips"] == round((1 - fp8["top1_agreement"]) * report["num_positions"])
+    # no bin holds more flips than the baseline has positions with that margin
+    assert all(flips[b] <= n for b, n in report["baseline"]["top2_margin_histogram"].items())
+
+
+def test_margin_bins():
+    from qsaserve.qualify.compare import MARGIN_EDGES, _histogram, _margin_bins
+
+    counts = _margin_bins(torch.tensor([0.0, 0.009, 0.01, 0.3, 0.99, 1.0, 7.0]))
+    hist = _histogram(counts)
+    assert list(hist) == ["<0.01", "0.01-0.05", "0.05-0.1", "0.1-0.2", "0.2-0.5", "0.5-1.0", ">=1.0"]
+    assert list(hist.values()) == [2, 1, 0, 0, 1, 1, 2] and len(MARGIN_EDGES) == 6
 
 
 def test_cli_writes_a_report(tiny_llama, tmp_path, capsys):

@@ -147,9 +147,14 @@ def format_table(report: dict) -> str:
     b = report["baseline"]
     lines = [f"{report['num_positions']} positions in {report['num_windows']} windows; baseline "
              f"{b['kv_cache_dtype']} KV perplexity {b['perplexity']:.4f}",
-             "| candidate | KV dtype | bytes/token | perplexity | change | mean KL (nats) | top-1 agreement |",
-             "|---|---|---|---|---|---|---|"]
+             "| candidate | KV dtype | bytes/token | perplexity | change | mean KL (nats) | top-1 agreement | "
+             "flips at baseline margin < 0.1 / >= 0.5 |",
+             "|---|---|---|---|---|---|---|---|"]
     for name, c in report["candidates"].items():
+        hist = c.get("top1_flip_margin_histogram", {})
+        near = sum(hist.get(k, 0) for k in ("<0.01", "0.01-0.05", "0.05-0.1"))
+        wide = sum(hist.get(k, 0) for k in ("0.5-1.0", ">=1.0"))
         lines.append(f"| {name} | {c['kv_cache_dtype']} | {c['kv_bytes_per_token']:.0f} | {c['perplexity']:.4f} | "
-                     f"{c['ppl_change_pct']:+.3f}% | {c['kl_mean']:.2e} | {100 * c['top1_agreement']:.2f}% |")
+                     f"{c['ppl_change_pct']:+.3f}% | {c['kl_mean']:.2e} | {100 * c['top1_agreement']:.2f}% | "
+                     f"{near} / {wide} of {c.get('top1_flips', '?')} |")
     return "\n".join(lines)
