@@ -116,3 +116,13 @@ def test_device_events_exclude_user_annotations():
     assert _is_device_event(SimpleNamespace(device_type=cuda, is_user_annotation=False))
     assert not _is_device_event(SimpleNamespace(device_type=cuda, is_user_annotation=True))  # e.g. an NCCL range
     assert not _is_device_event(SimpleNamespace(device_type=cpu, is_user_annotation=False))
+
+
+def test_collective_positions():
+    from qsaserve.bench.step_profile import collective_positions
+
+    ar = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+    sr = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"
+    calls = [(0, 5.0, ar), (1, 9.0, sr), (2, 7.0, ar), (3, 20.0, sr), (4, 6.0, ar), (5, 11.0, sr)]  # 3 steps
+    assert collective_positions(list(reversed(calls)), 3) == [["AllReduce", 6.0], ["SendRecv", 11.0]]
+    assert collective_positions(calls[:5], 3) is None and collective_positions([], 3) is None

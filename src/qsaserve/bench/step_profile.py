@@ -118,11 +118,30 @@ def summarize_events(events, steps: int, top: int = 15) -> dict:
     # one waits for outside a kernel) kept the device waiting. Host tracing adds its own cost, so
     # the idle time is an upper bound; host ops include blocking waits (cudaStreamSynchronize, a
     # readback's memcpy, an event wait).
+    out["nccl_by_position"] = collective_positions(
+        [(e.time_range.start, e.time_range.elapsed_us(), e.name) for e in events
+         if _is_device_event(e) and "nccl" in e.name.lower()], steps)
     busy, span = busy_and_span(intervals)
     out["device_span_ms"] = round(span / steps / 1e3, 3)
     out["device_idle_ms"] = round((span - busy) / steps / 1e3, 3)
     out["top_host_ops"] = [{"name": name[:120], "ms_per_step": round(us / steps / 1e3, 4),
                             "calls_per_step": round(n / steps, 2)} for us, n, name in host_ops[:top]]
+    return out
+
+
+def collective_positions(calls: list[tuple[float, float, str]], steps: int) -> list[list] | None:
+    """(start, microseconds, kernel name) of every collective kernel over `steps` steps -> for each
+    position in a step's sequence of collectives, its kind and median microseconds across the
+    steps: where in the step a rank waits for its peer. None when steps issued different counts."""
+    if not calls or len(calls) % steps:
+        return None
+    per_step = len(calls) // steps
+    ordered = sorted(calls)
+    out = []
+    for i in range(per_step):
+        name = ordered[i][2]
+        kind = name.split("(")[0].split("_")[1] if name.startswith("ncclDevKernel_") else name[:40]
+        out.append([kind, round(statistics.median(ordered[s * per_step + i][1] for s in range(steps)), 1)])
     return out
 
 
