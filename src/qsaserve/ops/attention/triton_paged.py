@@ -525,8 +525,9 @@ FP8_DECODE_CANDIDATES = {
     "f16_bn128_s5": DecodeConfig(128, 4, 5, 3),
     "f16_bn256_s2": DecodeConfig(256, 4, 2, 2),
     "f16_bn256_s3": DecodeConfig(256, 4, 3, 2),
-    # Where the FP8 kernel's time goes (3.5 TB/s vs bf16's 4.45): V read without the column
-    # permute, and the same tile over 8 warps (fewer registers a thread, 16 warps an SM).
+    # Where the FP8 kernel's time goes (3.3-3.5 TB/s vs bf16's 4.3-4.45), neither is it: V read
+    # without the column permute runs 1.26x at 128K (the permute earns ~0.3x), and the same tile
+    # over 8 warps 0.77x (attention_fp8_h200_2026-11-30_b25eee6.json).
     "f16_bn128_s3_noperm": DecodeConfig(128, 4, 3, 3, fp8_permute_v=False),
     "f16_bn128_s3_w8": DecodeConfig(128, 8, 3, 2),
 }
