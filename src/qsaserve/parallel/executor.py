@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import datetime
+import json
 import logging
 import os
 import pickle
@@ -69,8 +70,6 @@ class _WorkerProfiler:
         self.rank, self.prof = rank, None
 
     def handle(self, cmd: ProfileCommand) -> None:
-        import json
-
         from qsaserve.bench.step_profile import summarize_events
 
         if cmd.action == "start":
@@ -454,8 +453,6 @@ class MultiprocExecutor(Rank0Views):
             time.sleep(0.01)
         if action == "start":
             return None
-        import json
-
         reports = []
         for p in paths:
             with open(p) as f:
