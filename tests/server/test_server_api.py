@@ -4,6 +4,7 @@ bad input (400 naming the parameter, after which the server still serves)."""
 import asyncio
 import http.client
 import json
+import socket
 import time
 
 import openai
@@ -307,6 +308,37 @@ def test_disconnect_aborts_stream(server, client):
     assert engine_state(server)["requests"] == 1
     stream.close()
     assert wait_idle(server, timeout=10)["finished"] == finished
+    still_serves(client)
+
+
+def http_status_counts(server, route):
+    _, _, text = raw(server, "GET", "/metrics")
+    counts = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "qsaserve:http_requests_total" and s.labels["route"] == route:
+                counts[s.labels["status"]] = s.value
+    return counts
+
+
+def test_disconnect_while_the_body_is_read(server, client):
+    """A client that leaves before its whole body arrived: nothing is queued, the request is
+    counted as 499 (client closed request), not as a server error, and the server goes on."""
+    before = http_status_counts(server, "/v1/completions")
+    sock = socket.create_connection((server.host, server.port), timeout=10)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {server.host}\r\nAuthorization: Bearer {API_KEY}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 200\r\n\r\n")
+    sock.sendall(head.encode() + b'{"prompt": "Tell me')  # 19 of the 200 bytes promised
+    time.sleep(0.2)  # the server is now waiting for the rest of the body
+    sock.close()
+    deadline = time.monotonic() + 10
+    while http_status_counts(server, "/v1/completions").get("499", 0) == before.get("499", 0):
+        assert time.monotonic() < deadline, "the abandoned request was never counted"
+        time.sleep(0.05)
+    after = http_status_counts(server, "/v1/completions")
+    assert after.get("499", 0) == before.get("499", 0) + 1
+    assert {k: v for k, v in after.items() if k.startswith("5")} == {k: v for k, v in before.items() if k.startswith("5")}
+    assert wait_idle(server)["requests"] == 0
     still_serves(client)
 
 

@@ -23,6 +23,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 import qsaserve
 from qsaserve.engine.async_engine import AsyncLLMEngine, EngineOverloadedError, RequestStream
@@ -363,6 +364,12 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, e: StarletteHTTPException):
         kind = "invalid_request_error" if e.status_code < 500 else "internal_server_error"
         return error_response(e.status_code, str(e.detail), type=kind, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(_: Request, e: ClientDisconnect):
+        # The client left while its request body was still being read: nothing was queued and no
+        # one is listening. Recorded as 499 (client closed request), like a disconnect mid-generation.
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def internal(_: Request, e: Exception):
