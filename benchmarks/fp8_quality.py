@@ -82,7 +82,10 @@ def main() -> int:
     report = run_qualify(common, {"kv_cache_dtype": "bfloat16"}, candidates, pydoc_topics("evaluation"),
                          num_tokens=args.eval_tokens, window=args.window)
     for name, over in candidates.items():  # what each candidate's own scales file carries
-        layers = json.load(open(over["kv_scales"], encoding="utf-8"))["layers"].values() if over.get("kv_scales") else []
+        layers = []
+        if over.get("kv_scales"):
+            with open(over["kv_scales"], encoding="utf-8") as fh:
+                layers = list(json.load(fh)["layers"].values())
         report["candidates"][name]["k_offsets"] = bool(layers) and all("k_offset" in e for e in layers)
         report["candidates"][name]["v_offsets"] = bool(layers) and all("v_offset" in e for e in layers)
     c, u = report["candidates"]["fp8_e4m3_calibrated"], report["candidates"]["fp8_e4m3_unit_scales"]
@@ -107,7 +110,8 @@ def main() -> int:
                         "v_offset added back to the attention output (exact: the weights sum to one; folded into the "
                         "projection biases); mean_offset: the plain mean K offset, no V offset; unit scales: 1.0, no offset; hadamard: q, k, v of every "
                         "head multiplied by the normalized Hadamard matrix before the cache and the output multiplied "
-                        "back (exact in real arithmetic; quant/kv_rotation.py), scales calibrated after the rotation")
+                        "back (exact in real arithmetic; V's and the output's rotation folded into the projection "
+                        "weights, q and k rotated per step; quant/kv_rotation.py), scales calibrated after the rotation")
     report["calibration"] = {k: cal[k] for k in ("margin", "num_tokens", "seq_len", "dataset", "scale_rule", "k_offset_rule",
                                                  "v_offset_rule") if k in cal}
     report["kv_capacity"] = kv_capacity_report(kv_spec, common["kv_cache_memory"])

@@ -72,20 +72,21 @@ class _ChannelStats:
     def mean(self, tokens: int) -> torch.Tensor:
         return (self.sum / tokens).float()
 
-    def absmax_after(self, offset: torch.Tensor) -> float:
-        """max |x - offset| over every observed value."""
+    def absmax_after(self, offset: torch.Tensor | float) -> float:
+        """max |x - offset| over every observed value (0.0 before any)."""
+        if self.max is None:
+            return 0.0
         return torch.maximum(self.max - offset, offset - self.min).amax().item()
 
 
 class KVObserver:
     """Over every cache write of one layer: per-channel running sum, min and max of K and of V
-    ([Hkv, D], sums in float64), running max of |K| and |V| (device tensors, no host sync)."""
+    ([Hkv, D], sums in float64; device tensors, no host sync). max |K| and max |V| follow from the
+    per-channel min and max."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.k_stats, self.v_stats = _ChannelStats(), _ChannelStats()
-        self.k = torch.zeros((), dtype=torch.float32, device=device)
-        self.v = torch.zeros((), dtype=torch.float32, device=device)
         self.tokens = 0
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -93,8 +94,6 @@ class KVObserver:
         k, v = k.detach().float(), v.detach().float()
         self.k_stats.add(k)
         self.v_stats.add(v)
-        self.k = torch.maximum(self.k, k.abs().amax())
-        self.v = torch.maximum(self.v, v.abs().amax())
         self.tokens += k.shape[0]
 
     def k_offset(self) -> torch.Tensor:
@@ -202,7 +201,7 @@ def calibrate_windows(llm, windows: list[list[int]], output: str, dataset_descri
     with_v_offset = align_sink and hasattr(engine.executor.runner.model, "fold_v_offsets")
     layers = {}
     for i, obs in observers.items():
-        k_max, v_max = obs.k.item(), obs.v.item()
+        k_max, v_max = obs.k_absmax_after(0.0), obs.v_absmax_after(0.0)
         if obs.tokens == 0 or not (0 < k_max < float("inf") and 0 < v_max < float("inf")):
             raise RuntimeError(f"calibrate: layer {i} observed {obs.tokens} tokens with |K| max {k_max}, |V| max {v_max}; "
                                "cannot derive a scale")

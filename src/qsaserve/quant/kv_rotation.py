@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from qsaserve.ops import fused
+
 KV_ROTATIONS = ("none", "hadamard")
 
 
@@ -51,8 +53,6 @@ def rotate_heads(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
 def rotate_qk(q: torch.Tensor, k: torch.Tensor, rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """rotate_heads of q [T, Hq, D] and k [T, Hk, D]. On CUDA one fused kernel rotates both in place
     (views into the qkv output included; ops/fused); elsewhere new tensors come back."""
-    from qsaserve.ops import fused
-
     if fused.use_fused(q) and q.shape[-1] >= 16:
         return fused.triton_fused.head_rotate_qk_(q, k, rotation)
     return rotate_heads(q, rotation), rotate_heads(k, rotation)
