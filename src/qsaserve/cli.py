@@ -25,7 +25,7 @@ _HELP = {
     "seed": "seed of the engine's random generator (requests may carry their own seed)",
     "kv_cache_dtype": "KV cache pages: auto (the model dtype, or fp8_e4m3 when calibrated KV scales are present), bfloat16, float16, float32, fp8_e4m3",
     "kv_scales": "JSON overlay of per-layer FP8 k/v scales written by `qsaserve calibrate` for this model",
-    "kv_rotation": "none or hadamard: rotate attention heads around the KV cache so FP8 pages lose less (default: what the --kv-scales file was calibrated with, else none; Llama-family models)",
+    "kv_rotation": "none, hadamard or whitened: transform attention heads around the KV cache so FP8 pages lose less (whitened: per-layer key transforms measured by calibrate; default: what the --kv-scales file was calibrated with, else none; Llama-family models)",
     "strict_kv_scales": "with fp8_e4m3, refuse to start unless every attention layer has a calibrated k and v scale (always on when auto picks fp8_e4m3)",
     "tensor_parallel_size": "ranks that shard each layer (rank 0 is this process, the rest are spawned workers)",
     "decode_context_parallel_size": "ranks (out of the TP ranks) that shard each request's KV cache by token instead of duplicating KV heads",

@@ -32,7 +32,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     kv_scales: str | None = None  # overlay JSON of per-layer k/v scales (`qsaserve calibrate`)
     strict_kv_scales: bool = False  # every scale required under FP8 (always on when auto picks FP8)
-    kv_rotation: str | None = None  # none | hadamard (quant/kv_rotation.py); None: what the --kv-scales file names
+    kv_rotation: str | None = None  # none | hadamard | whitened (quant/kv_rotation.py); None: what the --kv-scales file names
     # Parallelism (see parallel/): rank 0 is the engine process, other ranks are worker processes.
     tensor_parallel_size: int = 1
     decode_context_parallel_size: int = 1  # shards each request's KV over D of the TP ranks

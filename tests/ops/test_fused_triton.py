@@ -192,7 +192,35 @@ def check_head_rotate_qk(device, dtype, tokens=3, hq=5, hk=2, head_dim=32):
     torch.testing.assert_close(buf.cpu().float(), qkv.float(), rtol=0, atol=bound)
 
 
+def check_head_transform_qk(device, dtype, tokens=3, hq=6, hk=2, head_dim=32, shared_q=False):
+    """q and k multiplied in place by a matrix per KV head (q heads by their group's) inside one
+    qkv-like buffer, against transform_heads; v untouched."""
+    from qsaserve.ops.fused import triton_fused as tf
+    from qsaserve.quant.kv_rotation import transform_heads
+
+    gen = torch.Generator().manual_seed(hq * head_dim + tokens + 1)
+    qkv = (torch.randn(tokens, (hq + 2 * hk) * head_dim, generator=gen) * 3).to(dtype)
+    q = qkv[:, : hq * head_dim].view(tokens, hq, head_dim)
+    k = qkv[:, hq * head_dim : (hq + hk) * head_dim].view(tokens, hk, head_dim)
+    k_mats = torch.randn(hk, head_dim, head_dim, generator=gen) / head_dim**0.5
+    q_mats = torch.randn(head_dim, head_dim, generator=gen) / head_dim**0.5 if shared_q else \
+        torch.randn(hk, head_dim, head_dim, generator=gen) / head_dim**0.5
+    want_q, want_k = transform_heads(q, q_mats), transform_heads(k, k_mats)
+    buf = qkv.to(device)
+    got_q, _ = tf.head_transform_qk_(buf[:, : hq * head_dim].view(tokens, hq, head_dim),
+                                     buf[:, hq * head_dim : (hq + hk) * head_dim].view(tokens, hk, head_dim),
+                                     q_mats.to(device), k_mats.to(device))
+    assert got_q.data_ptr() == buf.data_ptr()  # in place
+    torch.testing.assert_close(buf[:, : hq * head_dim].cpu().view_as(want_q), want_q, **_tol(dtype))
+    torch.testing.assert_close(buf[:, hq * head_dim : (hq + hk) * head_dim].cpu().view_as(want_k), want_k, **_tol(dtype))
+    torch.testing.assert_close(buf[:, (hq + hk) * head_dim :].cpu(), qkv[:, (hq + hk) * head_dim :], rtol=0, atol=0)
+
+
 INTERPRETER_CHECKS = [
+    ("head_transform_qk_fp32", lambda: check_head_transform_qk("cpu", torch.float32)),
+    ("head_transform_qk_fp16_tokens_past_a_block", lambda: check_head_transform_qk("cpu", torch.float16, tokens=19,
+                                                                                   hq=4, hk=4, head_dim=16,
+                                                                                   shared_q=True)),
     ("head_rotate_qk_fp32", lambda: check_head_rotate_qk("cpu", torch.float32)),
     ("head_rotate_qk_fp16_many_heads", lambda: check_head_rotate_qk("cpu", torch.float16, tokens=2, hq=20, hk=17,
                                                                     head_dim=16)),
@@ -272,6 +300,15 @@ def test_head_rotate_qk_on_gpu(dtype):
     check_head_rotate_qk("cuda", dtype)
     check_head_rotate_qk("cuda", dtype, tokens=33, hq=32, hk=8, head_dim=64)  # llama-1b
     check_head_rotate_qk("cuda", dtype, tokens=5, hq=32, hk=8, head_dim=128)  # llama-8b
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_head_transform_qk_on_gpu(dtype):
+    check_head_transform_qk("cuda", dtype)
+    check_head_transform_qk("cuda", dtype, tokens=33, hq=32, hk=8, head_dim=64)  # llama-1b
+    check_head_transform_qk("cuda", dtype, tokens=5, hq=32, hk=8, head_dim=128)  # llama-8b
+    check_head_transform_qk("cuda", dtype, tokens=1, hq=9, hk=3, head_dim=64)  # SmolLM2, decode
 
 
 @pytest.mark.gpu

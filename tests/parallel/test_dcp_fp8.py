@@ -77,3 +77,40 @@ def test_v_offsets_under_tp2_and_dcp2_match_tp1(tmp_path, kv_heads, rotation):
         dcp = run_engine(path, PROMPTS, PARAMS, kv_scales=str(scales), tensor_parallel_size=2,
                          decode_context_parallel_size=2, dcp_interleave_size=2, **ENGINE)
         assert_same_outputs(base, dcp, TOL)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_whitened_keys_under_tp2_and_dcp2_match_tp1(tmp_path, kv_heads):
+    """A whitened scales file (kv_rotation "whitened": a key transform per layer and KV head in the
+    sidecar, distinct per head): each rank takes its KV heads' transforms (2 KV heads: one each; 1:
+    both hold it) and its query heads use their KV head's inverse transpose, so TP2 (and, with one
+    KV head, TP2/DCP2) give TP1's outputs; and the transforms change what E4M3 stores."""
+    import torch
+
+    from qsaserve.quant.kv_scales import write_scales_file
+
+    path = tiny_llama(tmp_path / "model", heads=4, kv_heads=kv_heads, seed=3)
+    g = torch.Generator().manual_seed(0)
+    transforms = {i: torch.eye(16).expand(kv_heads, 16, 16) + 0.3 * torch.randn(kv_heads, 16, 16, generator=g)
+                  for i in range(2)}
+    layers = {i: {"k_scale": 0.03, "v_scale": 0.01} for i in range(2)}
+    identity = load_checkpoint(path, progress=False).identity
+    white = str(tmp_path / "white.json")
+    write_scales_file(white, identity=identity, layers=layers, meta={"kv_rotation": "whitened"}, key_transforms=transforms)
+    plain = str(tmp_path / "hadamard.json")
+    write_scales_file(plain, identity=identity, layers=layers, meta={"kv_rotation": "hadamard"})
+    base = run_engine(path, PROMPTS, PARAMS, kv_scales=white, **ENGINE)
+    other = run_engine(path, PROMPTS, PARAMS, kv_scales=plain, **ENGINE)
+    moved = [abs(a - b) for x, y in zip(base, other) for a, b in zip(token_logprobs(x)[2], token_logprobs(y)[2])]
+    assert max(moved) > 1e-4
+    # In exact arithmetic any consistent pair of q and k transforms gives the same scores, so what a
+    # rank's choice of matrices changes is E4M3's rounding of K T. The ranks' K differ from TP1's by
+    # float32 rounding (the all-reduce's order), and through a non-orthogonal T that moves a few
+    # stored values across an E4M3 step: logprobs within 2e-3 (observed 6.4e-4 with 2 KV heads).
+    # Which matrices each rank holds is checked exactly in tests/quant/test_whitened_keys.py.
+    tol = 2e-3
+    assert_same_outputs(base, run_engine(path, PROMPTS, PARAMS, kv_scales=white, tensor_parallel_size=2, **ENGINE), tol)
+    if kv_heads == 1:
+        dcp = run_engine(path, PROMPTS, PARAMS, kv_scales=white, tensor_parallel_size=2,
+                         decode_context_parallel_size=2, dcp_interleave_size=2, **ENGINE)
+        assert_same_outputs(base, dcp, tol)

@@ -20,7 +20,7 @@ def test_cli_writes_a_valid_loadable_file(tiny_llama, tiny_identity, tmp_path):
     assert main(["calibrate", tiny_llama, "-o", str(out), "--dataset", str(data), "--num-tokens", "300", "--seq-len", "100",
                  "--dtype", "float32", "--device", "cpu", "--max-model-len", "256", "--kv-cache-memory", str(4 << 20)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["format"] == "qsaserve-kv-scales" and doc["version"] == 4 and doc["kv_rotation"] == "none"
+    assert doc["format"] == "qsaserve-kv-scales" and doc["version"] == 5 and doc["kv_rotation"] == "none"
     assert doc["model_identity"] == tiny_identity
     assert doc["tool"].startswith("qsaserve ") and doc["tool"].endswith(" calibrate")
     assert doc["dataset"] == text_file(str(data)).description and doc["num_tokens"] == 300 and doc["margin"] == 1.25

@@ -111,11 +111,11 @@ def test_files_without_offsets_and_checkpoint_scales_give_none(tiny_llama, tiny_
     ("ragged", "layer 0 k_offset must be a non-empty"),
     ("nan", "layer 0 k_offset must be finite"),
     ("no_k_scale", "layer 0 has a k_offset but no k_scale"),
-    ("version", "has version 5"),
+    ("version", "has version 6"),
 ])
 def test_bad_offsets_are_refused(tiny_llama, tiny_identity, tmp_path, case, match):
     offset = {"shape": [[0.0] * 17] * 2, "ragged": [[0.0] * D, [0.0] * 3], "nan": [[float("nan")] * D] * 2}.get(case, [[0.0] * D] * 2)
-    doc = _offsets_doc(tiny_identity, {0: offset}, version=5 if case == "version" else 2,
+    doc = _offsets_doc(tiny_identity, {0: offset}, version=6 if case == "version" else 2,
                        drop_k={0} if case == "no_k_scale" else ())
     path = tmp_path / "s.json"
     path.write_text(json.dumps(doc))
@@ -139,7 +139,7 @@ def observed_keys(llm, window):
     """The K (as written) of every layer for one prompt, [len(window), Hkv, D] each."""
     seen = {i: [] for i in range(3)}
     for i, cache in enumerate(llm.engine.executor.runner.kv_caches):
-        cache.observer = lambda k, v, i=i: seen[i].append(k.clone())
+        cache.observer = lambda k, v, q, i=i: seen[i].append(k.clone())
     llm.generate([{"prompt_token_ids": window}], use_tqdm=False)
     for cache in llm.engine.executor.runner.kv_caches:
         cache.observer = None

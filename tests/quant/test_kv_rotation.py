@@ -86,7 +86,7 @@ def test_engine_folds_v_and_output_rotation_into_the_weights(tiny_llama):
         wo = pa.o_proj.weight.clone()
         fold_into_columns(wo, h)
         assert torch.equal(ra.o_proj.weight, wo)
-        assert ra.attn.cache.rotation is not None and pa.attn.cache.rotation is None  # q, k rotated at run time
+        assert ra.attn.cache.k_transform is not None and pa.attn.cache.k_transform is None  # q, k rotated at run time
 
 
 def test_rotated_attention_equals_plain_attention():
@@ -126,7 +126,7 @@ def test_rotation_is_exact_through_the_engine(tiny_llama):
     logprobs as without it, through prefill (chunked) and decode."""
     plain = _greedy(engine(tiny_llama, kv_cache_dtype="float32", max_num_batched_tokens=32), PROMPTS)
     llm = engine(tiny_llama, kv_cache_dtype="float32", kv_rotation="hadamard", max_num_batched_tokens=32)
-    assert llm.engine.executor.runner.kv_caches[0].rotation is not None
+    assert llm.engine.executor.runner.kv_caches[0].k_transform is not None
     rotated = _greedy(llm, PROMPTS)
     for (toks_a, lp_a), (toks_b, lp_b) in zip(plain, rotated):
         assert toks_a == toks_b and lp_a == pytest.approx(lp_b, abs=1e-4)
@@ -174,7 +174,7 @@ def test_scales_file_names_its_rotation(tiny_llama, tiny_identity, tmp_path):
     window = [int(t) for t in torch.randint(4, 99, (90,), generator=torch.Generator().manual_seed(0))]
     cal = engine(tiny_llama, kv_cache_dtype="float32", kv_rotation="hadamard")
     doc = calibrate_windows(cal, [window], str(tmp_path / "rot.json"), {"name": "random ids"})
-    assert doc["version"] == 4 and doc["kv_rotation"] == "hadamard"
+    assert doc["version"] == 5 and doc["kv_rotation"] == "hadamard"
     # the observer saw rotated K/V: with a float32 cache starting at zero, the pages hold them
     for i, cache in enumerate(cal.engine.executor.runner.kv_caches):
         assert doc["layers"][str(i)]["v_absmax"] == cache.kv[1].abs().max().item()
@@ -190,7 +190,7 @@ def test_scales_file_names_its_rotation(tiny_llama, tiny_identity, tmp_path):
         engine(tiny_llama, kv_scales=plain, kv_rotation="hadamard")
     # an explicit high-precision cache ignores the file's scales, and its rotation with them
     assert engine(tiny_llama, kv_scales=str(tmp_path / "rot.json"),
-                  kv_cache_dtype="float32").engine.executor.runner.kv_caches[0].rotation is None
+                  kv_cache_dtype="float32").engine.executor.runner.kv_caches[0].k_transform is None
 
 
 def test_bad_rotation_values_are_refused(tiny_llama, tiny_identity, tmp_path):

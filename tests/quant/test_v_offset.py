@@ -52,7 +52,7 @@ def test_calibrated_v_offset_stores_the_sink_exactly_and_loads(tiny_llama, tmp_p
     window = [int(t) for t in torch.randint(4, 99, (90,), generator=torch.Generator().manual_seed(0))]
     cal = engine(tiny_llama, kv_cache_dtype="float32")
     doc = calibrate_windows(cal, [window, window[::-1]], str(tmp_path / "s.json"), {"name": "random ids"})
-    assert doc["version"] == 4 and "v_offset_rule" in doc
+    assert doc["version"] == 5 and "v_offset_rule" in doc
     for entry in doc["layers"].values():
         s = torch.tensor(entry["v_scale"], dtype=torch.float32)
         stored = torch.tensor(entry["v_sink"]) - torch.tensor(entry["v_offset"])

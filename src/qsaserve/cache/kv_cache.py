@@ -63,8 +63,13 @@ class LayerCache:
     k_scale: torch.Tensor | None = None  # 0-d fp32 device tensors, set when kv is FP8 E4M3
     v_scale: torch.Tensor | None = None
     k_offset: torch.Tensor | None = None  # [Hkv, D] fp32 device tensor: keys are stored as k - k_offset (exact for softmax)
-    observer: Callable[[torch.Tensor, torch.Tensor], None] | None = None  # sees each write's (K, V) [T, Hkv, D] (calibration)
-    rotation: torch.Tensor | None = None  # [D, D]: the pages hold K, V rotated; q, k are rotated by the layer, V and the output by the model's folded weights (quant/kv_rotation.py)
+    # sees each write's (K, V) [T, Hkv, D] and the step's q [T, Hq, D], as the pages get them (calibration)
+    observer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+    # Head transforms around the pages (quant/kv_rotation.py): the layer multiplies q by q_transform
+    # and k by k_transform ([D, D] shared, or [Hkv, D, D] per KV head) before attending; V and the
+    # output carry their rotation in the model's folded weights. None: no transform.
+    q_transform: torch.Tensor | None = None
+    k_transform: torch.Tensor | None = None
 
 
 def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[LayerCache]:

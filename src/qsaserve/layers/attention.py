@@ -71,11 +71,11 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         cache = self.cache
-        if cache.rotation is not None:  # the pages hold rotated K/V (quant/kv_rotation.py); the model's
-            # V and output projections carry V's rotation and its inverse (fold_kv_rotation)
-            q, k = rotate_qk(q, k, cache.rotation)
+        if cache.k_transform is not None:  # the pages hold transformed K/V (quant/kv_rotation.py); the
+            # model's V and output projections carry V's rotation and its inverse (fold_kv_rotation)
+            q, k = rotate_qk(q, k, cache.q_transform, cache.k_transform)
         if cache.observer is not None:
-            cache.observer(k, v)
+            cache.observer(k, v, q)
         if use_triton(q):
             _triton.write_kv(k, v, cache.kv, meta.slot_mapping, cache.k_scale, cache.v_scale,
                              k_offset=cache.k_offset)

@@ -56,11 +56,11 @@ class DcpAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         cache = self.cache
-        if cache.rotation is not None:  # the pages hold rotated K/V (quant/kv_rotation.py); the model's
-            # V and output projections carry V's rotation and its inverse (fold_kv_rotation)
-            q, k = rotate_qk(q, k, cache.rotation)
+        if cache.k_transform is not None:  # the pages hold transformed K/V (quant/kv_rotation.py); the
+            # model's V and output projections carry V's rotation and its inverse (fold_kv_rotation)
+            q, k = rotate_qk(q, k, cache.q_transform, cache.k_transform)
         if cache.observer is not None:  # KV-scale calibration sees every new K/V, owned here or not
-            cache.observer(k, v)
+            cache.observer(k, v, q)
         q_group = self.ctx.dcp_gather_heads(q)
         if use_triton(q):
             _triton.write_kv(k[plan.write_rows], v[plan.write_rows], cache.kv, plan.write_slots, cache.k_scale,

@@ -503,7 +503,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         cache, tails = self.qsa_layers[i].cache, self.state[i].index_tail
         w, q, gate, k, v, iq, raw = self._qsa_inputs(i, x, positions, step)
         if cache.observer is not None:
-            cache.observer(k, v)
+            cache.observer(k, v, q)
         gate = self._own_gate(gate)  # q already holds the DCP group's heads (_query_head_range)
         if dcp.enabled:
             plan = meta.dcp
@@ -557,7 +557,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         cache = self.qsa_layers[i].cache
         w, q, gate, k, v, iq, raw = self._qsa_inputs(i, x, positions, step)
         if cache.observer is not None:
-            cache.observer(k, v)
+            cache.observer(k, v, q)
         _write_kv(cache, k, v, step.kv_slots)
         gate = self._own_gate(gate)  # q already holds the DCP group's heads (_query_head_range)
         # The raw key joins its sequence's open group in the state slot (padding rows: the scratch slot).

@@ -31,6 +31,12 @@ folds both into its projection biases (models/llama.py), so nothing runs per ste
 SmolLM2 it lowered the perplexity change by 0.13 points and the mean KL by 2-3%; top-1 agreement
 moved within its noise (docs/fp8.md).
 
+With `--kv-rotation whitened` a first pass over the same windows records, per layer and KV head,
+the second moments of K and of the group's queries (as the layer produces them, before any
+transform); from them comes the layer's key transform (quant/kv_rotation.whitened_key_transform),
+which the layers then apply, and the pass above measures offsets and scales of the transformed
+keys. The transforms go into the scales file's sidecar.
+
 Observation happens in the layers' cache-write hook (LayerCache.observer), on device, with no
 host sync per step; the cache itself runs in the model dtype while calibrating.
 """
@@ -45,6 +51,7 @@ import torch
 from qsaserve.errors import InvalidRequestError
 from qsaserve.quant.dataset import TextSet, token_windows
 from qsaserve.quant.fp8 import FP8_E4M3_MAX, dequantize_fp8, quantize_fp8
+from qsaserve.quant.kv_rotation import query_transform, whitened_key_transform
 from qsaserve.quant.kv_scales import attention_layer_ids, write_scales_file
 
 logger = logging.getLogger("qsaserve")
@@ -52,6 +59,7 @@ logger = logging.getLogger("qsaserve")
 DEFAULT_MARGIN = 1.25
 DEFAULT_NUM_TOKENS = 8192
 DEFAULT_SEQ_LEN = 512
+WHITENING_SEED = 0  # seeds the random signs of the whitened key transforms' Hadamard
 
 
 class _ChannelStats:
@@ -82,19 +90,42 @@ class _ChannelStats:
 class KVObserver:
     """Over every cache write of one layer: per-channel running sum, min and max of K and of V
     ([Hkv, D], sums in float64; device tensors, no host sync). max |K| and max |V| follow from the
-    per-channel min and max."""
+    per-channel min and max. With moments=True also sum K K^T and the sum of q q^T over each KV
+    head's query group ([Hkv, D, D] float64), for the whitened key transform."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, moments: bool = False):
         self.device = device
         self.k_stats, self.v_stats = _ChannelStats(), _ChannelStats()
         self.tokens = 0
+        self.k_moment = self.q_moment = None
+        self.moments = moments
+        self.queries = 0  # query vectors summed into q_moment, per KV head
 
-    def __call__(self, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: [T, Hkv, D]."""
+    def __call__(self, k: torch.Tensor, v: torch.Tensor, q: torch.Tensor | None = None) -> None:
+        """k, v: [T, Hkv, D]; q: [T, Hq, D] (its heads grouped over k's, as in GQA)."""
         k, v = k.detach().float(), v.detach().float()
         self.k_stats.add(k)
         self.v_stats.add(v)
         self.tokens += k.shape[0]
+        if self.moments:
+            if q is None or q.shape[1] % k.shape[1]:
+                raise RuntimeError("calibrate: the whitened key transform needs each layer's queries grouped over its KV heads")
+            k64 = k.double()
+            qg = q.detach().double().unflatten(1, (k.shape[1], -1))  # [T, Hkv, G, D]
+            km = torch.einsum("thd,the->hde", k64, k64)
+            qm = torch.einsum("thgd,thge->hde", qg, qg)
+            self.k_moment = km if self.k_moment is None else self.k_moment + km
+            self.q_moment = qm if self.q_moment is None else self.q_moment + qm
+            self.queries += qg.shape[0] * qg.shape[2]
+
+    def key_covariance(self) -> torch.Tensor:
+        """Centred covariance of K per KV head, [Hkv, D, D] float64."""
+        mean = self.k_stats.sum / self.tokens
+        return self.k_moment / self.tokens - mean.unsqueeze(-1) * mean.unsqueeze(-2)
+
+    def query_moment(self) -> torch.Tensor:
+        """Second moment E[q q^T] over each KV head's query group, [Hkv, D, D] float64."""
+        return self.q_moment / self.queries
 
     def k_offset(self) -> torch.Tensor:
         """The per-channel mean of K, [Hkv, D] float32."""
@@ -143,16 +174,17 @@ def _sink_aligned(mean: torch.Tensor, absmax_after, sink: torch.Tensor, margin: 
 
 def calibration_config(config):
     """The engine config to calibrate with: a cache in the model dtype (the observer must see
-    unquantized K/V upstream too), no overlay, one rank (a TP rank sees only its own heads)."""
+    unquantized K/V upstream too), no overlay, one rank (a TP rank sees only its own heads), and
+    no CUDA graphs (the whitened key transforms are set between passes, after capture)."""
     if config.tensor_parallel_size != 1:
         raise InvalidRequestError("tensor_parallel_size", "calibrate runs on one rank (a TP rank observes only its own heads)")
     dtype = str(config.torch_dtype).removeprefix("torch.")
     if config.kv_cache_dtype not in ("auto", dtype) or config.kv_scales:
         logger.info("calibrate: the KV cache runs in the model dtype (%s); kv_cache_dtype/kv_scales are ignored", dtype)
-    return dataclasses.replace(config, kv_cache_dtype=dtype, kv_scales=None, strict_kv_scales=False)
+    return dataclasses.replace(config, kv_cache_dtype=dtype, kv_scales=None, strict_kv_scales=False, enforce_eager=True)
 
 
-def observe(llm, windows: list[list[int]], progress: bool = False) -> dict[int, KVObserver]:
+def observe(llm, windows: list[list[int]], progress: bool = False, moments: bool = False) -> dict[int, KVObserver]:
     """Runs each window as one prompt (prefill only) with observers on every attention layer's
     cache; returns them by layer number."""
     from qsaserve.sampling_params import SamplingParams
@@ -160,7 +192,7 @@ def observe(llm, windows: list[list[int]], progress: bool = False) -> dict[int, 
     engine = llm.engine
     runner = engine.executor.runner
     layer_ids = attention_layer_ids(runner.model)
-    observers = {i: KVObserver(runner.device) for i in layer_ids}
+    observers = {i: KVObserver(runner.device, moments) for i in layer_ids}
     for i, cache in zip(layer_ids, runner.kv_caches, strict=True):
         cache.observer = observers[i]
     try:
@@ -184,6 +216,30 @@ def calibrate(llm, dataset: TextSet, output: str, *, num_tokens: int = DEFAULT_N
                              progress=progress)
 
 
+def runner_rotation(llm) -> str:
+    return llm.engine.executor.runner.kv_quant.rotation
+
+
+def measure_key_transforms(llm, windows: list[list[int]], progress: bool = False) -> dict[int, torch.Tensor]:
+    """The whitened key transform of every attention layer ([Hkv, D, D] float32 by layer number),
+    from the K and q moments over `windows`; from here on the engine's layers apply them, so the
+    next observation sees K T (quant/kv_rotation.py)."""
+    runner = llm.engine.executor.runner
+    for cache in runner.kv_caches:
+        cache.q_transform = cache.k_transform = None  # moments of q and K as the model makes them
+    observers = observe(llm, windows, progress, moments=True)
+    gen = torch.Generator().manual_seed(WHITENING_SEED)
+    transforms = {}
+    for (i, obs), cache in zip(observers.items(), runner.kv_caches, strict=True):
+        hkv, d = obs.k_moment.shape[:2]
+        signs = torch.randint(0, 2, (hkv, d), generator=gen).double() * 2 - 1
+        t = whitened_key_transform(obs.key_covariance().cpu(), obs.query_moment().cpu(), signs)
+        transforms[i] = t
+        cache.k_transform = t.to(cache.kv.device)
+        cache.q_transform = query_transform(t).to(cache.kv.device)
+    return transforms
+
+
 def calibrate_windows(llm, windows: list[list[int]], output: str, dataset_description: dict, *,
                       margin: float = DEFAULT_MARGIN, align_sink: bool = True, progress: bool = False) -> dict:
     """Calibrates on token-id windows (each one prompt) and writes the scales file. align_sink:
@@ -195,6 +251,7 @@ def calibrate_windows(llm, windows: list[list[int]], output: str, dataset_descri
         raise InvalidRequestError("kv_cache_dtype", "calibrate needs a high-precision KV cache (see calibration_config)")
     if not windows:
         raise InvalidRequestError("dataset", "yields no tokens")
+    key_transforms = measure_key_transforms(llm, windows, progress) if runner_rotation(llm) == "whitened" else None
     observers = observe(llm, windows, progress)
     sinks = observe(llm, [w[:1] for w in windows]) if align_sink else {}  # position-0 keys only
     # V offsets are folded into the model's projection biases (models/llama.py fold_v_offsets)
@@ -255,7 +312,14 @@ def calibrate_windows(llm, windows: list[list[int]], output: str, dataset_descri
         "num_tokens": sum(len(w) for w in windows),
         "seq_len": max(len(w) for w in windows),
     }
-    doc = write_scales_file(output, identity=engine.checkpoint.identity, layers=layers, meta=meta)
+    if key_transforms is not None:
+        meta["key_transform_rule"] = (
+            "per layer and KV head T = Ck^-1/2 (Ck^1/2 Cq Ck^1/2)^1/4 diag(s) H (Ck: centred covariance of K after norm "
+            "and RoPE, Cq: second moment of the KV head's queries, over the calibration tokens; s: random signs seeded "
+            f"{WHITENING_SEED}; H: the normalized Hadamard matrix); the pages hold K T - k_offset, queries are "
+            "multiplied by T^-T; k_offset and k_scale were measured on K T")
+    doc = write_scales_file(output, identity=engine.checkpoint.identity, layers=layers, meta=meta,
+                            key_transforms=key_transforms)
     logger.info("calibrate: %d tokens in %d windows; wrote %d layers' k/v scales to %s", meta["num_tokens"], len(windows),
                 len(layers), output)
     return doc

@@ -20,6 +20,16 @@ q and k, which RoPE sits between.
 The rotation is part of what a scales file measured (`qsaserve calibrate --kv-rotation hadamard`
 records K and V after it), so the file names it and loading checks it. In exact arithmetic it is
 the identity, so it only matters for quantized pages; the layers apply it whenever it is set.
+
+`kv_rotation="whitened"` keeps V's Hadamard and gives K a transform of its own per layer and KV
+head, measured on calibration text (whitened_key_transform): the pages hold K T and the layer
+attends with q T^-T, so q.k is unchanged (q T^-T (k T)^T = q k^T). T is chosen so that in the
+stored basis the keys' covariance equals the queries' second moment, i.e. every stored channel
+carries as much query energy as key energy: E4M3's relative rounding of a key channel then costs
+q.k the same everywhere, instead of most where the queries are large and the keys small. Not
+orthogonal, so q's matrix is T's inverse transpose (query_transform). On SmolLM2 it was the
+only K scheme measured past 97% top-1 agreement (docs/fp8.md). The matrices live beside the
+scales file, in a tensor sidecar (quant/kv_scales.py).
 """
 from __future__ import annotations
 
@@ -27,7 +37,7 @@ import torch
 
 from qsaserve.ops import fused
 
-KV_ROTATIONS = ("none", "hadamard")
+KV_ROTATIONS = ("none", "hadamard", "whitened")
 
 
 def hadamard_matrix(n: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
@@ -50,12 +60,63 @@ def rotate_heads(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return (x.unflatten(-1, (-1, d)).float() @ rotation).flatten(-2).to(x.dtype)
 
 
-def rotate_qk(q: torch.Tensor, k: torch.Tensor, rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """rotate_heads of q [T, Hq, D] and k [T, Hk, D]. On CUDA one fused kernel rotates both in place
-    (views into the qkv output included; ops/fused); elsewhere new tensors come back."""
+def transform_heads(x: torch.Tensor, matrices: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] with head h times matrices[h // (H / Hm)] ([Hm, D, D] float32: one matrix per KV
+    head, which a group of query heads shares; [D, D]: one for all). Float32 products, one rounding
+    to x's dtype, like rotate_heads."""
+    if matrices.dim() == 2:
+        return rotate_heads(x, matrices)
+    group = x.shape[1] // matrices.shape[0]
+    return torch.einsum("thd,hde->the", x.float(), matrices.repeat_interleave(group, 0)).to(x.dtype)
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, q_matrix: torch.Tensor, k_matrix: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """transform_heads of q [T, Hq, D] by q_matrix and of k [T, Hk, D] by k_matrix (both [D, D], or
+    [Hk, D, D] per KV head). On CUDA one fused kernel transforms both in place (views into the qkv
+    output included; ops/fused); elsewhere new tensors come back."""
     if fused.use_fused(q) and q.shape[-1] >= 16:
-        return fused.triton_fused.head_rotate_qk_(q, k, rotation)
-    return rotate_heads(q, rotation), rotate_heads(k, rotation)
+        if q_matrix.dim() == 2 and q_matrix is k_matrix:
+            return fused.triton_fused.head_rotate_qk_(q, k, q_matrix)
+        return fused.triton_fused.head_transform_qk_(q, k, q_matrix, k_matrix)
+    return transform_heads(q, q_matrix), transform_heads(k, k_matrix)
+
+
+WHITENING_EIGEN_FLOOR = 1e-12  # eigenvalues below this fraction of the largest are raised to it (float64 noise)
+
+
+def _symmetric_power(m: torch.Tensor, power: float) -> torch.Tensor:
+    """m^power of symmetric PSD matrices [..., D, D] (float64), eigenvalues floored."""
+    vals, vecs = torch.linalg.eigh(m)
+    floor = vals.amax(-1, keepdim=True).clamp_min(1e-300) * WHITENING_EIGEN_FLOOR
+    return (vecs * vals.clamp_min(floor).pow(power).unsqueeze(-2)) @ vecs.transpose(-1, -2)
+
+
+def whitened_key_transform(key_covariance: torch.Tensor, query_moment: torch.Tensor, signs: torch.Tensor
+                           ) -> torch.Tensor:
+    """T = Ck^-1/2 (Ck^1/2 Cq Ck^1/2)^1/4 diag(signs) H per KV head ([Hkv, D, D] float64 inputs:
+    Ck the centred covariance of K as the layer produces it (after norm and RoPE), Cq the second
+    moment of the group's queries; signs [Hkv, D] of +-1). With M = Ck^1/2 Cq Ck^1/2 the stored keys
+    K T then have covariance T^T Ck T = M^1/2 and the queries q T^-T second moment T^-1 Cq T^-T =
+    M^1/2 too (diag(signs) H is orthogonal): equal energy per stored channel on both sides, spread
+    over all channels by the random-sign Hadamard. Returns [Hkv, D, D] float32."""
+    if key_covariance.shape != query_moment.shape or key_covariance.dim() != 3:
+        raise ValueError(f"whitened_key_transform: [Hkv, D, D] covariances expected, got "
+                         f"{tuple(key_covariance.shape)} and {tuple(query_moment.shape)}")
+    ck, cq = key_covariance.double(), query_moment.double()
+    ck_half = _symmetric_power(ck, 0.5)
+    ck_inv_half = _symmetric_power(ck, -0.5)
+    m = ck_half @ cq @ ck_half
+    spread = signs.double().unsqueeze(-1) * hadamard_matrix(ck.shape[-1], torch.float64)
+    t = ck_inv_half @ _symmetric_power((m + m.transpose(-1, -2)) / 2, 0.25) @ spread
+    if not torch.isfinite(t).all():
+        raise ValueError("whitened_key_transform: the calibration statistics give a non-finite transform")
+    return t.float()
+
+
+def query_transform(key_transform: torch.Tensor) -> torch.Tensor:
+    """T^-T of each [D, D] key transform (inverted in float64): q T^-T . k T = q . k."""
+    return torch.linalg.inv(key_transform.double()).transpose(-1, -2).contiguous().float()
 
 
 def fold_into_rows(weight: torch.Tensor, rotation: torch.Tensor, bias: torch.Tensor | None = None) -> None:

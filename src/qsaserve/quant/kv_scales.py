@@ -14,7 +14,10 @@ tensors give no offset; files without offsets (version 1) load with none. Likewi
 because a query's attention weights sum to one; the model folds both into its projection biases.
 A file may name the head rotation its K/V were measured after (`kv_rotation`, version 3; see
 quant/kv_rotation.py); older files measured none. Scales only apply in the basis they were
-measured in, so an engine asked for another rotation refuses the file.
+measured in, so an engine asked for another rotation refuses the file. With `kv_rotation:
+"whitened"` (version 5) each layer also has a key transform [Hkv, D, D]; the matrices are too many
+numbers for JSON on large models, so they sit in a safetensors sidecar beside the file
+(`key_transforms`: its name relative to the JSON and its SHA-256, checked on load).
 
 The dtype decision (`resolve_kv_cache`):
   - an explicit bfloat16 / float16 / float32 always wins (an overlay is still validated);
@@ -24,6 +27,7 @@ The dtype decision (`resolve_kv_cache`):
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -36,13 +40,16 @@ import torch
 
 from qsaserve.errors import InvalidRequestError
 from qsaserve.quant.fp8 import FP8_E4M3, is_fp8
-from qsaserve.quant.kv_rotation import KV_ROTATIONS, hadamard_matrix
+from qsaserve.quant.kv_rotation import KV_ROTATIONS, hadamard_matrix, query_transform
 
 logger = logging.getLogger("qsaserve")
 
 FILE_FORMAT = "qsaserve-kv-scales"
-FILE_VERSION = 4  # 2: optional per-layer k_offset; 3: kv_rotation; 4: optional per-layer v_offset. All still load
-READABLE_VERSIONS = (1, 2, 3, 4)
+# 2: optional per-layer k_offset; 3: kv_rotation; 4: optional per-layer v_offset; 5: key transforms in a
+# sidecar (kv_rotation "whitened"). All still load.
+FILE_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
+KEY_TRANSFORM_MAX_CONDITION = 1e6  # a key transform this ill-conditioned would amplify q's rounding
 HIGH_PRECISION = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", *HIGH_PRECISION, "fp8_e4m3")
 
@@ -59,6 +66,7 @@ class ScaleSet:
     k_offset: dict[int, torch.Tensor] = field(default_factory=dict)  # [Hkv, D] float32 (CPU), overlay only
     v_offset: dict[int, torch.Tensor] = field(default_factory=dict)  # [Hkv, D] float32 (CPU), overlay only
     rotation: str = "none"  # the head rotation K/V were measured after (quant/kv_rotation.py), overlay only
+    k_transform: dict[int, torch.Tensor] = field(default_factory=dict)  # [Hkv, D, D] float32 (CPU), "whitened" only
 
     def __bool__(self) -> bool:
         return bool(self.k or self.v)
@@ -68,20 +76,38 @@ class ScaleSet:
         (read_scales_file requires both), so offsets come from the overlay only."""
         sources = " + ".join(s for s in (self.source if self else "", overlay.source if overlay else "") if s)
         return ScaleSet({**self.k, **overlay.k}, {**self.v, **overlay.v}, sources, dict(overlay.k_offset),
-                        dict(overlay.v_offset), overlay.rotation)
+                        dict(overlay.v_offset), overlay.rotation, dict(overlay.k_transform))
 
 
 # ---- overlay files ----
-def write_scales_file(path: str, *, identity: str, layers: dict[int, dict], meta: dict) -> dict:
+def key_transforms_path(path: str) -> str:
+    """Where the key transforms of scales file `path` go: beside it, `<name>.key_transforms.safetensors`."""
+    return f"{os.path.splitext(path)[0]}.key_transforms.safetensors"
+
+
+def write_scales_file(path: str, *, identity: str, layers: dict[int, dict], meta: dict,
+                      key_transforms: dict[int, torch.Tensor] | None = None) -> dict:
     """layers: layer number -> {"k_scale", "v_scale", optional "k_offset" ([Hkv][D] floats), and any
-    record such as the observed absmax}."""
+    record such as the observed absmax}. key_transforms (kv_rotation "whitened"): layer number ->
+    [Hkv, D, D] float32, written to the sidecar that the file then names and hashes."""
     doc = {
         "format": FILE_FORMAT,
         "version": FILE_VERSION,
         "model_identity": identity,
         **meta,
-        "layers": {str(i): layers[i] for i in sorted(layers)},
     }
+    if key_transforms:
+        from safetensors.torch import save_file
+
+        sidecar = key_transforms_path(path)
+        tmp = f"{sidecar}.tmp"
+        save_file({f"layers.{i}.k_transform": key_transforms[i].float().cpu().contiguous() for i in sorted(key_transforms)},
+                  tmp)
+        os.replace(tmp, sidecar)
+        doc["key_transforms"] = {"file": os.path.basename(sidecar), "sha256": _sha256(sidecar),
+                                 "tensors": "layers.<i>.k_transform [num_kv_heads, head_dim, head_dim] float32: the pages "
+                                            "hold K T, queries are multiplied by T^-T"}
+    doc["layers"] = {str(i): layers[i] for i in sorted(layers)}
     tmp = f"{path}.tmp"
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(doc, fh, indent=2)
@@ -117,6 +143,8 @@ def read_scales_file(path: str, identity: str) -> ScaleSet:
     if rotation not in KV_ROTATIONS:
         raise InvalidRequestError("kv_scales", f"{path}: kv_rotation must be one of {', '.join(KV_ROTATIONS)}, got {rotation!r}")
     out = ScaleSet(source=f"overlay {path}", rotation=rotation)
+    if rotation == "whitened":
+        out.k_transform = _read_key_transforms(path, doc.get("key_transforms"))
     for key, entry in layers.items():
         if not str(key).isdigit() or not isinstance(entry, dict):
             raise InvalidRequestError("kv_scales", f"{path}: bad layer entry {key!r}")
@@ -130,6 +158,57 @@ def read_scales_file(path: str, identity: str) -> ScaleSet:
                 raise InvalidRequestError("kv_scales", f"{path}: layer {key} has a {kind}_offset but no {kind}_scale (the "
                                           "scale is measured after the offset; they are only valid together)")
             target[int(key)] = _check_offset(entry[f"{kind}_offset"], f"{path}: layer {key} {kind}_offset")
+    if rotation == "whitened":
+        without = sorted(set(out.k) - set(out.k_transform))
+        if without:
+            raise InvalidRequestError("kv_scales", f"{path}: kv_rotation whitened, but layers {_ranges(without)} have a "
+                                      "k_scale and no key transform (the scale was measured after it)")
+        extra = sorted(set(out.k_transform) - set(out.k))
+        if extra:
+            raise InvalidRequestError("kv_scales", f"{path}: key transforms for layers {_ranges(extra)}, which have no k_scale")
+        for i, m in out.k_offset.items():
+            if tuple(m.shape) != tuple(out.k_transform[i].shape[:2]):
+                raise InvalidRequestError("kv_scales", f"{path}: layer {i} k_offset {tuple(m.shape)} and key transform "
+                                          f"{tuple(out.k_transform[i].shape)} disagree on [num_kv_heads, head_dim]")
+    return out
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _read_key_transforms(path: str, entry) -> dict[int, torch.Tensor]:
+    """The sidecar's [Hkv, D, D] key transforms by layer, checked against the hash the file records."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or not isinstance(entry.get("sha256"), str):
+        raise InvalidRequestError("kv_scales", f"{path}: kv_rotation whitened needs 'key_transforms': {{file, sha256}}")
+    sidecar = os.path.join(os.path.dirname(os.path.abspath(path)), entry["file"])
+    try:
+        digest = _sha256(sidecar)
+    except OSError as e:
+        raise InvalidRequestError("kv_scales", f"{path}: cannot read its key transforms {sidecar}: {e.strerror or e}") from None
+    if digest != entry["sha256"]:
+        raise InvalidRequestError("kv_scales", f"{path}: key transforms {sidecar} have SHA-256 {digest[:16]}..., the file "
+                                  f"records {entry['sha256'][:16]}... (a sidecar of another calibration)")
+    from safetensors.torch import load_file
+
+    out = {}
+    for name, t in load_file(sidecar).items():
+        m = re.fullmatch(r"layers\.(\d+)\.k_transform", name)
+        what = f"{sidecar}: {name}"
+        if m is None:
+            raise InvalidRequestError("kv_scales", f"{what}: unexpected tensor (expected layers.<i>.k_transform)")
+        if t.dim() != 3 or t.shape[1] != t.shape[2] or t.dtype != torch.float32 or not torch.isfinite(t).all():
+            raise InvalidRequestError("kv_scales", f"{what} must be finite float32 [num_kv_heads, head_dim, head_dim], got "
+                                      f"{t.dtype} {tuple(t.shape)}")
+        cond = torch.linalg.cond(t.double())
+        if not (cond < KEY_TRANSFORM_MAX_CONDITION).all():
+            raise InvalidRequestError("kv_scales", f"{what} has condition number {cond.max().item():.3g} (at most "
+                                      f"{KEY_TRANSFORM_MAX_CONDITION:g} accepted)")
+        out[int(m.group(1))] = t
     return out
 
 
@@ -199,27 +278,39 @@ class KVCacheQuant:
     v_offsets: list[torch.Tensor | None] | None = None
     layer_ids: list[int] | None = None
     rotation: str = "none"  # head rotation around the cache (quant/kv_rotation.py), in any page dtype
+    # "whitened": per layer [Hkv, D, D] fp32 key transform (this rank's heads, on the device). None
+    # while calibrating, before they are measured: q and k then pass untransformed.
+    k_transforms: list[torch.Tensor] | None = None
 
     @property
     def is_fp8(self) -> bool:
         return is_fp8(self.dtype)
 
     def rotation_matrix(self, head_dim: int, device=None) -> torch.Tensor | None:
-        """The [D, D] float32 head rotation (None without one); a head_dim it cannot rotate is
-        refused naming kv_rotation."""
+        """V's (and the output's) [D, D] float32 head rotation, the Hadamard for both rotations (None
+        without one); a head_dim it cannot rotate is refused naming kv_rotation."""
         if self.rotation == "none":
             return None
         if head_dim & (head_dim - 1):
-            raise InvalidRequestError("kv_rotation", f"hadamard needs a power-of-two head_dim, this model's is {head_dim}")
+            raise InvalidRequestError("kv_rotation", f"{self.rotation} needs a power-of-two head_dim, this model's is {head_dim}")
         return hadamard_matrix(head_dim, torch.float32, device)
 
     def attach(self, caches: list) -> list:
-        """Gives each LayerCache its layer's scales, K offset and rotation; returns the list. An
-        offset whose [Hkv, D] is not the cache's is refused here, at startup, naming the layer."""
-        if self.rotation != "none" and caches:
+        """Gives each LayerCache its layer's scales, K offset and q/k transforms; returns the list.
+        An offset or key transform whose [Hkv, D] is not the cache's is refused here, at startup,
+        naming the layer."""
+        if self.rotation == "hadamard" and caches:
             matrix = self.rotation_matrix(caches[0].kv.shape[-1], caches[0].kv.device)
             for cache in caches:
-                cache.rotation = matrix
+                cache.q_transform = cache.k_transform = matrix
+        if self.rotation == "whitened" and self.k_transforms is not None:
+            for n, (cache, t) in enumerate(zip(caches, self.k_transforms, strict=True)):
+                if tuple(t.shape[:2]) != tuple(cache.kv.shape[-2:]):
+                    layer = self.layer_ids[n] if self.layer_ids else n
+                    raise InvalidRequestError(
+                        "kv_scales", f"layer {layer} key transform has shape {tuple(t.shape)} but this rank's KV cache "
+                        f"holds [num_kv_heads, head_dim] = {tuple(cache.kv.shape[-2:])} (scales of another model geometry?)")
+                cache.k_transform, cache.q_transform = t, query_transform(t)
         if self.is_fp8:
             offsets = self.k_offsets or [None] * len(self.k_scales)
             for n, (cache, k, v, m) in enumerate(zip(caches, self.k_scales, self.v_scales, offsets, strict=True)):
@@ -257,6 +348,7 @@ def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_sca
         return KVCacheQuant(HIGH_PRECISION[requested], requested, reason="explicit", rotation=asked_rotation or "none")
     if requested == "auto":
         if not scales:
+            # "whitened" without measured transforms: q and k pass as they are (what calibration observes first)
             return KVCacheQuant(model_dtype, model_name, reason="auto: no calibrated KV scales for this model",
                                 rotation=asked_rotation or "none")
         strict, reason = True, f"auto: calibrated scales from {scales.source} (strict)"
@@ -305,13 +397,25 @@ def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_sca
                 "kv_rotation", f"{rotation} was requested, but the checkpoint's {_describe(from_checkpoint)} were "
                 "measured without a rotation; calibrate with --kv-rotation and pass the file with --kv-scales")
         reason += f", heads rotated ({rotation})"
+    k_transforms = None
+    if rotation == "whitened":
+        if not scales.k_transform:
+            raise InvalidRequestError(
+                "kv_rotation", "whitened FP8 pages need the key transforms measured with the scales: calibrate with "
+                "--kv-rotation whitened and pass the file with --kv-scales")
+        missing_t = [i for i in layer_ids if i not in scales.k_transform]
+        if missing_t:
+            raise InvalidRequestError("kv_scales", f"kv_rotation whitened: no key transform for layers {_ranges(missing_t)} "
+                                      f"in {config.kv_scales} (loaded {len(layer_ids) - len(missing_t)} of {len(layer_ids)})")
+        k_transforms = [_rank_heads(scales.k_transform[i], tp_size, tp_rank).to(device) for i in layer_ids]
     return KVCacheQuant(FP8_E4M3, "fp8_e4m3", tensors(scales.k), tensors(scales.v), reason=reason,
                         k_offsets=rank_offsets(scales.k_offset), v_offsets=rank_offsets(scales.v_offset) if scales.v_offset
-                        else None, layer_ids=list(layer_ids), rotation=rotation)
+                        else None, layer_ids=list(layer_ids), rotation=rotation, k_transforms=k_transforms)
 
 
 def _rank_heads(offset: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
-    """This TP rank's KV heads of a whole-model [Hkv, D] offset (the same split as the k_proj shards)."""
+    """This TP rank's KV heads of a whole-model [Hkv, ...] offset or key transform (the same split as
+    the k_proj shards)."""
     if tp_size == 1:
         return offset
     from qsaserve.parallel.tp import kv_head_range

@@ -343,3 +343,58 @@ def head_rotate_qk_(q: torch.Tensor, k: torch.Tensor, rotation: torch.Tensor) ->
     _head_rotate_qk_kernel[grid](q, k, rotation.contiguous(), q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                                  q.shape[1], k.shape[1], D=d, BLOCK_H=block_h, num_warps=4 if d <= 64 else 8)
     return q, k
+
+
+@triton.jit
+def _transform_head_tokens(x_ptr, m_ptr, t0, h, n_tokens, stride_t, stride_h, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    t = t0 + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, D)
+    m = tl.load(m_ptr + d[:, None] * D + d[None, :])
+    ptrs = x_ptr + t[:, None].to(tl.int64) * stride_t + h * stride_h + d[None, :]
+    ok = (t < n_tokens)[:, None]
+    x = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
+    y = tl.dot(x, m, input_precision="ieee")  # float32 FMAs, as in _rotate_head_block
+    tl.store(ptrs, y.to(x_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _head_transform_qk_kernel(q_ptr, k_ptr, qm_ptr, km_ptr, n_tokens, stride_qt, stride_qh, stride_kt, stride_kh,
+                              stride_qm, stride_km, HQ, GROUP, D: tl.constexpr, BLOCK_T: tl.constexpr):
+    t0 = tl.program_id(0) * BLOCK_T
+    h = tl.program_id(1)
+    if h < HQ:  # query head h: its KV head's matrix
+        _transform_head_tokens(q_ptr, qm_ptr + (h // GROUP) * stride_qm, t0, h, n_tokens, stride_qt, stride_qh, D, BLOCK_T)
+    else:
+        hk = h - HQ
+        _transform_head_tokens(k_ptr, km_ptr + hk * stride_km, t0, hk, n_tokens, stride_kt, stride_kh, D, BLOCK_T)
+
+
+def head_transform_qk_(q: torch.Tensor, k: torch.Tensor, q_matrices: torch.Tensor, k_matrices: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Like head_rotate_qk_ with a matrix per KV head: q [T, Hq, D] head h times q_matrices[h // (Hq /
+    Hk)], k [T, Hk, D] head h times k_matrices[h] ([Hk, D, D] float32, or [D, D] for all heads), in
+    place, in one launch, float32 products, one rounding (quant/kv_rotation.transform_heads). One
+    program per (16 tokens, head): each loads its head's matrix once."""
+    if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
+        raise ValueError(f"q, k: expected [T, Hq, D] and [T, Hk, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or k.dtype != q.dtype:
+        raise ValueError("q, k: same dtype and a contiguous head_dim required")
+    d, hq, hk = q.shape[2], q.shape[1], k.shape[1]
+    if d < 16 or d & (d - 1) or hq % hk:
+        raise ValueError(f"head_transform_qk_: head_dim a power of two >= 16 and Hq a multiple of Hk, got D={d}, "
+                         f"Hq={hq}, Hk={hk}")
+    mats = []
+    for name, m in (("q_matrices", q_matrices), ("k_matrices", k_matrices)):
+        if m.dtype != torch.float32 or m.shape not in ((d, d), (hk, d, d)):
+            raise ValueError(f"{name}: expected float32 [{hk}, {d}, {d}] or [{d}, {d}], got {m.dtype} {tuple(m.shape)}")
+        m = m.contiguous()
+        mats.append((m, 0 if m.dim() == 2 else d * d))
+    (qm, stride_qm), (km, stride_km) = mats
+    if q.shape[0] == 0:
+        return q, k
+    block_t = 16  # tl.dot's smallest M; tokens past T are masked
+    grid = (triton.cdiv(q.shape[0], block_t), hq + hk)
+    _head_transform_qk_kernel[grid](q, k, qm, km, q.shape[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                    stride_qm, stride_km, hq, hq // hk, D=d, BLOCK_T=block_t,
+                                    num_warps=4 if d <= 64 else 8)
+    return q, k
