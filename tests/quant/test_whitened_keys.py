@@ -227,3 +227,20 @@ def test_models_without_rotation_support_refuse_whitened():
     with pytest.raises(InvalidRequestError, match="^kv_rotation: whitened is implemented by the Llama-family"):
         LLM("qwen4exp-tiny", load_format="dummy", device="cpu", dtype="float32", max_model_len=128,
             kv_cache_memory=4 << 20, kv_rotation="whitened", ple_placement="host", progress=False)
+
+
+@pytest.mark.gpu
+def test_whitened_on_gpu(tiny_llama, tmp_path):
+    """On CUDA (fused per-head transform kernel, Triton KV write and attention, decode in CUDA
+    graphs): calibrating there gives transforms under which float32 pages reproduce the plain
+    engine's tokens, and the file's E4M3 pages stay close."""
+    path = str(tmp_path / "white.json")
+    cal = engine(tiny_llama, "cuda", kv_cache_dtype="float32", kv_rotation="whitened", max_num_batched_tokens=32)
+    calibrate_windows(cal, WINDOWS, path, {"name": "random ids"})
+    plain = _greedy(engine(tiny_llama, "cuda", kv_cache_dtype="float32", max_num_batched_tokens=32), PROMPTS)
+    white = _greedy(cal, PROMPTS)  # eager (calibration), transforms set
+    fp8 = _greedy(engine(tiny_llama, "cuda", kv_scales=path, max_num_batched_tokens=32), PROMPTS)  # graphs
+    # TF32 dots in the attention kernels (test_rotation_on_gpu): a few 1e-3 in summed logprobs
+    for (toks_a, lp_a), (toks_b, lp_b), (_, lp_c) in zip(plain, white, fp8):
+        assert toks_a == toks_b and lp_a == pytest.approx(lp_b, abs=2e-2)
+        assert abs(lp_c - lp_a) < 0.5 * len(toks_a)
