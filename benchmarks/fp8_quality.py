@@ -3,6 +3,8 @@
 1. `qsaserve calibrate` on the calibration part of CPython's pydoc topics -> a scales file
    (per layer: k_scale, v_scale and the per-channel K and V offsets aligned to the attention sink;
    see docs/fp8.md), and with --with-mean-offset a second one with the plain mean offset;
+   With --with-rotation / --with-whitened also files calibrated with kv_rotation=hadamard and
+   kv_rotation=whitened (the latter with its key-transform sidecar);
 2. `qsaserve qualify` on the held-out part: FP8 KV with calibrated scales and with unit scales
    (1.0 everywhere) against a bfloat16 KV baseline, same token stream (plus, with
    --with-fp32-reference, a float32 KV row showing what the bf16 baseline itself costs);
@@ -44,6 +46,8 @@ def main() -> int:
                    help="also score scales calibrated with the plain mean K offset (no sink alignment)")
     p.add_argument("--with-rotation", action="store_true",
                    help="also calibrate and score with kv_rotation=hadamard (quant/kv_rotation.py), calibrated and unit scales")
+    p.add_argument("--with-whitened", action="store_true",
+                   help="also calibrate and score with kv_rotation=whitened (per-layer key transforms, quant/kv_rotation.py)")
     p.add_argument("--out-dir", default=os.path.join(os.path.dirname(__file__), "results"))
     p.add_argument("--date", default=datetime.date.today().isoformat())
     args = p.parse_args()
@@ -66,6 +70,12 @@ def main() -> int:
         calibrate(rot_llm, pydoc_topics("calibration"), rot_path, num_tokens=args.calib_tokens, seq_len=args.window,
                   margin=args.margin)
         del rot_llm
+    white_path = os.path.join(args.out_dir, f"kv_scales_smollm2_{args.date}_whitened.json")
+    if args.with_whitened:  # two passes: q/K moments -> key transforms, then scales and offsets of K T
+        white_llm = LLM(progress=False, **calibration_config(EngineConfig(**common, kv_rotation="whitened")).__dict__)
+        calibrate(white_llm, pydoc_topics("calibration"), white_path, num_tokens=args.calib_tokens, seq_len=args.window,
+                  margin=args.margin)
+        del white_llm
     t_cal = time.perf_counter() - t0
 
     candidates = {
@@ -77,6 +87,8 @@ def main() -> int:
     if args.with_rotation:
         candidates["fp8_e4m3_calibrated_hadamard"] = {"kv_cache_dtype": "fp8_e4m3", "kv_scales": rot_path}
         candidates["fp8_e4m3_unit_scales_hadamard"] = {"kv_cache_dtype": "fp8_e4m3", "kv_rotation": "hadamard"}
+    if args.with_whitened:
+        candidates["fp8_e4m3_calibrated_whitened"] = {"kv_cache_dtype": "fp8_e4m3", "kv_scales": white_path}
     if args.with_fp32_reference:
         candidates["float32_kv_reference"] = {"kv_cache_dtype": "float32"}
     report = run_qualify(common, {"kv_cache_dtype": "bfloat16"}, candidates, pydoc_topics("evaluation"),
@@ -102,6 +114,11 @@ def main() -> int:
         report["targets_met"]["hadamard_calibrated_ppl_change_below_1pct"] = abs(h["ppl_change_pct"]) < TARGETS["ppl_change_pct_below"]
         report["targets_met"]["hadamard_calibrated_top1_agreement_at_least_97pct"] = (
             h["top1_agreement"] >= TARGETS["top1_agreement_at_least"])
+    if args.with_whitened:
+        w = report["candidates"]["fp8_e4m3_calibrated_whitened"]
+        report["targets_met"]["whitened_calibrated_ppl_change_below_1pct"] = abs(w["ppl_change_pct"]) < TARGETS["ppl_change_pct_below"]
+        report["targets_met"]["whitened_calibrated_top1_agreement_at_least_97pct"] = (
+            w["top1_agreement"] >= TARGETS["top1_agreement_at_least"])
     report["method"] = ("FP8 E4M3 K/V pages, one k_scale and one v_scale per attention layer (absmax * margin / 448); "
                         "calibrated keys are stored as K - k_offset, k_offset the per-layer, per-KV-head, per-channel "
                         "mean of K over the calibration text, moved by at most half an E4M3 step so that the mean "
@@ -111,7 +128,10 @@ def main() -> int:
                         "projection biases); mean_offset: the plain mean K offset, no V offset; unit scales: 1.0, no offset; hadamard: q, k, v of every "
                         "head multiplied by the normalized Hadamard matrix before the cache and the output multiplied "
                         "back (exact in real arithmetic; V's and the output's rotation folded into the projection "
-                        "weights, q and k rotated per step; quant/kv_rotation.py), scales calibrated after the rotation")
+                        "weights, q and k rotated per step; quant/kv_rotation.py), scales calibrated after the rotation; whitened: "
+                        "V and the output as with hadamard, K multiplied per layer and KV head by T = Ck^-1/2 "
+                        "(Ck^1/2 Cq Ck^1/2)^1/4 diag(s) H (Ck, Cq: key covariance and query second moment over the "
+                        "calibration text) and q by T^-T, offsets and scales calibrated on K T")
     report["calibration"] = {k: cal[k] for k in ("margin", "num_tokens", "seq_len", "dataset", "scale_rule", "k_offset_rule",
                                                  "v_offset_rule") if k in cal}
     report["kv_capacity"] = kv_capacity_report(kv_spec, common["kv_cache_memory"])
