@@ -231,16 +231,27 @@ def test_models_without_rotation_support_refuse_whitened():
 
 @pytest.mark.gpu
 def test_whitened_on_gpu(tiny_llama, tmp_path):
-    """On CUDA (fused per-head transform kernel, Triton KV write and attention, decode in CUDA
-    graphs): calibrating there gives transforms under which float32 pages reproduce the plain
-    engine's tokens, and the file's E4M3 pages stay close."""
+    """On CUDA (fused per-head transform kernel, Triton KV write and attention): calibrating there
+    gives transforms under which float32 pages reproduce the plain engine's prompt logprobs, and
+    the file's E4M3 pages (decode in CUDA graphs) stay close to the plain engine's tokens."""
     path = str(tmp_path / "white.json")
     cal = engine(tiny_llama, "cuda", kv_cache_dtype="float32", kv_rotation="whitened", max_num_batched_tokens=32)
     calibrate_windows(cal, WINDOWS, path, {"name": "random ids"})
-    plain = _greedy(engine(tiny_llama, "cuda", kv_cache_dtype="float32", max_num_batched_tokens=32), PROMPTS)
-    white = _greedy(cal, PROMPTS)  # eager (calibration), transforms set
+    plain = engine(tiny_llama, "cuda", kv_cache_dtype="float32", max_num_batched_tokens=32, enforce_eager=True)
+    params = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    prompt = [{"prompt_token_ids": PROMPTS[1]}]  # 90 tokens: chunked prefill over the paged context
+
+    def prompt_lps(llm):
+        out = llm.generate(prompt, params, use_tqdm=False)[0]
+        return torch.tensor([next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]])
+
+    # Float32 products in TF32 inside the attention kernels (test_rotation_on_gpu): K T and q T^-T
+    # round differently from K and q, so logprobs agree to a few 1e-3, not to float32. Comparing
+    # greedy tokens instead would turn one near-tie of this random model into a different sequence
+    # (seen at c550cf3: the fifth token of a 90-token prompt).
+    diff = (prompt_lps(cal) - prompt_lps(plain)).abs()
+    assert diff.mean() < 5e-3 and diff.max() < 5e-2, (diff.mean(), diff.max())
+    base = _greedy(plain, PROMPTS)
     fp8 = _greedy(engine(tiny_llama, "cuda", kv_scales=path, max_num_batched_tokens=32), PROMPTS)  # graphs
-    # TF32 dots in the attention kernels (test_rotation_on_gpu): a few 1e-3 in summed logprobs
-    for (toks_a, lp_a), (toks_b, lp_b), (_, lp_c) in zip(plain, white, fp8):
-        assert toks_a == toks_b and lp_a == pytest.approx(lp_b, abs=2e-2)
-        assert abs(lp_c - lp_a) < 0.5 * len(toks_a)
+    for (toks_a, lp_a), (toks_c, lp_c) in zip(base, fp8):
+        assert len(toks_c) == len(toks_a) and abs(lp_c - lp_a) < 0.5 * len(toks_a)

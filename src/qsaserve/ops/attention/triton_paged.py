@@ -467,6 +467,7 @@ class DecodeConfig:
     ctas_per_sm: int = 2  # resident programs per SM the split heuristic plans for
     fp8_dot: str = "fp16"
     fp8_permute_v: bool = True
+    maxnreg: int | None = None  # cap on registers per thread (ptxas .maxnreg): more resident programs per SM
 
     def __post_init__(self):
         if self.fp8_dot not in ("fp16", "query"):
@@ -530,6 +531,12 @@ FP8_DECODE_CANDIDATES = {
     # over 8 warps 0.77x (attention_fp8_h200_2026-11-30_b25eee6.json).
     "f16_bn128_s3_noperm": DecodeConfig(128, 4, 3, 3, fp8_permute_v=False),
     "f16_bn128_s3_w8": DecodeConfig(128, 8, 3, 2),
+    # Nsight Compute on the default at 128K (c550cf3): 153 registers a thread hold it to 3 programs
+    # per SM (18% occupancy, 0.81 eligible warps per scheduler, 73% of DRAM peak; bf16's kernel:
+    # 126 registers, 4 programs, 94%). These cap the registers so 4 programs fit.
+    "f16_bn128_s3_r128": DecodeConfig(128, 4, 3, 4, maxnreg=128),
+    "f16_bn128_s4_r128": DecodeConfig(128, 4, 4, 4, maxnreg=128),
+    "f16_bn64_s3_r128": DecodeConfig(64, 4, 3, 4, maxnreg=128),
 }
 # H200, B1 8K causal d128: (128,64,8,3) 323, (128,64,4,3) 359, (128,128,8,3) 364 TF/s; the
 # 4-warp config is within noise of the best with 2/3 of its shared memory.
@@ -697,7 +704,7 @@ def paged_decode(
         HAS_SEQ_IDS=seq_ids is not None, SINGLE_SPLIT=single, IS_FP8=fp8, WRITE_LSE=lse is not None,
         DCP_SIZE=dcp_size, DCP_I=dcp_i, F16_DOT=fp8 and cfg.fp8_dot == "fp16",
         V_GROUP=_v_group(cfg, block_m, d_pow2) if fp8 else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     if not single:
         _merge_kernel[(rows, hq)](
