@@ -20,7 +20,9 @@ def test_cli_writes_a_valid_loadable_file(tiny_llama, tiny_identity, tmp_path):
     assert main(["calibrate", tiny_llama, "-o", str(out), "--dataset", str(data), "--num-tokens", "300", "--seq-len", "100",
                  "--dtype", "float32", "--device", "cpu", "--max-model-len", "256", "--kv-cache-memory", str(4 << 20)]) == 0
     doc = json.loads(out.read_text())
-    assert doc["format"] == "qsaserve-kv-scales" and doc["version"] == 5 and doc["kv_rotation"] == "none"
+    # a Llama model with a power-of-two head_dim: the whitened key transforms by default
+    assert doc["format"] == "qsaserve-kv-scales" and doc["version"] == 5 and doc["kv_rotation"] == "whitened"
+    assert (tmp_path / doc["key_transforms"]["file"]).exists()
     assert doc["model_identity"] == tiny_identity
     assert doc["tool"].startswith("qsaserve ") and doc["tool"].endswith(" calibrate")
     assert doc["dataset"] == text_file(str(data)).description and doc["num_tokens"] == 300 and doc["margin"] == 1.25
@@ -40,7 +42,29 @@ def test_cli_writes_a_valid_loadable_file(tiny_llama, tiny_identity, tmp_path):
               progress=False)
     runner = llm.engine.executor.runner
     assert runner.kv_quant.name == "fp8_e4m3" and "strict" in runner.kv_quant.reason
+    assert runner.kv_quant.rotation == "whitened"
     assert [c.k_scale.item() for c in runner.kv_caches] == pytest.approx([doc["layers"][str(i)]["k_scale"] for i in range(3)])
+    # --kv-rotation none: plain scales, no sidecar
+    plain = tmp_path / "plain.json"
+    assert main(["calibrate", tiny_llama, "-o", str(plain), "--dataset", str(data), "--num-tokens", "300", "--seq-len", "100",
+                 "--dtype", "float32", "--device", "cpu", "--max-model-len", "256", "--kv-cache-memory", str(4 << 20),
+                 "--kv-rotation", "none"]) == 0
+    doc = json.loads(plain.read_text())
+    assert doc["kv_rotation"] == "none" and "key_transforms" not in doc
+
+
+def test_calibrate_picks_whitened_only_where_the_model_supports_it(tiny_llama):
+    from qsaserve import EngineConfig
+    from qsaserve.quant.calibrate import calibration_config, default_kv_rotation
+
+    assert default_kv_rotation(EngineConfig(model=tiny_llama)) == "whitened"
+    assert default_kv_rotation(EngineConfig(model="qwen4exp-tiny", load_format="dummy")) == "none"  # QSA attention
+    assert default_kv_rotation(EngineConfig(model="smollm2-135m", load_format="dummy")) == "whitened"
+    # the Python API keeps what it is given; only the CLI chooses
+    assert calibration_config(EngineConfig(model=tiny_llama)).kv_rotation is None
+    assert calibration_config(EngineConfig(model=tiny_llama), choose_rotation=True).kv_rotation == "whitened"
+    assert calibration_config(EngineConfig(model=tiny_llama, kv_rotation="hadamard"),
+                              choose_rotation=True).kv_rotation == "hadamard"
 
 
 def test_observed_absmax_is_that_of_the_stored_k_and_v(tiny_llama, tmp_path):

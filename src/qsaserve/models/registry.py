@@ -25,6 +25,18 @@ def is_hybrid(hf_config: dict) -> bool:
     return hf_config.get("model_type", "") in _HYBRID
 
 
+def kv_rotation_unsupported(hf_config: dict) -> str | None:
+    """Why this model cannot store its K/V in a transformed head basis (quant/kv_rotation.py), or
+    None when it can: the Llama family folds V's rotation into its weights (models/llama.py), and
+    the Hadamard matrix needs a power-of-two head_dim."""
+    if hf_config.get("model_type", "") not in _LLAMA_FAMILY:
+        return f"{hf_config.get('model_type')!r} models do not apply a head rotation (Llama family only)"
+    head_dim = LlamaConfig.from_hf(hf_config).head_dim
+    if head_dim & (head_dim - 1):
+        return f"head_dim {head_dim} is not a power of two"
+    return None
+
+
 def build_model(hf_config: dict, max_positions: int, parallel=None) -> nn.Module:
     """parallel: this rank's ParallelContext (None: a single rank)."""
     model_type = hf_config.get("model_type", "")

@@ -172,16 +172,37 @@ def _sink_aligned(mean: torch.Tensor, absmax_after, sink: torch.Tensor, margin: 
     return offset, absmax, scale
 
 
-def calibration_config(config):
+def default_kv_rotation(config) -> str:
+    """The head transform `qsaserve calibrate` measures when --kv-rotation is not given: whitened
+    where the model supports it (the only scheme measured past 97% top-1 agreement on SmolLM2,
+    docs/fp8.md), else none."""
+    from qsaserve.loader.checkpoint import dummy_checkpoint, load_checkpoint
+    from qsaserve.models.registry import kv_rotation_unsupported, text_config
+
+    checkpoint = dummy_checkpoint(config.model) if config.load_format == "dummy" else \
+        load_checkpoint(config.model, progress=False)
+    why_not = kv_rotation_unsupported(text_config(checkpoint.hf_config))
+    if why_not:
+        logger.info("calibrate: no head transform (%s)", why_not)
+        return "none"
+    return "whitened"
+
+
+def calibration_config(config, *, choose_rotation: bool = False):
     """The engine config to calibrate with: a cache in the model dtype (the observer must see
     unquantized K/V upstream too), no overlay, one rank (a TP rank sees only its own heads), and
-    no CUDA graphs (the whitened key transforms are set between passes, after capture)."""
+    no CUDA graphs (the whitened key transforms are set between passes, after capture).
+    choose_rotation: an unset kv_rotation becomes default_kv_rotation's choice (the CLI's default)."""
     if config.tensor_parallel_size != 1:
         raise InvalidRequestError("tensor_parallel_size", "calibrate runs on one rank (a TP rank observes only its own heads)")
     dtype = str(config.torch_dtype).removeprefix("torch.")
     if config.kv_cache_dtype not in ("auto", dtype) or config.kv_scales:
         logger.info("calibrate: the KV cache runs in the model dtype (%s); kv_cache_dtype/kv_scales are ignored", dtype)
-    return dataclasses.replace(config, kv_cache_dtype=dtype, kv_scales=None, strict_kv_scales=False, enforce_eager=True)
+    rotation = config.kv_rotation
+    if rotation is None and choose_rotation:
+        rotation = default_kv_rotation(config)
+    return dataclasses.replace(config, kv_cache_dtype=dtype, kv_scales=None, strict_kv_scales=False, enforce_eager=True,
+                               kv_rotation=rotation)
 
 
 def observe(llm, windows: list[list[int]], progress: bool = False, moments: bool = False) -> dict[int, KVObserver]:

@@ -25,7 +25,9 @@ def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "calibrate", help="measure per-layer K/V ranges and write FP8 KV scales (--kv-scales) for a model",
         description="Run calibration text through the model and write per-layer k_scale/v_scale "
-                    "(absmax * margin / 448) with the model identity, for --kv-scales.")
+                    "(absmax * margin / 448) with the model identity, for --kv-scales. Without --kv-rotation, "
+                    "Llama-family models (power-of-two head_dim) are calibrated with --kv-rotation whitened "
+                    "(per-layer key transforms in a sidecar beside the file; docs/fp8.md), others with none.")
     add_model_tag(p)
     p.add_argument("-o", "--output", required=True, help="scales JSON to write")
     p.add_argument("--dataset", default=None,
@@ -50,9 +52,10 @@ def cmd_calibrate(args) -> int:
 
     resolve_model_tag(args)
     dataset = text_file(args.dataset) if args.dataset else pydoc_topics("calibration")
-    config = calibration_config(engine_config_from_args(args))
+    config = calibration_config(engine_config_from_args(args), choose_rotation=True)
     llm = LLM(**config.__dict__)
     doc = calibrate(llm, dataset, args.output, num_tokens=args.num_tokens, seq_len=args.seq_len, margin=args.margin,
                     align_sink=args.align_sink, progress=True)
-    print(f"wrote {args.output}: {len(doc['layers'])} layers, {doc['num_tokens']} tokens, margin {doc['margin']}")
+    print(f"wrote {args.output}: {len(doc['layers'])} layers, {doc['num_tokens']} tokens, margin {doc['margin']}, "
+          f"kv_rotation {doc['kv_rotation']}")
     return 0
