@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
@@ -198,7 +199,9 @@ def main() -> None:
         dcp, backend, dtype = args.one.split(",")
         try:
             result = run_config(args, int(dcp), backend, prompts, dtype or None)
+            result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
         except Exception as exc:  # the parent records it and goes on
+            traceback.print_exc()
             result = {"dcp": int(dcp), "backend": backend, "error": repr(exc)}
         with open(args.one_out, "w", encoding="utf-8") as fh:
             json.dump(result, fh)
@@ -207,7 +210,7 @@ def main() -> None:
     report = {
         "benchmark": "decode context parallelism",
         "isolation": "each configuration in a fresh process",
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "device": None,  # from the first configuration (no CUDA context in this process: it holds no rank)
         "num_gpus": torch.cuda.device_count(), "date": datetime.date.today().isoformat(), "commit": commit,
         "torch": torch.__version__, "preset": args.preset, "weights": "random (load_format=dummy)",
         "tensor_parallel_size": args.tp, "kv_cache_gib_per_gpu": args.kv_cache_gib, "max_model_len": args.max_model_len,
@@ -217,6 +220,7 @@ def main() -> None:
     for dcp, backend in configs:
         try:
             report["runs"].append(run_in_subprocess(dcp, backend))
+            report["device"] = report["device"] or report["runs"][-1].get("device")
         except Exception as exc:  # report and go on: one failing configuration must not hide the others
             report["runs"].append({"dcp": dcp, "backend": backend, "error": repr(exc)})
             print(json.dumps(report["runs"][-1]), file=sys.stderr, flush=True)
@@ -252,18 +256,17 @@ def main() -> None:
     print(json.dumps(report, indent=1))
 
 
+CONFIG_TIMEOUT_S = 1800  # one configuration: a hung collective must not stall the whole run
+
+
 def run_in_subprocess(dcp: int, backend: str, dtype: str | None = None) -> dict:
     """run_config in a fresh interpreter (same arguments), so no configuration inherits another's
     process state; its progress lines pass through on stderr."""
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "run.json")
-        argv = [a for a in sys.argv[1:]]
-        if "--out" in argv:
-            i = argv.index("--out")
-            del argv[i:i + 2]
-        argv = [a for a in argv if not a.startswith("--out=")]
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--one", f"{dcp},{backend},{dtype or ''}",
-                               "--one-out", out])
+        # the same arguments (the child's --one branch returns before anything reads --out)
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--one",
+                               f"{dcp},{backend},{dtype or ''}", "--one-out", out], timeout=CONFIG_TIMEOUT_S)
         if proc.returncode != 0 or not os.path.exists(out):
             raise RuntimeError(f"configuration dcp={dcp} backend={backend} exited with status {proc.returncode} "
                                "(its stderr is above)")

@@ -97,8 +97,11 @@ def main() -> int:
                 layers = list(json.load(fh)["layers"].values())
         report["candidates"][name]["k_offsets"] = bool(layers) and all("k_offset" in e for e in layers)
         report["candidates"][name]["v_offsets"] = bool(layers) and all("v_offset" in e for e in layers)
-        report["candidates"][name]["kv_rotation"] = (json.load(open(over["kv_scales"], encoding="utf-8"))["kv_rotation"]
-                                                     if over.get("kv_scales") else over.get("kv_rotation", "none"))
+        rotation = over.get("kv_rotation", "none")
+        if over.get("kv_scales"):
+            with open(over["kv_scales"], encoding="utf-8") as fh:
+                rotation = json.load(fh)["kv_rotation"]
+        report["candidates"][name]["kv_rotation"] = rotation
     c, u = report["candidates"]["fp8_e4m3_calibrated"], report["candidates"]["fp8_e4m3_unit_scales"]
     report["targets"] = TARGETS
     report["targets_met"] = {

@@ -63,7 +63,8 @@ class LayerCache:
     k_scale: torch.Tensor | None = None  # 0-d fp32 device tensors, set when kv is FP8 E4M3
     v_scale: torch.Tensor | None = None
     k_offset: torch.Tensor | None = None  # [Hkv, D] fp32 device tensor: keys are stored as k - k_offset (exact for softmax)
-    # sees each write's (K, V) [T, Hkv, D] and the step's q [T, Hq, D], as the pages get them (calibration)
+    # sees each write's (K, V) [T, Hkv, D] as the pages get them, and the q [T, H, D] the layer attends
+    # with (after its transform; under DCP in a QSA layer, the DCP group's heads) (calibration)
     observer: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
     # Head transforms around the pages (quant/kv_rotation.py): the layer multiplies q by q_transform
     # and k by k_transform ([D, D] shared, or [Hkv, D, D] per KV head) before attending; V and the

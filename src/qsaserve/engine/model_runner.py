@@ -21,7 +21,7 @@ from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, TokenFeed
 from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata
 from qsaserve.errors import InvalidRequestError
 from qsaserve.models.ple_table import dummy_ple_tables, is_table_tensor, open_ple_tables
-from qsaserve.models.registry import build_model
+from qsaserve.models.registry import build_model, kv_rotation_unsupported
 from qsaserve.parallel.dcp import DcpGeometry
 from qsaserve.parallel.state import ParallelContext
 from qsaserve.quant.kv_scales import CheckpointScales, attention_layer_ids, resolve_kv_cache
@@ -62,9 +62,10 @@ class ModelRunner:
                                          self.dtype, self.device, tp_size=self.parallel.tp_size,
                                          tp_rank=self.parallel.tp_rank)
         if self.kv_quant.rotation != "none":  # V's and the output's rotation go into the weights, once
-            if not hasattr(model, "fold_kv_rotation"):
+            why_not = kv_rotation_unsupported(checkpoint.hf_config)
+            if why_not:
                 raise InvalidRequestError("kv_rotation", f"{self.kv_quant.rotation} is implemented by the Llama-family "
-                                          f"attention layers; {type(model).__name__} does not apply it")
+                                          f"attention layers; {why_not}")
             model.fold_kv_rotation(self.kv_quant.rotation_matrix(model.config.head_dim, self.device))
         if self.kv_quant.v_offsets:  # V - v_offset stored, v_offset added back: both in the weights, once
             if not hasattr(model, "fold_v_offsets"):

@@ -26,9 +26,10 @@ def is_hybrid(hf_config: dict) -> bool:
 
 
 def kv_rotation_unsupported(hf_config: dict) -> str | None:
-    """Why this model cannot store its K/V in a transformed head basis (quant/kv_rotation.py), or
-    None when it can: the Llama family folds V's rotation into its weights (models/llama.py), and
-    the Hadamard matrix needs a power-of-two head_dim."""
+    """Why this model (the checkpoint's config, as build_model takes it) cannot store its K/V in a
+    transformed head basis (quant/kv_rotation.py), or None when it can: the Llama family folds V's
+    rotation into its weights (models/llama.py fold_kv_rotation), and the Hadamard matrix needs a
+    power-of-two head_dim. The one place this is decided (the engine and calibrate's default)."""
     if hf_config.get("model_type", "") not in _LLAMA_FAMILY:
         return f"{hf_config.get('model_type')!r} models do not apply a head rotation (Llama family only)"
     head_dim = LlamaConfig.from_hf(hf_config).head_dim

@@ -31,7 +31,8 @@ folds both into its projection biases (models/llama.py), so nothing runs per ste
 SmolLM2 it lowered the perplexity change by 0.13 points and the mean KL by 2-3%; top-1 agreement
 moved within its noise (docs/fp8.md).
 
-With `--kv-rotation whitened` a first pass over the same windows records, per layer and KV head,
+With `--kv-rotation whitened` (the CLI's default for models that support it, default_kv_rotation)
+a first pass over the same windows records, per layer and KV head,
 the second moments of K and of the group's queries (as the layer produces them, before any
 transform); from them comes the layer's key transform (quant/kv_rotation.whitened_key_transform),
 which the layers then apply, and the pass above measures offsets and scales of the transformed
@@ -51,7 +52,7 @@ import torch
 from qsaserve.errors import InvalidRequestError
 from qsaserve.quant.dataset import TextSet, token_windows
 from qsaserve.quant.fp8 import FP8_E4M3_MAX, dequantize_fp8, quantize_fp8
-from qsaserve.quant.kv_rotation import query_transform, whitened_key_transform
+from qsaserve.quant.kv_rotation import KEY_TRANSFORM_MAX_CONDITION, whitened_key_transform
 from qsaserve.quant.kv_scales import attention_layer_ids, write_scales_file
 
 logger = logging.getLogger("qsaserve")
@@ -177,11 +178,11 @@ def default_kv_rotation(config) -> str:
     where the model supports it (the only scheme measured past 97% top-1 agreement on SmolLM2,
     docs/fp8.md), else none."""
     from qsaserve.loader.checkpoint import dummy_checkpoint, load_checkpoint
-    from qsaserve.models.registry import kv_rotation_unsupported, text_config
+    from qsaserve.models.registry import kv_rotation_unsupported
 
     checkpoint = dummy_checkpoint(config.model) if config.load_format == "dummy" else \
         load_checkpoint(config.model, progress=False)
-    why_not = kv_rotation_unsupported(text_config(checkpoint.hf_config))
+    why_not = kv_rotation_unsupported(checkpoint.hf_config)
     if why_not:
         logger.info("calibrate: no head transform (%s)", why_not)
         return "none"
@@ -201,8 +202,10 @@ def calibration_config(config, *, choose_rotation: bool = False):
     rotation = config.kv_rotation
     if rotation is None and choose_rotation:
         rotation = default_kv_rotation(config)
+    # no prefix caching: the whitened transforms' two passes run the same windows, and the second
+    # must compute every key again in the new basis
     return dataclasses.replace(config, kv_cache_dtype=dtype, kv_scales=None, strict_kv_scales=False, enforce_eager=True,
-                               kv_rotation=rotation)
+                               enable_prefix_caching=False, kv_rotation=rotation)
 
 
 def observe(llm, windows: list[list[int]], progress: bool = False, moments: bool = False) -> dict[int, KVObserver]:
@@ -244,20 +247,38 @@ def runner_rotation(llm) -> str:
 def measure_key_transforms(llm, windows: list[list[int]], progress: bool = False) -> dict[int, torch.Tensor]:
     """The whitened key transform of every attention layer ([Hkv, D, D] float32 by layer number),
     from the K and q moments over `windows`; from here on the engine's layers apply them, so the
-    next observation sees K T (quant/kv_rotation.py)."""
-    runner = llm.engine.executor.runner
+    next observation sees K T (quant/kv_rotation.py).
+
+    The layers change under the engine, so what was built for the old ones goes: captured decode
+    graphs (they recorded the layers without a transform) and cached prefixes (their pages hold
+    keys in the old basis, and a second pass over the same windows would reuse them)."""
+    engine = llm.engine
+    runner = engine.executor.runner
+    if runner.graphs is not None:
+        runner.drop_graphs("calibrate: the whitened key transforms change the attention layers after graph capture")
+    quant = runner.kv_quant
+    quant.k_transforms = None
     for cache in runner.kv_caches:
         cache.q_transform = cache.k_transform = None  # moments of q and K as the model makes them
+    engine.block_manager.reset_prefix_cache()
     observers = observe(llm, windows, progress, moments=True)
     gen = torch.Generator().manual_seed(WHITENING_SEED)
     transforms = {}
-    for (i, obs), cache in zip(observers.items(), runner.kv_caches, strict=True):
+    for i, obs in observers.items():
         hkv, d = obs.k_moment.shape[:2]
         signs = torch.randint(0, 2, (hkv, d), generator=gen).double() * 2 - 1
-        t = whitened_key_transform(obs.key_covariance().cpu(), obs.query_moment().cpu(), signs)
-        transforms[i] = t
-        cache.k_transform = t.to(cache.kv.device)
-        cache.q_transform = query_transform(t).to(cache.kv.device)
+        try:
+            transforms[i] = whitened_key_transform(obs.key_covariance().cpu(), obs.query_moment().cpu(), signs)
+        except ValueError as e:
+            raise InvalidRequestError("dataset", f"layer {i}: {e} (more or more varied calibration text?)") from None
+        cond = torch.linalg.cond(transforms[i].double()).max().item()
+        if not cond < KEY_TRANSFORM_MAX_CONDITION:
+            raise InvalidRequestError("dataset", f"layer {i}: the whitened key transform has condition number {cond:.3g} "
+                                      f"(at most {KEY_TRANSFORM_MAX_CONDITION:g} loads); K or q barely varies in some "
+                                      "direction over this text: calibrate on more or more varied tokens (num_tokens)")
+    quant.k_transforms = [transforms[i].to(runner.device) for i in observers]
+    quant.attach(runner.kv_caches)  # each layer's cache: k_transform T, q_transform T^-T
+    engine.block_manager.reset_prefix_cache()
     return transforms
 
 

@@ -1,4 +1,5 @@
-"""Hadamard rotation of attention heads around an FP8 KV cache (`kv_rotation="hadamard"`).
+"""Head transforms around an FP8 KV cache: the Hadamard rotation (`kv_rotation="hadamard"`) and
+whitened keys (`kv_rotation="whitened"`, below).
 
 q.k is unchanged when both sides are multiplied by the same orthogonal matrix, and so is the
 attention output once it is multiplied back. With H the normalized Sylvester-Hadamard matrix of
@@ -24,7 +25,8 @@ the identity, so it only matters for quantized pages; the layers apply it whenev
 `kv_rotation="whitened"` keeps V's Hadamard and gives K a transform of its own per layer and KV
 head, measured on calibration text (whitened_key_transform): the pages hold K T and the layer
 attends with q T^-T, so q.k is unchanged (q T^-T (k T)^T = q k^T). T is chosen so that in the
-stored basis the keys' covariance equals the queries' second moment, i.e. every stored channel
+stored basis the keys' covariance equals the queries' second moment (both R^T M^1/2 R, with
+R = diag(s) H and M = Ck^1/2 Cq Ck^1/2: whitened_key_transform), i.e. every stored channel
 carries as much query energy as key energy: E4M3's relative rounding of a key channel then costs
 q.k the same everywhere, instead of most where the queries are large and the keys small. Not
 orthogonal, so q's matrix is T's inverse transpose (query_transform). On SmolLM2 it was the
@@ -66,6 +68,9 @@ def transform_heads(x: torch.Tensor, matrices: torch.Tensor) -> torch.Tensor:
     to x's dtype, like rotate_heads."""
     if matrices.dim() == 2:
         return rotate_heads(x, matrices)
+    if x.shape[1] % matrices.shape[0]:
+        raise ValueError(f"transform_heads: {x.shape[1]} heads do not group over {matrices.shape[0]} matrices "
+                         f"{tuple(matrices.shape)}")
     group = x.shape[1] // matrices.shape[0]
     return torch.einsum("thd,hde->the", x.float(), matrices.repeat_interleave(group, 0)).to(x.dtype)
 
@@ -82,33 +87,34 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, q_matrix: torch.Tensor, k_matrix
     return transform_heads(q, q_matrix), transform_heads(k, k_matrix)
 
 
+KEY_TRANSFORM_MAX_CONDITION = 1e6  # a key transform worse than this would amplify q's rounding: refused
 WHITENING_EIGEN_FLOOR = 1e-12  # eigenvalues below this fraction of the largest are raised to it (float64 noise)
 
 
-def _symmetric_power(m: torch.Tensor, power: float) -> torch.Tensor:
-    """m^power of symmetric PSD matrices [..., D, D] (float64), eigenvalues floored."""
+def _symmetric_powers(m: torch.Tensor, *powers: float) -> tuple[torch.Tensor, ...]:
+    """m^p for each p, m symmetric PSD [..., D, D] (float64, one eigendecomposition), eigenvalues floored."""
     vals, vecs = torch.linalg.eigh(m)
-    floor = vals.amax(-1, keepdim=True).clamp_min(1e-300) * WHITENING_EIGEN_FLOOR
-    return (vecs * vals.clamp_min(floor).pow(power).unsqueeze(-2)) @ vecs.transpose(-1, -2)
+    vals = vals.clamp_min(vals.amax(-1, keepdim=True).clamp_min(1e-300) * WHITENING_EIGEN_FLOOR)
+    return tuple((vecs * vals.pow(p).unsqueeze(-2)) @ vecs.transpose(-1, -2) for p in powers)
 
 
 def whitened_key_transform(key_covariance: torch.Tensor, query_moment: torch.Tensor, signs: torch.Tensor
                            ) -> torch.Tensor:
     """T = Ck^-1/2 (Ck^1/2 Cq Ck^1/2)^1/4 diag(signs) H per KV head ([Hkv, D, D] float64 inputs:
     Ck the centred covariance of K as the layer produces it (after norm and RoPE), Cq the second
-    moment of the group's queries; signs [Hkv, D] of +-1). With M = Ck^1/2 Cq Ck^1/2 the stored keys
-    K T then have covariance T^T Ck T = M^1/2 and the queries q T^-T second moment T^-1 Cq T^-T =
-    M^1/2 too (diag(signs) H is orthogonal): equal energy per stored channel on both sides, spread
-    over all channels by the random-sign Hadamard. Returns [Hkv, D, D] float32."""
+    moment of the group's queries; signs [Hkv, D] of +-1). With M = Ck^1/2 Cq Ck^1/2 and R =
+    diag(signs) H (orthogonal), the stored keys K T then have covariance T^T Ck T = R^T M^1/2 R and
+    the queries q T^-T second moment T^-1 Cq T^-T = R^T M^1/2 R too: equal energy per stored channel
+    on both sides, spread over all channels by R. Returns [Hkv, D, D] float32."""
     if key_covariance.shape != query_moment.shape or key_covariance.dim() != 3:
         raise ValueError(f"whitened_key_transform: [Hkv, D, D] covariances expected, got "
                          f"{tuple(key_covariance.shape)} and {tuple(query_moment.shape)}")
     ck, cq = key_covariance.double(), query_moment.double()
-    ck_half = _symmetric_power(ck, 0.5)
-    ck_inv_half = _symmetric_power(ck, -0.5)
+    ck_half, ck_inv_half = _symmetric_powers(ck, 0.5, -0.5)
     m = ck_half @ cq @ ck_half
     spread = signs.double().unsqueeze(-1) * hadamard_matrix(ck.shape[-1], torch.float64)
-    t = ck_inv_half @ _symmetric_power((m + m.transpose(-1, -2)) / 2, 0.25) @ spread
+    (m_quarter,) = _symmetric_powers((m + m.transpose(-1, -2)) / 2, 0.25)
+    t = ck_inv_half @ m_quarter @ spread
     if not torch.isfinite(t).all():
         raise ValueError("whitened_key_transform: the calibration statistics give a non-finite transform")
     return t.float()

@@ -40,7 +40,7 @@ import torch
 
 from qsaserve.errors import InvalidRequestError
 from qsaserve.quant.fp8 import FP8_E4M3, is_fp8
-from qsaserve.quant.kv_rotation import KV_ROTATIONS, hadamard_matrix, query_transform
+from qsaserve.quant.kv_rotation import KEY_TRANSFORM_MAX_CONDITION, KV_ROTATIONS, hadamard_matrix, query_transform
 
 logger = logging.getLogger("qsaserve")
 
@@ -49,7 +49,6 @@ FILE_FORMAT = "qsaserve-kv-scales"
 # sidecar (kv_rotation "whitened"). All still load.
 FILE_VERSION = 5
 READABLE_VERSIONS = (1, 2, 3, 4, 5)
-KEY_TRANSFORM_MAX_CONDITION = 1e6  # a key transform this ill-conditioned would amplify q's rounding
 HIGH_PRECISION = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_CACHE_DTYPES = ("auto", *HIGH_PRECISION, "fp8_e4m3")
 
@@ -144,7 +143,13 @@ def read_scales_file(path: str, identity: str) -> ScaleSet:
         raise InvalidRequestError("kv_scales", f"{path}: kv_rotation must be one of {', '.join(KV_ROTATIONS)}, got {rotation!r}")
     out = ScaleSet(source=f"overlay {path}", rotation=rotation)
     if rotation == "whitened":
+        if doc["version"] < 5:
+            raise InvalidRequestError("kv_scales", f"{path}: kv_rotation whitened needs a version-5 file (key transforms), "
+                                      f"this one is version {doc['version']}")
         out.k_transform = _read_key_transforms(path, doc.get("key_transforms"))
+    elif doc.get("key_transforms") is not None:
+        raise InvalidRequestError("kv_scales", f"{path} has key_transforms but kv_rotation {rotation!r}; they belong to "
+                                  "kv_rotation whitened")
     for key, entry in layers.items():
         if not str(key).isdigit() or not isinstance(entry, dict):
             raise InvalidRequestError("kv_scales", f"{path}: bad layer entry {key!r}")
@@ -185,6 +190,9 @@ def _read_key_transforms(path: str, entry) -> dict[int, torch.Tensor]:
     """The sidecar's [Hkv, D, D] key transforms by layer, checked against the hash the file records."""
     if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or not isinstance(entry.get("sha256"), str):
         raise InvalidRequestError("kv_scales", f"{path}: kv_rotation whitened needs 'key_transforms': {{file, sha256}}")
+    if os.path.basename(entry["file"]) != entry["file"] or entry["file"] in ("", ".", ".."):
+        raise InvalidRequestError("kv_scales", f"{path}: key_transforms file must be a name beside the JSON, got "
+                                  f"{entry['file']!r}")
     sidecar = os.path.join(os.path.dirname(os.path.abspath(path)), entry["file"])
     try:
         digest = _sha256(sidecar)
@@ -413,15 +421,15 @@ def resolve_kv_cache(config, identity: str, layer_ids: list[int], checkpoint_sca
                         else None, layer_ids=list(layer_ids), rotation=rotation, k_transforms=k_transforms)
 
 
-def _rank_heads(offset: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
+def _rank_heads(per_head: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
     """This TP rank's KV heads of a whole-model [Hkv, ...] offset or key transform (the same split as
     the k_proj shards)."""
     if tp_size == 1:
-        return offset
+        return per_head
     from qsaserve.parallel.tp import kv_head_range
 
-    a, b = kv_head_range(offset.shape[0], tp_size, tp_rank)
-    return offset[a:b].contiguous()
+    a, b = kv_head_range(per_head.shape[0], tp_size, tp_rank)
+    return per_head[a:b].contiguous()
 
 
 def _describe(missing: list[tuple[int, str]]) -> str:
