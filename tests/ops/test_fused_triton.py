@@ -296,19 +296,12 @@ def test_rope_on_gpu(dtype):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_head_rotate_qk_on_gpu(dtype):
-    check_head_rotate_qk("cuda", dtype)
-    check_head_rotate_qk("cuda", dtype, tokens=33, hq=32, hk=8, head_dim=64)  # llama-1b
-    check_head_rotate_qk("cuda", dtype, tokens=5, hq=32, hk=8, head_dim=128)  # llama-8b
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_head_transform_qk_on_gpu(dtype):
-    check_head_transform_qk("cuda", dtype)
-    check_head_transform_qk("cuda", dtype, tokens=33, hq=32, hk=8, head_dim=64)  # llama-1b
-    check_head_transform_qk("cuda", dtype, tokens=5, hq=32, hk=8, head_dim=128)  # llama-8b
-    check_head_transform_qk("cuda", dtype, tokens=1, hq=9, hk=3, head_dim=64)  # SmolLM2, decode
+@pytest.mark.parametrize("check", [check_head_rotate_qk, check_head_transform_qk], ids=["rotate", "per_head_transform"])
+def test_head_rotate_and_transform_qk_on_gpu(check, dtype):
+    check("cuda", dtype)
+    check("cuda", dtype, tokens=33, hq=32, hk=8, head_dim=64)  # llama-1b
+    check("cuda", dtype, tokens=5, hq=32, hk=8, head_dim=128)  # llama-8b
+    check("cuda", dtype, tokens=1, hq=9, hk=3, head_dim=64)  # SmolLM2, decode
 
 
 @pytest.mark.gpu
