@@ -489,9 +489,12 @@ class MultiprocExecutor(Rank0Views):
                 pass
         if self._steps is not None:
             self._steps.close()
-        _stop(self.workers, _TEARDOWN_TIMEOUT_S)
         self.runner.bind_kv_cache([])
+        # The workers destroy their process group as they leave their loop; rank 0 does it now, with
+        # them, not after they have exited: a communicator torn down with its peers gone may hang
+        # (bounded here) and leave NCCL state in this process that outlives the engine.
         _destroy_bounded()
+        _stop(self.workers, _TEARDOWN_TIMEOUT_S)
         atexit.unregister(self.shutdown)
 
 
