@@ -15,7 +15,9 @@ near-tie). With --identity-dtype float32, DCP1 and DCP D also run the prompt set
 Every configuration runs in a fresh process (this script re-invoked with --one): a second engine
 built in the same process measured ~0.2 ms/step slower at 8K than the first, on rank 0 only, and
 whichever configuration ran second took that penalty
-(`dcp_order_diag_qwen4exp_small_1kv_h200x2_2026-11-30_8368588.json`).
+(`dcp_order_diag_qwen4exp_small_1kv_h200x2_2026-11-30_8368588.json`; the likely cause, a process-group
+teardown that hung while CUDA graphs were alive, is addressed in ModelRunner.free_graphs and
+measured by bench_engine_restart.py).
 Prints one JSON document (and writes it to --out).
 
   python benchmarks/bench_dcp.py --preset qwen4exp-small-1kv --tp 2 --dcp 2 --contexts 8192,131072

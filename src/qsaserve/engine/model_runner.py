@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 
 import numpy as np
@@ -114,6 +115,20 @@ class ModelRunner:
         if not self.config.cuda_graph_capture_sizes:
             return "no capture size <= max_num_seqs"
         return None
+
+    def free_graphs(self) -> None:
+        """Destroys the captured decode graphs now (before the process group, at shutdown). NCCL
+        does not destroy a communicator while a CUDA graph that captured one of its collectives is
+        alive: it waits for the graph's release, so with the graphs still held the teardown hung
+        (abandoned after 10 s on both ranks of 2 H200s), and its wait stayed behind in the process
+        (`bench_engine_restart.py`, engine_restart_qwen4exp_small_1kv_h200x2_2026-11-30_773256d.json)."""
+        if self.graphs is None:
+            return
+        self.graphs = None
+        gc.collect()  # the graph objects may sit in reference cycles
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def drop_graphs(self, reason: str) -> None:
         """Serve every step eagerly from now on (e.g. another tensor-parallel rank has no graphs:

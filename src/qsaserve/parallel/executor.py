@@ -227,6 +227,7 @@ def worker_main(spec: WorkerSpec, error_fd: int) -> None:
         while True:
             step = steps.recv()
             if step is None:
+                runner.free_graphs()  # before the process group (ModelRunner.free_graphs)
                 break
             if isinstance(step, ProfileCommand):
                 profiler.handle(step)
@@ -490,6 +491,7 @@ class MultiprocExecutor(Rank0Views):
         if self._steps is not None:
             self._steps.close()
         self.runner.bind_kv_cache([])
+        self.runner.free_graphs()  # NCCL waits for graphs holding its collectives before a destroy
         # The workers destroy their process group as they leave their loop; rank 0 does it now, with
         # them, not after they have exited: a communicator torn down with its peers gone may hang
         # (bounded here) and leave NCCL state in this process that outlives the engine.
