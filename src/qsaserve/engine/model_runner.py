@@ -122,10 +122,8 @@ class ModelRunner:
         alive: it waits for the graph's release, so with the graphs still held the teardown hung
         (abandoned after 10 s on both ranks of 2 H200s), and its wait stayed behind in the process
         (`bench_engine_restart.py`, engine_restart_qwen4exp_small_1kv_h200x2_2026-11-30_773256d.json)."""
-        if self.graphs is None:
-            return
         self.graphs = None
-        gc.collect()  # the graph objects may sit in reference cycles
+        gc.collect()  # graphs dropped earlier (bind_kv_cache) may still sit in reference cycles
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()

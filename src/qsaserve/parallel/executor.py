@@ -490,8 +490,8 @@ class MultiprocExecutor(Rank0Views):
                 pass
         if self._steps is not None:
             self._steps.close()
-        self.runner.bind_kv_cache([])
         self.runner.free_graphs()  # NCCL waits for graphs holding its collectives before a destroy
+        self.runner.bind_kv_cache([])
         # The workers destroy their process group as they leave their loop; rank 0 does it now, with
         # them, not after they have exited: a communicator torn down with its peers gone may hang
         # (bounded here) and leave NCCL state in this process that outlives the engine.
