@@ -30,7 +30,7 @@ from qsaserve.models.qwen4exp_blocks import (
     moe_route,
     rms_norm,
     qsa_attention_output,
-    qsa_attention_qkv,
+    qsa_norm_rope_qk,
     sparse_moe_block,
 )
 from qsaserve.models.qwen4exp_ple import PLEHashParams, ple_embed, ple_initial_context, ple_layer_forward
@@ -464,11 +464,12 @@ class Qwen4ExpForCausalLM(nn.Module):
         if step.rope is None:  # the same tables for every QSA layer of the step
             step.rope = rope_cos_sin(positions, self.inv_freq, x.dtype)
         cos, sin = step.rope
-        if not use_fused(x):
-            q, gate, k, v = qsa_attention_qkv(
-                x, w["q_proj.weight"], w["k_proj.weight"], w["v_proj.weight"], w["q_norm.weight"],
-                w["k_norm.weight"], c.head_dim, cos, sin, c.rms_norm_eps,
-            )
+        if not use_fused(x):  # qsa_attention_qkv, with this rank's q_proj layout (_query_gate_rows)
+            t, d = x.shape[0], c.head_dim
+            q, gate = self._split_query_gate(F.linear(x, w["q_proj.weight"]))
+            k = F.linear(x, w["k_proj.weight"]).view(t, -1, d)
+            v = F.linear(x, w["v_proj.weight"]).view(t, -1, d)
+            q, k = qsa_norm_rope_qk(q, k, w["q_norm.weight"], w["k_norm.weight"], cos, sin, c.rms_norm_eps)
             iq, raw = indexer_project(x, w["indexer.index_qk_proj.weight"], w["indexer.q_layernorm.weight"],
                                       c.indexer_n_heads, c.indexer_head_dim, cos, sin, c.rms_norm_eps)
             return w, q, gate, k, v, iq, raw
@@ -477,9 +478,8 @@ class Qwen4ExpForCausalLM(nn.Module):
         t, d, hi, di = x.shape[0], c.head_dim, c.indexer_n_heads, c.indexer_head_dim
         fused, rows = self.fused_inputs[i]  # q_proj | k_proj | v_proj | index_qk_proj: one GEMM
         qg, k, v, qk = torch.split(F.linear(x, fused), rows, dim=-1)
-        qg = qg.view(t, -1, 2 * d)
-        gate = qg[..., d:].reshape(t, -1)
-        q = triton_fused.norm_rope_heads(qg[..., :d], w["q_norm.weight"], cos, sin, c.rms_norm_eps)
+        q, gate = self._split_query_gate(qg)
+        q = triton_fused.norm_rope_heads(q, w["q_norm.weight"], cos, sin, c.rms_norm_eps)
         k = triton_fused.norm_rope_heads(k.view(t, -1, d), w["k_norm.weight"], cos, sin, c.rms_norm_eps)
         v = v.view(t, -1, d)
         iq = triton_fused.norm_rope_heads(qk[:, :hi * di].view(t, hi, di), w["indexer.q_layernorm.weight"], cos, sin,
@@ -504,7 +504,6 @@ class Qwen4ExpForCausalLM(nn.Module):
         w, q, gate, k, v, iq, raw = self._qsa_inputs(i, x, positions, step)
         if cache.observer is not None:
             cache.observer(k, v, q)
-        gate = self._own_gate(gate)  # q already holds the DCP group's heads (_query_head_range)
         if dcp.enabled:
             plan = meta.dcp
             _write_kv(cache, k[plan.write_rows], v[plan.write_rows], plan.write_slots)
@@ -559,7 +558,6 @@ class Qwen4ExpForCausalLM(nn.Module):
         if cache.observer is not None:
             cache.observer(k, v, q)
         _write_kv(cache, k, v, step.kv_slots)
-        gate = self._own_gate(gate)  # q already holds the DCP group's heads (_query_head_range)
         # The raw key joins its sequence's open group in the state slot (padding rows: the scratch slot).
         r, tables, pos = c.indexer_compress_ratio, meta.block_tables, step.query_pos
         pool = pool_completed_groups_triton if use_fused(raw) and not r & (r - 1) else pool_completed_groups
@@ -608,8 +606,7 @@ class Qwen4ExpForCausalLM(nn.Module):
         d = c.head_dim
         qa, qb = even_range(c.num_attention_heads, n, r)
         if sub in ("self_attn.q_proj.weight", "self_attn.q_proj.bias"):
-            ga, gb = self._query_head_range()
-            return take(t, 0, [(ga * 2 * d, gb * 2 * d)])  # per head: D query rows then D gate rows
+            return take(t, 0, self._query_gate_rows())
         if sub.startswith(("self_attn.k_proj.", "self_attn.v_proj.")):
             ka, kb = kv_head_range(c.num_key_value_heads, n, r)
             return take(t, 0, [(ka * d, kb * d)])
@@ -650,12 +647,28 @@ class Qwen4ExpForCausalLM(nn.Module):
         first = ctx.tp_rank - ctx.dcp.rank
         return even_range(h, ctx.tp_size, first)[0], even_range(h, ctx.tp_size, first + ctx.dcp.size - 1)[1]
 
-    def _own_gate(self, gate: torch.Tensor) -> torch.Tensor:
-        """[T, group heads * D] output gate -> this rank's heads (the DCP merge returns those)."""
+    def _query_gate_rows(self) -> list[tuple[int, int]]:
+        """The rows of q_proj this rank holds. The checkpoint interleaves, per head, D query rows and
+        D gate rows. Outside DCP: this rank's heads, interleaved as they are. Under DCP: the query
+        rows of every head of the DCP group (each rank attends with all of them, _query_head_range),
+        then the gate rows of this rank's own heads only: the gate is applied after the merge, to
+        the heads the merge returns, so the group's other gates would be projected for nothing."""
+        d, ctx = self.cfg.head_dim, self.ctx
+        ga, gb = self._query_head_range()
+        if not ctx.dcp.enabled:
+            return [(ga * 2 * d, gb * 2 * d)]
+        oa, ob = even_range(self.cfg.num_attention_heads, ctx.tp_size, ctx.tp_rank)
+        return [(h * 2 * d, h * 2 * d + d) for h in range(ga, gb)] + [(h * 2 * d + d, (h + 1) * 2 * d) for h in range(oa, ob)]
+
+    def _split_query_gate(self, qg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's q_proj output [T, rows] (_query_gate_rows) -> q [T, heads, D] (views) and the
+        output gate [T, own heads * D]."""
+        t, d = qg.shape[0], self.cfg.head_dim
         if not self.ctx.dcp.enabled:
-            return gate
-        width = gate.shape[1] // self.ctx.dcp.size
-        return gate[:, self.ctx.dcp.rank * width:(self.ctx.dcp.rank + 1) * width]
+            qg = qg.view(t, -1, 2 * d)
+            return qg[..., :d], qg[..., d:].reshape(t, -1)
+        ga, gb = self._query_head_range()
+        return qg[:, :(gb - ga) * d].view(t, gb - ga, d), qg[:, (gb - ga) * d:]
 
     def _tp_shard_expert(self, proj: str, t: torch.Tensor) -> torch.Tensor:
         """One expert's gate_proj / up_proj [I, H] or down_proj [H, I] -> this rank's I slice."""

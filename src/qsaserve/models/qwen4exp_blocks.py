@@ -51,6 +51,7 @@ __all__ = [
     "dense_mlp",
     "sparse_moe_block",
     "qsa_attention_qkv",
+    "qsa_norm_rope_qk",
     "qsa_attention_output",
     "qsa_attention_forward",
     "gdn_layer_forward",
@@ -224,10 +225,18 @@ def qsa_attention_qkv(
     q, gate = qg[..., :head_dim], qg[..., head_dim:].reshape(T, -1)
     k = F.linear(hidden, k_proj_weight).view(T, -1, head_dim)
     v = F.linear(hidden, v_proj_weight).view(T, -1, head_dim)
+    q, k = qsa_norm_rope_qk(q, k, q_norm_weight, k_norm_weight, cos, sin, eps)
+    return q, gate, k, v
+
+
+def qsa_norm_rope_qk(q: torch.Tensor, k: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-head 1-centred RMSNorm and partial RoPE of qsa_attention_qkv, on q [T, Hq, D] and
+    k [T, Hkv, D] already projected."""
     q = rms_norm(q, q_norm_weight, eps)
     k = rms_norm(k, k_norm_weight, eps)
     c, s = cos[:, None, :], sin[:, None, :]
-    return apply_partial_rope(q, c, s), gate, apply_partial_rope(k, c, s), v
+    return apply_partial_rope(q, c, s), apply_partial_rope(k, c, s)
 
 
 def qsa_attention_output(attn: torch.Tensor, gate: torch.Tensor, o_proj_weight: torch.Tensor) -> torch.Tensor:
