@@ -640,9 +640,9 @@ class Qwen4ExpForCausalLM(nn.Module):
     def _query_head_range(self) -> tuple[int, int]:
         """Query heads this rank projects. Under DCP every rank of a DCP group attends with all of
         the group's query heads over its own token shard of their KV head, so each rank computes
-        the whole group's queries itself (the group's q_proj rows: D x the rows, one small GEMM)
-        instead of all-gathering them every layer and step; the group is D consecutive TP ranks.
-        Outside DCP: this rank's heads."""
+        the whole group's queries itself (the group's query rows of q_proj, _query_gate_rows: a
+        wider GEMM) instead of all-gathering them every layer and step; the group is D consecutive
+        TP ranks. Outside DCP: this rank's heads."""
         ctx, h = self.ctx, self.cfg.num_attention_heads
         first = ctx.tp_rank - ctx.dcp.rank
         return even_range(h, ctx.tp_size, first)[0], even_range(h, ctx.tp_size, first + ctx.dcp.size - 1)[1]
