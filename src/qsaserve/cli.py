@@ -42,7 +42,10 @@ _HELP = {
 }
 
 
-def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True, help_overrides: dict | None = None) -> None:
+    """One flag per EngineConfig field. help_overrides: field -> help text for commands whose default
+    differs (e.g. calibrate's --kv-rotation)."""
+    helps = {**_HELP, **(help_overrides or {})}
     group = parser.add_argument_group("engine")
     for f in fields(EngineConfig):
         if f.name == "model" and not with_model:
@@ -50,10 +53,10 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True) ->
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not MISSING else None
         if "bool" in str(f.type):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP[f.name])
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=helps[f.name])
         else:
             kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
-            group.add_argument(flag, type=kind, default=default, help=f"{_HELP[f.name]} (default: {default})")
+            group.add_argument(flag, type=kind, default=default, help=f"{helps[f.name]} (default: {default})")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -142,6 +142,7 @@ def test_drop_graphs_logs_and_keeps_reason(caplog):
     from qsaserve.engine.model_runner import ModelRunner
 
     runner = SimpleNamespace(graphs=object(), graphs_off_reason=None, device=torch.device("cpu"))
+    runner.free_graphs = lambda: ModelRunner.free_graphs(runner)  # drop_graphs frees them through it
     with caplog.at_level("WARNING", logger="qsaserve"):
         ModelRunner.drop_graphs(runner, "a peer rank has none")
     assert runner.graphs is None and runner.graphs_off_reason == "a peer rank has none"

@@ -132,10 +132,8 @@ class ModelRunner:
         """Serve every step eagerly from now on (e.g. another tensor-parallel rank has no graphs:
         a replay and an eager step issue differently shaped collectives, so all ranks must agree)."""
         logger.warning("CUDA graphs off: %s", reason)
-        self.graphs = None
         self.graphs_off_reason = reason
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # give the graphs' pool back
+        self.free_graphs()  # give the graphs' pool back
 
     def kv_cache_budget_bytes(self) -> int:
         """Bytes the KV cache may take: the explicit budget, else the GPU's free share after a

@@ -52,7 +52,7 @@ import torch
 from qsaserve.errors import InvalidRequestError
 from qsaserve.quant.dataset import TextSet, token_windows
 from qsaserve.quant.fp8 import FP8_E4M3_MAX, dequantize_fp8, quantize_fp8
-from qsaserve.quant.kv_rotation import KEY_TRANSFORM_MAX_CONDITION, whitened_key_transform
+from qsaserve.quant.kv_rotation import KEY_TRANSFORM_MAX_CONDITION, key_transform_condition, whitened_key_transform
 from qsaserve.quant.kv_scales import attention_layer_ids, write_scales_file
 
 logger = logging.getLogger("qsaserve")
@@ -240,10 +240,6 @@ def calibrate(llm, dataset: TextSet, output: str, *, num_tokens: int = DEFAULT_N
                              progress=progress)
 
 
-def runner_rotation(llm) -> str:
-    return llm.engine.executor.runner.kv_quant.rotation
-
-
 def measure_key_transforms(llm, windows: list[list[int]], progress: bool = False) -> dict[int, torch.Tensor]:
     """The whitened key transform of every attention layer ([Hkv, D, D] float32 by layer number),
     from the K and q moments over `windows`; from here on the engine's layers apply them, so the
@@ -271,7 +267,7 @@ def measure_key_transforms(llm, windows: list[list[int]], progress: bool = False
             transforms[i] = whitened_key_transform(obs.key_covariance().cpu(), obs.query_moment().cpu(), signs)
         except ValueError as e:
             raise InvalidRequestError("dataset", f"layer {i}: {e} (more or more varied calibration text?)") from None
-        cond = torch.linalg.cond(transforms[i].double()).max().item()
+        cond = key_transform_condition(transforms[i])
         if not cond < KEY_TRANSFORM_MAX_CONDITION:
             raise InvalidRequestError("dataset", f"layer {i}: the whitened key transform has condition number {cond:.3g} "
                                       f"(at most {KEY_TRANSFORM_MAX_CONDITION:g} loads); K or q barely varies in some "
@@ -293,7 +289,8 @@ def calibrate_windows(llm, windows: list[list[int]], output: str, dataset_descri
         raise InvalidRequestError("kv_cache_dtype", "calibrate needs a high-precision KV cache (see calibration_config)")
     if not windows:
         raise InvalidRequestError("dataset", "yields no tokens")
-    key_transforms = measure_key_transforms(llm, windows, progress) if runner_rotation(llm) == "whitened" else None
+    rotation = engine.executor.runner.kv_quant.rotation
+    key_transforms = measure_key_transforms(llm, windows, progress) if rotation == "whitened" else None
     observers = observe(llm, windows, progress)
     sinks = observe(llm, [w[:1] for w in windows]) if align_sink else {}  # position-0 keys only
     # V offsets are folded into the model's projection biases (models/llama.py fold_v_offsets)
@@ -331,7 +328,7 @@ def calibrate_windows(llm, windows: list[list[int]], output: str, dataset_descri
     meta = {
         "kv_cache_dtype": "fp8_e4m3",
         # K and V were observed after this head rotation; loading requires the same (quant/kv_rotation.py)
-        "kv_rotation": engine.executor.runner.kv_quant.rotation,
+        "kv_rotation": rotation,
         "scale_rule": f"scale = absmax * margin / {FP8_E4M3_MAX:g} (per layer, per tensor; for K the absmax of "
                       "K - k_mean, K after norm and RoPE" + (", times 17/16: aligning the offset to k_sink moves "
                       "|K - k_offset| by at most 1/16" if align_sink else "") + ")",

@@ -39,11 +39,9 @@ def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"headroom over the observed absmax (default: {DEFAULT_MARGIN})")
     p.add_argument("--no-sink-align", dest="align_sink", action="store_false",
                    help="keep the K offset at the plain per-channel mean instead of aligning it to the first-token key")
-    add_engine_args(p)
-    for action in p._actions:  # calibrate chooses its own default rotation (default_kv_rotation)
-        if action.dest == "kv_rotation":
-            action.help = ("none, hadamard or whitened: the head transform to calibrate in (default: whitened for "
-                           "Llama-family models with a power-of-two head_dim, else none)")
+    add_engine_args(p, help_overrides={  # calibrate chooses its own default rotation (default_kv_rotation)
+        "kv_rotation": "none, hadamard or whitened: the head transform to calibrate in (None: whitened for "
+                       "Llama-family models with a power-of-two head_dim, else none)"})
     p.set_defaults(func=cmd_calibrate)
     return p
 

@@ -120,6 +120,12 @@ def whitened_key_transform(key_covariance: torch.Tensor, query_moment: torch.Ten
     return t.float()
 
 
+def key_transform_condition(key_transform: torch.Tensor) -> float:
+    """The largest condition number among a layer's [Hkv, D, D] key transforms (float64). Those at
+    KEY_TRANSFORM_MAX_CONDITION or beyond are refused, when calibrated and when loaded."""
+    return torch.linalg.cond(key_transform.double()).max().item()
+
+
 def query_transform(key_transform: torch.Tensor) -> torch.Tensor:
     """T^-T of each [D, D] key transform (inverted in float64): q T^-T . k T = q . k."""
     return torch.linalg.inv(key_transform.double()).transpose(-1, -2).contiguous().float()

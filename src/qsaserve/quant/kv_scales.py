@@ -40,7 +40,8 @@ import torch
 
 from qsaserve.errors import InvalidRequestError
 from qsaserve.quant.fp8 import FP8_E4M3, is_fp8
-from qsaserve.quant.kv_rotation import KEY_TRANSFORM_MAX_CONDITION, KV_ROTATIONS, hadamard_matrix, query_transform
+from qsaserve.quant.kv_rotation import (KEY_TRANSFORM_MAX_CONDITION, KV_ROTATIONS, hadamard_matrix,
+                                        key_transform_condition, query_transform)
 
 logger = logging.getLogger("qsaserve")
 
@@ -96,14 +97,15 @@ def write_scales_file(path: str, *, identity: str, layers: dict[int, dict], meta
         **meta,
     }
     if key_transforms:
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         sidecar = key_transforms_path(path)
+        data = save({f"layers.{i}.k_transform": key_transforms[i].float().cpu().contiguous() for i in sorted(key_transforms)})
         tmp = f"{sidecar}.tmp"
-        save_file({f"layers.{i}.k_transform": key_transforms[i].float().cpu().contiguous() for i in sorted(key_transforms)},
-                  tmp)
+        with open(tmp, "wb") as fh:
+            fh.write(data)
         os.replace(tmp, sidecar)
-        doc["key_transforms"] = {"file": os.path.basename(sidecar), "sha256": _sha256(sidecar),
+        doc["key_transforms"] = {"file": os.path.basename(sidecar), "sha256": hashlib.sha256(data).hexdigest(),
                                  "tensors": "layers.<i>.k_transform [num_kv_heads, head_dim, head_dim] float32: the pages "
                                             "hold K T, queries are multiplied by T^-T"}
     doc["layers"] = {str(i): layers[i] for i in sorted(layers)}
@@ -178,14 +180,6 @@ def read_scales_file(path: str, identity: str) -> ScaleSet:
     return out
 
 
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _read_key_transforms(path: str, entry) -> dict[int, torch.Tensor]:
     """The sidecar's [Hkv, D, D] key transforms by layer, checked against the hash the file records."""
     if not isinstance(entry, dict) or not isinstance(entry.get("file"), str) or not isinstance(entry.get("sha256"), str):
@@ -195,16 +189,18 @@ def _read_key_transforms(path: str, entry) -> dict[int, torch.Tensor]:
                                   f"{entry['file']!r}")
     sidecar = os.path.join(os.path.dirname(os.path.abspath(path)), entry["file"])
     try:
-        digest = _sha256(sidecar)
+        with open(sidecar, "rb") as fh:
+            data = fh.read()
     except OSError as e:
         raise InvalidRequestError("kv_scales", f"{path}: cannot read its key transforms {sidecar}: {e.strerror or e}") from None
+    digest = hashlib.sha256(data).hexdigest()
     if digest != entry["sha256"]:
         raise InvalidRequestError("kv_scales", f"{path}: key transforms {sidecar} have SHA-256 {digest[:16]}..., the file "
                                   f"records {entry['sha256'][:16]}... (a sidecar of another calibration)")
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     out = {}
-    for name, t in load_file(sidecar).items():
+    for name, t in load(data).items():
         m = re.fullmatch(r"layers\.(\d+)\.k_transform", name)
         what = f"{sidecar}: {name}"
         if m is None:
@@ -212,9 +208,9 @@ def _read_key_transforms(path: str, entry) -> dict[int, torch.Tensor]:
         if t.dim() != 3 or t.shape[1] != t.shape[2] or t.dtype != torch.float32 or not torch.isfinite(t).all():
             raise InvalidRequestError("kv_scales", f"{what} must be finite float32 [num_kv_heads, head_dim, head_dim], got "
                                       f"{t.dtype} {tuple(t.shape)}")
-        cond = torch.linalg.cond(t.double())
-        if not (cond < KEY_TRANSFORM_MAX_CONDITION).all():
-            raise InvalidRequestError("kv_scales", f"{what} has condition number {cond.max().item():.3g} (at most "
+        cond = key_transform_condition(t)
+        if not cond < KEY_TRANSFORM_MAX_CONDITION:
+            raise InvalidRequestError("kv_scales", f"{what} has condition number {cond:.3g} (at most "
                                       f"{KEY_TRANSFORM_MAX_CONDITION:g} accepted)")
         out[int(m.group(1))] = t
     return out
@@ -296,11 +292,10 @@ class KVCacheQuant:
 
     def rotation_matrix(self, head_dim: int, device=None) -> torch.Tensor | None:
         """V's (and the output's) [D, D] float32 head rotation, the Hadamard for both rotations (None
-        without one); a head_dim it cannot rotate is refused naming kv_rotation."""
+        without one). Whether the model can take one (a power-of-two head_dim among others) is decided
+        before, in models/registry.kv_rotation_unsupported."""
         if self.rotation == "none":
             return None
-        if head_dim & (head_dim - 1):
-            raise InvalidRequestError("kv_rotation", f"{self.rotation} needs a power-of-two head_dim, this model's is {head_dim}")
         return hadamard_matrix(head_dim, torch.float32, device)
 
     def attach(self, caches: list) -> list:
