@@ -16,12 +16,14 @@ import torch.distributed as dist
 
 # ---------------------------------------------------------------------------------------------- CPU
 def _stand_in_runner(has_graphs: bool):
-    """What agree_on_graphs touches of a ModelRunner: its graphs and the real drop_graphs."""
+    """What agree_on_graphs touches of a ModelRunner: its graphs and the real drop_graphs (with the
+    real free_graphs it frees them through)."""
     from qsaserve.engine.model_runner import ModelRunner
 
     runner = SimpleNamespace(graphs=object() if has_graphs else None, device=torch.device("cpu"),
                              graphs_off_reason=None if has_graphs else "capture failed (test)")
     runner.drop_graphs = MethodType(ModelRunner.drop_graphs, runner)
+    runner.free_graphs = MethodType(ModelRunner.free_graphs, runner)
     return runner
 
 
