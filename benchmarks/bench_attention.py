@@ -13,7 +13,7 @@ warps, stages, ctas_per_sm, fp8_dot, fp8_permute_v, splits; the default again wi
 forced splits) and names the fastest (fp8_best); max_abs_diff_vs_default checks each agrees with
 the default's output. `--sections env,fp8` takes well under 3 minutes on an H200.
 
-    python benchmarks/bench_attention.py [--sections env,copy,decode,fp8,sweep,prefill,write] [--out f.json]
+    python benchmarks/bench_attention.py [--sections env,copy,decode,fp8,layout,sweep,prefill,write] [--out f.json]
 """
 from __future__ import annotations
 
@@ -328,6 +328,40 @@ def fp8_table(args):
             "targets": {"fp8_speedup_at_131072": 1.6, "fp8_speedup_at_8192": 1.0}}
 
 
+def layout_table(args):
+    """Page layout and block size at 128K (batch 8): bf16 and FP8 decode with pages stored
+    token-major ([blocks, page, Hkv, D], NHD, the engine's) or head-major within a block ([blocks,
+    Hkv, page, D], HND, a permuted view: the kernels take strides), for block sizes 16 and 64."""
+    b, ctx = 8, 131072
+    ks = torch.tensor(0.05, device="cuda")
+    rows = []
+    for page in (16, 64):
+        meta, nb = make_meta([1] * b, [ctx] * b, page, "cuda", seed=page)
+        q = rand_(torch.empty(b, HQ, D, dtype=DT, device="cuda"))
+        out = torch.empty_like(q)
+        elems = b * ctx * HKV * D * 2
+        row = {"batch": b, "ctx": ctx, "page": page}
+        for layout in ("nhd", "hnd"):
+            shape = (2, nb, page, HKV, D) if layout == "nhd" else (2, nb, HKV, page, D)
+            base = rand_(torch.empty(shape, dtype=DT, device="cuda"))
+            cache = base if layout == "nhd" else base.permute(0, 1, 3, 2, 4)
+            row[f"{layout}_bf16_us"] = do_bench_s(lambda: tp.paged_attention(q, cache, meta, D**-0.5, out=out)) * 1e6
+            cache8 = (base / 0.05).to(torch.float8_e4m3fn)
+            del base, cache
+            cache8 = cache8 if layout == "nhd" else cache8.permute(0, 1, 3, 2, 4)
+            row[f"{layout}_fp8_us"] = do_bench_s(
+                lambda: tp.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=ks)) * 1e6
+            del cache8
+            torch.cuda.empty_cache()
+            row[f"{layout}_fp8_tb_s"] = elems / row[f"{layout}_fp8_us"] / 1e6
+            row[f"{layout}_bf16_tb_s"] = elems * 2 / row[f"{layout}_bf16_us"] / 1e6
+        row["fp8_speedup_nhd"] = row["nhd_bf16_us"] / row["nhd_fp8_us"]
+        row["fp8_hnd_vs_nhd_bf16"] = row["nhd_bf16_us"] / row["hnd_fp8_us"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def prefill_flops(q_lens, s_lens):
     pairs = sum(sum(s - q + j + 1 for j in range(q)) for q, s in zip(q_lens, s_lens))
     return 4 * HQ * D * pairs
@@ -432,6 +466,8 @@ def main():
     if "fp8" in secs:
         res["fp8_decode"] = fp8_table(args)
         print(json.dumps(res["fp8_decode"]["capacity"]), flush=True)
+    if "layout" in secs:
+        res["layout"] = layout_table(args)
     if "diag" in secs:
         res["decode_diag"] = decode_diag(args)
     if "prefill" in secs:
