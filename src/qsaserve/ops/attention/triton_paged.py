@@ -202,12 +202,11 @@ def _permute_cols(x, ROWS: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
             do_not_specialize_on_alignment=[
                 "bt_ptr", "seq_lens_ptr", "key_lens_ptr", "cu_q_ptr", "seq_ids_ptr", "k_scale_ptr", "v_scale_ptr"])
 def _decode_kernel(
-    q_ptr, cache_ptr, v_ptr, bt_ptr, seq_lens_ptr, key_lens_ptr, cu_q_ptr, seq_ids_ptr, k_scale_ptr, v_scale_ptr,
+    q_ptr, cache_ptr, bt_ptr, seq_lens_ptr, key_lens_ptr, cu_q_ptr, seq_ids_ptr, k_scale_ptr, v_scale_ptr,
     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr,
     qk_scale, chunk, dcp_rank, qlen_max,
     stride_qt, stride_qh,
-    stride_cb, stride_ct, stride_ch,
-    stride_vb, stride_vt, stride_vh, stride_vd,
+    stride_c2, stride_cb, stride_ct, stride_ch,
     stride_bt, stride_ot, stride_oh, stride_et, stride_eh,
     stride_pr, stride_ph, stride_ps, stride_lr, stride_lh,
     G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -259,16 +258,14 @@ def _decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     k_base = cache_ptr + kvh * stride_ch + d[None, :]
-    v_base = v_ptr + kvh * stride_vh + d[None, :] * stride_vd
     for n0 in range(start, end, BLOCK_N):
-        # chunk is a multiple of BLOCK_N: tells the compiler pos % PAGE runs contiguously
-        pos = tl.multiple_of(n0, BLOCK_N) + offs_n
+        pos = n0 + offs_n
         n_ok = pos < end
         page = tl.load(bt_row + pos // PAGE, mask=n_ok, other=0).to(tl.int64)
         tok = page * stride_cb + (pos % PAGE) * stride_ct
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + tok[:, None], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + (page * stride_vb + (pos % PAGE) * stride_vt)[:, None], mask=kv_mask, other=0.0)
+        v = tl.load(k_base + stride_c2 + tok[:, None], mask=kv_mask, other=0.0)
         if F16_DOT:
             s = tl.dot(q, tl.trans(k.to(tl.float16)))
         else:
@@ -660,15 +657,13 @@ def _dcp_args(shard: ShardKeys | None, seq_lens: torch.Tensor):
 def paged_decode(
     q, kv_cache, block_tables, seq_lens, cu_query_lens, out, scale, *, num_seqs, max_seq_len, qlen_max=1,
     seq_ids=None, config: DecodeConfig | None = None, num_splits: int | None = None,
-    k_scale=None, v_scale=None, lse=None, shard: ShardKeys | None = None, v_cache: torch.Tensor | None = None,
+    k_scale=None, v_scale=None, lse=None, shard: ShardKeys | None = None,
 ) -> torch.Tensor:
     """Decode rows (<= qlen_max query tokens per sequence) into `out` [T, Hq, D].
 
     num_seqs: programs along the batch (len(seq_ids) if given); max_seq_len: a host bound on
     their key counts (context lengths, or shard lengths under `shard`), used only to size the
-    split grid. lse: optional [T, Hq] fp32 output of the base-2 log-sum-exp of the scaled scores.
-    v_cache: V as a [blocks, page, Hkv, D] view with its own strides (default kv_cache[1]); a page
-    stored channel-major ([blocks, Hkv, D, page] memory) lets P @ V read E4M3 V along keys."""
+    split grid. lse: optional [T, Hq] fp32 output of the base-2 log-sum-exp of the scaled scores."""
     _, hq, d = q.shape
     hkv = kv_cache.shape[3]
     fp8 = _check_scales(kv_cache, k_scale, v_scale)
@@ -698,18 +693,17 @@ def paged_decode(
     lse_t, es = (lse, (lse.stride(0), lse.stride(1))) if lse is not None else (out, (0, 0))
     d_pow2 = triton.next_power_of_2(d)
     block_m = decode_block_m(group, qlen_max)
-    v_view = kv_cache[1] if v_cache is None else v_cache
     _decode_kernel[(num_seqs, hkv, num_splits)](
-        q, kv_cache, v_view, block_tables, seq_lens, key_lens, cu_query_lens, ids, ks, vs, out, lse_t, part_o, part_lse,
+        q, kv_cache, block_tables, seq_lens, key_lens, cu_query_lens, ids, ks, vs, out, lse_t, part_o, part_lse,
         scale * _LOG2E, chunk, rank, qlen_max,
         q.stride(0), q.stride(1),
-        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), *v_view.stride(),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         block_tables.stride(0), out.stride(0), out.stride(1), *es, *ps,
         G=group, BLOCK_M=block_m,
         BLOCK_N=cfg.block_n, D=d, D_POW2=d_pow2, PAGE=kv_cache.shape[2],
         HAS_SEQ_IDS=seq_ids is not None, SINGLE_SPLIT=single, IS_FP8=fp8, WRITE_LSE=lse is not None,
         DCP_SIZE=dcp_size, DCP_I=dcp_i, F16_DOT=fp8 and cfg.fp8_dot == "fp16",
-        V_GROUP=_v_group(cfg, block_m, d_pow2) if fp8 and v_view.stride(3) == 1 else 0,
+        V_GROUP=_v_group(cfg, block_m, d_pow2) if fp8 else 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
     if not single:
