@@ -11,12 +11,13 @@ import argparse
 import gc
 import json
 import sys
+import threading
 import time
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from bench_dcp import timed_request  # noqa: E402
+from bench_dcp import profile_at, timed_request  # noqa: E402
 
 from qsaserve import LLM  # noqa: E402
 from qsaserve.bench.common import source_commit  # noqa: E402
@@ -31,6 +32,8 @@ def main() -> int:
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--decode-tokens", type=int, default=64)
     p.add_argument("--async-scheduling", action="store_true")
+    p.add_argument("--profile-steps", type=int, default=0,
+                   help="also a step breakdown per build (wall, executor, rank 0's CUDA kernels); 0: off")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     report = {"benchmark": "engine rebuilt in one process", "commit": source_commit(), "preset": args.preset,
@@ -48,10 +51,15 @@ def main() -> int:
         timed_request(eng, min(512, args.context // 2), 8, vocab, seed=99)  # warm-up
         runs = [timed_request(eng, args.context - args.decode_tokens, args.decode_tokens, vocab, seed=args.context + k)
                 for k in range(2)]
+        prof = profile_at(eng, args.context - 4 * args.profile_steps, args.profile_steps, vocab) if args.profile_steps else None
         t1 = time.perf_counter()
         eng.shutdown()
         row = {"build": n, "startup_s": round(startup, 1), "shutdown_s": round(time.perf_counter() - t1, 2),
-               "decode_step_ms": [round(r["decode_step_ms"], 4) for r in runs]}
+               "decode_step_ms": [round(r["decode_step_ms"], 4) for r in runs],
+               # What the process still runs after the engine is gone (a leftover thread would show here).
+               "threads_after_shutdown": sorted(t.name for t in threading.enumerate())}
+        if prof is not None:
+            row["step_profile"] = prof
         report["builds"].append(row)
         print(json.dumps(row), flush=True)
         del llm, eng

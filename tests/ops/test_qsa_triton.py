@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from qsaserve.ops.dcp_merge.reference import pack_partials as reference_pack_partials
 from qsaserve.ops.qsa_attention import merge_attention_partials, sparse_attention_paged_reference
 from qsaserve.ops.qsa_indexer.paged import decode_index_scores, select_decode_tokens
 from qsaserve.quant.fp8 import FP8_E4M3, quantize_fp8
@@ -113,8 +114,8 @@ def _sparse_case(gen, lengths, hq, hkv, d, page, m, fp8, rows_per_seq=1):
 
 
 def check_sparse(device, dtype, fp8=False, hq=4, hkv=2, d=16, page=8, m=45, lengths=(9, 70, 33), rows_per_seq=2,
-                 splits=None):
-    from qsaserve.ops.qsa_attention.triton_sparse import sparse_attention_paged_triton
+                 splits=None, block_n=None):
+    from qsaserve.ops.qsa_attention.triton_sparse import SparseConfig, sparse_attention_paged_triton
 
     gen = torch.Generator().manual_seed(d + m + int(fp8))
     q, cache, tables, sel, seq_ids, ks, vs = _sparse_case(gen, list(lengths), hq, hkv, d, page, m, fp8, rows_per_seq)
@@ -123,8 +124,9 @@ def check_sparse(device, dtype, fp8=False, hq=4, hkv=2, d=16, page=8, m=45, leng
         cache = cache.to(dtype)
     ref_out, ref_lse = sparse_attention_paged_reference(q, cache, tables, sel, None, seq_ids, ks, vs)
     dev = lambda x: None if x is None else x.to(device)  # noqa: E731
+    cfg = SparseConfig(block_n=block_n, num_warps=4) if block_n else None
     out, lse = sparse_attention_paged_triton(dev(q), dev(cache), dev(tables), dev(sel), None, dev(seq_ids), dev(ks),
-                                             dev(vs), splits=splits)
+                                             dev(vs), splits=splits, config=cfg)
     out, lse = out.cpu(), lse.cpu()
     assert out.dtype == lse.dtype == torch.float32
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
@@ -137,6 +139,13 @@ def check_sparse(device, dtype, fp8=False, hq=4, hkv=2, d=16, page=8, m=45, leng
     else:
         assert _rel(out, ref_out) < 1.5e-2
         assert (lse[fin] - ref_lse[fin]).abs().max() < 0.05
+    # pack=D (DCP's all-to-all merge): the same result, laid out as dcp_merge.pack_partials does,
+    # written by the split merge (or packed after the one-split kernel).
+    for dcp in (2, hq):
+        packed, none = sparse_attention_paged_triton(dev(q), dev(cache), dev(tables), dev(sel), None, dev(seq_ids),
+                                                     dev(ks), dev(vs), splits=splits, config=cfg, pack=dcp)
+        assert none is None and packed.shape == (dcp, q.shape[0], hq // dcp, d + 1)
+        assert torch.equal(packed.cpu(), reference_pack_partials(out, lse, dcp))
     # Partials over two halves of the selection merge to the whole (mergeable LSE).
     half = m // 2
     a = torch.where(torch.arange(m) < half, sel, -1)
@@ -300,6 +309,7 @@ INTERPRETER_CHECKS = [
     ("prefill_scores_no_groups_yet", lambda: check_prefill_scores("cpu", torch.float32, start=0, length=9, block_g=16)),
     ("sparse_fp32", lambda: check_sparse("cpu", torch.float32)),
     ("sparse_fp32_one_split", lambda: check_sparse("cpu", torch.float32, splits=1)),
+    ("sparse_fp32_three_splits", lambda: check_sparse("cpu", torch.float32, splits=3, block_n=16)),
     ("sparse_fp8", lambda: check_sparse("cpu", torch.float32, fp8=True, hq=6, hkv=3)),
     ("sparse_head_dim_256", lambda: check_sparse("cpu", torch.float32, hq=4, hkv=1, d=256, m=20, lengths=(30, 12),
                                                  rows_per_seq=1)),

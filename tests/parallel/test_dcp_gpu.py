@@ -17,13 +17,14 @@ BF16_LOGIT_TOL = 0.25  # |logit| is O(1-10) here; a few bf16 ulps of the hidden 
 BF16_TIE = 0.1
 
 
-def _config(dcp: int):
+def _config(dcp: int, backend: str = "ag_rs"):
     from qsaserve.config import EngineConfig
 
     # PLE on the GPU: host/disk tables are gathered on the host each step (a sync by design).
     return EngineConfig(model="qwen4exp-tiny-1kv", load_format="dummy", device="cuda", dtype="bfloat16",
                         tensor_parallel_size=2, decode_context_parallel_size=dcp, max_model_len=256, block_size=BLOCK,
-                        kv_cache_memory=1 << 26, ple_placement="gpu", enforce_eager=True)
+                        kv_cache_memory=1 << 26, ple_placement="gpu", enforce_eager=True,
+                        dcp_comm_backend=backend)
 
 
 def _batches(engine_block: int):
@@ -43,11 +44,11 @@ def _batches(engine_block: int):
     return prompts, tables, slots, prefill
 
 
-def _rank_main(rank: int, port: int, dcp: int, out: dict) -> None:
+def _rank_main(rank: int, port: int, dcp: int, backend: str, out: dict) -> None:
     from qsaserve.engine.batch import BatchInput
     from qsaserve.parallel.executor import WorkerSpec, build_runner, init_rank
 
-    config = _config(dcp)
+    config = _config(dcp, backend)
     spec = WorkerSpec(config, None, 256, rank, rank, "127.0.0.1", port)
     ctx, device, control = init_rank(spec)
     runner, _, _ = build_runner(spec, ctx, device, control)
@@ -83,7 +84,7 @@ def _rank_main(rank: int, port: int, dcp: int, out: dict) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _spawn(dcp: int) -> dict:
+def _spawn(dcp: int, backend: str = "ag_rs") -> dict:
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -91,14 +92,15 @@ def _spawn(dcp: int) -> dict:
         port = s.getsockname()[1]
     manager = mp.Manager()
     out = manager.dict()
-    mp.spawn(_rank_main, args=(port, dcp, out), nprocs=2, join=True)
+    mp.spawn(_rank_main, args=(port, dcp, backend, out), nprocs=2, join=True)
     return dict(out)
 
 
-def test_dcp2_decode_step_is_sync_free_and_matches_dcp1():
+@pytest.mark.parametrize("backend", ["ag_rs", "a2a"])  # a2a: the sparse kernel writes the packed partials
+def test_dcp2_decode_step_is_sync_free_and_matches_dcp1(backend):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs (NCCL)")
-    dcp2 = _spawn(2)
+    dcp2 = _spawn(2, backend)
     dcp1 = _spawn(1)
     print(json.dumps({k: {r: {"tokens": v["tokens"], "sync_free": v["sync_free"]} for r, v in run.items() if r.startswith("rank")}
                       for k, run in (("dcp2", dcp2), ("dcp1", dcp1))}))

@@ -533,7 +533,8 @@ class Qwen4ExpForCausalLM(nn.Module):
             rows = torch.arange(q.shape[0], dtype=meta.cu_query_lens.dtype, device=q.device)
             seq_ids = torch.searchsorted(meta.cu_query_lens[1:].contiguous(), rows, right=True)
             attn, lse = sparse_attention_paged_triton(q, cache.kv, meta.block_tables, selected, scale, seq_ids,
-                                                      cache.k_scale, cache.v_scale, run=self._run(cache))
+                                                      cache.k_scale, cache.v_scale, run=self._run(cache),
+                                                      pack=ctx.dcp_pack_size)
         else:
             attn = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
             lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
@@ -576,7 +577,8 @@ class Qwen4ExpForCausalLM(nn.Module):
             selected = ctx.dcp.localize(selected)
         if fast:
             attn, lse = sparse_attention_paged_triton(q, cache.kv, tables, selected, c.head_dim**-0.5, None,
-                                                      cache.k_scale, cache.v_scale, run=self._run(cache))
+                                                      cache.k_scale, cache.v_scale, run=self._run(cache),
+                                                      pack=ctx.dcp_pack_size)
         else:
             attn, lse = sparse_attention_paged_reference(q, cache.kv, tables, selected, c.head_dim**-0.5, None,
                                                          cache.k_scale, cache.v_scale)

@@ -57,13 +57,28 @@ class ParallelContext:
             return q
         return _all_gather(q, d, self.dcp_group).transpose(0, 1).flatten(1, 2)
 
-    def dcp_merge(self, out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    @property
+    def dcp_pack_size(self) -> int:
+        """D when dcp_merge takes its partials already packed for the all-to-all (lse None, out
+        [D, T, Hl, Dh + 1] as dcp_merge.pack_partials lays it out), else 0: an attention kernel
+        that can write that layout saves the packing launch."""
+        return self.dcp.size if self.dcp.enabled and self.dcp_backend == "a2a" else 0
+
+    def dcp_merge(self, out: torch.Tensor, lse: torch.Tensor | None) -> torch.Tensor:
         """Partial attention of the group's heads over this rank's tokens (out [T, D*Hl, Dh] fp32,
-        base-2 lse [T, D*Hl], -inf where the rank holds no attended token) -> the exact attention
-        of this rank's own Hl heads over all tokens, [T, Hl, Dh] fp32."""
+        base-2 lse [T, D*Hl], -inf where the rank holds no attended token; or, with lse None, out
+        already packed, see dcp_pack_size) -> the exact attention of this rank's own Hl heads over
+        all tokens, [T, Hl, Dh] fp32."""
         d = self.dcp.size
         if d == 1:
             return out
+        if lse is None:
+            if self.dcp_backend != "a2a" or out.dim() != 4 or out.shape[0] != d:
+                raise ValueError(f"out: packed partials [{d}, T, Hl, Dh + 1] go with the a2a merge only "
+                                 f"(backend {self.dcp_backend!r}, got shape {tuple(out.shape)})")
+            recv = torch.empty_like(out)
+            dist.all_to_all_single(recv, out, group=self.dcp_group)
+            return dcp_merge.merge_packed(recv)
         t, hg, dh = out.shape
         hl = hg // d
         if self.dcp_backend == "a2a":

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from qsaserve.ops import dcp_merge
 from qsaserve.ops.device import num_sms
 
 _LOG2E = 1.4426950408889634
@@ -136,14 +137,17 @@ def _sparse_kernel(
     tl.store(part_lse_ptr + t.to(tl.int64) * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["S", "stride_pt", "stride_ph", "stride_lt", "stride_lh", "stride_st"])
+@triton.jit(do_not_specialize=["S", "stride_pt", "stride_ph", "stride_lt", "stride_lh", "stride_oj", "stride_ot",
+                               "stride_sj", "stride_st"])
 def _merge_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, S,
-    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh, stride_st,
+    part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, S, HL,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_oj, stride_ot, stride_oh, stride_sj, stride_st, stride_sh,
     S_POW2: tl.constexpr, D: tl.constexpr, D_POW2: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
+    hj = h // HL  # the output is [J, T, HL, ...]: head h goes to block h // HL (J = 1 unpacked)
+    hh = h % HL
     s = tl.arange(0, S_POW2)
     s_ok = s < S
     lses = tl.load(part_lse_ptr + t.to(tl.int64) * stride_lt + h * stride_lh + s, mask=s_ok, other=float("-inf"))
@@ -156,8 +160,9 @@ def _merge_kernel(
     o = tl.load(part_o_ptr + t.to(tl.int64) * stride_pt + h * stride_ph + s[:, None] * stride_ps + d[None, :],
                 mask=(s_ok & (w > 0.0))[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + d, out, mask=d_ok)
-    tl.store(lse_ptr + t.to(tl.int64) * stride_st + h, tl.where(total > 0.0, m_safe + tl.log2(total), float("-inf")))
+    tl.store(out_ptr + hj * stride_oj + t.to(tl.int64) * stride_ot + hh * stride_oh + d, out, mask=d_ok)
+    tl.store(lse_ptr + hj * stride_sj + t.to(tl.int64) * stride_st + hh * stride_sh,
+             tl.where(total > 0.0, m_safe + tl.log2(total), float("-inf")))
 
 
 @dataclass(frozen=True)
@@ -212,7 +217,8 @@ def sparse_attention_paged_triton(
     splits: int | None = None,
     run: int = 1,
     config: SparseConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    pack: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q [T, Hq, D]; kv_cache [2, num_blocks, page, Hkv, D] (model dtype or FP8 E4M3 with 0-d fp32
     k_scale / v_scale device tensors); block_tables [B, max_blocks]; token_positions [T, M]
     (positions in the row's sequence, -1 = none); seq_ids [T] (row -> block table row; default
@@ -221,7 +227,11 @@ def sparse_attention_paged_triton(
     run > 1 promises that every `run` aligned columns of token_positions hold positions of one
     aligned group of `run` tokens (or -1), as the QSA selection does with run = r: the kernel then
     reads the block table once per run. With one split the kernel writes out/lse directly (no
-    merge launch)."""
+    merge launch).
+
+    pack = D > 0 (decode context parallelism's all-to-all merge): returns (packed, None) instead,
+    packed [D, T, Hq / D, D_head + 1] as `dcp_merge.pack_partials(out, lse, D)` lays it out (block j
+    holds the heads rank j merges, the lse in the last column), written by the split merge itself."""
     t, hq, d = q.shape
     hkv = kv_cache.shape[3]
     if hq % hkv:
@@ -239,8 +249,10 @@ def sparse_attention_paged_triton(
     m = token_positions.shape[1]
     out = torch.empty((t, hq, d), dtype=torch.float32, device=q.device)
     lse = torch.empty((t, hq), dtype=torch.float32, device=q.device)
+    if pack and hq % pack:
+        raise ValueError(f"pack: {hq} query heads do not split over {pack} ranks")
     if t == 0:
-        return out, lse
+        return (torch.empty((pack, 0, hq // pack, d + 1), dtype=torch.float32, device=q.device), None) if pack else (out, lse)
     if q.stride(-1) != 1:
         q = q.contiguous()
     token_positions = token_positions.contiguous()
@@ -271,14 +283,21 @@ def sparse_attention_paged_triton(
         PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if s == 1:
-        return out, lse
+        return (dcp_merge.pack_partials(out, lse, pack), None) if pack else (out, lse)
+    if pack:
+        packed = torch.empty((pack, t, hq // pack, d + 1), dtype=torch.float32, device=q.device)
+        out, lse = packed, packed[..., d]
+    hl = out.shape[2] if pack else hq
+    oj, sj = (out.stride(0), lse.stride(0)) if pack else (0, 0)
+    ot, oh, st, sh = (out.stride(1), out.stride(2), lse.stride(1), lse.stride(2)) if pack else (
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
     _merge_kernel[(t, hq)](
-        part_o, part_lse, out, lse, s,
+        part_o, part_lse, out, lse, s, hl,
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0),
+        oj, ot, oh, sj, st, sh,
         S_POW2=triton.next_power_of_2(s), D=d, D_POW2=d_pow2, num_warps=4,
     )
-    return out, lse
+    return (packed, None) if pack else (out, lse)
 
 
 __all__ = ["SparseConfig", "default_config", "sparse_attention_paged_triton", "num_splits"]
