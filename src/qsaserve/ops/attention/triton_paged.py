@@ -537,6 +537,11 @@ FP8_DECODE_CANDIDATES = {
     "f16_bn128_s3_r128": DecodeConfig(128, 4, 3, 4, maxnreg=128),
     "f16_bn128_s4_r128": DecodeConfig(128, 4, 4, 4, maxnreg=128),
     "f16_bn64_s3_r128": DecodeConfig(64, 4, 3, 4, maxnreg=128),
+    # Two warps a program: the same warps per SM in more, smaller programs, each with its own load
+    # pipeline (shared memory allows ~5 of the 128-key ones per SM, registers 6).
+    "f16_bn128_s3_w2": DecodeConfig(128, 2, 3, 5),
+    "f16_bn128_s2_w2": DecodeConfig(128, 2, 2, 6),
+    "f16_bn64_s3_w2": DecodeConfig(64, 2, 3, 8),
 }
 # H200, B1 8K causal d128: (128,64,8,3) 323, (128,64,4,3) 359, (128,128,8,3) 364 TF/s; the
 # 4-warp config is within noise of the best with 2/3 of its shared memory.
