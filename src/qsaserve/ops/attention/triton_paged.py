@@ -503,16 +503,18 @@ DECODE_CONFIG = DecodeConfig()
 DECODE_CONFIG_FEW = DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=1)
 FEW_PAIRS = 16
 # FP8 pages, any batch. A tile of E4M3 is half the bytes of bf16, so it takes twice the keys to
-# keep as many bytes in flight. H200, batch 8 x 8 KV heads, d128, do_bench with L2 flushed, six
-# runs at 128K: 128-key tiles, 3 stages, 3 programs per SM read 1.56-1.63x faster than the bf16
-# kernel (32K: 1.47-1.56x); 2 stages / 4 per SM varied more, 1.44-1.67x (32K: 1.35-1.56x);
-# 64-key tiles ~1.37x; the bf16-dot kernel before the fp16 path ~0.8x. Why 3 per SM: ptxas gives
-# the 128-key kernel 153 registers a thread (168 in the DCP partial form; sm_90a, d128, 4 warps,
-# 41 KB of shared memory; tests/ops/test_attention_triton.py test_fp8_decode_programs_per_sm_fit), so
-# 65,536 registers hold 3 programs, and a split plan for 4 left a partial last wave.
-# benchmarks/results/attention_fp8_diag_h200_2026-11-30_{0ce2f75,4c67de0,7ad7c44}.json and
-# attention_h200_2026-11-30_51aa9a9.json, attention_fp8_h200_2026-11-30_3acc8e9.json.
-DECODE_CONFIG_FP8 = DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=3)
+# keep as many bytes in flight: 128-key tiles, 3 stages. Left alone, ptxas gives that kernel 153
+# registers a thread (168 in the DCP partial form), so 3 programs fit per SM and Nsight Compute
+# finds it latency-bound (18% occupancy, 73% of DRAM peak; ncu_fp8_decode_h200_2026-11-30_c550cf3.json).
+# Capped at 128 registers (8 bytes of spill) 4 fit, within the shared memory (41 KB a program;
+# tests/ops/test_attention_triton.py test_fp8_decode_programs_per_sm_fit). H200, batch 8 x 8 KV
+# heads, d128, do_bench with L2 flushed, vs the bf16 kernel at 128K, the cap against the uncapped
+# kernel in the same run: 1.59x vs 1.555x (42e938a), 1.60x vs 1.57x (0e3fa11), and 1.56-1.60x vs
+# 1.54-1.55x (2e6b865, 420488c); 32K 1.55x vs 1.49x. 64-key tiles ~1.35x, two warps a program
+# 0.57-1.47x, 8 warps 0.75x; the bf16-dot kernel before the fp16 path ~0.8x.
+# benchmarks/results/attention_fp8_h200_2026-11-30_{2e6b865,420488c,0e3fa11}.json,
+# attention_layout_h200_2026-11-30_42e938a.json.
+DECODE_CONFIG_FP8 = DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=4, maxnreg=128)
 # Candidates the benchmark times side by side (benchmarks/bench_attention.py, section fp8); the GPU
 # tests run each against the reference. "bf16_dot_bn64" is the kernel before the fp16 path.
 FP8_DECODE_CANDIDATES = {
@@ -520,7 +522,7 @@ FP8_DECODE_CANDIDATES = {
     "f16_bn64_s3": DecodeConfig(64, 4, 3, 4),
     "f16_bn128_s2": DecodeConfig(128, 4, 2, 4),
     "f16_bn128_s2_c3": DecodeConfig(128, 4, 2, 3),
-    "f16_bn128_s3": DECODE_CONFIG_FP8,
+    "f16_bn128_s3": DecodeConfig(128, 4, 3, 3),  # the default before the register cap
     "f16_bn128_s3_c2": DecodeConfig(128, 4, 3, 2),
     "f16_bn128_s4": DecodeConfig(128, 4, 4, 3),
     "f16_bn128_s5": DecodeConfig(128, 4, 5, 3),
@@ -534,7 +536,7 @@ FP8_DECODE_CANDIDATES = {
     # Nsight Compute on the default at 128K (c550cf3): 153 registers a thread hold it to 3 programs
     # per SM (18% occupancy, 0.81 eligible warps per scheduler, 73% of DRAM peak; bf16's kernel:
     # 126 registers, 4 programs, 94%). These cap the registers so 4 programs fit.
-    "f16_bn128_s3_r128": DecodeConfig(128, 4, 3, 4, maxnreg=128),
+    "f16_bn128_s3_r128": DECODE_CONFIG_FP8,
     "f16_bn128_s4_r128": DecodeConfig(128, 4, 4, 4, maxnreg=128),
     "f16_bn64_s3_r128": DecodeConfig(64, 4, 3, 4, maxnreg=128),
     # Two warps a program: the same warps per SM in more, smaller programs, each with its own load
