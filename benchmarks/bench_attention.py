@@ -110,7 +110,7 @@ def decode_case(b, ctx, page, cfg=None, num_splits=None, seed=0):
     out = torch.empty_like(q)
     default = tp.decode_config(b * HKV)
     cfg = cfg or default
-    auto = tp.num_decode_splits(b * HKV, ctx, num_sms(q.device), cfg.block_n, cfg.ctas_per_sm)
+    auto = tp.num_decode_splits(b * HKV, ctx, num_sms(q.device), cfg.block_n, cfg.ctas_per_sm, cfg.min_waves)
     if num_splits is None:
         num_splits = auto
 
@@ -245,7 +245,7 @@ def kv_capacity(budget_gib: float, num_layers: int, page: int) -> dict:
 def fp8_variant_row(name, cfg, q, cache8, meta, out, ks, vs, ctx, elems, bf16_s, ref, num_splits=None):
     """One FP8 decode launch configuration timed through paged_decode (the merge included)."""
     b = q.shape[0]
-    auto = tp.num_decode_splits(b * HKV, ctx, num_sms(q.device), cfg.block_n, cfg.ctas_per_sm)
+    auto = tp.num_decode_splits(b * HKV, ctx, num_sms(q.device), cfg.block_n, cfg.ctas_per_sm, cfg.min_waves)
     splits = num_splits or auto
 
     def run():
@@ -280,7 +280,8 @@ def fp8_table(args):
         del cache
         fp8_cfg = tp.decode_config(b * HKV, fp8=True)
         row["fp8_config"] = dataclasses.asdict(fp8_cfg)
-        row["fp8_splits"] = tp.num_decode_splits(b * HKV, ctx, num_sms(q.device), fp8_cfg.block_n, fp8_cfg.ctas_per_sm)
+        row["fp8_splits"] = tp.num_decode_splits(b * HKV, ctx, num_sms(q.device), fp8_cfg.block_n, fp8_cfg.ctas_per_sm,
+                                                 fp8_cfg.min_waves)
         tp.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=vs)
         ref = out.float().clone()  # the default's output: every variant must agree with it
         t8 = do_bench_s(lambda: tp.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=vs))

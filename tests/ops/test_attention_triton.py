@@ -265,6 +265,11 @@ def test_triton_module_imports_without_cuda():
     assert s * 8 >= 132 * 2 * 0.9
     assert tp.num_decode_splits(pairs=256 * 8, max_len=2048, num_sms=132, block_n=64) == 1
     assert tp.num_decode_splits(pairs=8, max_len=100, num_sms=132, block_n=64) == 1
+    # FP8's plan counts 0.95 of a wave as full: batch 8 x 8 KV heads at 128K, 4 programs per SM,
+    # takes 8 splits (512 programs in 528 slots) where a whole wave would need 15 (1.8 waves).
+    fp8 = tp.DECODE_CONFIG_FP8
+    assert tp.num_decode_splits(64, 131072, 132, fp8.block_n, fp8.ctas_per_sm, fp8.min_waves) == 8
+    assert tp.num_decode_splits(64, 131072, 132, fp8.block_n, fp8.ctas_per_sm) == 15
     plan = tp._make_plan([1, 300, 2, 1], [10, 300, 40, 7], group=4, block_m=128, device=torch.device("cpu"))
     assert plan.num_decode == 3 and plan.qlen_max == 2 and plan.max_decode_len == 40
     assert plan.decode_ids.tolist() == [0, 2, 3]
