@@ -146,7 +146,7 @@ def _merge_kernel(
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
-    hj = h // HL  # the output is [J, T, HL, ...]: head h goes to block h // HL (J = 1 unpacked)
+    hj = (h // HL).to(tl.int64)  # the output is [J, T, HL, ...]: head h goes to block h // HL (J = 1 unpacked)
     hh = h % HL
     s = tl.arange(0, S_POW2)
     s_ok = s < S
