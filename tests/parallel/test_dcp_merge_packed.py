@@ -41,6 +41,8 @@ def _rank_main(rank: int, port: int, result: dict) -> None:
                 assert ctx.dcp_pack_size == 0
                 with pytest.raises(ValueError, match="a2a"):
                     ctx.dcp_merge(reference.pack_partials(out, lse, 2), None)
+        # DCP off: nothing is packed, whatever the backend.
+        assert ParallelContext(tp_size=2, tp_rank=rank, dcp_backend="a2a", tp_group=group).dcp_pack_size == 0
         result[rank] = {k: v.tolist() for k, v in merged.items()}
     finally:
         dist.destroy_process_group()
@@ -50,8 +52,10 @@ def test_packed_partials_merge_like_unpacked():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    result = mp.Manager().dict()
-    mp.spawn(_rank_main, args=(port, result), nprocs=2, join=True)
+    with mp.Manager() as manager:
+        shared = manager.dict()
+        mp.spawn(_rank_main, args=(port, shared), nprocs=2, join=True)
+        result = dict(shared)
     from qsaserve.ops.qsa_attention import merge_attention_partials
 
     parts = [_partials(r) for r in range(2)]

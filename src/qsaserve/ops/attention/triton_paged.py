@@ -510,9 +510,12 @@ FEW_PAIRS = 16
 # Capped at 128 registers (8 bytes of spill) 4 fit, within the shared memory (41 KB a program;
 # tests/ops/test_attention_triton.py test_fp8_decode_programs_per_sm_fit). H200, batch 8 x 8 KV
 # heads, d128, do_bench with L2 flushed, vs the bf16 kernel at 128K, the cap against the uncapped
-# kernel in the same run: 1.59x vs 1.555x (42e938a), 1.60x vs 1.57x (0e3fa11), and 1.56-1.60x vs
-# 1.54-1.55x (2e6b865, 420488c); 32K 1.55x vs 1.49x. 64-key tiles ~1.35x, two warps a program
-# 0.57-1.47x, 8 warps 0.75x; the bf16-dot kernel before the fp16 path ~0.8x.
+# kernel in the same run: 1.59x vs 1.555x (42e938a; the uncapped candidate row 1.57x), 1.60x vs
+# 1.57x (0e3fa11), 1.59-1.60x vs 1.54-1.55x (2e6b865, 420488c), 1.55-1.58x vs 1.49-1.53x (171a301,
+# three runs); 32K about 1.54x vs 1.48x. 64-key tiles ~1.35x, two warps a program 0.57-1.47x, 8
+# warps 0.75x; the bf16-dot kernel before the fp16 path ~0.8x. Timed back to back inside a CUDA
+# graph (no L2 flush, ~50 ms of sustained load) the same kernels give only 1.44x (uncapped, 15
+# splits) and 1.47-1.49x (this config): see README, FP8 KV cache.
 # benchmarks/results/attention_fp8_h200_2026-11-30_{2e6b865,420488c,0e3fa11}.json,
 # attention_layout_h200_2026-11-30_42e938a.json.
 # Split plan: a grid of 0.95 of one wave counts as full. Batch 8 x 8 KV heads then takes 8 splits
@@ -537,9 +540,9 @@ FP8_DECODE_CANDIDATES = {
     # over 8 warps 0.77x (attention_fp8_h200_2026-11-30_b25eee6.json).
     "f16_bn128_s3_noperm": DecodeConfig(128, 4, 3, 3, fp8_permute_v=False),
     "f16_bn128_s3_w8": DecodeConfig(128, 8, 3, 2),
-    # Nsight Compute on the default at 128K (c550cf3): 153 registers a thread hold it to 3 programs
-    # per SM (18% occupancy, 0.81 eligible warps per scheduler, 73% of DRAM peak; bf16's kernel:
-    # 126 registers, 4 programs, 94%). These cap the registers so 4 programs fit.
+    # Nsight Compute on the uncapped kernel at 128K (c550cf3): 153 registers a thread hold it to 3
+    # programs per SM (18% occupancy, 0.81 eligible warps per scheduler, 73% of DRAM peak; bf16's
+    # kernel: 126 registers, 4 programs, 94%). These cap the registers so 4 programs fit.
     "f16_bn128_s3_r128": DECODE_CONFIG_FP8,
     "f16_bn128_s4_r128": DecodeConfig(128, 4, 4, 4, maxnreg=128),
     "f16_bn64_s3_r128": DecodeConfig(64, 4, 3, 4, maxnreg=128),
@@ -574,6 +577,14 @@ def _v_group(cfg: DecodeConfig, block_m: int, d_pow2: int) -> int:
     tiles already read V in wide loads."""
     a = 8 * cfg.num_warps
     return a if cfg.fp8_permute_v and block_m <= 32 and 2 * a <= d_pow2 else 0
+
+
+def _maxnreg(cfg: DecodeConfig, block_m: int, d_pow2: int) -> int | None:
+    """cfg.maxnreg for the one-token tile at head_dim <= 128, the build it was measured on (128
+    registers, 8 bytes of spill, 4 programs per SM); None for taller tiles and wider heads, which
+    shared memory holds to 2 programs per SM anyway and which the cap would make spill (ptxas,
+    sm_90a: 1,320 bytes at 64 rows, 1,076 at d256)."""
+    return cfg.maxnreg if cfg.maxnreg and block_m <= 16 and d_pow2 <= 128 else None
 
 
 @functools.lru_cache(maxsize=4096)
@@ -717,7 +728,8 @@ def paged_decode(
         HAS_SEQ_IDS=seq_ids is not None, SINGLE_SPLIT=single, IS_FP8=fp8, WRITE_LSE=lse is not None,
         DCP_SIZE=dcp_size, DCP_I=dcp_i, F16_DOT=fp8 and cfg.fp8_dot == "fp16",
         V_GROUP=_v_group(cfg, block_m, d_pow2) if fp8 else 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cap} if (cap := _maxnreg(cfg, block_m, d_pow2)) else {}),
     )
     if not single:
         _merge_kernel[(rows, hq)](

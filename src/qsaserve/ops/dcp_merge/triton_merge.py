@@ -16,7 +16,7 @@ def _pack_kernel(out_ptr, lse_ptr, packed_ptr, T, HL, DH,
     c = tl.arange(0, DH_POW2)
     row = tl.load(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + c, mask=c < DH, other=0.0)
     lse = tl.load(lse_ptr + t.to(tl.int64) * stride_lt + h)
-    dst = packed_ptr + (h // HL) * stride_pj + t.to(tl.int64) * stride_pt + (h % HL) * stride_ph
+    dst = packed_ptr + (h // HL).to(tl.int64) * stride_pj + t.to(tl.int64) * stride_pt + (h % HL) * stride_ph
     tl.store(dst + c, tl.where(c < DH, row, lse), mask=c <= DH)
 
 
@@ -27,7 +27,7 @@ def _merge_kernel(recv_ptr, out_ptr, D, DH, stride_rj, stride_rt, stride_rh, str
     h = tl.program_id(1)
     j = tl.arange(0, D_POW2)
     c = tl.arange(0, DH_POW2)
-    base = recv_ptr + j * stride_rj + t.to(tl.int64) * stride_rt + h * stride_rh  # [D_POW2] row starts
+    base = recv_ptr + j.to(tl.int64) * stride_rj + t.to(tl.int64) * stride_rt + h * stride_rh  # [D_POW2] row starts
     lse = tl.load(base + DH, mask=j < D, other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m > float("-inf"), m, 0.0)
@@ -46,7 +46,7 @@ def _scale_kernel(out_ptr, lse_ptr, lses_ptr, send_ptr, D, HL, DH,
     h = tl.program_id(1)
     j = tl.arange(0, D_POW2)
     c = tl.arange(0, DH_POW2)
-    lses = tl.load(lses_ptr + j * stride_gj + t.to(tl.int64) * stride_gt + h, mask=j < D, other=float("-inf"))
+    lses = tl.load(lses_ptr + j.to(tl.int64) * stride_gj + t.to(tl.int64) * stride_gt + h, mask=j < D, other=float("-inf"))
     m = tl.max(lses, 0)
     m = tl.where(m > float("-inf"), m, 0.0)
     total = tl.sum(tl.where(lses > float("-inf"), tl.exp2(lses - m), 0.0), 0)
@@ -54,7 +54,7 @@ def _scale_kernel(out_ptr, lse_ptr, lses_ptr, send_ptr, D, HL, DH,
     w = tl.where(mine > float("-inf"), tl.exp2(mine - m), 0.0) / tl.maximum(total, 1.1754943508222875e-38)
     w_row = tl.zeros([DH_POW2], tl.float32) + w  # as a row: the masks below are elementwise
     row = tl.load(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + c, mask=(c < DH) & (w_row > 0.0), other=0.0)
-    dst = send_ptr + (h // HL) * stride_sj + t.to(tl.int64) * stride_st + (h % HL) * stride_sh
+    dst = send_ptr + (h // HL).to(tl.int64) * stride_sj + t.to(tl.int64) * stride_st + (h % HL) * stride_sh
     tl.store(dst + c, row * w_row, mask=c < DH)
 
 
