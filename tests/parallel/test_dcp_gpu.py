@@ -96,17 +96,17 @@ def _spawn(dcp: int, backend: str = "ag_rs") -> dict:
     return dict(out)
 
 
-_DCP1: dict = {}
+@pytest.fixture(scope="module")
+def dcp1():
+    """The DCP1 baseline, run once for both backends (it does not depend on them)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (NCCL)")
+    return _spawn(1)
 
 
 @pytest.mark.parametrize("backend", ["ag_rs", "a2a"])  # a2a: the sparse kernel writes the packed partials
-def test_dcp2_decode_step_is_sync_free_and_matches_dcp1(backend):
-    if torch.cuda.device_count() < 2:
-        pytest.skip("needs two CUDA GPUs (NCCL)")
+def test_dcp2_decode_step_is_sync_free_and_matches_dcp1(backend, dcp1):
     dcp2 = _spawn(2, backend)
-    if "dcp1" not in _DCP1:  # the baseline does not depend on the backend: run it once
-        _DCP1["dcp1"] = _spawn(1)
-    dcp1 = _DCP1["dcp1"]
     print(json.dumps({k: {r: {"tokens": v["tokens"], "sync_free": v["sync_free"]} for r, v in run.items() if r.startswith("rank")}
                       for k, run in (("dcp2", dcp2), ("dcp1", dcp1))}))
     for rank in (0, 1):

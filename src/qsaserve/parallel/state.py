@@ -76,17 +76,15 @@ class ParallelContext:
             if self.dcp_backend != "a2a" or out.dim() != 4 or out.shape[0] != d:
                 raise ValueError(f"out: packed partials [{d}, T, Hl, Dh + 1] go with the a2a merge only "
                                  f"(backend {self.dcp_backend!r}, got shape {tuple(out.shape)})")
+        elif self.dcp_backend == "a2a":
+            out = dcp_merge.pack_partials(out, lse, d)
+        if self.dcp_backend == "a2a":
+            # One all-to-all: rank i receives every rank's partial (out | lse) for its heads, merges locally.
             recv = torch.empty_like(out)
             dist.all_to_all_single(recv, out, group=self.dcp_group)
             return dcp_merge.merge_packed(recv)
         t, hg, dh = out.shape
         hl = hg // d
-        if self.dcp_backend == "a2a":
-            # One all-to-all: rank i receives every rank's partial (out | lse) for its heads, merges locally.
-            packed = dcp_merge.pack_partials(out, lse, d)
-            recv = torch.empty_like(packed)
-            dist.all_to_all_single(recv, packed, group=self.dcp_group)
-            return dcp_merge.merge_packed(recv)
         # AG+RS: every rank learns all LSEs, rescales its own partial to its final weight, and a
         # reduce-scatter over heads sums the rescaled partials into each rank's heads.
         lses = _all_gather(lse, d, self.dcp_group)

@@ -284,17 +284,17 @@ def sparse_attention_paged_triton(
     )
     if s == 1:
         return (dcp_merge.pack_partials(out, lse, pack), None) if pack else (out, lse)
+    # The merge writes [J, T, Hq / J, ...] blocks: J = pack into the packed layout (lse in its last
+    # column), J = 1 into out / lse themselves.
     if pack:
         packed = torch.empty((pack, t, hq // pack, d + 1), dtype=torch.float32, device=q.device)
-        out, lse = packed, packed[..., d]
-    hl = out.shape[2] if pack else hq
-    oj, sj = (out.stride(0), lse.stride(0)) if pack else (0, 0)
-    ot, oh, st, sh = (out.stride(1), out.stride(2), lse.stride(1), lse.stride(2)) if pack else (
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1))
+        dst_o, dst_lse = packed, packed[..., d]
+    else:
+        dst_o, dst_lse = out[None], lse[None]
     _merge_kernel[(t, hq)](
-        part_o, part_lse, out, lse, s, hl,
+        part_o, part_lse, dst_o, dst_lse, s, dst_o.shape[2],
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
-        oj, ot, oh, sj, st, sh,
+        *dst_o.stride()[:3], *dst_lse.stride(),
         S_POW2=triton.next_power_of_2(s), D=d, D_POW2=d_pow2, num_warps=4,
     )
     return (packed, None) if pack else (out, lse)
