@@ -181,6 +181,19 @@ def _scaled_f16(q, qk):
 
 
 @triton.jit
+def _e4m3_to_f16_asm(x, PURE: tl.constexpr):
+    """E4M3 -> fp16 by inline asm, four values (one 32-bit word) per block: two native pair
+    conversions, no per-pair byte shifts. PURE: the compiler may convert in the dot's operand
+    layout, where a thread's bytes pair along keys (each word is first gathered from shared-memory
+    words with byte permutes). Not pure: the conversion stays in the layout x was loaded in (a
+    thread's bytes are consecutive channels of a key) and the fp16 tile reaches the dot through
+    shared memory (a 2-byte staging tile, no byte permutes)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=PURE, pack=4)
+
+
+@triton.jit
 def _permute_cols(x, ROWS: tl.constexpr, A: tl.constexpr, B: tl.constexpr):
     """Column j = a * B + b of x [ROWS, A * B] moves to b * A + a (the inverse swaps A and B).
 
@@ -213,6 +226,7 @@ def _decode_kernel(
     D: tl.constexpr, D_POW2: tl.constexpr, PAGE: tl.constexpr,
     HAS_SEQ_IDS: tl.constexpr, SINGLE_SPLIT: tl.constexpr, IS_FP8: tl.constexpr, WRITE_LSE: tl.constexpr,
     DCP_SIZE: tl.constexpr, DCP_I: tl.constexpr, F16_DOT: tl.constexpr, V_GROUP: tl.constexpr,
+    V_CVT: tl.constexpr,
 ):
     idx = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -258,11 +272,18 @@ def _decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     k_base = cache_ptr + kvh * stride_ch + d[None, :]
+    if BLOCK_N % PAGE == 0:  # tiles start at multiples of BLOCK_N (chunk is one): whole pages
+        tile_page = offs_n // PAGE
+        in_page = (offs_n % PAGE) * stride_ct
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_ok = pos < end
-        page = tl.load(bt_row + pos // PAGE, mask=n_ok, other=0).to(tl.int64)
-        tok = page * stride_cb + (pos % PAGE) * stride_ct
+        if BLOCK_N % PAGE == 0:
+            page = tl.load(bt_row + n0 // PAGE + tile_page, mask=n_ok, other=0).to(tl.int64)
+            tok = page * stride_cb + in_page
+        else:
+            page = tl.load(bt_row + pos // PAGE, mask=n_ok, other=0).to(tl.int64)
+            tok = page * stride_cb + (pos % PAGE) * stride_ct
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + tok[:, None], mask=kv_mask, other=0.0)
         v = tl.load(k_base + stride_c2 + tok[:, None], mask=kv_mask, other=0.0)
@@ -278,7 +299,11 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_GROUP > 0:
             v = _permute_cols(v, BLOCK_N, V_GROUP, D_POW2 // V_GROUP)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        if V_CVT == 0:
+            v16 = v.to(q.dtype)
+        else:  # F16_DOT
+            v16 = _e4m3_to_f16_asm(v, V_CVT == 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v16)
         m_i = m_new
 
     if V_GROUP > 0:  # acc columns are in V's permuted order: back to head_dim order
@@ -458,7 +483,9 @@ class DecodeConfig:
     fp8_dot "fp16" dequantizes E4M3 tiles to fp16 (one native conversion per pair on sm89+) and
     runs both dots in fp16, q pre-scaled (_scaled_f16); "query" converts to the query dtype (for
     bf16 that goes through fp32, several instructions per value). fp8_permute_v reads V 32 bits per
-    key row instead of one byte (_permute_cols). The block-table load takes one pipeline stage, so
+    key row instead of one byte (_permute_cols). fp8_v_convert (fp16 dots): how V becomes fp16,
+    "cast" (the compiler's conversion), "asm" (_e4m3_to_f16_asm in the operand layout) or "staged"
+    (_e4m3_to_f16_asm in the load layout, through a 2-byte shared tile; fp8_permute_v is then moot). The block-table load takes one pipeline stage, so
     num_stages 5 double-buffers the K/V tiles and 3 single-buffers them."""
 
     block_n: int = 64
@@ -467,12 +494,15 @@ class DecodeConfig:
     ctas_per_sm: int = 2  # resident programs per SM the split heuristic plans for
     fp8_dot: str = "fp16"
     fp8_permute_v: bool = True
+    fp8_v_convert: str = "cast"  # V's E4M3 -> fp16: "cast", "asm" or "staged" (_e4m3_to_f16_asm)
     maxnreg: int | None = None  # cap on registers per thread (ptxas .maxnreg): more resident programs per SM
     min_waves: float = 1.0  # the split plan's grid must fill this much of one wave (num_decode_splits)
 
     def __post_init__(self):
         if self.fp8_dot not in ("fp16", "query"):
             raise ValueError(f"fp8_dot: must be 'fp16' or 'query', got {self.fp8_dot!r}")
+        if self.fp8_v_convert not in ("cast", "asm", "staged"):
+            raise ValueError(f"fp8_v_convert: must be 'cast', 'asm' or 'staged', got {self.fp8_v_convert!r}")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n: must be a power of two >= 16, got {self.block_n}")
 
@@ -521,7 +551,8 @@ FEW_PAIRS = 16
 # Split plan: a grid of 0.95 of one wave counts as full. Batch 8 x 8 KV heads then takes 8 splits
 # (512 programs in 528 slots) instead of 15 (1.8 waves): 1.58-1.61x vs 1.52-1.56x at 128K, 1.58x
 # vs 1.54x at 32K, 1.38-1.42x vs 1.26-1.29x at 8K, three runs at 171a301.
-DECODE_CONFIG_FP8 = DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=4, maxnreg=128, min_waves=0.95)
+DECODE_CONFIG_FP8 = DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=4, maxnreg=128, min_waves=0.95,
+                                fp8_v_convert="asm")
 # Candidates the benchmark times side by side (benchmarks/bench_attention.py, section fp8); the GPU
 # tests run each against the reference. "bf16_dot_bn64" is the kernel before the fp16 path.
 FP8_DECODE_CANDIDATES = {
@@ -543,7 +574,7 @@ FP8_DECODE_CANDIDATES = {
     # Nsight Compute on the uncapped kernel at 128K (c550cf3): 153 registers a thread hold it to 3
     # programs per SM (18% occupancy, 0.81 eligible warps per scheduler, 73% of DRAM peak; bf16's
     # kernel: 126 registers, 4 programs, 94%). These cap the registers so 4 programs fit.
-    "f16_bn128_s3_r128": DECODE_CONFIG_FP8,
+    "f16_bn128_s3_r128": DecodeConfig(128, 4, 3, 4, maxnreg=128, min_waves=0.95),  # the default before V's asm
     "f16_bn128_s4_r128": DecodeConfig(128, 4, 4, 4, maxnreg=128),
     "f16_bn64_s3_r128": DecodeConfig(64, 4, 3, 4, maxnreg=128),
     # Two warps a program: the same warps per SM in more, smaller programs, each with its own load
@@ -551,6 +582,11 @@ FP8_DECODE_CANDIDATES = {
     "f16_bn128_s3_w2": DecodeConfig(128, 2, 3, 5),
     "f16_bn128_s2_w2": DecodeConfig(128, 2, 2, 6),
     "f16_bn64_s3_w2": DecodeConfig(64, 2, 3, 8),
+    # V's E4M3 -> fp16 by inline asm (fp8_v_convert): in the operand layout (the default), or in the
+    # load layout and staged through shared memory as fp16 (no byte permutes; the 32 KB staging tile
+    # leaves 3 programs per SM).
+    "f16_bn128_s3_r128_asm": DECODE_CONFIG_FP8,
+    "f16_bn128_s3_staged": DecodeConfig(128, 4, 3, 3, fp8_v_convert="staged", min_waves=0.95),
 }
 # H200, B1 8K causal d128: (128,64,8,3) 323, (128,64,4,3) 359, (128,128,8,3) 364 TF/s; the
 # 4-warp config is within noise of the best with 2/3 of its shared memory.
@@ -606,6 +642,11 @@ def num_decode_splits(pairs: int, max_len: int, num_sms: int, block_n: int, ctas
         if eff > best_eff + 1e-9:
             best, best_eff = s, eff
     return best
+
+
+def _interpreted(kernel) -> bool:
+    """True under TRITON_INTERPRET=1, where kernels run in numpy and inline asm cannot."""
+    return type(kernel).__name__ == "InterpretedFunction"
 
 
 def _host_int32(values: list[int], device: torch.device) -> torch.Tensor:
@@ -717,6 +758,9 @@ def paged_decode(
     lse_t, es = (lse, (lse.stride(0), lse.stride(1))) if lse is not None else (out, (0, 0))
     d_pow2 = triton.next_power_of_2(d)
     block_m = decode_block_m(group, qlen_max)
+    # The interpreter runs no asm: there the same exact conversion is a cast.
+    v_cvt = 0 if not fp8 or cfg.fp8_dot != "fp16" or _interpreted(_decode_kernel) else \
+        ("cast", "asm", "staged").index(cfg.fp8_v_convert)
     _decode_kernel[(num_seqs, hkv, num_splits)](
         q, kv_cache, block_tables, seq_lens, key_lens, cu_query_lens, ids, ks, vs, out, lse_t, part_o, part_lse,
         scale * _LOG2E, chunk, rank, qlen_max,
@@ -727,7 +771,7 @@ def paged_decode(
         BLOCK_N=cfg.block_n, D=d, D_POW2=d_pow2, PAGE=kv_cache.shape[2],
         HAS_SEQ_IDS=seq_ids is not None, SINGLE_SPLIT=single, IS_FP8=fp8, WRITE_LSE=lse is not None,
         DCP_SIZE=dcp_size, DCP_I=dcp_i, F16_DOT=fp8 and cfg.fp8_dot == "fp16",
-        V_GROUP=_v_group(cfg, block_m, d_pow2) if fp8 else 0,
+        V_GROUP=_v_group(cfg, block_m, d_pow2) if fp8 and v_cvt != 2 else 0, V_CVT=v_cvt,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cap} if (cap := _maxnreg(cfg, block_m, d_pow2)) else {}),
     )
