@@ -9,7 +9,7 @@ FP8 (section fp8): bf16 vs FP8 E4M3 pages for the same decode (batch 8 at 8K/32K
 effective TB/s of the K/V bytes each dtype reads, the fp8/bf16 speedup, and the KV capacity in
 tokens each dtype gives at one byte budget (KVCacheSpec.num_blocks_for); SDPA over contiguous
 bf16 K/V is the peer. Each row also times every FP8 launch candidate (fp8_variants: block_n,
-warps, stages, ctas_per_sm, fp8_dot, fp8_permute_v, splits; the default again with 8/16/32/64
+warps, stages, ctas_per_sm, fp8_dot, fp8_permute_v, fp8_v_convert, splits; the default again with 8/16/32/64
 forced splits) and names the fastest (fp8_best); max_abs_diff_vs_default checks each agrees with
 the default's output. `--sections env,fp8` takes well under 3 minutes on an H200.
 

@@ -365,8 +365,9 @@ def _compile_fp8_decode_sm90(triton, tp, cfg, block_m=16, dcp=False):
 def test_fp8_decode_sm90_code():
     """The sm_90 code of the default FP8 decode (d128, group 4, 16-byte-aligned strides as the
     launcher specializes them) is what makes it fast, and only the compiler shows it: E4M3 -> fp16
-    by the native cvt (no bf16 round trip through f16/f32), K and V tiles gathered with 16-byte
-    async copies, and no byte-wise shared-memory reads of V (the head_dim permutation)."""
+    by the native cvt (no bf16 round trip through f16/f32), V converted four bytes at a time by
+    the inline asm, K and V tiles gathered with 16-byte async copies, and no byte-wise
+    shared-memory reads of V (the head_dim permutation)."""
     triton = pytest.importorskip("triton")
     from triton.backends import backends
 
@@ -381,6 +382,10 @@ def test_fp8_decode_sm90_code():
     assert "cvt.rn.f16x2.e4m3x2" in ptx
     assert "cvt.bf16.f16" not in ptx and "cvt.f32.f16" not in ptx
     assert "ld.shared.b8" not in ptx and "ld.shared.u8" not in ptx
+    # V's bytes reach the conversion as 32-bit words (fp8_v_convert "asm"): no per-pair 16-bit
+    # shift-and-or assembly, which the compiler's own cast emits (64 of each per loop iteration).
+    assert cfg.fp8_v_convert == "asm" and ptx.count("mov.b32 {lo, hi}") > 0
+    assert "shl.b16" not in ptx and "or.b16" not in ptx
     # A K and a V tile of block_n x 128 bytes over 128 threads: block_n / 16 copies of 16 B per thread
     # per tile, in the loop and in the prologue; the only narrower copies are the 4-byte block-table
     # entries.

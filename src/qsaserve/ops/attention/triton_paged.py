@@ -6,8 +6,8 @@ the null block that pads block tables. Every cache load is masked (other=0) on t
 length, so padding rows, the null block and stale page bytes are never read: they may hold E4M3
 NaN bytes (0x7F / 0xFF), and a NaN multiplied by a zero mask would still be NaN.
 
-FP8 pages are dequantized in registers: E4M3 -> fp16 (decode, one native instruction per pair)
-or -> the query dtype (prefill) is exact, and the per-tensor scales are folded into the scores
+FP8 pages are dequantized in registers: E4M3 -> fp16 (decode, one native instruction per pair;
+V's by inline asm on 32-bit words, _e4m3_to_f16_asm) or -> the query dtype (prefill) is exact, and the per-tensor scales are folded into the scores
 (k_scale; decode pre-scales q in fp16) and the normalized output (v_scale), so the math is that of
 x * scale with fp32 accumulation and fp32 split-KV partials. FP8 decode has its own launch config
 (DECODE_CONFIG_FP8): a tile of E4M3 is half the bytes, so it takes longer tiles and deeper
@@ -533,28 +533,16 @@ DECODE_CONFIG = DecodeConfig()
 # bytes in flight per SM (H200, B1 128K: 3.77 vs 3.23 TB/s). At B8+ 64-token tiles win.
 DECODE_CONFIG_FEW = DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=1)
 FEW_PAIRS = 16
-# FP8 pages, any batch. A tile of E4M3 is half the bytes of bf16, so it takes twice the keys to
-# keep as many bytes in flight: 128-key tiles, 3 stages. Left alone, ptxas gives that kernel 153
-# registers a thread (168 in the DCP partial form), so 3 programs fit per SM and Nsight Compute
-# finds it latency-bound (18% occupancy, 73% of DRAM peak; ncu_fp8_decode_h200_2026-11-30_c550cf3.json).
-# Capped at 128 registers (8 bytes of spill) 4 fit, within the shared memory (41 KB a program;
-# tests/ops/test_attention_triton.py test_fp8_decode_programs_per_sm_fit). H200, batch 8 x 8 KV
-# heads, d128, do_bench with L2 flushed, vs the bf16 kernel at 128K, the cap against the uncapped
-# kernel in the same run: 1.59x vs 1.555x (42e938a; the uncapped candidate row 1.57x), 1.60x vs
-# 1.57x (0e3fa11), 1.59-1.60x vs 1.54-1.55x (2e6b865, 420488c), 1.55-1.58x vs 1.49-1.53x (171a301,
-# three runs); 32K about 1.54x vs 1.48x. 64-key tiles ~1.35x, two warps a program 0.57-1.47x, 8
-# warps 0.75x; the bf16-dot kernel before the fp16 path ~0.8x. Timed back to back inside a CUDA
-# graph (no L2 flush, ~50 ms of sustained load) the same kernels give only 1.44x (uncapped, 15
-# splits) and 1.47-1.49x (this config): see README, FP8 KV cache.
-# benchmarks/results/attention_fp8_h200_2026-11-30_{2e6b865,420488c,0e3fa11}.json,
-# attention_layout_h200_2026-11-30_42e938a.json.
-# Split plan: a grid of 0.95 of one wave counts as full. Batch 8 x 8 KV heads then takes 8 splits
-# (512 programs in 528 slots) instead of 15 (1.8 waves): 1.58-1.61x vs 1.52-1.56x at 128K, 1.58x
-# vs 1.54x at 32K, 1.38-1.42x vs 1.26-1.29x at 8K, three runs at 171a301.
+# FP8 pages, any batch (docs/fp8.md, "Decode kernel speed", has the measurements): 128-key tiles
+# (half of bf16's bytes, so twice the keys per tile), registers capped at 128 so 4 programs fit per
+# SM (see _maxnreg), a split plan that counts 0.95 of a wave as full (batch 8 x 8 KV heads: 8
+# splits, 512 programs in 528 slots), and V converted by inline asm on 32-bit words. H200, batch 8,
+# 128K, vs the bf16 kernel in the same run: 1.62-1.68x under do_bench, 1.53-1.60x inside a CUDA graph.
 DECODE_CONFIG_FP8 = DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_per_sm=4, maxnreg=128, min_waves=0.95,
                                 fp8_v_convert="asm")
 # Candidates the benchmark times side by side (benchmarks/bench_attention.py, section fp8); the GPU
-# tests run each against the reference. "bf16_dot_bn64" is the kernel before the fp16 path.
+# tests run each against the reference. Each was the default once or was measured and not kept
+# (docs/fp8.md lists what each measured).
 FP8_DECODE_CANDIDATES = {
     "bf16_dot_bn64": DecodeConfig(64, 4, 3, 2, fp8_dot="query", fp8_permute_v=False),
     "f16_bn64_s3": DecodeConfig(64, 4, 3, 4),
