@@ -247,12 +247,13 @@ def sparse_attention_paged_triton(
                          f"({cfg.block_n}), got {run}")
     scale = d ** -0.5 if scale is None else scale
     m = token_positions.shape[1]
-    out = torch.empty((t, hq, d), dtype=torch.float32, device=q.device)
-    lse = torch.empty((t, hq), dtype=torch.float32, device=q.device)
     if pack and hq % pack:
         raise ValueError(f"pack: {hq} query heads do not split over {pack} ranks")
     if t == 0:
-        return (torch.empty((pack, 0, hq // pack, d + 1), dtype=torch.float32, device=q.device), None) if pack else (out, lse)
+        if pack:
+            return torch.empty((pack, 0, hq // pack, d + 1), dtype=torch.float32, device=q.device), None
+        return (torch.empty((0, hq, d), dtype=torch.float32, device=q.device),
+                torch.empty((0, hq), dtype=torch.float32, device=q.device))
     if q.stride(-1) != 1:
         q = q.contiguous()
     token_positions = token_positions.contiguous()
@@ -260,6 +261,9 @@ def sparse_attention_paged_triton(
     s = splits or num_splits(t, hkv, m, num_sms(q.device), block_n, cfg.programs_per_sm)
     chunk = triton.cdiv(triton.cdiv(max(m, 1), s), block_n) * block_n
     s = max(1, triton.cdiv(m, chunk))
+    if s == 1 or not pack:  # packed split partials go straight from part_o to the packed layout
+        out = torch.empty((t, hq, d), dtype=torch.float32, device=q.device)
+        lse = torch.empty((t, hq), dtype=torch.float32, device=q.device)
     if s == 1:  # the kernel's result is final: write it in place
         part_o, part_lse = out[:, :, None, :], lse[:, :, None]
     else:
@@ -268,8 +272,8 @@ def sparse_attention_paged_triton(
     group = hq // hkv
     d_pow2 = max(16, triton.next_power_of_2(d))
     ids = seq_ids if seq_ids is not None else token_positions  # dummy pointer when unused
-    ks = k_scale if fp8 else out
-    vs = v_scale if fp8 else out
+    ks = k_scale if fp8 else part_o  # dummy pointers when unused
+    vs = v_scale if fp8 else part_o
     _sparse_kernel[(t, hkv, s)](
         q, kv_cache, block_tables, token_positions, ids, ks, vs, part_o, part_lse,
         scale * _LOG2E, m,
