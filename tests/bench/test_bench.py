@@ -51,6 +51,17 @@ def test_bench_latency(tiny, capsys):
     assert r["ratios"]["decode_batch1_tok_s_vs_hf"] == pytest.approx(r["decode"][0]["tok_s"] / r["peer"]["decode_batch1"]["tok_s"], rel=1e-2)
 
 
+def test_bench_latency_prompts_that_finish_prefill_steps_apart(tiny, capsys):
+    """Chunked prefill (8 tokens a step) finishes three 40-token prompts on different steps, so
+    the first decodes a few tokens before the last starts: the timed steps still count one token
+    per sequence each."""
+    r = _run(capsys, ["bench", "latency", tiny, *ENGINE, "--max-num-batched-tokens", "8", "--batch-sizes", "3",
+                      "--prompt-lens", "16", "--decode-context", "40", "--decode-steps", "4", "--warmup-steps", "1",
+                      "--ttft-trials", "1", "--profile-steps", "0"])
+    (row,) = r["decode"]
+    assert row["batch_size"] == 3 and row["steps"] == 4 and row["tok_s"] > 0
+
+
 def test_bench_throughput(tiny, capsys):
     r = _run(capsys, ["bench", "throughput", tiny, *ENGINE, "--num-prompts", "3", "--min-len", "4",
                       "--max-input-len", "20", "--max-output-len", "8", "--peer", "hf", "--peer-num-prompts", "2",

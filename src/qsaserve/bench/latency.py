@@ -19,7 +19,9 @@ def _decode(engine: LLMEngine, batch: int, context: int, steps: int, warmup: int
     """B requests prefilled, then `warmup` untimed and `steps` timed decode steps (each step ends
     with the sampled tokens on the host, so wall time is device time plus host overhead); then,
     with profile_steps, a breakdown of 2 x profile_steps more (bench.step_profile)."""
-    params = SamplingParams(temperature=0, max_tokens=warmup + steps + 2 * profile_steps + 2, ignore_eos=True)
+    # Room to the model length, not just the steps: with chunked prefill a prompt that finishes early
+    # decodes while the others prefill, and must not run out of tokens before the timed steps end.
+    params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - context, ignore_eos=True)
     ids = [f"decode-{batch}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, {"prompt_token_ids": random_prompt(rng, context, engine.vocab_size)}, params)
@@ -28,16 +30,20 @@ def _decode(engine: LLMEngine, batch: int, context: int, steps: int, warmup: int
         engine.step(outputs="finished")
     for _ in range(warmup):
         engine.step(outputs="finished")
+    # Counted over the timed steps only: with chunked prefill a sequence whose prompt finished early
+    # has decoded a few tokens by the time the last one starts.
+    before = sum(s.num_output_tokens for s in seqs)
     start = time.perf_counter()
     for _ in range(steps):
         engine.step(outputs="finished")
     elapsed = time.perf_counter() - start
-    produced = sum(s.num_output_tokens for s in seqs)
+    produced = sum(s.num_output_tokens for s in seqs) - before
     profile = profile_decode_steps(engine, profile_steps) if profile_steps else None
     for rid in ids:
         engine.abort_request(rid)
-    if produced != batch * (1 + warmup + steps):
-        raise RuntimeError(f"batch_sizes: batch {batch} did not decode every sequence each step ({produced} tokens)")
+    if produced != batch * steps:
+        raise RuntimeError(f"batch_sizes: batch {batch} did not decode every sequence each step "
+                           f"({produced} tokens in {steps} steps)")
     row = {"batch_size": batch, "context": context, "steps": steps, "ms_per_step": round(elapsed / steps * 1e3, 3),
            "tok_s": round(batch * steps / elapsed, 1)}
     if profile:
