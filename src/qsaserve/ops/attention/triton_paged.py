@@ -7,7 +7,8 @@ length, so padding rows, the null block and stale page bytes are never read: the
 NaN bytes (0x7F / 0xFF), and a NaN multiplied by a zero mask would still be NaN.
 
 FP8 pages are dequantized in registers: E4M3 -> fp16 (decode, one native instruction per pair;
-V's by inline asm on 32-bit words, _e4m3_to_f16_asm) or -> the query dtype (prefill) is exact, and the per-tensor scales are folded into the scores
+V's by inline asm on 32-bit words, _e4m3_to_f16_asm) or -> the query dtype (prefill) is exact,
+and the per-tensor scales are folded into the scores
 (k_scale; decode pre-scales q in fp16) and the normalized output (v_scale), so the math is that of
 x * scale with fp32 accumulation and fp32 split-KV partials. FP8 decode has its own launch config
 (DECODE_CONFIG_FP8): a tile of E4M3 is half the bytes, so it takes longer tiles and deeper
@@ -485,8 +486,9 @@ class DecodeConfig:
     bf16 that goes through fp32, several instructions per value). fp8_permute_v reads V 32 bits per
     key row instead of one byte (_permute_cols). fp8_v_convert (fp16 dots): how V becomes fp16,
     "cast" (the compiler's conversion), "asm" (_e4m3_to_f16_asm in the operand layout) or "staged"
-    (_e4m3_to_f16_asm in the load layout, through a 2-byte shared tile; fp8_permute_v is then moot). The block-table load takes one pipeline stage, so
-    num_stages 5 double-buffers the K/V tiles and 3 single-buffers them."""
+    (_e4m3_to_f16_asm in the load layout, through a 2-byte shared tile; fp8_permute_v is then
+    moot). The block-table load takes one pipeline stage, so num_stages 5 double-buffers the K/V
+    tiles and 3 single-buffers them."""
 
     block_n: int = 64
     num_warps: int = 4
@@ -542,7 +544,7 @@ DECODE_CONFIG_FP8 = DecodeConfig(block_n=128, num_warps=4, num_stages=3, ctas_pe
                                 fp8_v_convert="asm")
 # Candidates the benchmark times side by side (benchmarks/bench_attention.py, section fp8); the GPU
 # tests run each against the reference. Each was the default once or was measured and not kept
-# (docs/fp8.md lists what each measured).
+# (figures in the bench_attention results files; docs/fp8.md summarizes them).
 FP8_DECODE_CANDIDATES = {
     "bf16_dot_bn64": DecodeConfig(64, 4, 3, 2, fp8_dot="query", fp8_permute_v=False),
     "f16_bn64_s3": DecodeConfig(64, 4, 3, 4),
