@@ -320,14 +320,14 @@ def test_kernels_compile_for_hopper():
     build(tp._write_kv_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "slot_ptr": "*i64",
                                 "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "k_off_ptr": "*fp32"},
           dict(H=8, H_POW2=8, D=128, D_POW2=128, PAGE=16, IS_FP8=True, HAS_K_OFFSET=True))
-    for fp8, single, dcp, f16, vg, sv in ((True, False, 2, True, 32, 0), (True, True, 1, False, 0, 0),
-                                          (True, False, 1, True, 0, 0), (True, False, 2, True, 0, 2), (True, False, 1, True, 32, 1),
-                                          (False, False, 1, False, 0, 0)):
+    for fp8, single, dcp, f16, vg, asm in ((True, False, 2, True, 32, False), (True, True, 1, False, 0, False),
+                                           (True, False, 1, True, 0, False), (True, False, 2, True, 32, True),
+                                           (False, False, 1, False, 0, False)):
         build(tp._decode_kernel, {**page_args, "q_ptr": "*bf16", "cache_ptr": "*fp8e4nv" if fp8 else "*bf16",
                                   "seq_ids_ptr": "*i32", "out_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"},
               dict(G=4, BLOCK_M=16, BLOCK_N=64, D=128, D_POW2=128, PAGE=16, HAS_SEQ_IDS=True,
                    SINGLE_SPLIT=single, IS_FP8=fp8, WRITE_LSE=dcp > 1, DCP_SIZE=dcp, DCP_I=8, F16_DOT=f16, V_GROUP=vg,
-                   V_CVT=sv))
+                   V_ASM=asm))
     build(tp._merge_kernel, {"out_ptr": "*fp32", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
                              "key_lens_ptr": "*i32", "cu_q_ptr": "*i32", "seq_ids_ptr": "*i32"},
           dict(S_POW2=128, S_BLOCK=16, D=128, D_POW2=128, HAS_SEQ_IDS=False, WRITE_LSE=True))
@@ -349,8 +349,7 @@ def _compile_fp8_decode_sm90(triton, tp, cfg, block_m=16, dcp=False):
              "out_ptr": "*fp32", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
     consts = dict(G=4, BLOCK_M=block_m, BLOCK_N=cfg.block_n, D=128, D_POW2=128, PAGE=16, HAS_SEQ_IDS=False,
                   SINGLE_SPLIT=False, IS_FP8=True, WRITE_LSE=dcp, DCP_SIZE=2 if dcp else 1, DCP_I=1, F16_DOT=True,
-                  V_GROUP=0 if cfg.fp8_v_convert == "staged" else tp._v_group(cfg, block_m, 128),
-                  V_CVT=("cast", "asm", "staged").index(cfg.fp8_v_convert))
+                  V_GROUP=tp._v_group(cfg, block_m, 128), V_ASM=cfg.fp8_v_convert == "asm")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                if (n.startswith("stride_") or n.endswith("_ptr"))

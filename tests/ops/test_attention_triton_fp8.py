@@ -41,7 +41,7 @@ F16_DOT_TOL = {BF16: (5e-3, 1e-2), torch.float16: (1e-3, 2e-3)}
 FP8_CANDIDATES = ["bf16_dot_bn64", "f16_bn64_s3", "f16_bn128_s2", "f16_bn128_s2_c3", "f16_bn128_s3",
                   "f16_bn128_s3_c2", "f16_bn128_s4", "f16_bn128_s5", "f16_bn256_s2", "f16_bn256_s3",
                   "f16_bn128_s3_noperm", "f16_bn128_s3_w8", "f16_bn128_s3_r128", "f16_bn128_s4_r128", "f16_bn64_s3_r128",
-                  "f16_bn128_s3_w2", "f16_bn128_s2_w2", "f16_bn64_s3_w2", "f16_bn128_s3_r128_asm", "f16_bn128_s3_staged"]
+                  "f16_bn128_s3_w2", "f16_bn128_s2_w2", "f16_bn64_s3_w2", "f16_bn128_s3_r128_asm"]
 FP8_DEFAULT = "f16_bn128_s3_r128_asm"  # triton_paged.DECODE_CONFIG_FP8
 FP8_SHAPES = [(16, 128, 4, BF16), (16, 80, 2, BF16), (32, 64, 8, torch.float16)]
 # The shipped config on every shape; the other candidates (timed by the benchmark, which also

@@ -182,16 +182,14 @@ def _scaled_f16(q, qk):
 
 
 @triton.jit
-def _e4m3_to_f16_asm(x, PURE: tl.constexpr):
+def _e4m3_to_f16_asm(x):
     """E4M3 -> fp16 by inline asm, four values (one 32-bit word) per block: two native pair
-    conversions, no per-pair byte shifts. PURE: the compiler may convert in the dot's operand
-    layout, where a thread's bytes pair along keys (each word is first gathered from shared-memory
-    words with byte permutes). Not pure: the conversion stays in the layout x was loaded in (a
-    thread's bytes are consecutive channels of a key) and the fp16 tile reaches the dot through
-    shared memory (a 2-byte staging tile, no byte permutes)."""
+    conversions, where the compiler's own cast builds each 16-bit pair with a shift and an or.
+    The compiler converts in the dot's operand layout, so each word is first gathered from
+    shared-memory words with byte permutes."""
     return tl.inline_asm_elementwise(
         "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
-        "=r,=r,r", [x], dtype=tl.float16, is_pure=PURE, pack=4)
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -227,7 +225,7 @@ def _decode_kernel(
     D: tl.constexpr, D_POW2: tl.constexpr, PAGE: tl.constexpr,
     HAS_SEQ_IDS: tl.constexpr, SINGLE_SPLIT: tl.constexpr, IS_FP8: tl.constexpr, WRITE_LSE: tl.constexpr,
     DCP_SIZE: tl.constexpr, DCP_I: tl.constexpr, F16_DOT: tl.constexpr, V_GROUP: tl.constexpr,
-    V_CVT: tl.constexpr,
+    V_ASM: tl.constexpr,
 ):
     idx = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -300,10 +298,10 @@ def _decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_GROUP > 0:
             v = _permute_cols(v, BLOCK_N, V_GROUP, D_POW2 // V_GROUP)
-        if V_CVT == 0:
+        if V_ASM:  # F16_DOT
+            v16 = _e4m3_to_f16_asm(v)
+        else:
             v16 = v.to(q.dtype)
-        else:  # F16_DOT
-            v16 = _e4m3_to_f16_asm(v, V_CVT == 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v16)
         m_i = m_new
 
@@ -485,10 +483,8 @@ class DecodeConfig:
     runs both dots in fp16, q pre-scaled (_scaled_f16); "query" converts to the query dtype (for
     bf16 that goes through fp32, several instructions per value). fp8_permute_v reads V 32 bits per
     key row instead of one byte (_permute_cols). fp8_v_convert (fp16 dots): how V becomes fp16,
-    "cast" (the compiler's conversion), "asm" (_e4m3_to_f16_asm in the operand layout) or "staged"
-    (_e4m3_to_f16_asm in the load layout, through a 2-byte shared tile; fp8_permute_v is then
-    moot). The block-table load takes one pipeline stage, so num_stages 5 double-buffers the K/V
-    tiles and 3 single-buffers them."""
+    "cast" (the compiler's conversion) or "asm" (_e4m3_to_f16_asm). The block-table load takes one
+    pipeline stage, so num_stages 5 double-buffers the K/V tiles and 3 single-buffers them."""
 
     block_n: int = 64
     num_warps: int = 4
@@ -496,15 +492,15 @@ class DecodeConfig:
     ctas_per_sm: int = 2  # resident programs per SM the split heuristic plans for
     fp8_dot: str = "fp16"
     fp8_permute_v: bool = True
-    fp8_v_convert: str = "cast"  # V's E4M3 -> fp16: "cast", "asm" or "staged" (_e4m3_to_f16_asm)
+    fp8_v_convert: str = "cast"  # V's E4M3 -> fp16: "cast" or "asm" (_e4m3_to_f16_asm)
     maxnreg: int | None = None  # cap on registers per thread (ptxas .maxnreg): more resident programs per SM
     min_waves: float = 1.0  # the split plan's grid must fill this much of one wave (num_decode_splits)
 
     def __post_init__(self):
         if self.fp8_dot not in ("fp16", "query"):
             raise ValueError(f"fp8_dot: must be 'fp16' or 'query', got {self.fp8_dot!r}")
-        if self.fp8_v_convert not in ("cast", "asm", "staged"):
-            raise ValueError(f"fp8_v_convert: must be 'cast', 'asm' or 'staged', got {self.fp8_v_convert!r}")
+        if self.fp8_v_convert not in ("cast", "asm"):
+            raise ValueError(f"fp8_v_convert: must be 'cast' or 'asm', got {self.fp8_v_convert!r}")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n: must be a power of two >= 16, got {self.block_n}")
 
@@ -572,11 +568,8 @@ FP8_DECODE_CANDIDATES = {
     "f16_bn128_s3_w2": DecodeConfig(128, 2, 3, 5),
     "f16_bn128_s2_w2": DecodeConfig(128, 2, 2, 6),
     "f16_bn64_s3_w2": DecodeConfig(64, 2, 3, 8),
-    # V's E4M3 -> fp16 by inline asm (fp8_v_convert): in the operand layout (the default), or in the
-    # load layout and staged through shared memory as fp16 (no byte permutes; the 32 KB staging tile
-    # leaves 3 programs per SM).
+    # V's E4M3 -> fp16 by inline asm (fp8_v_convert), the default.
     "f16_bn128_s3_r128_asm": DECODE_CONFIG_FP8,
-    "f16_bn128_s3_staged": DecodeConfig(128, 4, 3, 3, fp8_v_convert="staged", min_waves=0.95),
 }
 # H200, B1 8K causal d128: (128,64,8,3) 323, (128,64,4,3) 359, (128,128,8,3) 364 TF/s; the
 # 4-warp config is within noise of the best with 2/3 of its shared memory.
@@ -748,9 +741,6 @@ def paged_decode(
     lse_t, es = (lse, (lse.stride(0), lse.stride(1))) if lse is not None else (out, (0, 0))
     d_pow2 = triton.next_power_of_2(d)
     block_m = decode_block_m(group, qlen_max)
-    # The interpreter runs no asm: there the same exact conversion is a cast.
-    v_cvt = 0 if not fp8 or cfg.fp8_dot != "fp16" or _interpreted(_decode_kernel) else \
-        ("cast", "asm", "staged").index(cfg.fp8_v_convert)
     _decode_kernel[(num_seqs, hkv, num_splits)](
         q, kv_cache, block_tables, seq_lens, key_lens, cu_query_lens, ids, ks, vs, out, lse_t, part_o, part_lse,
         scale * _LOG2E, chunk, rank, qlen_max,
@@ -761,7 +751,9 @@ def paged_decode(
         BLOCK_N=cfg.block_n, D=d, D_POW2=d_pow2, PAGE=kv_cache.shape[2],
         HAS_SEQ_IDS=seq_ids is not None, SINGLE_SPLIT=single, IS_FP8=fp8, WRITE_LSE=lse is not None,
         DCP_SIZE=dcp_size, DCP_I=dcp_i, F16_DOT=fp8 and cfg.fp8_dot == "fp16",
-        V_GROUP=_v_group(cfg, block_m, d_pow2) if fp8 and v_cvt != 2 else 0, V_CVT=v_cvt,
+        V_GROUP=_v_group(cfg, block_m, d_pow2) if fp8 else 0,
+        # The interpreter runs no asm: there the same exact conversion is a cast.
+        V_ASM=fp8 and cfg.fp8_dot == "fp16" and cfg.fp8_v_convert == "asm" and not _interpreted(_decode_kernel),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cap} if (cap := _maxnreg(cfg, block_m, d_pow2)) else {}),
     )
