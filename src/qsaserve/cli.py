@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "node_rank", 0):
             # Nodes other than 0 only host worker ranks; node 0's engine drives them.
-            from qsaserve.parallel.executor import run_worker_node
+            from qsaserve.engine.executor.worker_node import run_worker_node
 
             return run_worker_node(engine_config_from_args(args))
         return args.func(args)

@@ -15,7 +15,7 @@ rank captures the same buckets in the same order, so their captured collective s
 and replays the same bucket at the same step (the bucket is a function of the broadcast batch
 alone). Collectives run only during the eager warm-ups, all of which come before the first
 capture: a capture that fails on one rank (a capture runs nothing) leaves no peer waiting in a
-collective, and the ranks then agree to drop graphs together (parallel/executor.py).
+collective, and the ranks then agree to drop graphs together (engine/executor/rank.py).
 """
 from __future__ import annotations
 

@@ -22,9 +22,8 @@ from qsaserve.engine.scheduler import Scheduler, SchedulerOutput
 from qsaserve.engine.sequence import Sequence
 from qsaserve.errors import InvalidRequestError
 from qsaserve.loader.checkpoint import dummy_checkpoint, load_checkpoint, resolve_model
-from qsaserve.models.registry import is_hybrid, text_config
+from qsaserve.models.registry import check_model_parallel, is_hybrid, text_config
 from qsaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from qsaserve.parallel.tp import check_model_parallel
 from qsaserve.quant.kv_scales import capacity_report
 from qsaserve.sampling_params import SamplingParams
 
