@@ -211,7 +211,7 @@ class ModelRunner:
     def _profile_run(self) -> None:
         n = min(self.config.token_budget, self.max_model_len)
         block_size = self.kv_spec.block_size
-        blocks = -(-n // block_size)
+        blocks = self.kv_spec.blocks_for(n)
         scratch = self.kv_quant.attach(allocate_kv_cache(self.kv_spec, blocks + 1, self.device))
         self.bind_kv_cache(scratch)
         batch = BatchInput(
@@ -232,8 +232,8 @@ class ModelRunner:
         self.bind_kv_cache(self.kv_quant.attach(allocate_kv_cache(self.kv_spec, num_blocks, self.device)))
         self._warm_up_kernels()
         if self.graphs_off_reason is None:
-            graphs = DecodeGraphs(self.model, self.config.cuda_graph_capture_sizes, self.max_model_len,
-                                  self.kv_spec.block_size, self.device)
+            graphs = DecodeGraphs(self.model, self.config.cuda_graph_capture_sizes, self.max_model_len, self.kv_spec,
+                                  self.device)
             try:
                 graphs.capture()
             except RuntimeError as exc:  # e.g. an op that syncs inside the capture: serve eagerly, say why

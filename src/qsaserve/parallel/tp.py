@@ -18,6 +18,11 @@ def even_range(n: int, tp_size: int, rank: int) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads each rank holds: its share, or one (duplicated) head when T > Hkv."""
+    return -(-num_kv_heads // tp_size)
+
+
 def kv_head_range(num_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
     if tp_size <= num_kv_heads:
         return even_range(num_kv_heads, tp_size, rank)
