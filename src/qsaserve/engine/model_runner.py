@@ -128,11 +128,9 @@ class ModelRunner:
         return None
 
     def free_graphs(self) -> None:
-        """Destroys the captured decode graphs now (before the process group, at shutdown). NCCL
-        does not destroy a communicator while a CUDA graph that captured one of its collectives is
-        alive: it waits for the graph's release, so with the graphs still held the teardown hung
-        (abandoned after 10 s on both ranks of 2 H200s), and its wait stayed behind in the process
-        (`bench_engine_restart.py`, engine_restart_qwen4exp_small_1kv_h200x2_2026-11-30_773256d.json)."""
+        """Destroys the captured decode graphs now (before the process group, at shutdown): NCCL does
+        not destroy a communicator while a CUDA graph that captured one of its collectives is alive,
+        so the teardown would wait for the graphs (docs/benchmarks.md, bench_engine_restart.py)."""
         self.graphs = None
         gc.collect()  # graphs dropped earlier (bind_kv_cache) may still sit in reference cycles
         if self.device.type == "cuda":
