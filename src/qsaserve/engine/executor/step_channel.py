@@ -2,9 +2,9 @@
 
 One node: a pipe per local worker. Rank 0 pickles the batch once and writes it, length-prefixed,
 to every worker's pipe; a worker blocks in read until the next step arrives. A step costs one
-write and one read per worker (~0.1 ms on a 2-core CPU machine), against ~0.8 ms for a gloo
-`broadcast_object_list` over TCP (two collectives: sizes, then bytes), and that latency is paid
-on every step because rank 0's first collective of the step waits for the slowest rank.
+write and one read per worker, several times less than a gloo `broadcast_object_list` over TCP
+(two collectives: sizes, then bytes; README, benchmarks/bench_step_channel.py), and that latency
+is paid on every step because rank 0's first collective of the step waits for the slowest rank.
 
 Several nodes: the gloo control group's broadcast (every rank of the world must take part in it,
 so rank 0 cannot mix it with pipes).
