@@ -22,6 +22,8 @@ from torch import nn
 
 from qsaserve.cache.kv_cache import KVCacheSpec, LayerCache
 from qsaserve.layers.attention import AttentionMetadata
+from qsaserve.models.interfaces import (HasRecurrentState, HasSideTables, SideTableSpec, SupportsCudaGraphs,
+                                        SupportsDcpCudaGraphs, SupportsDummyWeights)
 from qsaserve.models.qwen4exp_blocks import (
     hc_expand,
     hc_inject,
@@ -160,6 +162,9 @@ class QSACacheLayer:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.cache: LayerCache | None = None
 
+    def warm_up(self, dtype: torch.dtype) -> int:
+        return 0  # no warm-up: the QSA kernels compile on first use (graph capture builds its buckets')
+
 
 @dataclass
 class _LayerState:
@@ -170,10 +175,10 @@ class _LayerState:
     index_tail: torch.Tensor | None = None  # QSA raw index keys [slots, r, Di]: row j = latest position = j (mod r)
 
 
-class Qwen4ExpForCausalLM(nn.Module):
-    # Steps where every sequence decodes one token take a path free of host syncs and of
-    # data-dependent shapes (see _decode_step), which a runner may capture in a CUDA graph.
-    supports_cuda_graph = True
+class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsCudaGraphs, SupportsDcpCudaGraphs,
+                          SupportsDummyWeights):
+    # CUDA graphs: steps where every sequence decodes one token take a path free of host syncs and
+    # of data-dependent shapes (see _decode_step), DCP slots included (derived on the device).
 
     def __init__(self, hf_config: dict, max_positions: int, parallel: ParallelContext | None = None):
         super().__init__()
@@ -247,6 +252,20 @@ class Qwen4ExpForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[QSACacheLayer]:
         return list(self.qsa_layers.values())
+
+    def attention_layer_ids(self) -> list[int]:
+        return list(self.qsa_layers)
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        return self.weights
+
+    def side_table_layers(self) -> dict[int, SideTableSpec]:
+        c = self.cfg
+        row_dim = c.ple_embed_dim // ((c.ngram_size - 1) * c.heads_per_ngram)
+        return {i: SideTableSpec(p.table_rows, row_dim) for i, p in self.ple_params.items()}
+
+    def bind_side_tables(self, tables) -> None:
+        self.ple_tables = dict(tables)
 
     def allocate_state(self, num_slots: int, device: torch.device) -> None:
         c = self.cfg
