@@ -6,7 +6,7 @@ import json
 import pytest
 
 from qsaserve import SamplingParams
-from qsaserve.loader.checkpoint import load_checkpoint
+from qsaserve.loader.resolve import load_checkpoint
 
 from parallel_helpers import assert_same_outputs, run_engine, tiny_llama, token_logprobs
 

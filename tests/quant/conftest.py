@@ -11,6 +11,6 @@ def tiny_llama(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_identity(tiny_llama):
-    from qsaserve.loader.checkpoint import load_checkpoint
+    from qsaserve.loader.resolve import load_checkpoint
 
     return load_checkpoint(tiny_llama, progress=False).identity

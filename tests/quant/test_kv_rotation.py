@@ -207,7 +207,7 @@ def test_checkpoint_scales_refuse_a_rotation(tmp_path):
     """Checkpoint scales were measured unrotated: refused under a rotation, also when a rotated
     overlay covers only part of them (here layer 0's v_scale but not its k_scale)."""
     from fp8_testing import save_tiny_llama
-    from qsaserve.loader.checkpoint import load_checkpoint
+    from qsaserve.loader.resolve import load_checkpoint
 
     extra = {f"model.layers.{i}.self_attn.{kind}": torch.tensor(val)
              for i, (k, v) in SCALES.items() for kind, val in (("k_scale", k), ("v_scale", v))}

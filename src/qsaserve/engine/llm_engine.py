@@ -22,7 +22,7 @@ from qsaserve.engine.sampler import DeferredTokens, SampledToken, prompt_logprob
 from qsaserve.engine.scheduler import Scheduler, SchedulerOutput
 from qsaserve.engine.sequence import Sequence
 from qsaserve.errors import InvalidRequestError
-from qsaserve.loader.checkpoint import dummy_checkpoint, load_checkpoint, resolve_model
+from qsaserve.loader.resolve import dummy_checkpoint, load_checkpoint, resolve_model
 from qsaserve.models.registry import check_model_parallel, is_hybrid, text_config
 from qsaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from qsaserve.quant.kv_scales import capacity_report

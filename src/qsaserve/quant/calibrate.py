@@ -175,7 +175,7 @@ def _sink_aligned(mean: torch.Tensor, absmax_after, sink: torch.Tensor, margin: 
 def default_kv_rotation(config) -> str:
     """The head transform `qsaserve calibrate` measures when --kv-rotation is not given: whitened
     where the model supports it (the scheme that loses least to FP8, docs/fp8.md), else none."""
-    from qsaserve.loader.checkpoint import dummy_checkpoint, load_checkpoint
+    from qsaserve.loader.resolve import dummy_checkpoint, load_checkpoint
     from qsaserve.models.registry import kv_rotation_unsupported
 
     checkpoint = dummy_checkpoint(config.model) if config.load_format == "dummy" else \

@@ -92,7 +92,7 @@ def build_runner(spec: WorkerSpec, ctx: ParallelContext, device: torch.device, c
                  progress: bool = False):
     """Load this rank's shard and allocate its KV cache with the block count every rank can hold."""
     if checkpoint is None:
-        from qsaserve.loader.checkpoint import dummy_checkpoint, load_checkpoint
+        from qsaserve.loader.resolve import dummy_checkpoint, load_checkpoint
 
         c = spec.config
         checkpoint = dummy_checkpoint(c.model) if c.load_format == "dummy" else load_checkpoint(spec.model_path, progress=False)

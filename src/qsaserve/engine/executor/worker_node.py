@@ -9,7 +9,7 @@ from qsaserve.config import EngineConfig
 from qsaserve.engine.executor.processes import WorkerProcess, stop_workers
 from qsaserve.engine.executor.rank import WorkerSpec, master_endpoint
 from qsaserve.engine.llm_engine import resolve_max_model_len
-from qsaserve.loader.checkpoint import dummy_checkpoint, load_checkpoint, resolve_model
+from qsaserve.loader.resolve import dummy_checkpoint, load_checkpoint, resolve_model
 from qsaserve.models.registry import text_config
 
 logger = logging.getLogger("qsaserve")
