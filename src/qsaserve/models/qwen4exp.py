@@ -27,40 +27,26 @@ from qsaserve.models.interfaces import (HasRecurrentState, HasSideTables, SideTa
 from qsaserve.models.qwen4exp_blocks import (
     hc_expand,
     hc_inject,
-    moe_experts,
-    moe_experts_sync_free,
-    moe_route,
     rms_norm,
     qsa_attention_output,
     qsa_norm_rope_qk,
     sparse_moe_block,
 )
-from qsaserve.models.qwen4exp_ple import PLEHashParams, ple_embed, ple_initial_context, ple_layer_forward
-from qsaserve.ops.attention.reference import gather_context, write_kv_reference
-from qsaserve.ops.fused import triton_fused, use_fused
-from qsaserve.ops.gdn.decode_ops import conv1d_decode_, delta_rule_decode_, gated_norm, gdn_gates
-from qsaserve.ops.gdn.dispatch import gated_delta_rule
+from qsaserve.ops.attention import write_kv
+from qsaserve.ops.dispatch import use_triton
+from qsaserve.ops.fused import norm_rope_heads, sigmoid_gated_add, silu_mul
+from qsaserve.ops.gdn import (causal_conv1d_reference, conv1d_decode_, delta_rule_decode_, gated_delta_rule, gated_norm,
+                              gdn_gates)
 from qsaserve.ops.hyper_connection import hc_step
-from qsaserve.ops.moe import moe_route_triton
-from qsaserve.ops.gdn.reference import causal_conv1d_reference
-from qsaserve.ops.qsa_attention.reference import sparse_attention_paged_reference, sparse_attention_reference
-from qsaserve.ops.qsa_indexer.paged import (decode_index_scores, pool_chunk_groups, pool_completed_groups,
-                                           select_decode_tokens, select_prefill_tokens)
-from qsaserve.ops.qsa_indexer.reference import indexer_project, rope_cos_sin, rope_inv_freq
+from qsaserve.ops.moe import moe_experts, moe_experts_sync_free, moe_route
+from qsaserve.ops.ple import (PLEHashParams, dilated_conv_decode_, ngram_rows_decode_, ple_embed, ple_initial_context,
+                              ple_layer_forward, stream_gate)
+from qsaserve.ops.qsa_attention import sparse_attention_paged
+from qsaserve.ops.qsa_indexer import (indexer_project, pool_chunk_groups, pool_completed_groups, rope_cos_sin,
+                                      rope_inv_freq, select_decode, select_prefill)
 from qsaserve.parallel.state import ParallelContext
 from qsaserve.parallel.tp import (even_range, kv_head_range, shard_vocab, take, vocab_parallel_embedding,
                                   vocab_parallel_logits)
-
-try:  # Triton kernels for CUDA tensors; CPU-only installs keep the references
-    from qsaserve.ops.attention import triton_paged as _triton_paged
-    from qsaserve.ops.qsa_attention.triton_sparse import sparse_attention_paged_triton
-    from qsaserve.ops.ple import triton_ple
-    from qsaserve.ops.qsa_indexer.triton_pool import pool_completed_groups_triton
-    from qsaserve.ops.qsa_indexer.triton_score import (decode_index_scores_triton, prefill_index_scores_triton,
-                                                       select_decode_tokens_triton, select_prefill_rows_triton)
-except ImportError:
-    _triton_paged = sparse_attention_paged_triton = decode_index_scores_triton = prefill_index_scores_triton = None
-    select_decode_tokens_triton = select_prefill_rows_triton = pool_completed_groups_triton = triton_ple = None
 
 logger = logging.getLogger("qsaserve")
 
@@ -382,16 +368,15 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsC
         path). CUDA: the router, the shared expert's gate/up projections and its gate in one GEMM,
         SiLU-mul fused, the routed experts through ops.moe's in-place kernels at decode."""
         c, mlp = self.cfg, self.layer_parts[i]["mlp"]
-        if not use_fused(x) or x.dim() != 2 or c.hidden_act not in ("silu", "swish"):
+        if not use_triton(x) or x.dim() != 2 or c.hidden_act not in ("silu", "swish"):
             return sparse_moe_block(x, mlp, c.num_experts_per_tok, c.norm_topk_prob, c.hidden_act, sync_free=step.decode)
         fused, rows = self.fused_mlp_inputs[i]  # router | shared gate_proj | shared up_proj | shared gate
         logits, gate_up, shared_gate = torch.split(F.linear(x, fused), [rows[0], rows[1] + rows[2], rows[3]], dim=-1)
-        route = moe_route_triton if moe_route_triton is not None else moe_route
-        top_w, top_i = route(logits, c.num_experts_per_tok, c.norm_topk_prob)
+        top_w, top_i = moe_route(logits, c.num_experts_per_tok, c.norm_topk_prob)
         experts = moe_experts_sync_free if step.decode else moe_experts
         routed = experts(x, top_i, top_w, mlp["experts.gate_up_proj"], mlp["experts.down_proj"], c.hidden_act)
-        shared = F.linear(triton_fused.silu_mul(gate_up), mlp["shared_expert.down_proj.weight"])
-        return triton_fused.sigmoid_gated_add(routed, shared, shared_gate)  # routed + sigmoid(gate) * shared
+        shared = F.linear(silu_mul(gate_up), mlp["shared_expert.down_proj.weight"])
+        return sigmoid_gated_add(routed, shared, shared_gate)  # routed + sigmoid(gate) * shared
 
     def _hc_step(self, w: dict, prefix: str, hyper: torch.Tensor, pending):
         """hyper += pending's output (per-stream weights), then this mixer's block input and the
@@ -406,7 +391,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsC
     def _ple(self, i: int, hyper, input_ids, step: "_Step") -> torch.Tensor:
         st, ple_w = self.state[i], self.layer_parts[i]["ple"]
         params = self.ple_params[i]
-        if step.decode and use_fused(hyper) and triton_ple is not None:
+        if step.decode and use_triton(hyper):
             return self._ple_decode_fused(i, hyper, input_ids, step)
         if step.decode:  # every sequence at once: [B, 1] chunks continuing from their slots
             slots, fresh = step.slot_idx, step.fresh[:, None]
@@ -433,16 +418,16 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsC
         the hashing, stream gate and dilated conv as Triton kernels, state slots updated in place."""
         c, st, w, params = self.cfg, self.state[i], self.layer_parts[i]["ple"], self.ple_params[i]
         h, eps = c.hidden_size, c.rms_norm_eps
-        rows = triton_ple.ngram_rows_decode_(input_ids, st.ngram_context, step.slot_idx, step.fresh, params)
+        rows = ngram_rows_decode_(input_ids, st.ngram_context, step.slot_idx, step.fresh, params)
         emb = ple_embed(rows, self.ple_tables[i]).to(hyper.dtype)
         fused, split = self.fused_inputs[("ple", i)]
         key, value = torch.split(F.linear(emb, fused), split, dim=-1)
         key = rms_norm(key, w["norm_key.weight"], eps, h)
         query = rms_norm(hyper, w["norm_query.weight"], eps, h)
-        gated = triton_ple.stream_gate(key, query, value, c.hc_count)
+        gated = stream_gate(key, query, value, c.hc_count)
         normed = rms_norm(gated, w["norm_conv.weight"], eps, h)
-        return triton_ple.dilated_conv_decode_(normed, gated, w["conv1d.weight"], st.ple_conv, step.slot_idx,
-                                               step.fresh, params.ngram_size)
+        return dilated_conv_decode_(normed, gated, w["conv1d.weight"], st.ple_conv, step.slot_idx, step.fresh,
+                                    params.ngram_size)
 
     def _gdn(self, i: int, x: torch.Tensor, step: "_Step") -> torch.Tensor:
         """All sequences of the step in one packed call; each continues from its state slot."""
@@ -483,7 +468,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsC
         if step.rope is None:  # the same tables for every QSA layer of the step
             step.rope = rope_cos_sin(positions, self.inv_freq, x.dtype)
         cos, sin = step.rope
-        if not use_fused(x):  # qsa_attention_qkv, with this rank's q_proj layout (_query_gate_rows)
+        if not use_triton(x):  # qsa_attention_qkv, with this rank's q_proj layout (_query_gate_rows)
             t, d = x.shape[0], c.head_dim
             q, gate = self._split_query_gate(F.linear(x, w["q_proj.weight"]))
             k = F.linear(x, w["k_proj.weight"]).view(t, -1, d)
@@ -493,16 +478,16 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsC
                                       c.indexer_n_heads, c.indexer_head_dim, cos, sin, c.rms_norm_eps)
             return w, q, gate, k, v, iq, raw
         # CUDA: the same projections, each head's 1-centred RMSNorm + partial RoPE in one kernel
-        # (triton_fused.norm_rope_heads; qsa_attention_qkv and indexer_project are its reference).
+        # (ops.fused.norm_rope_heads; qsa_attention_qkv and indexer_project are its reference).
         t, d, hi, di = x.shape[0], c.head_dim, c.indexer_n_heads, c.indexer_head_dim
         fused, rows = self.fused_inputs[i]  # q_proj | k_proj | v_proj | index_qk_proj: one GEMM
         qg, k, v, qk = torch.split(F.linear(x, fused), rows, dim=-1)
         q, gate = self._split_query_gate(qg)
-        q = triton_fused.norm_rope_heads(q, w["q_norm.weight"], cos, sin, c.rms_norm_eps)
-        k = triton_fused.norm_rope_heads(k.view(t, -1, d), w["k_norm.weight"], cos, sin, c.rms_norm_eps)
+        q = norm_rope_heads(q, w["q_norm.weight"], cos, sin, c.rms_norm_eps)
+        k = norm_rope_heads(k.view(t, -1, d), w["k_norm.weight"], cos, sin, c.rms_norm_eps)
         v = v.view(t, -1, d)
-        iq = triton_fused.norm_rope_heads(qk[:, :hi * di].view(t, hi, di), w["indexer.q_layernorm.weight"], cos, sin,
-                                          c.rms_norm_eps)
+        iq = norm_rope_heads(qk[:, :hi * di].view(t, hi, di), w["indexer.q_layernorm.weight"], cos, sin,
+                             c.rms_norm_eps)
         return w, q, gate, k, v, iq, qk[:, hi * di:]
 
     def _qsa(self, i: int, x: torch.Tensor, positions: torch.Tensor, step: "_Step",
@@ -512,7 +497,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsC
         in row blocks that bound the temporaries. On CUDA: Triton scoring, batched top-k on device
         ("lowest_index" ties, as decode) and one Triton sparse-attention call for every row of the
         step, reading the selected positions through the block tables. On CPU: transformers' tie
-        order ("torch") and the gathered-context reference.
+        order ("torch") and the paged torch reference (ops.qsa_indexer / ops.qsa_attention choose).
 
         Under DCP the indexer state and the top-k are replicated (identical on every rank); the
         selection is then localized to this rank's K/V shard, the DCP group's query heads attend
@@ -529,40 +514,19 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsC
         else:
             _write_kv(cache, k, v, meta.slot_mapping)
         r, budget = c.indexer_compress_ratio, c.indexer_budget
-        fast = _use_triton(q)
-        # Ties: transformers' per-query torch.topk order on CPU, the deterministic lowest index on CUDA.
-        tie_break = "lowest_index" if q.is_cuda else "torch"
         iq = iq.to(cache.block_keys.dtype)
         selected = torch.empty((q.shape[0], budget + r - 1), dtype=torch.long, device=q.device)
         for s, (a, b) in enumerate(step.spans):
             length, table = meta.seq_lens_list[s], meta.block_tables[s]
             pool_chunk_groups(tails[step.slots[s]], raw[a:b], length - (b - a), cache.block_keys, table,
                               w["indexer.k_layernorm.weight"], self.inv_freq, r, c.rms_norm_eps)
-            # CUDA: one fused select (packed-key scoring, top-k, build) per row block; the "torch" tie
-            # order (interpreter runs on CPU) keeps the scorer plus the reference's per-query top-k.
-            fused = fast and tie_break == "lowest_index"
-            selected[a:b] = select_prefill_tokens(
-                iq[a:b], cache.block_keys, table, positions[a:b], r, budget, length // r, tie_break,
-                score_fn=prefill_index_scores_triton if fast and not fused else None,
-                select_fn=select_prefill_rows_triton if fused else None)
+            selected[a:b] = select_prefill(iq[a:b], cache.block_keys, table, positions[a:b], r, budget, length // r)
         if dcp.enabled:
             selected = dcp.localize(selected)
-        scale = c.head_dim**-0.5
-        if fast:
-            rows = torch.arange(q.shape[0], dtype=meta.cu_query_lens.dtype, device=q.device)
-            seq_ids = torch.searchsorted(meta.cu_query_lens[1:].contiguous(), rows, right=True)
-            attn, lse = sparse_attention_paged_triton(q, cache.kv, meta.block_tables, selected, scale, seq_ids,
-                                                      cache.k_scale, cache.v_scale, run=self._run(cache),
-                                                      pack=ctx.dcp_pack_size)
-        else:
-            attn = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-            for s, (a, b) in enumerate(step.spans):
-                length = plan.local_seq_lens[s] if dcp.enabled else meta.seq_lens_list[s]
-                if length == 0:
-                    continue  # nothing of this sequence here: out 0, lse -inf
-                k_ctx, v_ctx = gather_context(cache.kv, meta.block_tables[s], length, cache.k_scale, cache.v_scale)
-                attn[a:b], lse[a:b] = sparse_attention_reference(q[a:b], k_ctx, v_ctx, selected[a:b], scale=scale)
+        rows = torch.arange(q.shape[0], dtype=meta.cu_query_lens.dtype, device=q.device)
+        seq_ids = torch.searchsorted(meta.cu_query_lens[1:].contiguous(), rows, right=True)
+        attn, lse = sparse_attention_paged(q, cache.kv, meta.block_tables, selected, c.head_dim**-0.5, seq_ids,
+                                           cache.k_scale, cache.v_scale, run=self._run(cache), pack=ctx.dcp_pack_size)
         attn = ctx.dcp_merge(attn, lse)
         return ctx.all_reduce(qsa_attention_output(attn, gate, w["o_proj.weight"]))
 
@@ -580,27 +544,12 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsC
         _write_kv(cache, k, v, step.kv_slots)
         # The raw key joins its sequence's open group in the state slot (padding rows: the scratch slot).
         r, tables, pos = c.indexer_compress_ratio, meta.block_tables, step.query_pos
-        pool = pool_completed_groups_triton if use_fused(raw) and not r & (r - 1) else pool_completed_groups
-        pool(self.state[i].index_tail, step.slot_idx, raw, cache.block_keys, tables, pos, step.valid,
-             w["indexer.k_layernorm.weight"], self.inv_freq, r, c.rms_norm_eps)
+        pool_completed_groups(self.state[i].index_tail, step.slot_idx, raw, cache.block_keys, tables, pos, step.valid,
+                              w["indexer.k_layernorm.weight"], self.inv_freq, r, c.rms_norm_eps)
         iq = iq.to(cache.block_keys.dtype)
-        fast = _use_triton(q)
-        local = ctx.dcp.enabled and fast and use_fused(q)  # the build kernel writes rank-local rows
-        if fast:
-            selected = select_decode_tokens_triton(iq, cache.block_keys, tables, pos, r, c.indexer_budget,
-                                                   dcp=ctx.dcp if local else None)
-        else:
-            selected = select_decode_tokens(decode_index_scores(iq, cache.block_keys, tables, pos, r), pos, r,
-                                            c.indexer_budget)
-        if ctx.dcp.enabled and not local:
-            selected = ctx.dcp.localize(selected)
-        if fast:
-            attn, lse = sparse_attention_paged_triton(q, cache.kv, tables, selected, c.head_dim**-0.5, None,
-                                                      cache.k_scale, cache.v_scale, run=self._run(cache),
-                                                      pack=ctx.dcp_pack_size)
-        else:
-            attn, lse = sparse_attention_paged_reference(q, cache.kv, tables, selected, c.head_dim**-0.5, None,
-                                                         cache.k_scale, cache.v_scale)
+        selected = select_decode(iq, cache.block_keys, tables, pos, r, c.indexer_budget, dcp=ctx.dcp)
+        attn, lse = sparse_attention_paged(q, cache.kv, tables, selected, c.head_dim**-0.5, None, cache.k_scale,
+                                           cache.v_scale, run=self._run(cache), pack=ctx.dcp_pack_size)
         attn = ctx.dcp_merge(attn, lse)
         return ctx.all_reduce(qsa_attention_output(attn, gate, w["o_proj.weight"]))
 
@@ -844,17 +793,7 @@ def _is_decode(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
     return input_ids.shape[0] == meta.num_seqs and all(n == 1 for n in meta.query_lens)
 
 
-def _use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda and decode_index_scores_triton is not None
-
-
 def _write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """Store K/V rows at `slots` (-1: not stored here), quantizing for FP8 pages and subtracting a
-    K offset when the layer has one. The Triton writer (CUDA) skips -1 slots; the reference path
-    (CPU) sends them to the null block's slot 0, which no reader ever attends to."""
-    k_offset = getattr(cache, "k_offset", None)
-    extra = {} if k_offset is None else {"k_offset": k_offset}
-    if _triton_paged is not None and k.is_cuda:
-        _triton_paged.write_kv(k, v, cache.kv, slots, cache.k_scale, cache.v_scale, **extra)
-        return
-    write_kv_reference(k, v, cache.kv, slots.clamp_min(0), cache.k_scale, cache.v_scale, **extra)
+    K offset when the layer has one."""
+    write_kv(k, v, cache.kv, slots, cache.k_scale, cache.v_scale, k_offset=getattr(cache, "k_offset", None))

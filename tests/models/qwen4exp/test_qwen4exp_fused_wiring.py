@@ -1,20 +1,17 @@
 """The model's CUDA fast paths, wired on CPU: fused projection GEMMs and their splits (GDN
 qkv|z|b|a, QSA q|k|v|index, router|shared gate|up|shared gate), the QSA q/k/index-q norm + RoPE
-call sites, the PLE decode kernels' call sites, the block-key pooling call, the MoE router call and
+call sites, the PLE decode ops' call sites, the block-key pooling call, the MoE router call and
 the MoE block's fused shared expert give what the reference path gives.
 
 On CUDA those paths call Triton kernels (tested against their references in tests/ops); here the
-kernels are swapped for the same references, so this checks only the model code around them, in
-float32 against the unpatched model (prompt logprobs within 1e-5, identical greedy tokens), over
-chunked prefill, batched decode and a PLE layer."""
-from types import SimpleNamespace
-
+model takes its CUDA branches while each dispatched op (ops/<op>/__init__.py) runs its torch
+reference on the CPU tensors, so this checks only the model code around them, in float32 against
+the unpatched model (prompt logprobs within 1e-5, identical greedy tokens), over chunked prefill,
+batched decode and a PLE layer."""
 import torch
 
 from qsaserve import LLM, SamplingParams
 from qsaserve.models import qwen4exp
-from qsaserve.ops.fused.reference import norm_rope_heads_reference, sigmoid_gated_add_reference, silu_mul_reference
-from qsaserve.ops.ple import reference as ple_ref
 
 from qwen4exp_testing import build_random_model, make_config
 
@@ -41,16 +38,11 @@ def test_fast_path_wiring_equals_reference_path(tmp_path, monkeypatch):
             return fn(*a)
         return run
 
-    monkeypatch.setattr(qwen4exp, "use_fused", lambda x: True)
-    monkeypatch.setattr(qwen4exp, "pool_completed_groups_triton", qwen4exp.pool_completed_groups)
-    monkeypatch.setattr(qwen4exp, "moe_route_triton", counted("route", qwen4exp.moe_route))
-    monkeypatch.setattr(qwen4exp, "triton_ple", SimpleNamespace(
-        ngram_rows_decode_=counted("ple", ple_ref.ngram_rows_decode_reference_),
-        stream_gate=ple_ref.stream_gate_reference, dilated_conv_decode_=ple_ref.dilated_conv_decode_reference_))
-    monkeypatch.setattr(qwen4exp, "triton_fused", SimpleNamespace(
-        silu_mul=counted("silu_mul", silu_mul_reference), norm_rope_heads=counted("norm_rope_heads",
-                                                                                 norm_rope_heads_reference),
-        sigmoid_gated_add=sigmoid_gated_add_reference))
+    monkeypatch.setattr(qwen4exp, "use_triton", lambda x: True)
+    monkeypatch.setattr(qwen4exp, "moe_route", counted("route", qwen4exp.moe_route))
+    monkeypatch.setattr(qwen4exp, "ngram_rows_decode_", counted("ple", qwen4exp.ngram_rows_decode_))
+    monkeypatch.setattr(qwen4exp, "silu_mul", counted("silu_mul", qwen4exp.silu_mul))
+    monkeypatch.setattr(qwen4exp, "norm_rope_heads", counted("norm_rope_heads", qwen4exp.norm_rope_heads))
     got = _run(str(tmp_path))
     assert calls["silu_mul"] and calls["norm_rope_heads"] and calls["ple"] and calls["route"]  # the fast branches ran
     for (tw, lw), (tg, lg) in zip(want, got):

@@ -16,7 +16,8 @@ from qsaserve.models.qwen4exp_blocks import (
     qsa_attention_forward,
     sparse_moe_block,
 )
-from qsaserve.models.qwen4exp_ple import PLEHashParams, TensorRowTable, ple_layer_forward
+from qsaserve.ops.ple.hashing import PLEHashParams
+from qsaserve.ops.ple.reference import TensorRowTable, ple_layer_forward
 from qsaserve.ops.qsa_indexer import rope_inv_freq
 
 transformers = pytest.importorskip("transformers")

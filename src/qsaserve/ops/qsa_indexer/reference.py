@@ -28,6 +28,9 @@ import math
 
 import torch
 
+from qsaserve.ops import rope
+from qsaserve.ops.fused.reference import rms_norm_one_centred
+
 __all__ = [
     "rms_norm_one_centred",
     "rope_inv_freq",
@@ -44,17 +47,10 @@ __all__ = [
 ]
 
 
-def rms_norm_one_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen4Exp RMSNorm: fp32 ``x * rsqrt(mean(x^2) + eps) * (1 + weight)``, cast back to ``x.dtype``."""
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * (1.0 + weight.float())).to(x.dtype)
-
-
 def rope_inv_freq(head_dim: int, partial_rotary_factor: float = 1.0, rope_theta: float = 10000.0) -> torch.Tensor:
-    """Default-RoPE inverse frequencies over ``rotary_dim = int(head_dim * partial_rotary_factor)``."""
-    dim = int(head_dim * partial_rotary_factor)
-    return 1.0 / (rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    """Default-RoPE inverse frequencies over ``rotary_dim = int(head_dim * partial_rotary_factor)``
+    (`ops.rope.rope_inv_freq` in Qwen4Exp's config terms)."""
+    return rope.rope_inv_freq(int(head_dim * partial_rotary_factor), rope_theta)
 
 
 def rope_cos_sin(
