@@ -1,6 +1,7 @@
-"""RoPE inverse frequencies: the one derivation behind every rotary table, with the Llama-family
-scaling rules (layers/rotary.py builds its cos/sin tables from it; Qwen4Exp's partial rotary,
-ops/qsa_indexer/reference.rope_inv_freq, calls it with the rotated width)."""
+"""RoPE: the inverse frequencies, the one derivation behind every rotary table with the
+Llama-family scaling rules (layers/rotary.py builds its cos/sin tables from it; Qwen4Exp's partial
+rotary, ops/qsa_indexer/reference.rope_inv_freq, calls it with the rotated width), and the partial
+rotate-half rotation."""
 from __future__ import annotations
 
 import math
@@ -31,4 +32,17 @@ def rope_inv_freq(rotary_dim: int, base: float, scaling: dict | None = None) -> 
     raise ValueError(f"rope_scaling: unsupported rope_type {kind!r} (supported: default, linear, llama3)")
 
 
-__all__ = ["rope_inv_freq"]
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` dims of ``x`` (rotate-half), pass the rest through.
+
+    ``cos``/``sin`` must broadcast against ``x[..., :rotary_dim]`` (unsqueeze head dims first).
+    Arithmetic happens in the common dtype of ``x`` and ``cos`` (transformers: the model dtype).
+    """
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
+
+
+__all__ = ["apply_partial_rope", "rope_inv_freq"]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qsaserve.ops.rope import apply_partial_rope
+
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim, math in float32, result in x's dtype."""
@@ -83,8 +85,7 @@ def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
 def norm_rope_heads_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                               eps: float) -> torch.Tensor:
     """Qwen4Exp's per-head q/k path: 1-centred RMSNorm (rms_norm_one_centred) then partial
-    rotate-half RoPE (qsa_indexer.reference.apply_partial_rope) with cos/sin [T, rot] in x's dtype."""
-    from qsaserve.ops.qsa_indexer.reference import apply_partial_rope  # imported here: that module imports this one
+    rotate-half RoPE (ops.rope.apply_partial_rope) with cos/sin [T, rot] in x's dtype."""
 
     return apply_partial_rope(rms_norm_one_centred(x, weight, eps), cos[:, None], sin[:, None])
 

@@ -29,6 +29,7 @@ import math
 import torch
 
 from qsaserve.ops import rope
+from qsaserve.ops.rope import apply_partial_rope
 from qsaserve.ops.fused.reference import rms_norm_one_centred
 
 __all__ = [
@@ -64,19 +65,6 @@ def rope_cos_sin(
     freqs = positions.float()[..., None] * inv_freq.float().to(positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first ``cos.shape[-1]`` dims of ``x`` (rotate-half), pass the rest through.
-
-    ``cos``/``sin`` must broadcast against ``x[..., :rotary_dim]`` (unsqueeze head dims first).
-    Arithmetic happens in the common dtype of ``x`` and ``cos`` (transformers: the model dtype).
-    """
-    rot = cos.shape[-1]
-    x_rot, x_pass = x[..., :rot], x[..., rot:]
-    half = rot // 2
-    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
-    return torch.cat([x_rot * cos + rotated * sin, x_pass], dim=-1)
 
 
 def indexer_project(
