@@ -31,7 +31,7 @@ from qsaserve.ops.attention.dcp_reference import paged_attention_partial as part
 from qsaserve.ops.attention.reference import paged_attention_reference, write_kv_reference
 from qsaserve.ops.qsa_attention.reference import merge_attention_partials
 from qsaserve.parallel.dcp import DcpGeometry
-from qsaserve.quant.fp8 import FP8_E4M3, quantize_fp8
+from qsaserve.ops.fp8 import FP8_E4M3, quantize_fp8
 
 from test_attention_triton import check_close, make_case
 

@@ -27,7 +27,7 @@ import torch
 from qsaserve.ops.attention.dcp_reference import paged_attention_partial as partial_reference
 from qsaserve.ops.attention.reference import write_kv_reference
 from qsaserve.parallel.dcp import DcpGeometry
-from qsaserve.quant.fp8 import FP8_E4M3
+from qsaserve.ops.fp8 import FP8_E4M3
 
 from test_attention_triton import check_close
 from triton_interpreter import interpreter_numpy_shim, run_under_interpreter

@@ -11,7 +11,7 @@ import torch
 
 tp = pytest.importorskip("qsaserve.ops.attention.triton_paged")
 from qsaserve.ops.attention import decode_triton, prefill_triton, triton_common  # noqa: E402
-from qsaserve.quant.fp8 import FP8_E4M3  # noqa: E402
+from qsaserve.ops.fp8 import FP8_E4M3  # noqa: E402
 
 # Each kernel by the module that launches it.
 KERNELS = {"_decode_kernel": decode_triton, "_merge_kernel": decode_triton, "_prefill_kernel": prefill_triton}

@@ -165,7 +165,8 @@ def check_sigmoid_gated_add(device, dtype, rows=3, cols=300):
 def check_head_rotate_qk(device, dtype, tokens=3, hq=5, hk=2, head_dim=32):
     """q and k rotated in place inside one qkv-like buffer (v untouched) against rotate_heads."""
     from qsaserve.ops.fused import triton_fused as tf
-    from qsaserve.quant.kv_rotation import hadamard_matrix, rotate_heads
+    from qsaserve.ops.head_transform import rotate_heads
+    from qsaserve.quant.kv_rotation import hadamard_matrix
 
     gen = torch.Generator().manual_seed(hq * head_dim + tokens)
     qkv = (torch.randn(tokens, (hq + 2 * hk) * head_dim, generator=gen) * 3).to(dtype)
@@ -196,7 +197,7 @@ def check_head_transform_qk(device, dtype, tokens=3, hq=6, hk=2, head_dim=32, sh
     """q and k multiplied in place by a matrix per KV head (q heads by their group's) inside one
     qkv-like buffer, against transform_heads; v untouched."""
     from qsaserve.ops.fused import triton_fused as tf
-    from qsaserve.quant.kv_rotation import transform_heads
+    from qsaserve.ops.head_transform import transform_heads
 
     gen = torch.Generator().manual_seed(hq * head_dim + tokens + 1)
     qkv = (torch.randn(tokens, (hq + 2 * hk) * head_dim, generator=gen) * 3).to(dtype)

@@ -14,7 +14,7 @@ import torch
 from qsaserve.ops.qsa_attention import sparse_attention_paged_reference, sparse_attention_reference
 from qsaserve.ops.qsa_indexer import index_scores, pool_block_keys, rope_inv_freq, select_tokens
 from qsaserve.ops.qsa_indexer.paged import decode_index_scores, pool_completed_groups, select_decode_tokens
-from qsaserve.quant.fp8 import FP8_E4M3, quantize_fp8
+from qsaserve.ops.fp8 import FP8_E4M3, quantize_fp8
 
 EPS = 1e-6
 

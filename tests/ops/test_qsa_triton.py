@@ -14,7 +14,7 @@ import torch
 from qsaserve.ops.dcp_merge.reference import pack_partials as reference_pack_partials
 from qsaserve.ops.qsa_attention import merge_attention_partials, sparse_attention_paged_reference
 from qsaserve.ops.qsa_indexer.paged import decode_index_scores, select_decode_tokens
-from qsaserve.quant.fp8 import FP8_E4M3, quantize_fp8
+from qsaserve.ops.fp8 import FP8_E4M3, quantize_fp8
 from triton_interpreter import run_under_interpreter
 
 

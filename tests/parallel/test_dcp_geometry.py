@@ -13,7 +13,7 @@ from qsaserve.ops.attention.dcp_reference import paged_attention_partial
 from qsaserve.ops.attention.reference import paged_attention_reference, write_kv_reference
 from qsaserve.ops.qsa_attention.reference import merge_attention_partials, sparse_attention_reference
 from qsaserve.parallel.dcp import DcpGeometry, check_dcp_config
-from qsaserve.quant.fp8 import FP8_E4M3, quantize_fp8
+from qsaserve.ops.fp8 import FP8_E4M3, quantize_fp8
 
 LAYOUTS = [(d, i, b) for d in (1, 2, 3, 4) for i in (1, 2, 4) for b in (4, 8) if b % i == 0]
 

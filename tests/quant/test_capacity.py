@@ -5,7 +5,7 @@ import torch
 
 from qsaserve.cache.kv_cache import KVCacheSpec
 from qsaserve.quant.capacity import kv_capacity_report
-from qsaserve.quant.fp8 import FP8_E4M3
+from qsaserve.ops.fp8 import FP8_E4M3
 
 
 def test_capacity_for_the_model_dtype_and_fp8():

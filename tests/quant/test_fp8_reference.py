@@ -8,7 +8,7 @@ import torch
 
 from qsaserve.ops.attention.reference import gather_context, paged_attention_reference, write_kv_reference
 from qsaserve.ops.qsa_attention.reference import sparse_attention_reference
-from qsaserve.quant.fp8 import FP8_E4M3, FP8_E4M3_MAX, dequantize_fp8, quantize_fp8
+from qsaserve.ops.fp8 import FP8_E4M3, FP8_E4M3_MAX, dequantize_fp8, quantize_fp8
 
 NAN_BYTES = (0x7F, 0xFF)
 

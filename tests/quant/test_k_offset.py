@@ -10,7 +10,7 @@ from fp8_testing import write_overlay
 from qsaserve import LLM, InvalidRequestError
 from qsaserve.ops.attention.reference import gather_context, paged_attention_reference, write_kv_reference
 from qsaserve.quant.calibrate import calibrate_windows, sink_aligned_offset
-from qsaserve.quant.fp8 import FP8_E4M3, dequantize_fp8, quantize_fp8
+from qsaserve.ops.fp8 import FP8_E4M3, dequantize_fp8, quantize_fp8
 from qsaserve.quant.kv_scales import ScaleSet, read_scales_file, resolve_kv_cache
 from qsaserve.config import EngineConfig
 
@@ -55,7 +55,7 @@ def test_offset_is_exact_without_quantization():
 
 
 def test_offset_shrinks_fp8_error_on_biased_keys():
-    from qsaserve.quant.fp8 import FP8_E4M3
+    from qsaserve.ops.fp8 import FP8_E4M3
 
     k, bias = biased_keys(64, seed=2)
     gen = torch.Generator().manual_seed(3)

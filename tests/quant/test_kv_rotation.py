@@ -10,7 +10,8 @@ from fp8_testing import write_overlay
 from qsaserve import LLM, EngineConfig, InvalidRequestError, SamplingParams
 from qsaserve.ops.attention.reference import paged_attention_reference
 from qsaserve.quant.calibrate import calibrate_windows
-from qsaserve.quant.kv_rotation import fold_into_columns, fold_into_rows, hadamard_matrix, rotate_heads
+from qsaserve.ops.head_transform import fold_into_columns, fold_into_rows, rotate_heads
+from qsaserve.quant.kv_rotation import hadamard_matrix
 
 SCALES = {0: (0.02, 0.01), 1: (0.03, 0.015), 2: (0.04, 0.02)}
 

@@ -9,7 +9,7 @@ import torch
 
 from fp8_testing import save_tiny_llama, write_overlay
 from qsaserve import LLM, EngineConfig, InvalidRequestError
-from qsaserve.quant.fp8 import FP8_E4M3
+from qsaserve.ops.fp8 import FP8_E4M3
 
 SCALES = {0: (0.02, 0.01), 1: (0.03, 0.015), 2: (0.04, 0.02)}
 

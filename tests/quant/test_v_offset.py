@@ -9,7 +9,7 @@ import torch
 
 from qsaserve import LLM, InvalidRequestError, SamplingParams
 from qsaserve.quant.calibrate import calibrate_windows
-from qsaserve.quant.fp8 import dequantize_fp8, quantize_fp8
+from qsaserve.ops.fp8 import dequantize_fp8, quantize_fp8
 
 HKV, D = 2, 16
 PROMPTS = [{"prompt_token_ids": [5, 17, 33, 8, 61, 2, 90, 41, 12]}, {"prompt_token_ids": [71, 3, 3, 50]}]

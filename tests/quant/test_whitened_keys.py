@@ -9,8 +9,8 @@ import torch
 
 from qsaserve import LLM, InvalidRequestError, SamplingParams
 from qsaserve.quant.calibrate import calibrate_windows
-from qsaserve.quant.kv_rotation import (hadamard_matrix, query_transform, rotate_qk, transform_heads,
-                                        whitened_key_transform)
+from qsaserve.ops.head_transform import rotate_qk, transform_heads
+from qsaserve.quant.kv_rotation import hadamard_matrix, query_transform, whitened_key_transform
 from qsaserve.quant.kv_scales import key_transforms_path, read_scales_file
 
 

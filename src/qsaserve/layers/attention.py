@@ -13,7 +13,7 @@ from torch import nn
 
 from qsaserve.cache.kv_cache import LayerCache
 from qsaserve.ops import attention as attention_ops
-from qsaserve.quant.kv_rotation import rotate_qk
+from qsaserve.ops.head_transform import rotate_qk
 
 
 def write_layer_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor) -> None:

@@ -12,7 +12,7 @@ from torch import nn
 from qsaserve.cache.kv_cache import LayerCache
 from qsaserve.layers.attention import AttentionMetadata, write_layer_kv
 from qsaserve.ops import attention as attention_ops
-from qsaserve.quant.kv_rotation import rotate_qk
+from qsaserve.ops.head_transform import rotate_qk
 
 
 class DcpAttention(nn.Module):

@@ -27,11 +27,11 @@ from qsaserve.layers.dcp_attention import DcpAttention
 from qsaserve.layers.linear import linear
 from qsaserve.layers.rmsnorm import RMSNorm
 from qsaserve.layers.rotary import RotaryEmbedding
+from qsaserve.layers.vocab_parallel import vocab_parallel_embedding, vocab_parallel_logits
 from qsaserve.models.interfaces import SupportsCudaGraphs, SupportsDummyWeights, SupportsKVRotation, SupportsVOffsets
+from qsaserve.ops.head_transform import fold_into_columns, fold_into_rows
 from qsaserve.parallel.state import ParallelContext
-from qsaserve.parallel.tp import (even_range, kv_head_range, kv_heads_per_rank, shard_vocab, take,
-                                  vocab_parallel_embedding, vocab_parallel_logits, vocab_shard_rows)
-from qsaserve.quant.kv_rotation import fold_into_columns, fold_into_rows
+from qsaserve.parallel.tp import even_range, kv_head_range, kv_heads_per_rank, shard_vocab, take, vocab_shard_rows
 
 
 @dataclass(frozen=True)

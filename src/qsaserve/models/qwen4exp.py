@@ -45,8 +45,8 @@ from qsaserve.ops.qsa_attention import sparse_attention_paged
 from qsaserve.ops.qsa_indexer import (indexer_project, pool_chunk_groups, pool_completed_groups, rope_cos_sin,
                                       rope_inv_freq, select_decode, select_prefill)
 from qsaserve.parallel.state import ParallelContext
-from qsaserve.parallel.tp import (even_range, kv_head_range, shard_vocab, take, vocab_parallel_embedding,
-                                  vocab_parallel_logits)
+from qsaserve.layers.vocab_parallel import vocab_parallel_embedding, vocab_parallel_logits
+from qsaserve.parallel.tp import even_range, kv_head_range, shard_vocab, take
 
 logger = logging.getLogger("qsaserve")
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qsaserve.layers.linear import linear_weight
 
 
 def even_range(n: int, tp_size: int, rank: int) -> tuple[int, int]:
@@ -52,21 +51,3 @@ def shard_vocab(t: torch.Tensor, vocab_size: int, tp_size: int, rank: int) -> to
     rows = t[a:b]
     pad = vocab_shard_rows(vocab_size, tp_size) - (b - a)
     return F.pad(rows, (0, 0, 0, pad)) if pad else rows
-
-
-def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, vocab_size: int, ctx) -> torch.Tensor:
-    """Embedding lookup with the table split by rows over the TP ranks: each rank looks up the ids
-    it holds (zeros elsewhere) and the all-reduce assembles the rows."""
-    if ctx.tp_size == 1:
-        return F.embedding(ids, weight)
-    start, end = vocab_range(vocab_size, ctx.tp_size, ctx.tp_rank)
-    mine = (ids >= start) & (ids < end)
-    out = F.embedding(torch.where(mine, ids - start, torch.zeros_like(ids)), weight)
-    out = out * mine[:, None].to(out.dtype)
-    return ctx.all_reduce(out)
-
-
-def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, ctx) -> torch.Tensor:
-    """LM head with vocab-split rows: local logits, gathered over ranks, padding cut."""
-    logits = linear_weight(hidden, weight).float()
-    return ctx.all_gather_last(logits)[..., :vocab_size]

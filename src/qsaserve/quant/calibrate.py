@@ -50,7 +50,7 @@ import torch
 
 from qsaserve.errors import InvalidRequestError
 from qsaserve.quant.dataset import TextSet, token_windows
-from qsaserve.quant.fp8 import FP8_E4M3_MAX, dequantize_fp8, quantize_fp8
+from qsaserve.ops.fp8 import FP8_E4M3_MAX, dequantize_fp8, quantize_fp8
 from qsaserve.quant.kv_rotation import KEY_TRANSFORM_MAX_CONDITION, key_transform_condition, whitened_key_transform
 from qsaserve.quant.kv_scales import write_scales_file
 

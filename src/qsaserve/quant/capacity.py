@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from qsaserve.quant.fp8 import FP8_E4M3
+from qsaserve.ops.fp8 import FP8_E4M3
 
 
 def kv_capacity_report(spec, budget_bytes: int) -> dict:

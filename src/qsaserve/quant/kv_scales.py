@@ -39,7 +39,7 @@ from typing import Iterable, Iterator
 import torch
 
 from qsaserve.errors import InvalidRequestError
-from qsaserve.quant.fp8 import FP8_E4M3, is_fp8
+from qsaserve.ops.fp8 import FP8_E4M3, is_fp8
 from qsaserve.quant.kv_rotation import (KEY_TRANSFORM_MAX_CONDITION, KV_ROTATIONS, hadamard_matrix,
                                         key_transform_condition, query_transform)
 

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from qsaserve.quant.fp8 import load_rows
+from qsaserve.ops.fp8 import load_rows
 
 _LOG2E = 1.0 / math.log(2.0)
 

@@ -3,7 +3,7 @@
 One entry point covers prefill, chunked prefill over a cached prefix, and decode: each
 sequence's new queries attend causally over its whole context, read from pages through its
 block table. Math in float32. An FP8 E4M3 cache is quantized on write and dequantized on read
-with the layer's per-tensor k_scale / v_scale (quant/fp8.py).
+with the layer's per-tensor k_scale / v_scale (ops/fp8.py).
 
 A layer may also carry a K offset m ([Hkv, D], calibrated per channel): keys are stored as
 k - m. Softmax over keys does not see it (q.(k - m) = q.k - q.m, one constant per query and
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qsaserve.quant.fp8 import is_fp8, load_rows, store_rows
+from qsaserve.ops.fp8 import is_fp8, load_rows, store_rows
 
 
 def write_kv_reference(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,

@@ -4,7 +4,7 @@ each on its own sequences; the partial form for decode context parallelism; and 
 that builds every launch variant. The KV write is kv_write.py, the launch configs configs.py.
 
 Cache layout per layer: [2, num_blocks, block_size, Hkv, D] (K then V) in bf16/fp16/fp32 or FP8
-E4M3 (`torch.float8_e4m3fn`, per-layer 0-d fp32 k_scale / v_scale, see quant/fp8.py); block 0 is
+E4M3 (`torch.float8_e4m3fn`, per-layer 0-d fp32 k_scale / v_scale, see ops/fp8.py); block 0 is
 the null block that pads block tables. Every cache load is masked (other=0) on the sequence
 length, so padding rows, the null block and stale page bytes are never read: they may hold E4M3
 NaN bytes (0x7F / 0xFF), and a NaN multiplied by a zero mask would still be NaN.

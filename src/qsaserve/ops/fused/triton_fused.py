@@ -327,7 +327,7 @@ def _head_rotate_qk_kernel(q_ptr, k_ptr, r_ptr, stride_qt, stride_qh, stride_kt,
 def head_rotate_qk_(q: torch.Tensor, k: torch.Tensor, rotation: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D] and k [T, Hk, D] (views into the qkv output are fine) times `rotation` [D, D]
     float32 per head, in place, in one launch: products and sums in float32, one rounding to the
-    input dtype (what quant/kv_rotation.rotate_heads computes). D: a power of two >= 16. Returns q, k."""
+    input dtype (what ops/head_transform.rotate_heads computes). D: a power of two >= 16. Returns q, k."""
     if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"q, k: expected [T, Hq, D] and [T, Hk, D], got {tuple(q.shape)} and {tuple(k.shape)}")
     if q.stride(-1) != 1 or k.stride(-1) != 1 or k.dtype != q.dtype:
@@ -373,7 +373,7 @@ def head_transform_qk_(q: torch.Tensor, k: torch.Tensor, q_matrices: torch.Tenso
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Like head_rotate_qk_ with a matrix per KV head: q [T, Hq, D] head h times q_matrices[h // (Hq /
     Hk)], k [T, Hk, D] head h times k_matrices[h] ([Hk, D, D] float32, or [D, D] for all heads), in
-    place, in one launch, float32 products, one rounding (quant/kv_rotation.transform_heads). One
+    place, in one launch, float32 products, one rounding (ops/head_transform.transform_heads). One
     program per (16 tokens, head): each loads its head's matrix once."""
     if q.dim() != 3 or k.dim() != 3 or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
         raise ValueError(f"q, k: expected [T, Hq, D] and [T, Hk, D], got {tuple(q.shape)} and {tuple(k.shape)}")

@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from qsaserve.quant.fp8 import load_rows
+from qsaserve.ops.fp8 import load_rows
 
 __all__ = ["sparse_attention_reference", "sparse_attention_paged_reference", "merge_attention_partials"]
 
