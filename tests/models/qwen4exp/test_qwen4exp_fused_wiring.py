@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from qsaserve import LLM, SamplingParams
-from qsaserve.models import qwen4exp
+from qsaserve.models.qwen4exp import moe, ple, qsa_attention
 from qsaserve.ops.fused.reference import norm_rope_heads_reference, sigmoid_gated_add_reference, silu_mul_reference
 from qsaserve.ops.ple import reference as ple_ref
 
@@ -41,16 +41,19 @@ def test_fast_path_wiring_equals_reference_path(tmp_path, monkeypatch):
             return fn(*a)
         return run
 
-    monkeypatch.setattr(qwen4exp, "use_fused", lambda x: True)
-    monkeypatch.setattr(qwen4exp, "pool_completed_groups_triton", qwen4exp.pool_completed_groups)
-    monkeypatch.setattr(qwen4exp, "moe_route_triton", counted("route", qwen4exp.moe_route))
-    monkeypatch.setattr(qwen4exp, "triton_ple", SimpleNamespace(
+    for block in (moe, ple, qsa_attention):
+        monkeypatch.setattr(block, "use_fused", lambda x: True)
+    monkeypatch.setattr(qsa_attention, "pool_completed_groups_triton", qsa_attention.pool_completed_groups)
+    monkeypatch.setattr(moe, "moe_route_triton", counted("route", moe.moe_route))
+    monkeypatch.setattr(ple, "triton_ple", SimpleNamespace(
         ngram_rows_decode_=counted("ple", ple_ref.ngram_rows_decode_reference_),
         stream_gate=ple_ref.stream_gate_reference, dilated_conv_decode_=ple_ref.dilated_conv_decode_reference_))
-    monkeypatch.setattr(qwen4exp, "triton_fused", SimpleNamespace(
+    kernels = SimpleNamespace(
         silu_mul=counted("silu_mul", silu_mul_reference), norm_rope_heads=counted("norm_rope_heads",
                                                                                  norm_rope_heads_reference),
-        sigmoid_gated_add=sigmoid_gated_add_reference))
+        sigmoid_gated_add=sigmoid_gated_add_reference)
+    for block in (moe, qsa_attention):
+        monkeypatch.setattr(block, "triton_fused", kernels)
     got = _run(str(tmp_path))
     assert calls["silu_mul"] and calls["norm_rope_heads"] and calls["ple"] and calls["route"]  # the fast branches ran
     for (tw, lw), (tg, lg) in zip(want, got):

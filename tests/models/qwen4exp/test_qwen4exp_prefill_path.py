@@ -17,7 +17,7 @@ kernel's bf16 rounding of P (measured on CPU, see the test's bounds).
 import pytest
 import torch
 
-import qsaserve.models.qwen4exp as qwen4exp
+import qsaserve.models.qwen4exp.qsa_attention as qsa_attention
 from qsaserve import LLM
 from qsaserve.layers.attention import AttentionMetadata
 
@@ -91,9 +91,9 @@ def run_interpreted_branch_check() -> None:
     steps = [[(0, 9), (1, 10)], [(0, 7)], [(0, 1), (1, 2)], [(0, 10)]]  # unaligned chunks, a 1-token chunk
     ref = _prefill(m, steps, prompts, block, "cpu")
     calls = []
-    qwen4exp._use_triton = lambda x: True
-    score = qwen4exp.prefill_index_scores_triton
-    qwen4exp.prefill_index_scores_triton = lambda *a, **k: calls.append(1) or score(*a, **k)
+    qsa_attention._use_triton = lambda x: True
+    score = qsa_attention.prefill_index_scores_triton
+    qsa_attention.prefill_index_scores_triton = lambda *a, **k: calls.append(1) or score(*a, **k)
     got = _prefill(m, steps, prompts, block, "cpu")
     assert calls, "the Triton scoring kernel did not run"
     for a, b in zip(got, ref):
@@ -123,7 +123,7 @@ def test_4096_token_prefill_triton_branch_matches_reference_on_gpu(tmp_path, mon
     steps = [[(0, 1001), (1, 300)], [(0, 1500)], [(0, 1595)]]
     # Every layer's pieces against their references on the same inputs, during the Triton run.
     seen = {"rows": 0, "rows_differ": 0, "attn_rel": []}
-    select_rows, sparse = qwen4exp.select_prefill_rows_triton, qwen4exp.sparse_attention_paged_triton
+    select_rows, sparse = qsa_attention.select_prefill_rows_triton, qsa_attention.sparse_attention_paged_triton
 
     def checked_select(iq, keys, table, pos, r, num_groups, budget):
         got = select_rows(iq, keys, table, pos, r, num_groups, budget)
@@ -138,8 +138,8 @@ def test_4096_token_prefill_triton_branch_matches_reference_on_gpu(tmp_path, mon
         seen["attn_rel"].append(float((out - ref).norm() / ref.norm()))
         return out, lse
 
-    monkeypatch.setattr(qwen4exp, "select_prefill_rows_triton", checked_select)
-    monkeypatch.setattr(qwen4exp, "sparse_attention_paged_triton", checked_attention)
+    monkeypatch.setattr(qsa_attention, "select_prefill_rows_triton", checked_select)
+    monkeypatch.setattr(qsa_attention, "sparse_attention_paged_triton", checked_attention)
     fast = _prefill(m, steps, prompts, block, "cuda")
     assert seen["rows"] == 2 * (4096 + 300), seen  # every row of both QSA layers
     # Scores differ by fp32 summation order only; on CPU, 1e-6 relative score noise changed no
@@ -147,7 +147,7 @@ def test_4096_token_prefill_triton_branch_matches_reference_on_gpu(tmp_path, mon
     assert seen["rows_differ"] <= 0.001 * seen["rows"], seen
     # The kernel's P.V dot takes bf16 probabilities (the op tests' bf16 bound).
     assert max(seen["attn_rel"]) < 1.5e-2, seen["attn_rel"]
-    monkeypatch.setattr(qwen4exp, "_use_triton", lambda x: False)
+    monkeypatch.setattr(qsa_attention, "_use_triton", lambda x: False)
     ref = _prefill(m, steps, prompts, block, "cuda")
     # End to end the bf16 model amplifies those roundings: in the bf16 reference branch on CPU,
     # rounding only P to bf16 before P.V (as the kernel does) moves the prompt logprobs by

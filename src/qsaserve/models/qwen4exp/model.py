@@ -1,0 +1,134 @@
+"""The Qwen4Exp text model on the engine's paged runtime (docs/qwen4exp.md for the math):
+
+  hyper = embed(ids) repeated over hc streams
+  per layer (decoder_layer.py): [PLE] -> mixer -> GDN or QSA -> inject -> mixer -> MoE -> inject
+  final mixer -> lm_head
+
+Parameters are this rank's shards (weights.py); per-request state lives in the blocks' slots
+(state.py), pages of the QSA layers in the caches the runner binds to `attention_layers()`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qsaserve.cache.kv_cache import KVCacheSpec
+from qsaserve.layers.attention import AttentionMetadata
+from qsaserve.models.qwen4exp import state as slot_state
+from qsaserve.models.qwen4exp.config import parse_config, validate_config
+from qsaserve.models.qwen4exp.decoder_layer import Qwen4ExpDecoderLayer
+from qsaserve.models.qwen4exp.hyper_connection import HyperConnection, hc_expand
+from qsaserve.models.qwen4exp.ple import PLE
+from qsaserve.models.qwen4exp.qsa_attention import QSACacheLayer
+from qsaserve.models.qwen4exp.weights import RankLayout, Weight, init_dummy_weights, load_checkpoint
+from qsaserve.ops.hyper_connection.reference import hc_inject
+from qsaserve.ops.qsa_indexer.reference import rope_inv_freq
+from qsaserve.parallel.state import ParallelContext
+from qsaserve.parallel.tp import vocab_parallel_embedding, vocab_parallel_logits, vocab_shard_rows
+
+
+class Qwen4ExpModel(nn.Module):
+    """Embedding -> decoder layers -> residual streams (the final mixer is applied by the LM head)."""
+
+    def __init__(self, cfg, layout: RankLayout):
+        super().__init__()
+        self.cfg, self.ctx = cfg, layout.ctx
+        self.embed_tokens = Weight((vocab_shard_rows(cfg.vocab_size, layout.ctx.tp_size), cfg.hidden_size),
+                                   layout.vocab())
+        self.layers = nn.ModuleList(Qwen4ExpDecoderLayer(cfg, i, layout) for i in range(cfg.num_hidden_layers))
+        self.hyper_connection_mixer = HyperConnection(cfg, inject=False)
+
+    def forward(self, input_ids: torch.Tensor, step: slot_state.Step, meta: AttentionMetadata) -> torch.Tensor:
+        c = self.cfg
+        embeds = vocab_parallel_embedding(self.embed_tokens.weight, input_ids, c.vocab_size, self.ctx)
+        hyper = hc_expand(embeds, c.hc_count)
+        pending = None
+        for layer in self.layers:
+            hyper, pending = layer(hyper, pending, input_ids, step, meta)
+        return hc_inject(hyper, *pending) if pending is not None else hyper
+
+
+class Qwen4ExpForCausalLM(nn.Module):
+    # Steps where every sequence decodes one token take a path free of host syncs and of
+    # data-dependent shapes (state.build_step), which a runner may capture in a CUDA graph.
+    supports_cuda_graph = True
+
+    def __init__(self, hf_config: dict, max_positions: int, parallel: ParallelContext | None = None):
+        super().__init__()
+        self.ctx = parallel or ParallelContext()
+        self.cfg = cfg = parse_config(hf_config)
+        validate_config(cfg)
+        layout = RankLayout(cfg, self.ctx)
+        self.model = Qwen4ExpModel(cfg, layout)
+        vocab_rows = vocab_shard_rows(cfg.vocab_size, self.ctx.tp_size)
+        self.lm_head = None if cfg.tie_word_embeddings else Weight((vocab_rows, cfg.hidden_size), layout.vocab())
+        # This rank's KV heads: duplicated when there are fewer than ranks.
+        self.num_kv_heads = -(-cfg.num_key_value_heads // self.ctx.tp_size)
+        rotary = int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
+        self.inv_freq = rope_inv_freq(cfg.head_dim, rotary / cfg.head_dim, cfg.rope_parameters["rope_theta"])
+        self.mtp_weights: dict[str, torch.Tensor] = {}  # the MTP draft head, for speculative decoding
+
+    # ---- structure ----
+    @property
+    def qsa_layers(self) -> dict[int, QSACacheLayer]:
+        """Layer index -> the cache layer of each QSA layer."""
+        return {i: layer.self_attn.attn for i, layer in enumerate(self.model.layers) if not layer.is_gdn}
+
+    def attention_layers(self) -> list[QSACacheLayer]:
+        return list(self.qsa_layers.values())
+
+    def _ple_blocks(self) -> dict[int, PLE]:
+        return {i: layer.ple for i, layer in enumerate(self.model.layers) if layer.ple is not None}
+
+    @property
+    def ple_params(self) -> dict:
+        """Layer index -> hash constants of each PLE layer (the table loaders size tables by them)."""
+        return {i: ple.hash_params for i, ple in self._ple_blocks().items()}
+
+    @property
+    def ple_tables(self) -> dict:
+        """Layer index -> row lookup of each PLE layer's table (ple_table.py)."""
+        return {i: ple.table for i, ple in self._ple_blocks().items() if ple.table is not None}
+
+    @ple_tables.setter
+    def ple_tables(self, tables: dict) -> None:
+        for i, ple in self._ple_blocks().items():
+            ple.table = tables.get(i)
+
+    def slot_states(self) -> list[slot_state.SlotState]:
+        """Every block's per-slot state, in layer order (empty before allocate_state)."""
+        return [s for layer in self.model.layers for s in layer.states()]
+
+    # ---- caches and state ----
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """This rank's pages at DCP1 (B tokens each); the runner scales it for DCP."""
+        c = self.cfg
+        return KVCacheSpec(len(self.qsa_layers), self.num_kv_heads, c.head_dim, dtype, block_size,
+                           index_head_dim=c.indexer_head_dim, index_ratio=c.indexer_compress_ratio)
+
+    def allocate_state(self, num_slots: int, device: torch.device) -> None:
+        dtype = self.model.embed_tokens.weight.dtype
+        for layer in self.model.layers:
+            for block in layer.stateful_blocks():
+                block.allocate_state(num_slots, dtype, device)
+        slot_state.log_allocation(num_slots, self.slot_states())
+
+    # ---- forward ----
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        self.inv_freq = self.inv_freq.to(input_ids.device)
+        step = slot_state.build_step(input_ids, positions, meta, self.inv_freq, self.ctx.dcp, self.slot_states())
+        return self.model(input_ids, step, meta)
+
+    def compute_logits(self, hyper: torch.Tensor) -> torch.Tensor:
+        _, final, _ = self.model.hyper_connection_mixer(hyper)
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return vocab_parallel_logits(final, head.weight, self.cfg.vocab_size, self.ctx)
+
+    # ---- weights ----
+    def init_dummy_weights(self, seed: int) -> None:
+        """Random weights for load_format="dummy" (weights.init_dummy_weights)."""
+        init_dummy_weights(self, self.cfg, seed, self.model.embed_tokens.weight.device)
+
+    def load_weights(self, weights) -> None:
+        """HF-named checkpoint tensors (weights.load_checkpoint); mtp.* go to mtp_weights."""
+        self.mtp_weights = load_checkpoint(self, self.cfg, weights, self.model.embed_tokens.weight.device)
