@@ -10,6 +10,7 @@ from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput
 from qsaserve.engine.cuda_graph import PAD_SLOT, PAD_STATE_SLOT, DecodeGraphs, is_pure_decode, pad_decode, pick_bucket
 from qsaserve.errors import InvalidRequestError
+from qsaserve.models.interfaces import SupportsCudaGraphs, SupportsDcpCudaGraphs
 
 
 def test_capture_sizes_default_and_capped():
@@ -80,8 +81,8 @@ def test_cpu_runner_has_no_graphs():
     assert engine.executor.runner.graphs_off_reason == "not a CUDA device"
 
 
-class _GraphSafeModel(nn.Module):
-    supports_cuda_graph = True  # decode step free of host syncs, DCP slots derived on the device
+class _GraphSafeModel(nn.Module, SupportsCudaGraphs, SupportsDcpCudaGraphs):
+    pass  # decode step free of host syncs, DCP slots derived on the device
 
 
 class _PlainModel(nn.Module):
@@ -98,14 +99,14 @@ def _llama_like():
     return _Llama()
 
 
-def _off_reason(model, tp=1, dcp=1, device="cuda", enforce_eager=False, sizes=(1, 2, 4)):
+def _off_reason(model, tp=1, dcp=1, device="cuda", enforce_eager=False, sizes=(1, 2, 4), side_tables=None):
     """ModelRunner._graphs_off_reason on a stand-in runner (no GPU, no weights needed)."""
     from qsaserve.engine.model_runner import ModelRunner
     from qsaserve.parallel.dcp import DcpGeometry
     from qsaserve.parallel.state import ParallelContext
 
     runner = SimpleNamespace(
-        device=torch.device(device), model=model,
+        device=torch.device(device), model=model, side_tables=side_tables or {},
         config=SimpleNamespace(enforce_eager=enforce_eager, cuda_graph_capture_sizes=list(sizes)),
         parallel=ParallelContext(tp_size=tp, tp_rank=0, dcp=DcpGeometry(size=dcp, rank=0)))
     return ModelRunner._graphs_off_reason(runner)
@@ -132,9 +133,8 @@ def test_graphs_off_reasons_kept():
     assert _off_reason(_PlainModel(), tp=2) == "_PlainModel does not declare supports_cuda_graph"
     assert _off_reason(_GraphSafeModel(), tp=2, sizes=()) == "no capture size <= max_num_seqs"
     for placement, off in (("gpu", False), ("host", True), ("disk", True)):
-        model = _GraphSafeModel()
-        model.ple_tables = {1: SimpleNamespace(placement=placement)}
-        reason = _off_reason(model, tp=2, dcp=2)
+        tables = {1: SimpleNamespace(placement=placement)}  # the runner's placed PLE tables
+        reason = _off_reason(_GraphSafeModel(), tp=2, dcp=2, side_tables=tables)
         assert (reason is not None and "PLE" in reason) == off, (placement, reason)
 
 

@@ -126,13 +126,11 @@ def test_bad_v_offsets_are_refused(tiny_llama, tiny_identity, tmp_path, case, ma
 
 
 def test_models_that_cannot_fold_v_offsets_refuse_them(tmp_path):
-    from qsaserve.quant.kv_scales import attention_layer_ids
-
     kw = dict(load_format="dummy", device="cpu", dtype="float32", max_model_len=128, kv_cache_memory=4 << 20,
               ple_placement="host", progress=False)
     llm = LLM("qwen4exp-tiny", **kw)
     runner = llm.engine.executor.runner
-    ids = attention_layer_ids(runner.model)
+    ids = llm.engine.executor.attention_layer_ids()
     hkv, d = runner.kv_caches[0].kv.shape[-2:]
     layers = {str(i): {"k_scale": 0.02, "v_scale": 0.01, "v_offset": [[0.0] * d] * hkv} for i in ids}
     path = tmp_path / "s.json"

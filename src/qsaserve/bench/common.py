@@ -169,22 +169,6 @@ def _time_read_and_copy(device: torch.device, nbytes: int, iters: int) -> tuple[
     return timed(lambda: words.sum()), timed(lambda: dst.copy_(src))
 
 
-def decode_weight_bytes(model) -> int:
-    """Weight bytes one decode step reads: every parameter once (shared tensors once), except
-    the input embedding table when a separate LM head exists (a step reads only B of its rows).
-    For mixture-of-experts models this counts every expert, an upper bound at small batch."""
-    tensors = dict(model.named_parameters()) or dict(getattr(model, "weights", {}))
-    unique = {t.data_ptr(): t.numel() * t.element_size() for t in tensors.values()}
-    total = sum(unique.values())
-    embed = next((t for n, t in tensors.items() if n.endswith("embed_tokens.weight")), None)
-    head = next((t for n, t in tensors.items() if n.endswith("lm_head.weight")), None)
-    if head is None:
-        head = getattr(getattr(model, "lm_head", None), "weight", None)
-    if embed is not None and head is not None and head.data_ptr() != embed.data_ptr():
-        total -= embed.numel() * embed.element_size()
-    return total
-
-
 def median(values: list[float]) -> float:
     s = sorted(values)
     n = len(s)

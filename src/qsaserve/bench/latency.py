@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import time
 
-from qsaserve.bench.common import (decode_weight_bytes, measure_bandwidth, median, provenance, random_prompt,
+from qsaserve.bench.common import (measure_bandwidth, median, provenance, random_prompt,
                                    release_memory)
 from qsaserve.bench.step_profile import profile_decode_steps
 from qsaserve.config import EngineConfig
@@ -93,16 +93,14 @@ def run_latency(config: EngineConfig, batch_sizes: list[int], prompt_lens: list[
         if context < 1:
             raise InvalidRequestError("max_model_len", f"{max_len} leaves no room for {decode_steps} decode steps")
         lens = sorted({min(n, max_len - 1) for n in prompt_lens})
-        runner = engine.executor.runner
         # Batch 1 also gets a step breakdown (bench.step_profile): what keeps it from the roofline.
         decode = [_decode(engine, b, context, decode_steps, warmup_steps, rng, profile_steps if b == 1 else 0)
                   for b in sorted(set(batch_sizes))]
         ttft = [_ttft(engine, n, ttft_trials, rng) for n in lens]
-        weight_bytes = decode_weight_bytes(runner.model)
+        weight_bytes = engine.executor.decode_weight_bytes()
         kv_bytes = int(engine.executor.kv_spec.bytes_per_token * (context + warmup_steps + decode_steps / 2))
-        cuda_graphs = runner.graphs is not None
+        cuda_graphs = engine.executor.cuda_graphs
         hf_config, vocab_size = engine.checkpoint.hf_config, engine.vocab_size
-        del runner
     finally:
         engine.shutdown()
         del engine

@@ -64,15 +64,13 @@ def profile_decode_steps(engine: LLMEngine, steps: int = 16, top: int = 15) -> d
               "wall_ms": round(1e3 * statistics.median(walls), 3),
               "execute_ms": round(1e3 * statistics.median(executes), 3),
               "outside_execute_ms": round(1e3 * statistics.median(w - e for w, e in zip(walls, executes)), 3),
-              "cuda_graphs": getattr(executor, "runner", None) is not None and executor.runner.graphs is not None}
+              "cuda_graphs": executor.cuda_graphs}
     if not cuda:
         return report
-    workers = getattr(executor, "profile_workers", None)  # tensor/decode-context parallel: the other ranks too
     try:
         activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
         with tempfile.TemporaryDirectory() as worker_dir:
-            if workers is not None:
-                workers("start", worker_dir)
+            executor.profile_workers("start", worker_dir)  # tensor/decode-context parallel: the other ranks too
             try:
                 with torch.profiler.profile(activities=activities) as prof:
                     for _ in range(steps):
@@ -80,8 +78,9 @@ def profile_decode_steps(engine: LLMEngine, steps: int = 16, top: int = 15) -> d
                     torch.cuda.synchronize()
                 report.update(summarize_events(prof.events(), steps, top))
             finally:  # a started worker profiler records until told to stop
+                workers = executor.profile_workers("stop", worker_dir, steps=steps, top=top)
                 if workers is not None:
-                    report["worker_ranks"] = workers("stop", worker_dir, steps=steps, top=top)
+                    report["worker_ranks"] = workers
     except Exception as e:  # profiler unavailable (CUPTI missing): keep the timings
         report["profiler_error"] = repr(e)[:300]
     return report

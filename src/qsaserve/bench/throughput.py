@@ -73,11 +73,10 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
         # where the time goes, kept apart from the headline figure above.
         engine.block_manager.reset_prefix_cache()  # the same prompts again must be prefilled again
         breakdown = StepBreakdown()
-        graphs = engine.executor.runner.graphs
-        replays_before = sum(graphs.replays.values()) if graphs is not None else 0
+        replays_before = engine.executor.graph_replays()
         breakdown_elapsed = _run_engine(engine, work, temperature, breakdown)
-        graph_replays = sum(graphs.replays.values()) - replays_before if graphs is not None else 0
-        cuda_graphs = graphs is not None
+        graph_replays = engine.executor.graph_replays() - replays_before
+        cuda_graphs = engine.executor.cuda_graphs
         hf_config = engine.checkpoint.hf_config
     finally:
         engine.shutdown()

@@ -154,12 +154,10 @@ class AsyncLLMEngine:
         if self._dead is None and self._thread.ident is not None and not self._thread.is_alive():
             return EngineDeadError("the engine loop thread is not running")
         if self._dead is None:
-            check = getattr(self.engine.executor, "check_health", None)
-            if check is not None:
-                try:
-                    check()
-                except EngineDeadError as e:
-                    return e
+            try:
+                self.engine.executor.check_health()
+            except EngineDeadError as e:
+                return e
         return self._dead
 
     def shutdown(self, timeout: float = 30.0, shutdown_engine: bool = True) -> None:

@@ -11,6 +11,7 @@ import torch
 from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput, TokenFeed
 from qsaserve.engine.model_runner import ModelRunner
+from qsaserve.quant.kv_scales import KVCacheQuant
 
 
 def make_executor(config: EngineConfig, checkpoint, max_model_len: int, progress: bool = False):
@@ -37,6 +38,50 @@ class Rank0Views:
     def capacity(self, max_model_len: int):
         """(this layout, DCP1) KV capacity at the same per-rank memory (parallel.dcp.KVCapacity)."""
         return self.runner.parallel.dcp.capacity(self.runner.kv_spec_dcp1, self.kv_budget_bytes, max_model_len)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's weight and activation dtype."""
+        return self.runner.dtype
+
+    @property
+    def kv_quant(self) -> KVCacheQuant:
+        """The K/V page dtype, why it was chosen, its scales and head rotation."""
+        return self.runner.kv_quant
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs."""
+        return self.runner.graphs is not None
+
+    def graph_replays(self) -> int:
+        """Decode graph replays so far (0 without graphs)."""
+        graphs = self.runner.graphs
+        return sum(graphs.replays.values()) if graphs is not None else 0
+
+    def attention_layer_ids(self) -> list[int]:
+        """The model's layer number of each attention layer, in cache order (the keys of KV scales)."""
+        return list(self.runner.layer_ids)
+
+    def can_fold_v_offsets(self) -> bool:
+        return self.runner.can_fold_v_offsets
+
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads on rank 0 (ModelRunner.decode_weight_bytes)."""
+        return self.runner.decode_weight_bytes()
+
+    def observe_kv_writes(self, observers: list | None) -> None:
+        """Calibration's hooks on rank 0's cache writes (ModelRunner.observe_kv_writes)."""
+        self.runner.observe_kv_writes(observers)
+
+    def set_key_transforms(self, transforms: list[torch.Tensor] | None) -> None:
+        """Calibration's whitened key transforms on rank 0 (ModelRunner.set_key_transforms)."""
+        self.runner.set_key_transforms(transforms)
+
+    def profile_workers(self, action: str, directory: str, steps: int = 1, top: int = 15,
+                        timeout_s: float = 120.0) -> list[dict] | None:
+        """Profiles the worker ranks of this node between "start" and "stop"; None: there are none."""
+        return None
 
 
 class InProcessExecutor(Rank0Views):

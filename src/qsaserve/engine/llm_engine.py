@@ -98,10 +98,10 @@ class LLMEngine:
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB%s, %s), %.1f concurrent max-length requests",
             usable_blocks, block_size, usable_blocks * block_size,
-            self.executor.num_kv_blocks * spec.bytes_per_block / 2**20, per_rank, self.executor.runner.kv_quant.name,
+            self.executor.num_kv_blocks * spec.bytes_per_block / 2**20, per_rank, self.executor.kv_quant.name,
             usable_blocks / per_request,
         )
-        logger.info(capacity_report(spec, self.executor.kv_budget_bytes, self.executor.runner.kv_quant))
+        logger.info(capacity_report(spec, self.executor.kv_budget_bytes, self.executor.kv_quant))
         ours, dcp1 = self.executor.capacity(self.max_model_len)
         if ours.dcp_size > 1:
             logger.info(

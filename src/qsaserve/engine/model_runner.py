@@ -21,11 +21,14 @@ from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, TokenFeed
 from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata
 from qsaserve.errors import InvalidRequestError
+from qsaserve.models.interfaces import (CausalLM, RowTable, side_tables_allow_cuda_graphs, supports_cuda_graph,
+                                        supports_dcp_cuda_graph, supports_dummy_weights, supports_recurrent_state,
+                                        supports_side_tables, supports_v_offsets)
 from qsaserve.models.ple_table import dummy_ple_tables, is_table_tensor, open_ple_tables
 from qsaserve.models.registry import build_model, kv_rotation_unsupported
 from qsaserve.parallel.dcp import DcpGeometry
 from qsaserve.parallel.state import ParallelContext
-from qsaserve.quant.kv_scales import CheckpointScales, attention_layer_ids, resolve_kv_cache
+from qsaserve.quant.kv_scales import CheckpointScales, resolve_kv_cache
 
 logger = logging.getLogger("qsaserve")
 
@@ -44,40 +47,31 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         ckpt_scales = CheckpointScales()  # *.k_scale / *.v_scale tensors are taken out of the weight stream
         with torch.device(self.device), _default_dtype(self.dtype):
-            model = build_model(checkpoint.hf_config, max_model_len, self.parallel)
-        if checkpoint.format == "dummy":
-            model.init_dummy_weights(config.seed)
-            if hasattr(model, "ple_params"):
-                model.ple_tables = dummy_ple_tables(model.ple_params, model.cfg, config.ple_placement, self.device, self.dtype)
-        elif hasattr(model, "ple_params"):
-            # PLE tables are gathered by row from their placement, never loaded as weights.
-            weights = ckpt_scales.filter(checkpoint.weights(self.dtype, skip=is_table_tensor))
-            model.load_weights(_progress(weights, checkpoint, progress))
-            model.ple_tables = open_ple_tables(checkpoint, model.ple_params, config.ple_placement, self.device, self.dtype)
-        else:
-            model.load_weights(_progress(ckpt_scales.filter(checkpoint.weights(self.dtype)), checkpoint, progress))
+            model: CausalLM = build_model(checkpoint.hf_config, max_model_len, self.parallel)
+        self.side_tables = self._load(model, checkpoint, ckpt_scales, progress)
         self.model = model.eval()
         self.attention_layers = model.attention_layers()
+        self.layer_ids = model.attention_layer_ids()
         # K/V page dtype and FP8 scales (device tensors, made once here).
-        self.kv_quant = resolve_kv_cache(config, checkpoint.identity, attention_layer_ids(model), ckpt_scales.scales,
+        self.kv_quant = resolve_kv_cache(config, checkpoint.identity, self.layer_ids, ckpt_scales.scales,
                                          self.dtype, self.device, tp_size=self.parallel.tp_size,
                                          tp_rank=self.parallel.tp_rank)
+        # Per-rank pages of block_size tokens; under DCP an engine block spans block_size * D tokens.
+        self.kv_spec_dcp1 = dataclasses.replace(model.kv_cache_spec(config.block_size, self.dtype), kv_dtype=self.kv_quant.dtype)
+        self.kv_spec = self.parallel.dcp.scale_spec(self.kv_spec_dcp1)
         if self.kv_quant.rotation != "none":  # V's and the output's rotation go into the weights, once
             why_not = kv_rotation_unsupported(checkpoint.hf_config)
             if why_not:
                 raise InvalidRequestError("kv_rotation", f"{self.kv_quant.rotation} is implemented by the Llama-family "
                                           f"attention layers; {why_not}")
-            model.fold_kv_rotation(self.kv_quant.rotation_matrix(model.config.head_dim, self.device))
+            model.fold_kv_rotation(self.kv_quant.rotation_matrix(self.kv_spec.head_dim, self.device))
         if self.kv_quant.v_offsets:  # V - v_offset stored, v_offset added back: both in the weights, once
-            if not hasattr(model, "fold_v_offsets"):
+            if not supports_v_offsets(model):
                 raise InvalidRequestError("kv_scales", f"the scales file has V offsets (v_offset), which Llama-family models "
                                           f"apply; {type(model).__name__} does not (recalibrate with this model)")
             model.fold_v_offsets(self.kv_quant.v_offsets)
-        # Per-rank pages of block_size tokens; under DCP an engine block spans block_size * D tokens.
-        self.kv_spec_dcp1 = dataclasses.replace(model.kv_cache_spec(config.block_size, self.dtype), kv_dtype=self.kv_quant.dtype)
-        self.kv_spec = self.parallel.dcp.scale_spec(self.kv_spec_dcp1)
         self.kv_caches: list[LayerCache] = []
-        if hasattr(model, "allocate_state"):
+        if supports_recurrent_state(model):
             # Recurrent per-request state (GDN, PLE): one slot per sequence that can run at once,
             # plus slot 0, the scratch slot of padding rows.
             model.allocate_state(config.num_state_slots, self.device)
@@ -88,29 +82,46 @@ class ModelRunner:
         if self.graphs_off_reason and self.device.type == "cuda" and not config.enforce_eager:
             logger.info("CUDA graphs off: %s", self.graphs_off_reason)
 
+    def _load(self, model: CausalLM, checkpoint, ckpt_scales: CheckpointScales, progress: bool) -> dict[int, RowTable]:
+        """Loads (or draws) the weights and places the model's side tables, which are gathered by row
+        from their placement, never loaded as weights. Returns the tables."""
+        config, side = self.config, supports_side_tables(model)
+        tables: dict[int, RowTable] = {}
+        if checkpoint.format == "dummy":
+            if not supports_dummy_weights(model):
+                raise InvalidRequestError("load_format", f"dummy: {type(model).__name__} cannot make random weights")
+            model.init_dummy_weights(config.seed)
+            if side:
+                tables = dummy_ple_tables(model.side_table_layers(), config.ple_placement, self.device, self.dtype)
+        elif side:
+            weights = ckpt_scales.filter(checkpoint.weights(self.dtype, skip=is_table_tensor))
+            model.load_weights(_progress(weights, checkpoint, progress))
+            tables = open_ple_tables(checkpoint, model.side_table_layers(), config.ple_placement, self.device, self.dtype)
+        else:
+            model.load_weights(_progress(ckpt_scales.filter(checkpoint.weights(self.dtype)), checkpoint, progress))
+        if side:
+            model.bind_side_tables(tables)
+        return tables
+
     def _graphs_off_reason(self) -> str | None:
         """Why decode steps cannot use CUDA graphs here, or None when they can.
 
         Tensor parallelism is allowed: the graphs capture the NCCL collectives, every rank
         captures the same buckets and replays the same one each step (engine/cuda_graph.py).
-        Decode context parallelism only for models declaring supports_cuda_graph, whose decode
+        Decode context parallelism only for models declaring supports_dcp_cuda_graph, whose decode
         step derives this rank's K/V slots on the device; the others read a step plan built on
         the host each step (meta.dcp), which a graph would freeze."""
-        from qsaserve.models.llama import LlamaForCausalLM
-
         if self.device.type != "cuda":
             return "not a CUDA device"
         if self.config.enforce_eager:
             return "enforce_eager"
         name = type(self.model).__name__
-        graph_safe = getattr(self.model, "supports_cuda_graph", False)
-        if self.parallel.dcp.enabled and not graph_safe:
+        if self.parallel.dcp.enabled and not supports_dcp_cuda_graph(self.model):
             return (f"decode context parallelism: {name} builds its DCP step plan on the host each step "
-                    f"(only models declaring supports_cuda_graph derive it on the device)")
-        tables = getattr(self.model, "ple_tables", None) or {}
-        if any(t.placement != "gpu" for t in tables.values()):
+                    f"(only models declaring supports_dcp_cuda_graph derive it on the device)")
+        if not side_tables_allow_cuda_graphs(self.side_tables):
             return "PLE rows are gathered from host RAM or disk each step (--ple-placement gpu allows graphs)"
-        if not isinstance(self.model, LlamaForCausalLM) and not graph_safe:
+        if not supports_cuda_graph(self.model):
             return f"{name} does not declare supports_cuda_graph"
         if not self.config.cuda_graph_capture_sizes:
             return "no capture size <= max_num_seqs"
@@ -134,6 +145,46 @@ class ModelRunner:
         logger.warning("CUDA graphs off: %s", reason)
         self.graphs_off_reason = reason
         self.free_graphs()  # give the graphs' pool back
+
+    # ---- what the engine, calibration and benchmarks ask of rank 0 ----
+    @property
+    def can_fold_v_offsets(self) -> bool:
+        """Whether the model can take V offsets into its weights (calibration measures them then)."""
+        return supports_v_offsets(self.model)
+
+    def decode_weight_bytes(self) -> int:
+        """Weight bytes one decode step reads: every weight once (shared tensors once), except the
+        input embedding table when a separate LM head exists (a step reads only B of its rows).
+        For mixture-of-experts models this counts every expert, an upper bound at small batch."""
+        tensors = self.model.weight_tensors()
+        unique = {t.data_ptr(): t.numel() * t.element_size() for t in tensors.values()}
+        total = sum(unique.values())
+        embed = next((t for n, t in tensors.items() if n.endswith("embed_tokens.weight")), None)
+        head = next((t for n, t in tensors.items() if n.endswith("lm_head.weight")), None)
+        if embed is not None and head is not None and head.data_ptr() != embed.data_ptr():
+            total -= embed.numel() * embed.element_size()
+        return total
+
+    def observe_kv_writes(self, observers: list | None) -> None:
+        """Hooks one observer per attention layer (in attention_layers() order) into its cache
+        writes (LayerCache.observer); None removes them. Observed steps run eagerly."""
+        for cache, observer in zip(self.kv_caches, observers or [None] * len(self.kv_caches), strict=True):
+            cache.observer = observer
+
+    def set_key_transforms(self, transforms: list[torch.Tensor] | None) -> None:
+        """Gives every attention layer its whitened key transform ([Hkv, D, D], in attention_layers()
+        order), or none (None: q and K pass as the model makes them), after startup (calibration
+        measures them between its passes). Captured decode graphs recorded the layers as they
+        were, so they go."""
+        if self.graphs is not None:
+            self.drop_graphs("calibrate: the whitened key transforms change the attention layers after graph capture")
+        if transforms is None:
+            self.kv_quant.k_transforms = None
+            for cache in self.kv_caches:
+                cache.q_transform = cache.k_transform = None
+            return
+        self.kv_quant.k_transforms = [t.to(self.device) for t in transforms]
+        self.kv_quant.attach(self.kv_caches)  # each layer's cache: k_transform T, q_transform T^-T
 
     def kv_cache_budget_bytes(self) -> int:
         """Bytes the KV cache may take: the explicit budget, else the GPU's free share after a
@@ -198,7 +249,7 @@ class ModelRunner:
         (graph capture builds only the ones its buckets replay)."""
         if self.device.type != "cuda":
             return
-        launches = sum(layer.warm_up(self.dtype) for layer in self.attention_layers if hasattr(layer, "warm_up"))
+        launches = sum(layer.warm_up(self.dtype) for layer in self.attention_layers)
         if launches:
             torch.cuda.synchronize(self.device)
 

@@ -27,6 +27,7 @@ from qsaserve.layers.dcp_attention import DcpAttention
 from qsaserve.layers.linear import linear
 from qsaserve.layers.rmsnorm import RMSNorm
 from qsaserve.layers.rotary import RotaryEmbedding
+from qsaserve.models.interfaces import SupportsCudaGraphs, SupportsDummyWeights, SupportsKVRotation, SupportsVOffsets
 from qsaserve.parallel.state import ParallelContext
 from qsaserve.parallel.tp import (even_range, kv_head_range, shard_vocab, take, vocab_parallel_embedding,
                                   vocab_parallel_logits, vocab_shard_rows)
@@ -158,7 +159,10 @@ def checkpoint_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, SupportsKVRotation, SupportsVOffsets):
+    """Capabilities (models/interfaces.py): CUDA graphs for decode steps (not under DCP, whose step
+    plan is built on the host), dummy weights, and V's rotation and offsets folded into the weights."""
+
     def __init__(self, c: LlamaConfig, max_positions: int, ctx: ParallelContext | None = None):
         super().__init__()
         self.config = c
@@ -215,6 +219,12 @@ class LlamaForCausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
+
+    def attention_layer_ids(self) -> list[int]:
+        return list(range(len(self.layers)))  # every layer is an attention layer
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        return dict(self.named_parameters())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = vocab_parallel_embedding(self.embed_tokens.weight, input_ids, self.config.vocab_size, self.ctx)

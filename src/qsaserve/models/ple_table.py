@@ -84,8 +84,8 @@ def is_table_tensor(name: str) -> bool:
 
 
 def open_ple_tables(checkpoint, layers: dict[int, object], placement: str, device: torch.device, dtype: torch.dtype) -> dict:
-    """Per PLE layer, a row-lookup table placed as asked. `layers` maps layer index -> hash params
-    (for the expected row count)."""
+    """Per PLE layer, a row-lookup table placed as asked. `layers` maps layer index -> its table's
+    SideTableSpec (models/interfaces.py; for the expected row count)."""
     if placement not in PLACEMENTS:
         raise ValueError(f"ple_placement: must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
     source = checkpoint.source
@@ -122,17 +122,16 @@ def open_ple_tables(checkpoint, layers: dict[int, object], placement: str, devic
     return tables
 
 
-def dummy_ple_tables(layers: dict[int, object], cfg, placement: str, device: torch.device, dtype: torch.dtype) -> dict:
+def dummy_ple_tables(layers: dict[int, object], placement: str, device: torch.device, dtype: torch.dtype) -> dict:
     """Random tables of the configured size for load_format="dummy" (disk placement has no file
-    to map, so it falls back to host RAM)."""
-    dim = cfg.ple_embed_dim // ((cfg.ngram_size - 1) * cfg.heads_per_ngram)
+    to map, so it falls back to host RAM). `layers` maps layer index -> its table's SideTableSpec."""
     if placement == "disk":
         logger.info("ple_placement: disk needs a checkpoint file; random tables go to host RAM")
         placement = "host"
     target = device if placement == "gpu" else torch.device("cpu")
     tables = {}
     for layer, params in layers.items():
-        weight = torch.empty(params.table_rows, dim, dtype=dtype, device=target).normal_()
+        weight = torch.empty(params.table_rows, params.row_dim, dtype=dtype, device=target).normal_()
         if placement == "host" and device.type == "cuda":
             weight = weight.pin_memory()
         tables[layer] = DeviceRowTable(weight, placement)

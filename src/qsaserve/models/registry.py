@@ -4,6 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from qsaserve.errors import InvalidRequestError
+from qsaserve.models.interfaces import CausalLM, supports_kv_rotation
 from qsaserve.models.llama import LlamaConfig, LlamaForCausalLM
 
 _LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "smollm")
@@ -27,10 +28,11 @@ def is_hybrid(hf_config: dict) -> bool:
 
 def kv_rotation_unsupported(hf_config: dict) -> str | None:
     """Why this model (the checkpoint's config, as build_model takes it) cannot store its K/V in a
-    transformed head basis (quant/kv_rotation.py), or None when it can: the Llama family folds V's
-    rotation into its weights (models/llama.py fold_kv_rotation), and the Hadamard matrix needs a
-    power-of-two head_dim. The one place this is decided (the engine and calibrate's default)."""
-    if hf_config.get("model_type", "") not in _LLAMA_FAMILY:
+    transformed head basis (quant/kv_rotation.py), or None when it can: its class must declare
+    SupportsKVRotation (the Llama family folds V's rotation into its weights, models/llama.py
+    fold_kv_rotation), and the Hadamard matrix needs a power-of-two head_dim. The one place this is decided (the engine and calibrate's default)."""
+    cls = model_class(hf_config)
+    if cls is None or not supports_kv_rotation(cls):
         return f"{hf_config.get('model_type')!r} models do not apply a head rotation (Llama family only)"
     head_dim = LlamaConfig.from_hf(hf_config).head_dim
     if head_dim & (head_dim - 1):
@@ -38,13 +40,24 @@ def kv_rotation_unsupported(hf_config: dict) -> str | None:
     return None
 
 
-def build_model(hf_config: dict, max_positions: int, parallel=None) -> nn.Module:
-    """parallel: this rank's ParallelContext (None: a single rank)."""
+def model_class(hf_config: dict) -> type[nn.Module] | None:
+    """The class that serves this checkpoint's model_type, or None when none does."""
     model_type = hf_config.get("model_type", "")
     if model_type in _LLAMA_FAMILY:
-        return LlamaForCausalLM(LlamaConfig.from_hf(hf_config), max_positions, parallel)
+        return LlamaForCausalLM
     if model_type in _HYBRID:
         from qsaserve.models.qwen4exp import Qwen4ExpForCausalLM
 
-        return Qwen4ExpForCausalLM(hf_config, max_positions, parallel)
+        return Qwen4ExpForCausalLM
+    return None
+
+
+def build_model(hf_config: dict, max_positions: int, parallel=None) -> CausalLM:
+    """parallel: this rank's ParallelContext (None: a single rank)."""
+    model_type = hf_config.get("model_type", "")
+    cls = model_class(hf_config)
+    if cls is LlamaForCausalLM:
+        return LlamaForCausalLM(LlamaConfig.from_hf(hf_config), max_positions, parallel)
+    if cls is not None:
+        return cls(hf_config, max_positions, parallel)
     raise InvalidRequestError("model", f"unsupported model_type {model_type!r}; supported: {', '.join(_LLAMA_FAMILY + _HYBRID)}")

@@ -70,7 +70,7 @@ def run_qualify(common: dict, baseline: dict, candidates: dict[str, dict], datas
     report = {
         "model": engine.checkpoint.path,
         "model_identity": engine.checkpoint.identity,
-        "model_dtype": str(engine.executor.runner.dtype).removeprefix("torch."),
+        "model_dtype": str(engine.executor.dtype).removeprefix("torch."),
         "device": str(engine.executor.device),
         "dataset": dataset.description,
         "num_tokens": sum(len(w) for w in windows),

@@ -96,7 +96,7 @@ def compare_engines(baseline, candidates: dict, windows: list[list[int]], chunk_
 
 def describe_engine(llm) -> dict:
     """What a report records about one engine: its KV dtype, why, and its bytes per token."""
-    runner = llm.engine.executor.runner
-    spec = llm.engine.executor.kv_spec
-    return {"kv_cache_dtype": runner.kv_quant.name, "kv_dtype_reason": runner.kv_quant.reason,
+    executor = llm.engine.executor
+    spec, quant = executor.kv_spec, executor.kv_quant
+    return {"kv_cache_dtype": quant.name, "kv_dtype_reason": quant.reason,
             "kv_bytes_per_token": spec.bytes_per_token}

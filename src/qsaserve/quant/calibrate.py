@@ -53,7 +53,7 @@ from qsaserve.errors import InvalidRequestError
 from qsaserve.quant.dataset import TextSet, token_windows
 from qsaserve.quant.fp8 import FP8_E4M3_MAX, dequantize_fp8, quantize_fp8
 from qsaserve.quant.kv_rotation import KEY_TRANSFORM_MAX_CONDITION, key_transform_condition, whitened_key_transform
-from qsaserve.quant.kv_scales import attention_layer_ids, write_scales_file
+from qsaserve.quant.kv_scales import write_scales_file
 
 logger = logging.getLogger("qsaserve")
 
@@ -213,17 +213,13 @@ def observe(llm, windows: list[list[int]], progress: bool = False, moments: bool
     cache; returns them by layer number."""
     from qsaserve.sampling_params import SamplingParams
 
-    engine = llm.engine
-    runner = engine.executor.runner
-    layer_ids = attention_layer_ids(runner.model)
-    observers = {i: KVObserver(runner.device, moments) for i in layer_ids}
-    for i, cache in zip(layer_ids, runner.kv_caches, strict=True):
-        cache.observer = observers[i]
+    executor = llm.engine.executor
+    observers = {i: KVObserver(executor.device, moments) for i in executor.attention_layer_ids()}
+    executor.observe_kv_writes(list(observers.values()))
     try:
         llm.generate([{"prompt_token_ids": w} for w in windows], SamplingParams(max_tokens=1, temperature=0), use_tqdm=progress)
     finally:
-        for cache in runner.kv_caches:
-            cache.observer = None
+        executor.observe_kv_writes(None)
     return observers
 
 
@@ -249,13 +245,7 @@ def measure_key_transforms(llm, windows: list[list[int]], progress: bool = False
     graphs (they recorded the layers without a transform) and cached prefixes (their pages hold
     keys in the old basis, and a second pass over the same windows would reuse them)."""
     engine = llm.engine
-    runner = engine.executor.runner
-    if runner.graphs is not None:
-        runner.drop_graphs("calibrate: the whitened key transforms change the attention layers after graph capture")
-    quant = runner.kv_quant
-    quant.k_transforms = None
-    for cache in runner.kv_caches:
-        cache.q_transform = cache.k_transform = None  # moments of q and K as the model makes them
+    engine.executor.set_key_transforms(None)  # moments of q and K as the model makes them
     engine.block_manager.reset_prefix_cache()
     observers = observe(llm, windows, progress, moments=True)
     gen = torch.Generator().manual_seed(WHITENING_SEED)
@@ -272,8 +262,7 @@ def measure_key_transforms(llm, windows: list[list[int]], progress: bool = False
             raise InvalidRequestError("dataset", f"layer {i}: the whitened key transform has condition number {cond:.3g} "
                                       f"(at most {KEY_TRANSFORM_MAX_CONDITION:g} loads); K or q barely varies in some "
                                       "direction over this text: calibrate on more or more varied tokens (num_tokens)")
-    quant.k_transforms = [transforms[i].to(runner.device) for i in observers]
-    quant.attach(runner.kv_caches)  # each layer's cache: k_transform T, q_transform T^-T
+    engine.executor.set_key_transforms([transforms[i] for i in observers])
     engine.block_manager.reset_prefix_cache()
     return transforms
 
@@ -285,16 +274,16 @@ def calibrate_windows(llm, windows: list[list[int]], output: str, dataset_descri
     if margin < 1:
         raise InvalidRequestError("margin", f"must be >= 1 (below 1 the calibration maximum itself would clamp), got {margin}")
     engine = llm.engine
-    if engine.executor.runner.kv_quant.is_fp8:
+    if engine.executor.kv_quant.is_fp8:
         raise InvalidRequestError("kv_cache_dtype", "calibrate needs a high-precision KV cache (see calibration_config)")
     if not windows:
         raise InvalidRequestError("dataset", "yields no tokens")
-    rotation = engine.executor.runner.kv_quant.rotation
+    rotation = engine.executor.kv_quant.rotation
     key_transforms = measure_key_transforms(llm, windows, progress) if rotation == "whitened" else None
     observers = observe(llm, windows, progress)
     sinks = observe(llm, [w[:1] for w in windows]) if align_sink else {}  # position-0 keys only
     # V offsets are folded into the model's projection biases (models/llama.py fold_v_offsets)
-    with_v_offset = align_sink and hasattr(engine.executor.runner.model, "fold_v_offsets")
+    with_v_offset = align_sink and engine.executor.can_fold_v_offsets()
     layers = {}
     for i, obs in observers.items():
         k_max, v_max = obs.k_absmax_after(0.0), obs.v_absmax_after(0.0)
@@ -346,7 +335,7 @@ def calibrate_windows(llm, windows: list[list[int]], output: str, dataset_descri
         "tool": f"qsaserve {__version__} calibrate",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "model": engine.checkpoint.path,
-        "model_dtype": str(engine.executor.runner.dtype).removeprefix("torch."),
+        "model_dtype": str(engine.executor.dtype).removeprefix("torch."),
         "dataset": dataset_description,
         "num_tokens": sum(len(w) for w in windows),
         "seq_len": max(len(w) for w in windows),

@@ -256,15 +256,6 @@ class CheckpointScales:
             target[int(m.group(1))] = _check_scale(float(tensor.float().item()), f"checkpoint tensor {name}")
 
 
-def attention_layer_ids(model) -> list[int]:
-    """Layer number of each of model.attention_layers(), in order. Qwen4Exp keeps its QSA layers
-    keyed by layer index; in Llama-family models every layer is an attention layer."""
-    qsa = getattr(model, "qsa_layers", None)
-    if qsa is not None:
-        return list(qsa)
-    return list(range(len(model.attention_layers())))
-
-
 # ---- the decision ----
 @dataclass
 class KVCacheQuant:

@@ -14,13 +14,16 @@ from torch import nn
 
 from qsaserve.cache.kv_cache import KVCacheSpec
 from qsaserve.layers.attention import AttentionMetadata
+from qsaserve.models.interfaces import (HasRecurrentState, HasSideTables, RowTable, SideTableSpec, SupportsCudaGraphs,
+                                        SupportsDcpCudaGraphs, SupportsDummyWeights)
 from qsaserve.models.qwen4exp import state as slot_state
 from qsaserve.models.qwen4exp.config import parse_config, validate_config
 from qsaserve.models.qwen4exp.decoder_layer import Qwen4ExpDecoderLayer
 from qsaserve.models.qwen4exp.hyper_connection import HyperConnection, hc_expand
 from qsaserve.models.qwen4exp.ple import PLE
 from qsaserve.models.qwen4exp.qsa_attention import QSACacheLayer
-from qsaserve.models.qwen4exp.weights import RankLayout, Weight, init_dummy_weights, load_checkpoint
+from qsaserve.models.qwen4exp.weights import (RankLayout, Weight, checkpoint_targets, checkpoint_tensor, init_dummy_weights,
+                                              load_checkpoint, weight_shapes)
 from qsaserve.ops.hyper_connection.reference import hc_inject
 from qsaserve.ops.qsa_indexer.reference import rope_inv_freq
 from qsaserve.parallel.state import ParallelContext
@@ -48,10 +51,10 @@ class Qwen4ExpModel(nn.Module):
         return hc_inject(hyper, *pending) if pending is not None else hyper
 
 
-class Qwen4ExpForCausalLM(nn.Module):
-    # Steps where every sequence decodes one token take a path free of host syncs and of
-    # data-dependent shapes (state.build_step), which a runner may capture in a CUDA graph.
-    supports_cuda_graph = True
+class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsCudaGraphs, SupportsDcpCudaGraphs,
+                          SupportsDummyWeights):
+    # CUDA graphs: steps where every sequence decodes one token take a path free of host syncs and
+    # of data-dependent shapes (state.build_step), DCP slots included (derived on the device).
 
     def __init__(self, hf_config: dict, max_positions: int, parallel: ParallelContext | None = None):
         super().__init__()
@@ -77,23 +80,25 @@ class Qwen4ExpForCausalLM(nn.Module):
     def attention_layers(self) -> list[QSACacheLayer]:
         return list(self.qsa_layers.values())
 
+    def attention_layer_ids(self) -> list[int]:
+        return list(self.qsa_layers)
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's part of every checkpoint tensor, by HF name (views of the parameters; a
+        tied LM head is the embedding)."""
+        targets = checkpoint_targets(self, self.cfg.tie_word_embeddings)
+        return {name: checkpoint_tensor(targets, name) for name in weight_shapes(self.cfg)}
+
     def _ple_blocks(self) -> dict[int, PLE]:
         return {i: layer.ple for i, layer in enumerate(self.model.layers) if layer.ple is not None}
 
-    @property
-    def ple_params(self) -> dict:
-        """Layer index -> hash constants of each PLE layer (the table loaders size tables by them)."""
-        return {i: ple.hash_params for i, ple in self._ple_blocks().items()}
+    def side_table_layers(self) -> dict[int, SideTableSpec]:
+        """The PLE layers' n-gram tables: rows from the hash constants, one head's embedding per row."""
+        return {i: SideTableSpec(ple.hash_params.table_rows, ple.table_row_dim) for i, ple in self._ple_blocks().items()}
 
-    @property
-    def ple_tables(self) -> dict:
-        """Layer index -> row lookup of each PLE layer's table (ple_table.py)."""
-        return {i: ple.table for i, ple in self._ple_blocks().items() if ple.table is not None}
-
-    @ple_tables.setter
-    def ple_tables(self, tables: dict) -> None:
+    def bind_side_tables(self, tables: dict[int, RowTable]) -> None:
         for i, ple in self._ple_blocks().items():
-            ple.table = tables.get(i)
+            ple.table = tables[i]
 
     def slot_states(self) -> list[slot_state.SlotState]:
         """Every block's per-slot state, in layer order (empty before allocate_state)."""

@@ -36,6 +36,7 @@ class PLE(nn.Module):
         self.hidden_size, self.hc_count, self.eps = h, cfg.hc_count, cfg.rms_norm_eps
         self.conv_span = (cfg.ple_conv_kernel_size - 1) * cfg.ngram_size
         self.hash_params = PLEHashParams.from_config(cfg, layer_idx)
+        self.table_row_dim = cfg.ple_embed_dim // self.hash_params.ngram_heads  # one head's embedding per row
         self.key_value_proj = PackedWeight(cfg.ple_embed_dim, [("key", streams, REPLICATED), ("value", h, REPLICATED)])
         self.norm_key = Weight((streams,))
         self.norm_query = Weight((streams,))

@@ -47,6 +47,9 @@ class QSACacheLayer:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.cache: LayerCache | None = None
 
+    def warm_up(self, dtype: torch.dtype) -> int:
+        return 0  # no warm-up: the QSA kernels compile on first use (graph capture builds its buckets')
+
 
 class QSAIndexer(nn.Module):
     """The indexer's norms (its projection is packed into QSAAttention.qkv_index_proj) and shapes."""

@@ -1,0 +1,213 @@
+"""What the engine may ask of a model: the base interface every model implements, and the
+optional capabilities a model declares.
+
+Each capability is a Protocol with a class flag (`ClassVar[Literal[True]]`, set by inheriting
+the Protocol) and a `supports_*` function that reads the flag. The runner asks these functions,
+never `hasattr` on a model: a capability is something a model says it has, not a method that
+happens to exist. Models inherit the capabilities they implement, e.g.
+
+    class MyModel(nn.Module, HasRecurrentState, SupportsCudaGraphs): ...
+
+This module imports no other qsaserve module at run time, so any layer may import it.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, overload, runtime_checkable
+
+import torch
+from typing_extensions import TypeIs
+
+if TYPE_CHECKING:
+    from qsaserve.cache.kv_cache import KVCacheSpec, LayerCache
+    from qsaserve.layers.attention import AttentionMetadata
+
+
+# ---- the base interface ----
+class AttentionLayer(Protocol):
+    """A layer that reads and writes paged K/V. The runner binds `cache` after allocation (None
+    while unbound) and calls `warm_up` once the cache is bound."""
+
+    cache: LayerCache | None
+
+    def warm_up(self, dtype: torch.dtype) -> int:
+        """Builds the attention kernels this layer's steps may take, now (so no early request
+        waits for a compile); returns the kernel launches made (0: nothing to build)."""
+        ...
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    """Every model: an `nn.Module` called as `model(input_ids, positions, meta)`."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, ...] of one step's tokens (the runner's flattened batch)."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Rows of forward's output -> float32 logits [N, vocab_size]."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies a checkpoint's (name, full tensor) stream into this rank's shards; raises
+        ValueError naming a tensor that has no place or is missing."""
+        ...
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """This rank's KV pages at DCP1 (block_size tokens each); the runner scales it for DCP."""
+        ...
+
+    def attention_layers(self) -> list[AttentionLayer]:
+        """The layers the KV cache pages are bound to, one LayerCache each, in order."""
+        ...
+
+    def attention_layer_ids(self) -> list[int]:
+        """Layer number of each of attention_layers(), in order (the keys of KV scales)."""
+        ...
+
+    def weight_tensors(self) -> Mapping[str, torch.Tensor]:
+        """Every weight tensor this rank holds, by name (a shared tensor may appear under several
+        names; side tables are not weights)."""
+        ...
+
+
+# ---- capabilities ----
+@runtime_checkable
+class SupportsDummyWeights(Protocol):
+    """Random weights for load_format="dummy", the same logical model at every parallel layout."""
+
+    supports_dummy_weights: ClassVar[Literal[True]] = True
+
+    def init_dummy_weights(self, seed: int) -> None: ...
+
+
+def supports_dummy_weights(model: object) -> TypeIs[SupportsDummyWeights]:
+    return getattr(model, "supports_dummy_weights", False)
+
+
+@runtime_checkable
+class HasRecurrentState(Protocol):
+    """Per-request recurrent state (e.g. GDN, n-gram PLE context) kept in slots beside the KV cache:
+    slot 0 is the scratch slot of padding rows, the engine hands out the others."""
+
+    has_recurrent_state: ClassVar[Literal[True]] = True
+
+    def allocate_state(self, num_slots: int, device: torch.device) -> None:
+        """Allocates num_slots state slots on device (zeroed: a fresh request's state)."""
+        ...
+
+
+def supports_recurrent_state(model: object) -> TypeIs[HasRecurrentState]:
+    return getattr(model, "has_recurrent_state", False)
+
+
+@dataclass(frozen=True)
+class SideTableSpec:
+    """One layer's row table: how many rows it needs and the width of a row."""
+
+    table_rows: int
+    row_dim: int
+
+
+class RowTable(Protocol):
+    """A side table as the runner places it: called as table(rows[...]) -> [..., row_dim] on the
+    rows' device. placement: where its rows live, "disk", "host" or "gpu"."""
+
+    placement: str
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class HasSideTables(Protocol):
+    """Large row tables (e.g. PLE n-gram embeddings) gathered by row each step, never loaded as
+    weights: the runner places them (config.ple_placement) from the checkpoint or at random,
+    and binds them to the model."""
+
+    has_side_tables: ClassVar[Literal[True]] = True
+
+    def side_table_layers(self) -> dict[int, SideTableSpec]:
+        """Layer index -> the table that layer gathers from."""
+        ...
+
+    def bind_side_tables(self, tables: Mapping[int, RowTable]) -> None:
+        """Gives the model the placed tables, one per side_table_layers() entry."""
+        ...
+
+
+def supports_side_tables(model: object) -> TypeIs[HasSideTables]:
+    return getattr(model, "has_side_tables", False)
+
+
+def side_tables_allow_cuda_graphs(tables: Mapping[int, RowTable]) -> bool:
+    """Whether decode steps that gather from these tables can be captured: rows gathered from
+    host RAM or disk run host code every step, which a graph replay would skip."""
+    return all(t.placement == "gpu" for t in tables.values())
+
+
+@runtime_checkable
+class SupportsKVRotation(Protocol):
+    """Takes a head rotation of V and of the attention output into its weights, so the layers
+    rotate only q and k at run time (quant/kv_rotation.py)."""
+
+    supports_kv_rotation: ClassVar[Literal[True]] = True
+
+    def fold_kv_rotation(self, rotation: torch.Tensor) -> None:
+        """rotation: [D, D] float32. Once, after the weights are loaded."""
+        ...
+
+
+@overload
+def supports_kv_rotation(model: type[object]) -> TypeIs[type[SupportsKVRotation]]: ...
+
+
+@overload
+def supports_kv_rotation(model: object) -> TypeIs[SupportsKVRotation]: ...
+
+
+def supports_kv_rotation(model):
+    """Reads the flag of a model or of a model class (decided before a model is built)."""
+    return getattr(model, "supports_kv_rotation", False)
+
+
+@runtime_checkable
+class SupportsVOffsets(Protocol):
+    """V stored as V - c and c added back to the attention output, both folded into its weights
+    (exact: a query's attention weights sum to one)."""
+
+    supports_v_offsets: ClassVar[Literal[True]] = True
+
+    def fold_v_offsets(self, offsets: list[torch.Tensor | None]) -> None:
+        """offsets: per attention layer [Hkv, D] (this rank's KV heads) or None. Once, after
+        fold_kv_rotation."""
+        ...
+
+
+def supports_v_offsets(model: object) -> TypeIs[SupportsVOffsets]:
+    return getattr(model, "supports_v_offsets", False)
+
+
+@runtime_checkable
+class SupportsCudaGraphs(Protocol):
+    """Steps where every sequence decodes one token are free of host syncs and of data-dependent
+    shapes, so the runner may capture them in CUDA graphs."""
+
+    supports_cuda_graph: ClassVar[Literal[True]] = True
+
+
+def supports_cuda_graph(model: object) -> TypeIs[SupportsCudaGraphs]:
+    return getattr(model, "supports_cuda_graph", False)
+
+
+@runtime_checkable
+class SupportsDcpCudaGraphs(Protocol):
+    """Under decode context parallelism the decode step derives this rank's K/V slots on the
+    device; models without it read a step plan built on the host (meta.dcp), which a graph would
+    freeze."""
+
+    supports_dcp_cuda_graph: ClassVar[Literal[True]] = True
+
+
+def supports_dcp_cuda_graph(model: object) -> TypeIs[SupportsDcpCudaGraphs]:
+    return getattr(model, "supports_dcp_cuda_graph", False)
