@@ -1,8 +1,9 @@
 """Qwen4Exp (Qwen3.8-Flash-Next) text model as a module tree, read top to bottom:
 
   config.py           parse_config, layer-type names, what is supported
-  weights.py          checkpoint names and shapes, per-rank sharding (RankLayout, Shard), the
-                      parameters' weight_loaders, loading and dummy weights
+  sharding.py         which part of each checkpoint tensor this rank keeps (RankLayout, Shard)
+  weights.py          checkpoint names and shapes, the parameters' weight_loaders, loading and
+                      dummy weights
   state.py            per-request state slots and the per-step description of the batch
   hyper_connection.py HyperConnection (the stream mixer between blocks)
   ple.py              PLE (hashed n-gram per-layer embedding)

@@ -16,7 +16,7 @@ from qsaserve.models.qwen4exp.moe import SparseMoE
 from qsaserve.models.qwen4exp.ple import PLE
 from qsaserve.models.qwen4exp.qsa_attention import QSAAttention
 from qsaserve.models.qwen4exp.state import SlotState, Step
-from qsaserve.models.qwen4exp.weights import RankLayout
+from qsaserve.models.qwen4exp.sharding import RankLayout
 from qsaserve.ops.hyper_connection.reference import hc_inject
 
 Pending = tuple[torch.Tensor, torch.Tensor] | None  # (block output, injection weights) not yet added

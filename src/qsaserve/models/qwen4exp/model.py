@@ -22,7 +22,8 @@ from qsaserve.models.qwen4exp.decoder_layer import Qwen4ExpDecoderLayer
 from qsaserve.models.qwen4exp.hyper_connection import HyperConnection, hc_expand
 from qsaserve.models.qwen4exp.ple import PLE
 from qsaserve.models.qwen4exp.qsa_attention import QSACacheLayer
-from qsaserve.models.qwen4exp.weights import (RankLayout, Weight, checkpoint_targets, checkpoint_tensor, init_dummy_weights,
+from qsaserve.models.qwen4exp.sharding import RankLayout
+from qsaserve.models.qwen4exp.weights import (Weight, checkpoint_targets, checkpoint_tensor, init_dummy_weights,
                                               load_checkpoint, weight_shapes)
 from qsaserve.ops.hyper_connection.reference import hc_inject
 from qsaserve.ops.qsa_indexer.reference import rope_inv_freq

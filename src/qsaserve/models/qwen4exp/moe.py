@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from qsaserve.models.qwen4exp.state import Step
-from qsaserve.models.qwen4exp.weights import REPLICATED, ExpertLoader, PackedWeight, RankLayout, Weight, parameter
+from qsaserve.models.qwen4exp.sharding import REPLICATED, RankLayout
+from qsaserve.models.qwen4exp.weights import ExpertLoader, PackedWeight, Weight, parameter
 from qsaserve.models.qwen4exp_blocks import moe_experts, moe_experts_sync_free, moe_route, sparse_moe_block
 from qsaserve.ops.fused import triton_fused, use_fused
 from qsaserve.ops.moe import moe_route_triton

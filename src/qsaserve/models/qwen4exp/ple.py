@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from qsaserve.models.qwen4exp.state import PLEState, Step
-from qsaserve.models.qwen4exp.weights import REPLICATED, PackedWeight, Weight
+from qsaserve.models.qwen4exp.sharding import REPLICATED
+from qsaserve.models.qwen4exp.weights import PackedWeight, Weight
 from qsaserve.models.qwen4exp_blocks import rms_norm
 from qsaserve.models.qwen4exp_ple import PLEHashParams, ple_embed, ple_initial_context, ple_layer_forward
 from qsaserve.ops.fused import use_fused

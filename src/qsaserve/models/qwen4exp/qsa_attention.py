@@ -20,7 +20,8 @@ from torch import nn
 from qsaserve.cache.kv_cache import LayerCache
 from qsaserve.layers.attention import AttentionMetadata
 from qsaserve.models.qwen4exp.state import IndexTailState, Step
-from qsaserve.models.qwen4exp.weights import REPLICATED, PackedWeight, RankLayout, Weight
+from qsaserve.models.qwen4exp.sharding import REPLICATED, RankLayout
+from qsaserve.models.qwen4exp.weights import PackedWeight, Weight
 from qsaserve.models.qwen4exp_blocks import qsa_attention_output, qsa_norm_rope_qk
 from qsaserve.ops.attention.reference import gather_context, write_kv_reference
 from qsaserve.ops.fused import triton_fused, use_fused
