@@ -67,7 +67,7 @@ def main() -> None:
         for _ in range(args.steps):
             eng.step()
     per_step = {k: round(v / args.steps, 1) for k, v in counts.most_common()}
-    cfg = eng.executor.runner.model.cfg
+    cfg = eng.executor.runner.model.config
     print(json.dumps({"preset": args.preset, "layers": cfg.num_hidden_layers, "layer_types": list(cfg.layer_types),
                       "ops_per_step": round(sum(counts.values()) / args.steps, 1), "by_part": per_step}, indent=1))
 

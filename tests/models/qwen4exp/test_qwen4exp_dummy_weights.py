@@ -5,16 +5,10 @@ import pytest
 import torch
 
 from qsaserve.models.presets import preset_config
-from qsaserve.models.qwen4exp import Qwen4ExpForCausalLM, weight_shapes
-from qsaserve.models.qwen4exp.weights import checkpoint_shard, checkpoint_targets, checkpoint_tensor
+from qsaserve.models.qwen4exp import Qwen4ExpForCausalLM
+from qsaserve.models.qwen4exp.weights import checkpoint_shard, checkpoint_targets
 from qsaserve.parallel.dcp import DcpGeometry
 from qsaserve.parallel.state import ParallelContext
-
-
-def _weights(model: Qwen4ExpForCausalLM) -> dict[str, torch.Tensor]:
-    """This rank's part of every checkpoint tensor, by name (views of the parameters)."""
-    targets = checkpoint_targets(model, model.cfg.tie_word_embeddings)
-    return {n: checkpoint_tensor(targets, n) for n in weight_shapes(model.cfg)}
 
 
 def _model(tp: int, rank: int, dcp: int) -> Qwen4ExpForCausalLM:
@@ -26,12 +20,12 @@ def _model(tp: int, rank: int, dcp: int) -> Qwen4ExpForCausalLM:
 
 @pytest.mark.parametrize("tp,dcp", [(2, 1), (2, 2)])
 def test_every_rank_holds_its_shard_of_the_tp1_weights(tp, dcp):
-    whole = _weights(_model(1, 0, 1))
+    whole = _model(1, 0, 1).weight_tensors()
     names = list(whole)
     assert any(whole[n].abs().sum() > 0 for n in names)
     for rank in range(tp):
         part = _model(tp, rank, dcp)
-        targets, weights = checkpoint_targets(part, part.cfg.tie_word_embeddings), _weights(part)
+        targets, weights = checkpoint_targets(part, part.config.tie_word_embeddings), part.weight_tensors()
         for name in names:
             want = checkpoint_shard(targets, name)(whole[name])
             torch.testing.assert_close(weights[name], want, rtol=0, atol=0, msg=f"{name} rank {rank}")
@@ -40,7 +34,7 @@ def test_every_rank_holds_its_shard_of_the_tp1_weights(tp, dcp):
 def test_seed_changes_the_weights_and_layers_differ():
     model_a, model_b = _model(1, 0, 1), _model(1, 0, 1)
     model_b.init_dummy_weights(seed=4)
-    a, b = _weights(model_a), _weights(model_b)
+    a, b = model_a.weight_tensors(), model_b.weight_tensors()
     name = "layers.0.mlp.experts.gate_up_proj"
     assert not torch.equal(a[name], b[name])
     # Per-name seeds: two layers' same-shaped tensors are not copies of each other.

@@ -36,14 +36,14 @@ class Qwen4ExpModel(nn.Module):
 
     def __init__(self, cfg, layout: RankLayout):
         super().__init__()
-        self.cfg, self.ctx = cfg, layout.ctx
+        self.config, self.ctx = cfg, layout.ctx
         self.embed_tokens = Weight((vocab_shard_rows(cfg.vocab_size, layout.ctx.tp_size), cfg.hidden_size),
                                    layout.vocab())
         self.layers = nn.ModuleList(Qwen4ExpDecoderLayer(cfg, i, layout) for i in range(cfg.num_hidden_layers))
         self.hyper_connection_mixer = HyperConnection(cfg, inject=False)
 
     def forward(self, input_ids: torch.Tensor, step: slot_state.Step, meta: AttentionMetadata) -> torch.Tensor:
-        c = self.cfg
+        c = self.config
         embeds = vocab_parallel_embedding(self.embed_tokens.weight, input_ids, c.vocab_size, self.ctx)
         hyper = hc_expand(embeds, c.hc_count)
         pending = None
@@ -60,7 +60,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsC
     def __init__(self, hf_config: dict, max_positions: int, parallel: ParallelContext | None = None):
         super().__init__()
         self.ctx = parallel or ParallelContext()
-        self.cfg = cfg = parse_config(hf_config)
+        self.config = cfg = parse_config(hf_config)
         validate_config(cfg)
         layout = RankLayout(cfg, self.ctx)
         self.model = Qwen4ExpModel(cfg, layout)
@@ -87,8 +87,8 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsC
     def weight_tensors(self) -> dict[str, torch.Tensor]:
         """This rank's part of every checkpoint tensor, by HF name (views of the parameters; a
         tied LM head is the embedding)."""
-        targets = checkpoint_targets(self, self.cfg.tie_word_embeddings)
-        return {name: checkpoint_tensor(targets, name) for name in weight_shapes(self.cfg)}
+        targets = checkpoint_targets(self, self.config.tie_word_embeddings)
+        return {name: checkpoint_tensor(targets, name) for name in weight_shapes(self.config)}
 
     def _ple_blocks(self) -> dict[int, PLE]:
         return {i: layer.ple for i, layer in enumerate(self.model.layers) if layer.ple is not None}
@@ -108,7 +108,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsC
     # ---- caches and state ----
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """This rank's pages at DCP1 (B tokens each); the runner scales it for DCP."""
-        c = self.cfg
+        c = self.config
         return KVCacheSpec(len(self.qsa_layers), self.num_kv_heads, c.head_dim, dtype, block_size,
                            index_head_dim=c.indexer_head_dim, index_ratio=c.indexer_compress_ratio)
 
@@ -128,13 +128,13 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsC
     def compute_logits(self, hyper: torch.Tensor) -> torch.Tensor:
         _, final, _ = self.model.hyper_connection_mixer(hyper)
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return vocab_parallel_logits(final, head.weight, self.cfg.vocab_size, self.ctx)
+        return vocab_parallel_logits(final, head.weight, self.config.vocab_size, self.ctx)
 
     # ---- weights ----
     def init_dummy_weights(self, seed: int) -> None:
         """Random weights for load_format="dummy" (weights.init_dummy_weights)."""
-        init_dummy_weights(self, self.cfg, seed, self.model.embed_tokens.weight.device)
+        init_dummy_weights(self, self.config, seed, self.model.embed_tokens.weight.device)
 
     def load_weights(self, weights) -> None:
         """HF-named checkpoint tensors (weights.load_checkpoint); mtp.* go to mtp_weights."""
-        self.mtp_weights = load_checkpoint(self, self.cfg, weights, self.model.embed_tokens.weight.device)
+        self.mtp_weights = load_checkpoint(self, self.config, weights, self.model.embed_tokens.weight.device)

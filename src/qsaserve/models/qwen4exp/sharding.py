@@ -50,7 +50,7 @@ class RankLayout:
     and GDN key heads are duplicated when there are fewer than ranks."""
 
     def __init__(self, cfg, ctx: ParallelContext):
-        self.cfg, self.ctx = cfg, ctx
+        self.config, self.ctx = cfg, ctx
         n, r = ctx.tp_size, ctx.tp_rank
         self.split = n > 1
         self.query_heads = even_range(cfg.num_attention_heads, n, r)  # this rank's own heads
@@ -65,7 +65,7 @@ class RankLayout:
 
     # ---- embedding / LM head ----
     def vocab(self) -> Shard:
-        c, ctx = self.cfg, self.ctx
+        c, ctx = self.config, self.ctx
         return VocabShard(vocab_size=c.vocab_size, tp_size=ctx.tp_size, tp_rank=ctx.tp_rank) if self.split else REPLICATED
 
     # ---- QSA attention ----
@@ -75,7 +75,7 @@ class RankLayout:
         the whole group's queries itself (the group's query rows of q_proj, query_gate_rows: a
         wider GEMM) instead of all-gathering them every layer and step; the group is D consecutive
         TP ranks. Outside DCP: this rank's heads."""
-        ctx, h = self.ctx, self.cfg.num_attention_heads
+        ctx, h = self.ctx, self.config.num_attention_heads
         first = ctx.tp_rank - ctx.dcp.rank
         return even_range(h, ctx.tp_size, first)[0], even_range(h, ctx.tp_size, first + ctx.dcp.size - 1)[1]
 
@@ -85,7 +85,7 @@ class RankLayout:
         rows of every head of the DCP group (each rank attends with all of them, query_head_range),
         then the gate rows of this rank's own heads only: the gate is applied after the merge, to
         the heads the merge returns, so the group's other gates would be projected for nothing."""
-        d = self.cfg.head_dim
+        d = self.config.head_dim
         ga, gb = self.query_head_range()
         if not self.ctx.dcp.enabled:
             return [(ga * 2 * d, gb * 2 * d)]
@@ -96,24 +96,24 @@ class RankLayout:
         return self._rows(0, *self.query_gate_rows())
 
     def kv_proj(self) -> Shard:
-        d, (a, b) = self.cfg.head_dim, self.kv_heads
+        d, (a, b) = self.config.head_dim, self.kv_heads
         return self._rows(0, (a * d, b * d))
 
     def o_proj(self) -> Shard:
-        d, (a, b) = self.cfg.head_dim, self.query_heads
+        d, (a, b) = self.config.head_dim, self.query_heads
         return self._rows(1, (a * d, b * d))
 
     # ---- Gated DeltaNet ----
     def gdn_qkv_channels(self) -> Shard:
         """in_proj_qkv's rows and conv1d's channels: q | k | v, each cut to this rank's heads."""
-        c = self.cfg
+        c = self.config
         dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
         (ka, kb), (va, vb) = self.gdn_key_heads, self.gdn_value_heads
         key = c.linear_num_key_heads * dk
         return self._rows(0, (ka * dk, kb * dk), (key + ka * dk, key + kb * dk), (2 * key + va * dv, 2 * key + vb * dv))
 
     def gdn_value_rows(self) -> Shard:
-        dv, (va, vb) = self.cfg.linear_value_head_dim, self.gdn_value_heads
+        dv, (va, vb) = self.config.linear_value_head_dim, self.gdn_value_heads
         return self._rows(0, (va * dv, vb * dv))
 
     def gdn_per_head(self) -> Shard:
@@ -121,12 +121,12 @@ class RankLayout:
         return self._rows(0, self.gdn_value_heads)
 
     def gdn_out_proj(self) -> Shard:
-        dv, (va, vb) = self.cfg.linear_value_head_dim, self.gdn_value_heads
+        dv, (va, vb) = self.config.linear_value_head_dim, self.gdn_value_heads
         return self._rows(1, (va * dv, vb * dv))
 
     # ---- MoE ----
     def experts_gate_up(self) -> Shard:
-        inter, (ia, ib) = self.cfg.moe_intermediate_size, self.expert_inter
+        inter, (ia, ib) = self.config.moe_intermediate_size, self.expert_inter
         return self._rows(1, (ia, ib), (inter + ia, inter + ib))
 
     def experts_down(self) -> Shard:
