@@ -16,7 +16,7 @@ import torch
 from qsaserve.bench.common import kernel_bench_main
 from qsaserve.bench.gpu_timing import graph_ms
 from qsaserve.ops.gdn.decode_ops import delta_rule_decode_reference_
-from qsaserve.ops.gdn.dispatch import fla_available
+from qsaserve.ops.gdn.delta_rule import FLA_AVAILABLE, uses_fla
 from qsaserve.ops.gdn.triton_decode import delta_rule_decode_triton_
 
 L2_BYTES = 256 << 20
@@ -43,7 +43,7 @@ def case(batch: int, hk: int, hv: int, dev) -> list[dict]:
     diff = float((got.float() - want.float()).abs().max())
     state_diff = float((check_fast - check_ref).abs().max())
     rows = []
-    reference = "torch_fla" if fla_available() else "torch_reference_no_fla"  # without fla-core: the Python loop
+    reference = "torch_fla" if uses_fla(q) else "torch_reference_no_fla"  # without fla-core: the Python loop
     for name, fn in ((reference, delta_rule_decode_reference_), ("triton", delta_rule_decode_triton_)):
         def run(fn=fn):
             for pool in pools:
@@ -58,7 +58,7 @@ def case(batch: int, hk: int, hv: int, dev) -> list[dict]:
 
 def main() -> None:
     kernel_bench_main("gdn_decode", lambda dev: [r for hk, hv in ((16, 32), (8, 16)) for b in BATCHES
-                                                 for r in case(b, hk, hv, dev)], fla_core=fla_available())
+                                                 for r in case(b, hk, hv, dev)], fla_core=FLA_AVAILABLE)
 
 
 if __name__ == "__main__":

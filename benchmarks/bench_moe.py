@@ -1,5 +1,5 @@
 """Routed-expert decode (ops/moe) on one GPU: the Triton kernels at several row-block sizes against
-the torch path (`qwen4exp_blocks.moe_experts_sync_free`), at qwen4exp-small's expert shapes (64
+the torch path (`ops.moe.reference.moe_experts_sync_free`), at qwen4exp-small's expert shapes (64
 experts, top 8, H 2048, I 512; I 256 is its TP2 shard). Times are CUDA-graph replays cycling over
 LAYERS weight sets (more than the L2 holds), per call; TB/s counts the weight bytes of the experts
 the batch actually chose. Prints JSON (one line per case, then the document).
@@ -14,7 +14,7 @@ import torch
 
 from qsaserve.bench.common import kernel_bench_main
 from qsaserve.bench.gpu_timing import graph_ms
-from qsaserve.models.qwen4exp_blocks import moe_experts_sync_free
+from qsaserve.ops.moe import moe_experts_sync_free
 from qsaserve.ops.moe.triton_moe import BLOCK_N_CHOICES, moe_experts_decode_triton, pick_block_n
 from qsaserve.ops.device import num_sms
 

@@ -1,4 +1,4 @@
-"""Startup builds the attention kernels' variants (ModelRunner._warm_up_kernels, triton_paged.warm_up):
+"""Startup builds the attention kernels' variants (ModelRunner._warm_up_kernels, ops.attention.warm_up):
 a workload that mixes prefill and decode rows, short and long contexts, and batches larger than
 every CUDA-graph bucket then builds no attention kernel while requests wait."""
 import pytest
@@ -38,8 +38,7 @@ def test_dcp_layer_warms_the_partial_form_over_the_group_heads(monkeypatch, dcp_
 
     calls = []
     fake = SimpleNamespace(warm_up=lambda *a, **kw: calls.append((a, kw)) or 17)
-    monkeypatch.setattr(dcp_attention, "_triton", fake)
-    monkeypatch.setattr(dcp_attention, "use_triton", lambda x: True)
+    monkeypatch.setattr(dcp_attention, "attention_ops", fake)
     ctx = SimpleNamespace(dcp=SimpleNamespace(size=dcp_size, rank=rank, interleave=2))
     layer = dcp_attention.DcpAttention(num_heads=3, num_kv_heads=1, head_dim=8, scale=0.35, ctx=ctx)
     layer.cache = SimpleNamespace(kv=torch.zeros(2, 2, 4, 1, 8), k_scale=None, v_scale=None)

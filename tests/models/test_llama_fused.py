@@ -1,5 +1,5 @@
 """A whole Llama (smollm2-135m preset, dummy weights) on a GPU with the fused kernels of ops/fused
-against the same engine on the torch path (fused.ENABLED = False): same greedy tokens and close
+against the same engine on the torch path (dispatch.ENABLED = False): same greedy tokens and close
 logprobs, the fused kernels really run, and a decode step launches far fewer kernels.
 
 fp32 runs (CUDA graphs on) must agree token for token. In bf16 the two paths round differently
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from qsaserve.config import EngineConfig
-from qsaserve.ops import fused
+from qsaserve.ops import dispatch, fused
 
 pytestmark = pytest.mark.gpu
 
@@ -40,7 +40,7 @@ def _add_requests(engine, batch: int, max_tokens: int) -> None:
 
 
 def _generate(monkeypatch, enabled: bool, dtype: str, batch: int = 3, max_tokens: int = 8):
-    monkeypatch.setattr(fused, "ENABLED", enabled)
+    monkeypatch.setattr(dispatch, "ENABLED", enabled)
     calls = {name: 0 for name in FUSED_OPS}
     for name in FUSED_OPS:
         original = getattr(fused.triton_fused, name)
@@ -90,7 +90,7 @@ def test_fused_equals_torch_path(monkeypatch, dtype):
 def _kernels_in_one_decode_step(monkeypatch, enabled: bool) -> int:
     from torch.profiler import ProfilerActivity, profile
 
-    monkeypatch.setattr(fused, "ENABLED", enabled)
+    monkeypatch.setattr(dispatch, "ENABLED", enabled)
     engine = _engine("bfloat16", enforce_eager=True)
     _add_requests(engine, 1, max_tokens=4)
     engine.step()  # prefill

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qsaserve.models.qwen4exp_blocks import gdn_layer_forward
+from qsaserve.models.qwen4exp.reference import gdn_layer_forward
 from qsaserve.ops.gdn import (
     causal_conv1d_reference,
     causal_conv1d_update_reference,
@@ -189,7 +189,7 @@ def test_matches_fla_kernels_on_gpu():
 def test_dispatch_matches_reference_on_gpu(single_token):
     """Through the engine's entry point (fla on CUDA), prefill and the batched decode form, with
     more value heads than key heads: the arguments must reach fla's parameters of the same meaning."""
-    from qsaserve.ops.gdn.dispatch import gated_delta_rule
+    from qsaserve.ops.gdn import gated_delta_rule
 
     pytest.importorskip("fla.ops.gated_delta_rule")
     if single_token:  # decode: a batch of 3 one-token sequences, no cu_seqlens

@@ -1,10 +1,10 @@
-"""Routed-expert decode kernels (ops/moe) against `qwen4exp_blocks.moe_experts_sync_free`, the torch
+"""Routed-expert decode kernels (ops/moe) against `ops.moe.reference.moe_experts_sync_free`, the torch
 reference: float32 tightly, bf16 within bf16 rounding; repeated experts within a row, non-power-of-2
 sizes; under the Triton interpreter on CPU and on a CUDA GPU."""
 import torch
 from triton_interpreter import triton_check_tests
 
-from qsaserve.models.qwen4exp_blocks import moe_experts_sync_free
+from qsaserve.ops.moe.reference import moe_experts_sync_free
 
 
 def _case(n, k, e, h, inter, dtype, seed=0):
@@ -34,9 +34,9 @@ def check_moe(device, dtype, n=3, k=2, e=9, h=40, inter=24, block_n=None):
 
 
 def check_route(device, dtype, n=5, e=64, k=8, norm=True):
-    """The one-kernel router (softmax, top-k, renormalise) = qwen4exp_blocks.moe_route: the same
+    """The one-kernel router (softmax, top-k, renormalise) = ops.moe.reference.moe_route: the same
     experts in the same order, weights within rounding."""
-    from qsaserve.models.qwen4exp_blocks import moe_route
+    from qsaserve.ops.moe.reference import moe_route
     from qsaserve.ops.moe.triton_moe import moe_route_triton
 
     logits = (torch.randn(n, e, generator=torch.Generator().manual_seed(e + k)) * 2).to(dtype)

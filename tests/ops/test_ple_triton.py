@@ -3,7 +3,7 @@ the model's torch code on [B, 1] chunks): n-gram rows with fresh slots and EOS i
 and the dilated conv with its per-slot state; float32 under the Triton interpreter, bf16 on a GPU."""
 import torch
 
-from qsaserve.models.qwen4exp_ple import PLEHashParams
+from qsaserve.ops.ple.hashing import PLEHashParams
 from qsaserve.ops.ple.reference import (dilated_conv_decode_reference_, ngram_rows_decode_reference_,
                                         stream_gate_reference)
 from triton_interpreter import triton_check_tests

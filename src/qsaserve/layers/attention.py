@@ -1,8 +1,8 @@
 """Attention layer and the per-step metadata the model runner hands to every attention layer.
 
 The layer writes this step's K/V into the paged cache, then attends over each sequence's
-whole context. Which implementation runs is the backend's business (torch reference on CPU,
-Triton kernels on GPU); models only see this module.
+whole context. ops.attention chooses the implementation (Triton kernels on GPU, the torch
+reference on CPU); models only see this module.
 """
 from __future__ import annotations
 
@@ -12,23 +12,13 @@ import torch
 from torch import nn
 
 from qsaserve.cache.kv_cache import LayerCache
-from qsaserve.ops.attention.reference import paged_attention_reference, write_kv_reference
+from qsaserve.ops import attention as attention_ops
 from qsaserve.quant.kv_rotation import rotate_qk
 
-try:  # Triton kernels for CUDA tensors; CPU-only installs keep the reference
-    from qsaserve.ops.attention import triton_paged as _triton
-except ImportError:
-    _triton = None
 
-
-def write_kv_ref(k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor) -> None:
-    """Reference cache write of a layer's K/V with its FP8 scales and K offset (if any)."""
-    write_kv_reference(k, v, cache.kv, slots, cache.k_scale, cache.v_scale, k_offset=cache.k_offset)
-
-
-def use_triton(x: torch.Tensor) -> bool:
-    """Triton kernels for CUDA tensors (any KV dtype, FP8 E4M3 included); the reference elsewhere."""
-    return _triton is not None and x.is_cuda
+def write_layer_kv(k: torch.Tensor, v: torch.Tensor, cache: LayerCache, slots: torch.Tensor) -> None:
+    """A layer's K/V [T, Hkv, D] into its pages at slots [T], with its FP8 scales and K offset (if any)."""
+    attention_ops.write_kv(k, v, cache.kv, slots, cache.k_scale, cache.v_scale, k_offset=cache.k_offset)
 
 
 @dataclass
@@ -59,10 +49,8 @@ class Attention(nn.Module):
 
     def warm_up(self, dtype: torch.dtype) -> int:
         """Builds the Triton attention kernels this layer's steps may take (kernel launches made)."""
-        if not use_triton(self.cache.kv):
-            return 0
-        return _triton.warm_up(self.cache.kv, self.num_heads, dtype, k_scale=self.cache.k_scale,
-                               v_scale=self.cache.v_scale)
+        return attention_ops.warm_up(self.cache.kv, self.num_heads, dtype, k_scale=self.cache.k_scale,
+                                     v_scale=self.cache.v_scale)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq*D], k/v: [T, Hkv*D] -> [T, Hq*D]."""
@@ -76,12 +64,6 @@ class Attention(nn.Module):
             q, k = rotate_qk(q, k, cache.q_transform, cache.k_transform)
         if cache.observer is not None:
             cache.observer(k, v, q)
-        if use_triton(q):
-            _triton.write_kv(k, v, cache.kv, meta.slot_mapping, cache.k_scale, cache.v_scale,
-                             k_offset=cache.k_offset)
-            out = _triton.paged_attention(q, cache.kv, meta, self.scale, k_scale=cache.k_scale, v_scale=cache.v_scale)
-        else:
-            write_kv_ref(k, v, cache, meta.slot_mapping)
-            out = paged_attention_reference(q, cache.kv, meta.block_tables, meta.query_lens, meta.seq_lens_list, self.scale,
-                                            k_scale=cache.k_scale, v_scale=cache.v_scale)
+        write_layer_kv(k, v, cache, meta.slot_mapping)
+        out = attention_ops.paged_attention(q, cache.kv, meta, self.scale, k_scale=cache.k_scale, v_scale=cache.v_scale)
         return out.reshape(t, self.num_heads * self.head_dim)

@@ -2,31 +2,17 @@
 (parallel/dcp.py says which), attends the DCP group's query heads over that shard, and the
 partials are merged so each rank ends with its own heads' exact attention.
 
-The shard attention is the Triton kernels' partial mode on CUDA (fp32 out + base-2 LSE over the
-rank's local rows, causal on global positions) and the plain-torch dcp_reference elsewhere."""
+The shard attention is ops.attention.paged_attention_partial: fp32 out + base-2 LSE over the
+rank's local rows, causal on global positions."""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
 from qsaserve.cache.kv_cache import LayerCache
-from qsaserve.layers.attention import AttentionMetadata, _triton, use_triton, write_kv_ref
-from qsaserve.ops.attention.dcp_reference import paged_attention_partial
+from qsaserve.layers.attention import AttentionMetadata, write_layer_kv
+from qsaserve.ops import attention as attention_ops
 from qsaserve.quant.kv_rotation import rotate_qk
-
-
-def shard_keys(meta: AttentionMetadata, dcp, device: torch.device):
-    """This step's triton_paged.ShardKeys for the rank (`dcp`: a DcpGeometry): built once per step
-    (one host-to-device copy of the local lengths) and shared by every layer through `meta`."""
-    key = ("_dcp_shard_keys", str(device))
-    keys = meta.__dict__.get(key)
-    if keys is None:
-        lens = meta.dcp.local_seq_lens
-        t = torch.tensor(lens, dtype=torch.int32)
-        t = t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
-        keys = _triton.ShardKeys(dcp.size, dcp.rank, dcp.interleave, t, list(lens))
-        meta.__dict__[key] = keys
-    return keys
 
 
 class DcpAttention(nn.Module):
@@ -43,11 +29,9 @@ class DcpAttention(nn.Module):
     def warm_up(self, dtype: torch.dtype) -> int:
         """Builds the Triton attention kernels this layer's steps may take (kernel launches made): the
         partial form over the DCP group's query heads."""
-        if not use_triton(self.cache.kv):
-            return 0
         dcp = self.ctx.dcp
-        return _triton.warm_up(self.cache.kv, self.num_heads * dcp.size, dtype, k_scale=self.cache.k_scale,
-                               v_scale=self.cache.v_scale, shard_geometry=(dcp.size, dcp.rank, dcp.interleave))
+        return attention_ops.warm_up(self.cache.kv, self.num_heads * dcp.size, dtype, k_scale=self.cache.k_scale,
+                                     v_scale=self.cache.v_scale, shard_geometry=(dcp.size, dcp.rank, dcp.interleave))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq*D] (this rank's heads), k/v: [T, Hkv*D] -> [T, Hq*D]."""
@@ -62,17 +46,8 @@ class DcpAttention(nn.Module):
         if cache.observer is not None:  # KV-scale calibration sees every new K/V, owned here or not
             cache.observer(k, v, q)
         q_group = self.ctx.dcp_gather_heads(q)
-        if use_triton(q):
-            _triton.write_kv(k[plan.write_rows], v[plan.write_rows], cache.kv, plan.write_slots, cache.k_scale,
-                             cache.v_scale, k_offset=cache.k_offset)
-            out, lse = _triton.paged_attention_partial(q_group, cache.kv, meta, self.scale,
-                                                       shard_keys(meta, self.ctx.dcp, q.device),
-                                                       cache.k_scale, cache.v_scale)
-        else:
-            write_kv_ref(k[plan.write_rows], v[plan.write_rows], cache, plan.write_slots)
-            keys = self.ctx.dcp.key_positions(max(plan.local_seq_lens), q.device)
-            out, lse = paged_attention_partial(q_group, cache.kv, meta.block_tables, meta.query_lens,
-                                               meta.seq_lens_list, plan.local_seq_lens, keys, self.scale,
-                                               cache.k_scale, cache.v_scale)
+        write_layer_kv(k[plan.write_rows], v[plan.write_rows], cache, plan.write_slots)
+        out, lse = attention_ops.paged_attention_partial(q_group, cache.kv, meta, self.scale, self.ctx.dcp,
+                                                         cache.k_scale, cache.v_scale)
         out = self.ctx.dcp_merge(out, lse).to(q.dtype)
         return out.reshape(t, -1)

@@ -1,8 +1,8 @@
 """Linear projections of the Llama-family model and every model's LM head (parallel/tp.py):
 F.linear (cuBLAS), or for 1-4 rows on CUDA, without bias, the Triton GEMV of ops/gemv when
-QSASERVE_TRITON_GEMV=1 (read at import). cuBLAS reads the small q/k/v
-and o projections of a batch-1 decode step at ~40% of HBM bandwidth; the GEMV stays opt-in until
-benchmarks/bench_gemv.py and `qsaserve bench latency` measure it faster."""
+QSASERVE_TRITON_GEMV=1 (read at import) and the Triton kernels are on (ops.dispatch). cuBLAS
+reads the small q/k/v and o projections of a batch-1 decode step at ~40% of HBM bandwidth; the
+GEMV stays opt-in until benchmarks/bench_gemv.py and `qsaserve bench latency` measure it faster."""
 from __future__ import annotations
 
 import os
@@ -10,6 +10,8 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from qsaserve.ops.dispatch import use_triton
 
 try:  # CPU-only installs: F.linear only
     from qsaserve.ops.gemv.triton_gemv import MAX_ROWS, gemv
@@ -20,7 +22,8 @@ GEMV_ENABLED = os.environ.get("QSASERVE_TRITON_GEMV", "0") == "1" and gemv is no
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (GEMV_ENABLED and x.is_cuda and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+    """The GEMV is opted in and x's step may take it (the kernels' switch, ops.dispatch, included)."""
+    return (GEMV_ENABLED and use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
             and weight.stride(-1) == 1 and x.dtype == weight.dtype)
 
 

@@ -1,6 +1,6 @@
 """RMSNorm, computed in float32 like the reference models, optionally fused with the residual add.
 
-On CUDA one Triton kernel does the add and the norm (ops/fused); elsewhere the plain-torch
+ops.fused: on CUDA one Triton kernel does the add and the norm; elsewhere the plain-torch
 reference runs, with the same order of casts as before the fusion."""
 from __future__ import annotations
 
@@ -19,9 +19,5 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`: (norm(x + residual), x + residual), the sum being the next residual."""
         if residual is None:
-            if fused.use_fused(x):
-                return fused.triton_fused.rms_norm(x, self.weight, self.eps)
-            return fused.rms_norm_reference(x, self.weight, self.eps)
-        if fused.use_fused(x):
-            return fused.triton_fused.add_rms_norm(x, residual, self.weight, self.eps)
-        return fused.add_rms_norm_reference(x, residual, self.weight, self.eps)
+            return fused.rms_norm(x, self.weight, self.eps)
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)

@@ -49,6 +49,4 @@ class RotaryEmbedding(nn.Module):
     def rotate_qk(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated q [T, Hq, D] and k [T, Hk, D]. On CUDA they are rotated in place (views into the
         qkv output included) and returned; elsewhere new tensors come back."""
-        if fused.use_fused(q):
-            return fused.triton_fused.rope_qk_(q, k, positions, self.cos, self.sin)
-        return self(positions, q), self(positions, k)
+        return fused.rope_qk(q, k, positions, self.cos, self.sin)

@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from qsaserve.ops import fused
+from qsaserve.ops.dispatch import use_triton
 
 KV_ROTATIONS = ("none", "hadamard", "whitened")
 
@@ -80,7 +81,7 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, q_matrix: torch.Tensor, k_matrix
     """transform_heads of q [T, Hq, D] by q_matrix and of k [T, Hk, D] by k_matrix (both [D, D], or
     [Hk, D, D] per KV head). On CUDA one fused kernel transforms both in place (views into the qkv
     output included; ops/fused); elsewhere new tensors come back."""
-    if fused.use_fused(q) and q.shape[-1] >= 16:
+    if use_triton(q) and q.shape[-1] >= 16:
         if q_matrix.dim() == 2 and q_matrix is k_matrix:
             return fused.triton_fused.head_rotate_qk_(q, k, q_matrix)
         return fused.triton_fused.head_transform_qk_(q, k, q_matrix, k_matrix)

@@ -121,7 +121,7 @@ def test_decode_path_matches_prefill_path_and_ignores_padding(runner, monkeypatc
 
 @pytest.mark.parametrize("rows", [3, 40])  # gathered experts (rows * k < E) and every expert at once
 def test_sync_free_moe_equals_looped_experts(rows):
-    from qsaserve.models.qwen4exp_blocks import moe_experts, moe_experts_sync_free, moe_router
+    from qsaserve.ops.moe import moe_experts, moe_experts_sync_free, moe_router
 
     gen = torch.Generator().manual_seed(rows)
     h, inter, e, k = 16, 8, 12, 3

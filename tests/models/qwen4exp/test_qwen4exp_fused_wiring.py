@@ -1,20 +1,17 @@
 """The model's CUDA fast paths, wired on CPU: fused projection GEMMs and their splits (GDN
 qkv|z|b|a, QSA q|k|v|index, router|shared gate|up|shared gate), the QSA q/k/index-q norm + RoPE
-call sites, the PLE decode kernels' call sites, the block-key pooling call, the MoE router call and
+call sites, the PLE decode ops' call sites, the block-key pooling call, the MoE router call and
 the MoE block's fused shared expert give what the reference path gives.
 
 On CUDA those paths call Triton kernels (tested against their references in tests/ops); here the
-kernels are swapped for the same references, so this checks only the model code around them, in
-float32 against the unpatched model (prompt logprobs within 1e-5, identical greedy tokens), over
-chunked prefill, batched decode and a PLE layer."""
-from types import SimpleNamespace
-
+blocks take their CUDA branches while each dispatched op (ops/<op>/__init__.py) runs its torch
+reference on the CPU tensors, so this checks only the model code around them, in float32 against
+the unpatched model (prompt logprobs within 1e-5, identical greedy tokens), over chunked prefill,
+batched decode and a PLE layer."""
 import torch
 
 from qsaserve import LLM, SamplingParams
 from qsaserve.models.qwen4exp import moe, ple, qsa_attention
-from qsaserve.ops.fused.reference import norm_rope_heads_reference, sigmoid_gated_add_reference, silu_mul_reference
-from qsaserve.ops.ple import reference as ple_ref
 
 from qwen4exp_testing import build_random_model, make_config
 
@@ -41,19 +38,12 @@ def test_fast_path_wiring_equals_reference_path(tmp_path, monkeypatch):
             return fn(*a)
         return run
 
-    for block in (moe, ple, qsa_attention):
-        monkeypatch.setattr(block, "use_fused", lambda x: True)
-    monkeypatch.setattr(qsa_attention, "pool_completed_groups_triton", qsa_attention.pool_completed_groups)
-    monkeypatch.setattr(moe, "moe_route_triton", counted("route", moe.moe_route))
-    monkeypatch.setattr(ple, "triton_ple", SimpleNamespace(
-        ngram_rows_decode_=counted("ple", ple_ref.ngram_rows_decode_reference_),
-        stream_gate=ple_ref.stream_gate_reference, dilated_conv_decode_=ple_ref.dilated_conv_decode_reference_))
-    kernels = SimpleNamespace(
-        silu_mul=counted("silu_mul", silu_mul_reference), norm_rope_heads=counted("norm_rope_heads",
-                                                                                 norm_rope_heads_reference),
-        sigmoid_gated_add=sigmoid_gated_add_reference)
-    for block in (moe, qsa_attention):
-        monkeypatch.setattr(block, "triton_fused", kernels)
+    for block in (moe, ple, qsa_attention):  # each block's choice of its CUDA branch
+        monkeypatch.setattr(block, "use_triton", lambda x: True)
+    monkeypatch.setattr(moe, "moe_route", counted("route", moe.moe_route))
+    monkeypatch.setattr(ple, "ngram_rows_decode_", counted("ple", ple.ngram_rows_decode_))
+    monkeypatch.setattr(moe, "silu_mul", counted("silu_mul", moe.silu_mul))
+    monkeypatch.setattr(qsa_attention, "norm_rope_heads", counted("norm_rope_heads", qsa_attention.norm_rope_heads))
     got = _run(str(tmp_path))
     assert calls["silu_mul"] and calls["norm_rope_heads"] and calls["ple"] and calls["route"]  # the fast branches ran
     for (tw, lw), (tg, lg) in zip(want, got):

@@ -3,14 +3,8 @@
 import pytest
 import torch
 
-from qsaserve.models.qwen4exp_ple import (
-    PLEHashParams,
-    TensorRowTable,
-    ple_initial_context,
-    ple_layer_forward,
-    ple_ngram_ids,
-    ple_short_conv,
-)
+from qsaserve.ops.ple.hashing import PLEHashParams, ple_initial_context, ple_ngram_ids
+from qsaserve.ops.ple.reference import TensorRowTable, ple_layer_forward, ple_short_conv
 
 hf = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
 from transformers import Qwen4ExpTextConfig  # noqa: E402

@@ -1,6 +1,6 @@
 """The Qwen4Exp prefill path with its CUDA branch (Triton indexer scoring per row block, one
 Triton sparse-attention call for every row of the step, block tables read in place) against the
-reference branch (torch scores, gathered context).
+reference branch (torch scores, the paged torch attention).
 
 On CPU the CUDA branch runs its real Triton kernels under the interpreter (a subprocess with
 TRITON_INTERPRET=1), fp32, tiny model: two sequences in mixed chunked steps, chunks not aligned
@@ -17,7 +17,6 @@ kernel's bf16 rounding of P (measured on CPU, see the test's bounds).
 import pytest
 import torch
 
-import qsaserve.models.qwen4exp.qsa_attention as qsa_attention
 from qsaserve import LLM
 from qsaserve.layers.attention import AttentionMetadata
 
@@ -91,9 +90,11 @@ def run_interpreted_branch_check() -> None:
     steps = [[(0, 9), (1, 10)], [(0, 7)], [(0, 1), (1, 2)], [(0, 10)]]  # unaligned chunks, a 1-token chunk
     ref = _prefill(m, steps, prompts, block, "cpu")
     calls = []
-    qsa_attention._use_triton = lambda x: True
-    score = qsa_attention.prefill_index_scores_triton
-    qsa_attention.prefill_index_scores_triton = lambda *a, **k: calls.append(1) or score(*a, **k)
+    from qsaserve.ops import qsa_attention, qsa_indexer
+
+    qsa_indexer.use_triton = qsa_attention.use_triton = lambda x: True  # the QSA ops' kernel branch
+    score = qsa_indexer.triton_score.prefill_index_scores_triton
+    qsa_indexer.triton_score.prefill_index_scores_triton = lambda *a, **k: calls.append(1) or score(*a, **k)
     got = _prefill(m, steps, prompts, block, "cpu")
     assert calls, "the Triton scoring kernel did not run"
     for a, b in zip(got, ref):
@@ -108,6 +109,7 @@ def test_cuda_branch_under_triton_interpreter_matches_reference_branch():
 
 @pytest.mark.gpu
 def test_4096_token_prefill_triton_branch_matches_reference_on_gpu(tmp_path, monkeypatch):
+    from qsaserve.ops import qsa_attention, qsa_indexer
     from qsaserve.ops.qsa_attention import sparse_attention_paged_reference
     from qsaserve.ops.qsa_indexer.paged import prefill_index_scores, select_decode_tokens
 
@@ -123,7 +125,8 @@ def test_4096_token_prefill_triton_branch_matches_reference_on_gpu(tmp_path, mon
     steps = [[(0, 1001), (1, 300)], [(0, 1500)], [(0, 1595)]]
     # Every layer's pieces against their references on the same inputs, during the Triton run.
     seen = {"rows": 0, "rows_differ": 0, "attn_rel": []}
-    select_rows, sparse = qsa_attention.select_prefill_rows_triton, qsa_attention.sparse_attention_paged_triton
+    select_rows = qsa_indexer.triton_score.select_prefill_rows_triton
+    sparse = qsa_attention.triton_sparse.sparse_attention_paged_triton
 
     def checked_select(iq, keys, table, pos, r, num_groups, budget):
         got = select_rows(iq, keys, table, pos, r, num_groups, budget)
@@ -138,8 +141,8 @@ def test_4096_token_prefill_triton_branch_matches_reference_on_gpu(tmp_path, mon
         seen["attn_rel"].append(float((out - ref).norm() / ref.norm()))
         return out, lse
 
-    monkeypatch.setattr(qsa_attention, "select_prefill_rows_triton", checked_select)
-    monkeypatch.setattr(qsa_attention, "sparse_attention_paged_triton", checked_attention)
+    monkeypatch.setattr(qsa_indexer.triton_score, "select_prefill_rows_triton", checked_select)
+    monkeypatch.setattr(qsa_attention.triton_sparse, "sparse_attention_paged_triton", checked_attention)
     fast = _prefill(m, steps, prompts, block, "cuda")
     assert seen["rows"] == 2 * (4096 + 300), seen  # every row of both QSA layers
     # Scores differ by fp32 summation order only; on CPU, 1e-6 relative score noise changed no
@@ -147,7 +150,8 @@ def test_4096_token_prefill_triton_branch_matches_reference_on_gpu(tmp_path, mon
     assert seen["rows_differ"] <= 0.001 * seen["rows"], seen
     # The kernel's P.V dot takes bf16 probabilities (the op tests' bf16 bound).
     assert max(seen["attn_rel"]) < 1.5e-2, seen["attn_rel"]
-    monkeypatch.setattr(qsa_attention, "_use_triton", lambda x: False)
+    monkeypatch.setattr(qsa_indexer, "use_triton", lambda x: False)
+    monkeypatch.setattr(qsa_attention, "use_triton", lambda x: False)
     ref = _prefill(m, steps, prompts, block, "cuda")
     # End to end the bf16 model amplifies those roundings: in the bf16 reference branch on CPU,
     # rounding only P to bf16 before P.V (as the kernel does) moves the prompt logprobs by

@@ -15,9 +15,9 @@ from qsaserve.models.qwen4exp.hyper_connection import HyperConnection
 from qsaserve.models.qwen4exp.moe import SparseMoE
 from qsaserve.models.qwen4exp.ple import PLE
 from qsaserve.models.qwen4exp.qsa_attention import QSAAttention
-from qsaserve.models.qwen4exp.state import SlotState, Step
 from qsaserve.models.qwen4exp.sharding import RankLayout
-from qsaserve.ops.hyper_connection.reference import hc_inject
+from qsaserve.models.qwen4exp.state import SlotState, Step
+from qsaserve.ops.hyper_connection import hc_inject
 
 Pending = tuple[torch.Tensor, torch.Tensor] | None  # (block output, injection weights) not yet added
 

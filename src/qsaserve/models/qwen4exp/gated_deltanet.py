@@ -7,12 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qsaserve.models.qwen4exp.state import GDNState, Step
 from qsaserve.models.qwen4exp.sharding import RankLayout
+from qsaserve.models.qwen4exp.state import GDNState, Step
 from qsaserve.models.qwen4exp.weights import PackedWeight, ShardLoader, Weight, parameter
-from qsaserve.ops.gdn.decode_ops import conv1d_decode_, delta_rule_decode_, gated_norm, gdn_gates
-from qsaserve.ops.gdn.dispatch import gated_delta_rule
-from qsaserve.ops.gdn.reference import causal_conv1d_reference
+from qsaserve.ops.gdn import (causal_conv1d_reference, conv1d_decode_, delta_rule_decode_, gated_delta_rule, gated_norm,
+                              gdn_gates)
 
 
 class GatedDeltaNet(nn.Module):

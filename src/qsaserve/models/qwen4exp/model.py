@@ -25,8 +25,8 @@ from qsaserve.models.qwen4exp.qsa_attention import QSACacheLayer
 from qsaserve.models.qwen4exp.sharding import RankLayout
 from qsaserve.models.qwen4exp.weights import (Weight, checkpoint_targets, checkpoint_tensor, init_dummy_weights,
                                               load_checkpoint, weight_shapes)
-from qsaserve.ops.hyper_connection.reference import hc_inject
-from qsaserve.ops.qsa_indexer.reference import rope_inv_freq
+from qsaserve.ops.hyper_connection import hc_inject
+from qsaserve.ops.qsa_indexer import rope_inv_freq
 from qsaserve.parallel.state import ParallelContext
 from qsaserve.parallel.tp import vocab_parallel_embedding, vocab_parallel_logits, vocab_shard_rows
 

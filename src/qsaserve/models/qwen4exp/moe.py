@@ -7,12 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qsaserve.models.qwen4exp.state import Step
+from qsaserve.models.qwen4exp.reference import sparse_moe_block
 from qsaserve.models.qwen4exp.sharding import REPLICATED, RankLayout
+from qsaserve.models.qwen4exp.state import Step
 from qsaserve.models.qwen4exp.weights import ExpertLoader, PackedWeight, Weight, parameter
-from qsaserve.models.qwen4exp_blocks import moe_experts, moe_experts_sync_free, moe_route, sparse_moe_block
-from qsaserve.ops.fused import triton_fused, use_fused
-from qsaserve.ops.moe import moe_route_triton
+from qsaserve.ops.dispatch import use_triton
+from qsaserve.ops.fused import sigmoid_gated_add, silu_mul
+from qsaserve.ops.moe import moe_experts, moe_experts_sync_free, moe_route
 
 
 class Experts(nn.Module):
@@ -65,18 +66,17 @@ class SparseMoE(nn.Module):
         return self.ctx.all_reduce(out)
 
     def _fused_path(self, x: torch.Tensor) -> bool:
-        return use_fused(x) and x.dim() == 2 and self.activation in ("silu", "swish")
+        return use_triton(x) and x.dim() == 2 and self.activation in ("silu", "swish")
 
     def _fused_forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         router, gate, up, shared_gate = self.input_proj.sizes()
         logits, gate_up, shared_gate = torch.split(F.linear(x, self.input_proj.weight), [router, gate + up, shared_gate],
                                                    dim=-1)
-        route = moe_route_triton if moe_route_triton is not None else moe_route
-        top_w, top_i = route(logits, self.top_k, self.norm_topk_prob)
+        top_w, top_i = moe_route(logits, self.top_k, self.norm_topk_prob)
         experts = moe_experts_sync_free if step.decode else moe_experts
         routed = experts(x, top_i, top_w, self.experts.gate_up_proj, self.experts.down_proj, self.activation)
-        shared = F.linear(triton_fused.silu_mul(gate_up), self.shared_expert.down_proj.weight)
-        return triton_fused.sigmoid_gated_add(routed, shared, shared_gate)  # routed + sigmoid(gate) * shared
+        shared = F.linear(silu_mul(gate_up), self.shared_expert.down_proj.weight)
+        return sigmoid_gated_add(routed, shared, shared_gate)  # routed + sigmoid(gate) * shared
 
     def reference_weights(self) -> dict[str, torch.Tensor]:
         """This rank's weights by checkpoint name relative to `mlp.` (sparse_moe_block's keys)."""

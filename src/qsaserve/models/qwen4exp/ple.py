@@ -11,17 +11,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from qsaserve.models.qwen4exp.state import PLEState, Step
 from qsaserve.models.qwen4exp.sharding import REPLICATED
+from qsaserve.models.qwen4exp.state import PLEState, Step
 from qsaserve.models.qwen4exp.weights import PackedWeight, Weight
-from qsaserve.models.qwen4exp_blocks import rms_norm
-from qsaserve.models.qwen4exp_ple import PLEHashParams, ple_embed, ple_initial_context, ple_layer_forward
-from qsaserve.ops.fused import use_fused
-
-try:  # Triton kernels for CUDA tensors; CPU-only installs keep the references
-    from qsaserve.ops.ple import triton_ple
-except ImportError:
-    triton_ple = None
+from qsaserve.ops.dispatch import use_triton
+from qsaserve.ops.fused import one_centred_rms_norm
+from qsaserve.ops.ple import (PLEHashParams, dilated_conv_decode_, ngram_rows_decode_, ple_embed, ple_initial_context,
+                              ple_layer_forward, stream_gate)
 
 
 class PLE(nn.Module):
@@ -59,7 +55,7 @@ class PLE(nn.Module):
 
     def forward(self, hyper: torch.Tensor, input_ids: torch.Tensor, step: Step) -> torch.Tensor:
         """The delta to add to the residual streams hyper [T, hc * H]."""
-        if step.decode and use_fused(hyper) and triton_ple is not None:
+        if step.decode and use_triton(hyper):
             return self._decode_fused(hyper, input_ids, step)
         if step.decode:
             return self._decode_reference(hyper, input_ids, step)
@@ -97,15 +93,16 @@ class PLE(nn.Module):
         return out
 
     def _decode_fused(self, hyper, input_ids, step: Step) -> torch.Tensor:
-        """_decode_reference with the hashing, stream gate and dilated conv as Triton kernels, state
-        slots updated in place."""
+        """_decode_reference as the decode ops (the hashing, stream gate and dilated conv: one
+        Triton kernel each on CUDA), the key | value projections as one GEMM, state slots updated
+        in place."""
         st, params, h, eps = self.state, self.hash_params, self.hidden_size, self.eps
-        rows = triton_ple.ngram_rows_decode_(input_ids, st.ngram_context, step.slot_idx, step.fresh, params)
+        rows = ngram_rows_decode_(input_ids, st.ngram_context, step.slot_idx, step.fresh, params)
         emb = ple_embed(rows, self.table).to(hyper.dtype)
         key, value = torch.split(F.linear(emb, self.key_value_proj.weight), self.key_value_proj.sizes(), dim=-1)
-        key = rms_norm(key, self.norm_key.weight, eps, h)
-        query = rms_norm(hyper, self.norm_query.weight, eps, h)
-        gated = triton_ple.stream_gate(key, query, value, self.hc_count)
-        normed = rms_norm(gated, self.norm_conv.weight, eps, h)
-        return triton_ple.dilated_conv_decode_(normed, gated, self.conv1d.weight, st.conv, step.slot_idx, step.fresh,
-                                               params.ngram_size)
+        key = one_centred_rms_norm(key, self.norm_key.weight, eps, h)
+        query = one_centred_rms_norm(hyper, self.norm_query.weight, eps, h)
+        gated = stream_gate(key, query, value, self.hc_count)
+        normed = one_centred_rms_norm(gated, self.norm_conv.weight, eps, h)
+        return dilated_conv_decode_(normed, gated, self.conv1d.weight, st.conv, step.slot_idx, step.fresh,
+                                    params.ngram_size)

@@ -19,26 +19,16 @@ from torch import nn
 
 from qsaserve.cache.kv_cache import LayerCache
 from qsaserve.layers.attention import AttentionMetadata
-from qsaserve.models.qwen4exp.state import IndexTailState, Step
+from qsaserve.models.qwen4exp.reference import qsa_attention_output, qsa_norm_rope_qk
 from qsaserve.models.qwen4exp.sharding import REPLICATED, RankLayout
+from qsaserve.models.qwen4exp.state import IndexTailState, Step
 from qsaserve.models.qwen4exp.weights import PackedWeight, Weight
-from qsaserve.models.qwen4exp_blocks import qsa_attention_output, qsa_norm_rope_qk
-from qsaserve.ops.attention.reference import gather_context, write_kv_reference
-from qsaserve.ops.fused import triton_fused, use_fused
-from qsaserve.ops.qsa_attention.reference import sparse_attention_paged_reference, sparse_attention_reference
-from qsaserve.ops.qsa_indexer.paged import (decode_index_scores, pool_chunk_groups, pool_completed_groups,
-                                           select_decode_tokens, select_prefill_tokens)
-from qsaserve.ops.qsa_indexer.reference import indexer_project, rope_cos_sin
-
-try:  # Triton kernels for CUDA tensors; CPU-only installs keep the references
-    from qsaserve.ops.attention import triton_paged as _triton_paged
-    from qsaserve.ops.qsa_attention.triton_sparse import sparse_attention_paged_triton
-    from qsaserve.ops.qsa_indexer.triton_pool import pool_completed_groups_triton
-    from qsaserve.ops.qsa_indexer.triton_score import (decode_index_scores_triton, prefill_index_scores_triton,
-                                                       select_decode_tokens_triton, select_prefill_rows_triton)
-except ImportError:
-    _triton_paged = sparse_attention_paged_triton = decode_index_scores_triton = prefill_index_scores_triton = None
-    select_decode_tokens_triton = select_prefill_rows_triton = pool_completed_groups_triton = None
+from qsaserve.ops.attention import write_kv
+from qsaserve.ops.dispatch import use_triton
+from qsaserve.ops.fused import norm_rope_heads
+from qsaserve.ops.qsa_attention import sparse_attention_paged
+from qsaserve.ops.qsa_indexer import (indexer_project, pool_chunk_groups, pool_completed_groups, rope_cos_sin,
+                                      select_decode, select_prefill)
 
 
 class QSACacheLayer:
@@ -116,18 +106,17 @@ class QSAAttention(nn.Module):
         if step.rope is None:  # the same tables for every QSA layer of the step
             step.rope = rope_cos_sin(step.positions, step.inv_freq, x.dtype)
         cos, sin = step.rope
-        if not use_fused(x):
+        if not use_triton(x):
             return self._inputs_reference(x, cos, sin)
         # CUDA: the packed GEMM, each head's 1-centred RMSNorm + partial RoPE in one kernel
-        # (triton_fused.norm_rope_heads; _inputs_reference is its reference).
+        # (ops.fused.norm_rope_heads; _inputs_reference is its reference).
         t, d, hi, di = x.shape[0], self.head_dim, self.indexer.num_heads, self.indexer.head_dim
         qg, k, v, qk = torch.split(F.linear(x, self.qkv_index_proj.weight), self.qkv_index_proj.sizes(), dim=-1)
         q, gate = self._split_query_gate(qg)
-        q = triton_fused.norm_rope_heads(q, self.q_norm.weight, cos, sin, self.eps)
-        k = triton_fused.norm_rope_heads(k.view(t, -1, d), self.k_norm.weight, cos, sin, self.eps)
+        q = norm_rope_heads(q, self.q_norm.weight, cos, sin, self.eps)
+        k = norm_rope_heads(k.view(t, -1, d), self.k_norm.weight, cos, sin, self.eps)
         v = v.view(t, -1, d)
-        iq = triton_fused.norm_rope_heads(qk[:, :hi * di].view(t, hi, di), self.indexer.q_layernorm.weight, cos, sin,
-                                          self.eps)
+        iq = norm_rope_heads(qk[:, :hi * di].view(t, hi, di), self.indexer.q_layernorm.weight, cos, sin, self.eps)
         return q, gate, k, v, iq, qk[:, hi * di:]
 
     def _inputs_reference(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -158,10 +147,10 @@ class QSAAttention(nn.Module):
     def _prefill(self, x: torch.Tensor, step: Step, meta: AttentionMetadata) -> torch.Tensor:
         """Prefill and mixed steps. Per sequence: pool the groups its chunk completes (from the
         open-group raw keys in its state slot plus the chunk's), then select its queries' tokens
-        in row blocks that bound the temporaries. On CUDA: Triton scoring, batched top-k on device
-        ("lowest_index" ties, as decode) and one Triton sparse-attention call for every row of the
-        step, reading the selected positions through the block tables. On CPU: transformers' tie
-        order ("torch") and the gathered-context reference."""
+        in row blocks that bound the temporaries; then one sparse-attention call for every row of
+        the step, reading the selected positions through the block tables (on CUDA: Triton scoring,
+        batched top-k on device with "lowest_index" ties, as decode; on CPU transformers' tie order,
+        "torch"; ops.qsa_indexer / ops.qsa_attention choose)."""
         dcp, idx = self.ctx.dcp, self.indexer
         cache, tails = self.attn.cache, self.state.index_tail
         q, gate, k, v, iq, raw = self._inputs(x, step)
@@ -173,89 +162,43 @@ class QSAAttention(nn.Module):
         else:
             _write_kv(cache, k, v, meta.slot_mapping)
         r, budget, positions = idx.ratio, idx.budget, step.positions
-        fast = _use_triton(q)
-        # Ties: transformers' per-query torch.topk order on CPU, the deterministic lowest index on CUDA.
-        tie_break = "lowest_index" if q.is_cuda else "torch"
         iq = iq.to(cache.block_keys.dtype)
         selected = torch.empty((q.shape[0], budget + r - 1), dtype=torch.long, device=q.device)
         for s, (a, b) in enumerate(step.spans):
             length, table = meta.seq_lens_list[s], meta.block_tables[s]
             pool_chunk_groups(tails[step.slots[s]], raw[a:b], length - (b - a), cache.block_keys, table,
                               idx.k_layernorm.weight, step.inv_freq, r, self.eps)
-            # CUDA: one fused select (packed-key scoring, top-k, build) per row block; the "torch" tie
-            # order (interpreter runs on CPU) keeps the scorer plus the reference's per-query top-k.
-            fused = fast and tie_break == "lowest_index"
-            selected[a:b] = select_prefill_tokens(
-                iq[a:b], cache.block_keys, table, positions[a:b], r, budget, length // r, tie_break,
-                score_fn=prefill_index_scores_triton if fast and not fused else None,
-                select_fn=select_prefill_rows_triton if fused else None)
+            selected[a:b] = select_prefill(iq[a:b], cache.block_keys, table, positions[a:b], r, budget, length // r)
         if dcp.enabled:
             selected = dcp.localize(selected)
-        scale = self.head_dim**-0.5
-        if fast:
-            rows = torch.arange(q.shape[0], dtype=meta.cu_query_lens.dtype, device=q.device)
-            seq_ids = torch.searchsorted(meta.cu_query_lens[1:].contiguous(), rows, right=True)
-            attn, lse = sparse_attention_paged_triton(q, cache.kv, meta.block_tables, selected, scale, seq_ids,
-                                                      cache.k_scale, cache.v_scale, run=self._run(cache),
-                                                      pack=self.ctx.dcp_pack_size)
-        else:
-            attn = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-            lse = torch.full(q.shape[:2], float("-inf"), dtype=torch.float32, device=q.device)
-            for s, (a, b) in enumerate(step.spans):
-                length = plan.local_seq_lens[s] if dcp.enabled else meta.seq_lens_list[s]
-                if length == 0:
-                    continue  # nothing of this sequence here: out 0, lse -inf
-                k_ctx, v_ctx = gather_context(cache.kv, meta.block_tables[s], length, cache.k_scale, cache.v_scale)
-                attn[a:b], lse[a:b] = sparse_attention_reference(q[a:b], k_ctx, v_ctx, selected[a:b], scale=scale)
+        rows = torch.arange(q.shape[0], dtype=meta.cu_query_lens.dtype, device=q.device)
+        seq_ids = torch.searchsorted(meta.cu_query_lens[1:].contiguous(), rows, right=True)
+        attn, lse = sparse_attention_paged(q, cache.kv, meta.block_tables, selected, self.head_dim**-0.5, seq_ids,
+                                           cache.k_scale, cache.v_scale, run=self._run(cache),
+                                           pack=self.ctx.dcp_pack_size)
         return self._output(attn, lse, gate)
 
     def _decode(self, x: torch.Tensor, step: Step, meta: AttentionMetadata) -> torch.Tensor:
         """One token per sequence, all sequences at once: pool the block a token completes, score
         every visible block through the block tables, top-k on device, and attend over only the
-        selected tokens (Triton on CUDA, the paged torch reference elsewhere)."""
-        dcp, idx = self.ctx.dcp, self.indexer
-        cache = self.attn.cache
+        selected tokens (Triton on CUDA, the paged torch references elsewhere)."""
+        idx, cache = self.indexer, self.attn.cache
         q, gate, k, v, iq, raw = self._inputs(x, step)
         if cache.observer is not None:
             cache.observer(k, v, q)
         _write_kv(cache, k, v, step.kv_slots)
         # The raw key joins its sequence's open group in the state slot (padding rows: the scratch slot).
         r, tables, pos = idx.ratio, meta.block_tables, step.query_pos
-        pool = pool_completed_groups_triton if use_fused(raw) and not r & (r - 1) else pool_completed_groups
-        pool(self.state.index_tail, step.slot_idx, raw, cache.block_keys, tables, pos, step.valid,
-             idx.k_layernorm.weight, step.inv_freq, r, self.eps)
+        pool_completed_groups(self.state.index_tail, step.slot_idx, raw, cache.block_keys, tables, pos, step.valid,
+                              idx.k_layernorm.weight, step.inv_freq, r, self.eps)
         iq = iq.to(cache.block_keys.dtype)
-        fast = _use_triton(q)
-        local = dcp.enabled and fast and use_fused(q)  # the build kernel writes rank-local rows
-        if fast:
-            selected = select_decode_tokens_triton(iq, cache.block_keys, tables, pos, r, idx.budget,
-                                                   dcp=dcp if local else None)
-        else:
-            selected = select_decode_tokens(decode_index_scores(iq, cache.block_keys, tables, pos, r), pos, r,
-                                            idx.budget)
-        if dcp.enabled and not local:
-            selected = dcp.localize(selected)
-        if fast:
-            attn, lse = sparse_attention_paged_triton(q, cache.kv, tables, selected, self.head_dim**-0.5, None,
-                                                      cache.k_scale, cache.v_scale, run=self._run(cache),
-                                                      pack=self.ctx.dcp_pack_size)
-        else:
-            attn, lse = sparse_attention_paged_reference(q, cache.kv, tables, selected, self.head_dim**-0.5, None,
-                                                         cache.k_scale, cache.v_scale)
+        selected = select_decode(iq, cache.block_keys, tables, pos, r, idx.budget, dcp=self.ctx.dcp)
+        attn, lse = sparse_attention_paged(q, cache.kv, tables, selected, self.head_dim**-0.5, None, cache.k_scale,
+                                           cache.v_scale, run=self._run(cache), pack=self.ctx.dcp_pack_size)
         return self._output(attn, lse, gate)
-
-
-def _use_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda and decode_index_scores_triton is not None
 
 
 def _write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """Store K/V rows at `slots` (-1: not stored here), quantizing for FP8 pages and subtracting a
-    K offset when the layer has one. The Triton writer (CUDA) skips -1 slots; the reference path
-    (CPU) sends them to the null block's slot 0, which no reader ever attends to."""
-    k_offset = getattr(cache, "k_offset", None)
-    extra = {} if k_offset is None else {"k_offset": k_offset}
-    if _triton_paged is not None and k.is_cuda:
-        _triton_paged.write_kv(k, v, cache.kv, slots, cache.k_scale, cache.v_scale, **extra)
-        return
-    write_kv_reference(k, v, cache.kv, slots.clamp_min(0), cache.k_scale, cache.v_scale, **extra)
+    K offset when the layer has one."""
+    write_kv(k, v, cache.kv, slots, cache.k_scale, cache.v_scale, k_offset=getattr(cache, "k_offset", None))

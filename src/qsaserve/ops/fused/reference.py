@@ -30,6 +30,22 @@ def grouped_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float
     return (out * (1.0 + weight.float())).to(x.dtype)
 
 
+def rms_norm_one_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen4Exp RMSNorm: fp32 ``x * rsqrt(mean(x^2) + eps) * (1 + weight)``, cast back to ``x.dtype``."""
+    xf = x.float()
+    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (out * (1.0 + weight.float())).to(x.dtype)
+
+
+def one_centred_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                                   group_size: int | None = None) -> torch.Tensor:
+    """`rms_norm_one_centred`, or with group_size `grouped_rms_norm_reference` (as
+    ``Qwen4ExpTextRMSNorm(dim, group_size=hidden_size)``)."""
+    if group_size is None:
+        return rms_norm_one_centred(x, weight, eps)
+    return grouped_rms_norm_reference(x, weight, eps, group_size)
+
+
 def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): the block output joins the residual stream, which
@@ -66,9 +82,9 @@ def silu_mul_reference(x: torch.Tensor) -> torch.Tensor:
 
 def norm_rope_heads_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                               eps: float) -> torch.Tensor:
-    """Qwen4Exp's per-head q/k path: 1-centred RMSNorm (qsa_indexer.reference.rms_norm_one_centred)
-    then partial rotate-half RoPE (apply_partial_rope) with cos/sin [T, rot] in x's dtype."""
-    from qsaserve.ops.qsa_indexer.reference import apply_partial_rope, rms_norm_one_centred
+    """Qwen4Exp's per-head q/k path: 1-centred RMSNorm (rms_norm_one_centred) then partial
+    rotate-half RoPE (qsa_indexer.reference.apply_partial_rope) with cos/sin [T, rot] in x's dtype."""
+    from qsaserve.ops.qsa_indexer.reference import apply_partial_rope  # imported here: that module imports this one
 
     return apply_partial_rope(rms_norm_one_centred(x, weight, eps), cos[:, None], sin[:, None])
 

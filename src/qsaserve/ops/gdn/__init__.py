@@ -1,5 +1,18 @@
-"""Gated DeltaNet ops: plain-PyTorch references (fla-core argument conventions)."""
+"""Gated DeltaNet ops (fla-core argument conventions), dispatched (`ops.dispatch.use_triton`):
 
+* `gated_delta_rule`: fla-core's chunked / recurrent kernels, else the torch references.
+* The decode step's small ops, one Triton launch each (triton_decode.py), else the torch
+  references (decode_ops.py): `gdn_gates`, `conv1d_decode_` and `delta_rule_decode_` (per-slot
+  state advanced in place), `gated_norm`.
+* The prefill conv `causal_conv1d_reference` has no kernel."""
+from __future__ import annotations
+
+import torch
+
+from qsaserve.ops.dispatch import use_triton
+from qsaserve.ops.gdn.decode_ops import (conv1d_decode_reference_, delta_rule_decode_reference_, gated_rms_norm,
+                                         gdn_gates_reference)
+from qsaserve.ops.gdn.delta_rule import gated_delta_rule
 from qsaserve.ops.gdn.reference import (
     causal_conv1d_reference,
     causal_conv1d_update_reference,
@@ -8,10 +21,54 @@ from qsaserve.ops.gdn.reference import (
     l2norm,
 )
 
+try:  # CPU-only installs keep the references
+    from qsaserve.ops.gdn import triton_decode
+except ImportError:
+    triton_decode = None
+
+
+def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
+              dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """b, a [T, Hv] (projection outputs) -> (beta = sigmoid(b) in b's dtype, g = -exp(A_log) *
+    softplus(a + dt_bias) fp32), each [T, Hv]."""
+    fn = triton_decode.gdn_gates_triton if use_triton(b) else gdn_gates_reference
+    return fn(b, a, a_log, dt_bias)
+
+
+def conv1d_decode_(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                   fresh: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """x [B, C] (one token per sequence), weight [C, 1, W], states [N, C, W-1] (slots[b]'s state
+    advanced in place), fresh [B] bool (start from zeros) -> act(causal conv) [B, C]."""
+    fn = triton_decode.conv1d_decode_triton_ if use_triton(x) else conv1d_decode_reference_
+    return fn(x, weight, states, slots, fresh, activation)
+
+
+def delta_rule_decode_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """q, k [B, Hk, Dk], v [B, Hv, Dv], g, beta [B, Hv]; states [N, Hv, Dk, Dv] fp32 (slots[b]'s
+    state advanced in place), fresh [B] bool -> o [B, Hv, Dv]: one token of each sequence."""
+    fn = triton_decode.delta_rule_decode_triton_ if use_triton(q) else delta_rule_decode_reference_
+    return fn(q, k, v, g, beta, states, slots, fresh)
+
+
+def gated_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+               activation: str = "silu") -> torch.Tensor:
+    """x, gate [T, Hv, Dv] -> weight * norm(x) * act(gate) per head (`gated_rms_norm`)."""
+    if use_triton(x):
+        return triton_decode.gated_rms_norm_triton(x, gate, weight, eps, activation)
+    return gated_rms_norm(x, gate, weight, eps, activation)
+
+
 __all__ = [
     "causal_conv1d_reference",
     "causal_conv1d_update_reference",
+    "conv1d_decode_",
+    "delta_rule_decode_",
+    "gated_delta_rule",
+    "gated_norm",
+    "gated_rms_norm",
     "gdn_chunk_reference",
+    "gdn_gates",
     "gdn_recurrent_reference",
     "l2norm",
 ]

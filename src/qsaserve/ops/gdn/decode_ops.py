@@ -1,6 +1,6 @@
 """The small ops around the gated delta rule in a GDN decode step, in plain torch (the references,
 and the CPU path): the gates, the one-token causal conv with its per-slot state, and the gated
-output norm. `triton_decode.py` runs each as one kernel.
+output norm. `triton_decode.py` runs each as one kernel; ops/gdn/__init__.py dispatches.
 
 * gdn_gates: beta = sigmoid(b) (model dtype), g = -exp(A_log) * softplus(a + dt_bias) (fp32:
   exp(A_log) may overflow half precision).
@@ -8,7 +8,7 @@ output norm. `triton_decode.py` runs each as one kernel.
   (zeros for a fresh sequence), SiLU; the slot's state (the last W-1 inputs) is updated in place.
 * delta_rule_decode_: the gated delta rule for one token per sequence, continuing from its
   state slot (zeros for a fresh sequence), the slot advanced in place. The reference gathers the
-  states, runs `dispatch.gated_delta_rule` (fla-core's recurrent kernel on CUDA) and scatters them
+  states, runs `delta_rule.gated_delta_rule` (fla-core's recurrent kernel on CUDA) and scatters them
   back; the Triton kernel reads and writes each state once, in its slot.
 * gated_rms_norm: the GDN output norm (weight * norm(x), times act(gate) in fp32), also the
   model's CPU path (qwen4exp_blocks re-exports it).
@@ -18,13 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qsaserve.ops import fused
-from qsaserve.ops.gdn.dispatch import gated_delta_rule
-
-try:  # CPU-only installs keep the references
-    from qsaserve.ops.gdn import triton_decode
-except ImportError:
-    triton_decode = None
+from qsaserve.ops.gdn.delta_rule import gated_delta_rule
 
 
 def gdn_gates_reference(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
@@ -80,31 +74,3 @@ def gated_rms_norm(
     if act is None:
         raise ValueError(f"unsupported activation {activation!r}")
     return ((weight * normed) * act(gate.float())).to(dtype)
-
-
-# ---- dispatch: one Triton launch each on CUDA (fused kernels on), these references elsewhere ----
-
-def _fast(x: torch.Tensor) -> bool:
-    return triton_decode is not None and fused.use_fused(x)
-
-
-def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor):
-    fn = triton_decode.gdn_gates_triton if _fast(b) else gdn_gates_reference
-    return fn(b, a, a_log, dt_bias)
-
-
-def conv1d_decode_(x, weight, states, slots, fresh, activation: str = "silu") -> torch.Tensor:
-    fn = triton_decode.conv1d_decode_triton_ if _fast(x) else conv1d_decode_reference_
-    return fn(x, weight, states, slots, fresh, activation)
-
-
-def delta_rule_decode_(q, k, v, g, beta, states, slots, fresh) -> torch.Tensor:
-    fn = triton_decode.delta_rule_decode_triton_ if _fast(q) else delta_rule_decode_reference_
-    return fn(q, k, v, g, beta, states, slots, fresh)
-
-
-def gated_norm(x, gate, weight, eps: float, activation: str = "silu") -> torch.Tensor:
-    """gated_rms_norm (the reference) on any device."""
-    if _fast(x):
-        return triton_decode.gated_rms_norm_triton(x, gate, weight, eps, activation)
-    return gated_rms_norm(x, gate, weight, eps, activation)

@@ -1,2 +1,47 @@
-"""Qwen4Exp per-layer n-gram embedding (PLE) decode-step kernels; the model's torch code in
-`models/qwen4exp_ple.py` is their reference (see triton_ple.py)."""
+"""Qwen4Exp per-layer n-gram embedding (PLE): hashing (hashing.py), the layer reference and the
+decode-step references (reference.py), and the decode-step ops, dispatched
+(`ops.dispatch.use_triton`) to their Triton kernels (triton_ple.py) or references:
+
+* `ngram_rows_decode_`: each token's hashed table rows from its slot's context (advanced in place).
+* `stream_gate`: the per-stream sigmoid gate of the value by <key, query>.
+* `dilated_conv_decode_`: residual + silu(dilated causal conv), the slot's conv state advanced."""
+from __future__ import annotations
+
+import torch
+
+from qsaserve.ops.dispatch import use_triton
+from qsaserve.ops.ple.hashing import PLEHashParams, ple_initial_context, ple_ngram_ids
+from qsaserve.ops.ple.reference import (TableLookup, TensorRowTable, dilated_conv_decode_reference_,
+                                        ngram_rows_decode_reference_, ple_embed, ple_layer_forward, ple_short_conv,
+                                        stream_gate_reference)
+
+try:  # CPU-only installs keep the references
+    from qsaserve.ops.ple import triton_ple
+except ImportError:
+    triton_ple = None
+
+
+def ngram_rows_decode_(tokens: torch.Tensor, contexts: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
+                       params: PLEHashParams) -> torch.Tensor:
+    """tokens [B] (one per sequence); contexts [num_slots, n-1] (slots[b]'s row advanced in place);
+    slots [B]; fresh [B] bool (start from EOS) -> table rows [B, ngram_heads] int64."""
+    fn = triton_ple.ngram_rows_decode_ if use_triton(tokens) else ngram_rows_decode_reference_
+    return fn(tokens, contexts, slots, fresh, params)
+
+
+def stream_gate(key: torch.Tensor, query: torch.Tensor, value: torch.Tensor, hc: int) -> torch.Tensor:
+    """key, query [B, hc*H], value [B, H] -> sigmoid(gate_s) * value per stream s, [B, hc*H]."""
+    fn = triton_ple.stream_gate if use_triton(key) else stream_gate_reference
+    return fn(key, query, value, hc)
+
+
+def dilated_conv_decode_(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, states: torch.Tensor,
+                         slots: torch.Tensor, fresh: torch.Tensor, dilation: int) -> torch.Tensor:
+    """x, residual [B, C]; weight [C, 1, K]; states [num_slots, C, (K-1)*dilation] (slots[b]'s row
+    advanced in place); fresh [B] bool (start from zeros) -> residual + silu(conv) [B, C]."""
+    fn = triton_ple.dilated_conv_decode_ if use_triton(x) else dilated_conv_decode_reference_
+    return fn(x, residual, weight, states, slots, fresh, dilation)
+
+
+__all__ = ["PLEHashParams", "TableLookup", "TensorRowTable", "dilated_conv_decode_", "ngram_rows_decode_",
+           "ple_embed", "ple_initial_context", "ple_layer_forward", "ple_ngram_ids", "ple_short_conv", "stream_gate"]

@@ -1,5 +1,5 @@
 """A PLE layer's decode step (one token per sequence) in Triton, around its projections, the table
-gather and the grouped norms. References: `models/qwen4exp_ple.py` (ple_ngram_ids, the gate lines
+gather and the grouped norms. References: reference.py (`hashing.ple_ngram_ids`, the gate lines
 of ple_layer_forward, ple_short_conv), on the same [B, 1] chunks the model feeds them.
 
 * ngram_rows_decode_: the token's hashed table rows from its slot's last n-1 ids (EOS-filled when

@@ -64,13 +64,24 @@ def sparse_attention_paged_reference(
     seq_ids: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    query_block: int = 256,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same attention read straight from the paged cache (reference of the Triton kernel).
 
     ``kv_cache`` ``[2, num_blocks, page, Hkv, D]`` (FP8 E4M3 pages need ``k_scale``/``v_scale``);
     ``token_positions`` ``[Tq, M]`` positions in the row's sequence (``-1`` = unused), found at
     ``block_tables[seq, p // page] * page + p % page``; ``seq_ids`` ``[Tq]`` maps rows to block
-    table rows (default: row t is sequence t). Device tensors only: no host syncs."""
+    table rows (default: row t is sequence t). Device tensors only: no host syncs. Queries are
+    processed ``query_block`` at a time to bound the gathered K/V copy (a prefill chunk's rows)."""
+    if q.shape[0] > query_block:
+        parts = [
+            sparse_attention_paged_reference(
+                q[i: i + query_block], kv_cache, block_tables if seq_ids is not None else block_tables[i: i + query_block],
+                token_positions[i: i + query_block], scale, None if seq_ids is None else seq_ids[i: i + query_block],
+                k_scale, v_scale, query_block)
+            for i in range(0, q.shape[0], query_block)
+        ]
+        return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
     page = kv_cache.shape[2]
     tables = block_tables.long() if seq_ids is None else block_tables.long()[seq_ids.long()]
     valid = token_positions >= 0

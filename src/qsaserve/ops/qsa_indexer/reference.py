@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from qsaserve.ops.fused.reference import rms_norm_one_centred
+
 __all__ = [
     "rms_norm_one_centred",
     "rope_inv_freq",
@@ -42,13 +44,6 @@ __all__ = [
     "select_tokens_bruteforce",
     "max_selected_tokens",
 ]
-
-
-def rms_norm_one_centred(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen4Exp RMSNorm: fp32 ``x * rsqrt(mean(x^2) + eps) * (1 + weight)``, cast back to ``x.dtype``."""
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * (1.0 + weight.float())).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, partial_rotary_factor: float = 1.0, rope_theta: float = 10000.0) -> torch.Tensor:

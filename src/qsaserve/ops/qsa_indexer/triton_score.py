@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qsaserve.ops import fused
+from qsaserve.ops import dispatch
 from qsaserve.ops.device import num_sms
 from qsaserve.ops.qsa_indexer.triton_topk import topk_indices
 
@@ -277,6 +277,6 @@ def select_prefill_rows_triton(
 def _topk(keys: torch.Tensor, k: int) -> torch.Tensor:
     """The radix top-k kernel where it is faster, or torch.topk (always with QSASERVE_FUSED_KERNELS=0;
     same indices)."""
-    return topk_indices(keys, k) if fused.use_fused(keys) else torch.topk(keys, k, dim=1).indices
+    return topk_indices(keys, k) if dispatch.use_triton(keys) else torch.topk(keys, k, dim=1).indices
 
 

@@ -1,13 +1,8 @@
-"""Qwen4Exp PLE (hashed n-gram per-layer embedding): hashing, table gather, layer math.
+"""Qwen4Exp PLE hashing: the n-gram table rows of each token (transformers
+``Qwen4ExpTextNGramEmbedding``), continuing from an explicit per-request context (the last
+``ngram_size - 1`` token ids; a new request starts with all EOS) so that any chunking hashes alike.
 
-Matches transformers ``Qwen4ExpTextNGramEmbedding`` / ``Qwen4ExpTextPLELayer`` but continues from
-explicit per-request state so arbitrary chunking gives identical results:
-
-* n-gram context: the last ``ngram_size - 1`` token ids (a new request starts with all EOS);
-* conv state: the last ``(ple_conv_kernel_size - 1) * ngram_size`` normed gated values
-  ``[hc_count * hidden_size, ...]`` (the conv is dilated by ``ngram_size``).
-
-Hashing (per PLE layer ``l`` = index of the layer in the sorted ``ple_layer_ids``):
+Per PLE layer ``l`` (index of the layer in the sorted ``ple_layer_ids``):
 ``m[0..ngram_size-1]`` odd 64-bit multipliers from SplitMix64 (:func:`ple_layer_multipliers`);
 for the n-gram order ``n`` (2..ngram_size) ending at token ``t``
 ``h = (x_t*m0) ^ (x_{t-1}*m1) ^ ... ^ (x_{t-n+1}*m_{n-1})`` (exact int64: each product is
@@ -21,13 +16,10 @@ right after the last EOS strictly before ``t``) does not reach back to ``t-s``.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
-from qsaserve.models.qwen4exp_blocks import rms_norm
 
 __all__ = [
     "SPLITMIX64_GAMMA",
@@ -40,11 +32,6 @@ __all__ = [
     "PLEHashParams",
     "ple_initial_context",
     "ple_ngram_ids",
-    "TableLookup",
-    "TensorRowTable",
-    "ple_embed",
-    "ple_short_conv",
-    "ple_layer_forward",
 ]
 
 _MASK64 = (1 << 64) - 1
@@ -52,11 +39,6 @@ SPLITMIX64_GAMMA = 0x9E3779B97F4A7C15
 SPLITMIX64_MUL1 = 0xBF58476D1CE4E5B9
 SPLITMIX64_MUL2 = 0x94D049BB133111EB
 PLE_LAYER_SEED_STRIDE = 10007  # seed of PLE layer l is config.seed + 10007 * l
-
-# Any callable mapping int64 row ids [...] to embedding rows [..., dim]; lets the (huge) table
-# live on disk, in pinned host memory or on the GPU.
-TableLookup = Callable[[torch.Tensor], torch.Tensor]
-
 
 def splitmix64(x: int) -> int:
     """One SplitMix64 output for state ``x`` (the state is advanced by the gamma first)."""
@@ -192,83 +174,3 @@ def ple_ngram_ids(
     if squeeze:
         return rows[0], new_ctx[0]
     return rows, new_ctx
-
-
-class TensorRowTable:
-    """``table_lookup`` over an in-memory weight ``[rows, dim]`` (any device; results follow ``rows``)."""
-
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight
-
-    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        flat = rows.reshape(-1).to(self.weight.device)
-        return self.weight.index_select(0, flat).reshape(*rows.shape, -1).to(rows.device)
-
-
-def ple_embed(rows: torch.Tensor, table_lookup: TableLookup) -> torch.Tensor:
-    """Concatenated head embeddings ``[..., T, ngram_heads * head_dim]`` for rows ``[..., T, heads]``."""
-    return table_lookup(rows).flatten(-2)
-
-
-def ple_short_conv(
-    x: torch.Tensor, weight: torch.Tensor, dilation: int, conv_state: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``silu`` of the dilated depthwise causal conv (no bias) over a chunk, with state.
-
-    ``x`` ``[B, T, C]``; ``weight`` ``[C, 1, K]`` / ``[C, K]``; ``conv_state`` ``[B, C, (K-1)*dilation]``
-    previous inputs, oldest first (``None`` = zeros). ``y[t] = sum_j w[j] * x[t - (K-1-j)*dilation]``.
-    Returns ``(y [B, T, C], new_state)``; computed in fp32, cast to ``x.dtype``.
-    """
-    w = weight if weight.dim() == 3 else weight[:, None, :]
-    C, K = w.shape[0], w.shape[-1]
-    span = (K - 1) * dilation
-    if conv_state is None:
-        conv_state = x.new_zeros(x.shape[0], C, span)
-    if conv_state.shape != (x.shape[0], C, span):
-        raise ValueError(f"conv_state must be {(x.shape[0], C, span)}, got {tuple(conv_state.shape)}")
-    ext = torch.cat([conv_state.float(), x.transpose(1, 2).float()], dim=-1)
-    y = F.silu(F.conv1d(ext, w.float(), groups=C, dilation=dilation))
-    return y.transpose(1, 2).to(x.dtype), ext[..., ext.shape[-1] - span :].to(conv_state.dtype)
-
-
-def ple_layer_forward(
-    hyper: torch.Tensor,
-    token_ids: torch.Tensor,
-    p: Mapping[str, torch.Tensor],
-    hash_params: PLEHashParams,
-    table_lookup: TableLookup,
-    hc_count: int,
-    eps: float,
-    context_tokens: torch.Tensor | None = None,
-    conv_state: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``Qwen4ExpTextPLELayer`` on a chunk; the caller adds the result to the residual.
-
-    ``hyper`` ``[B, T, hc*H]`` residual streams entering the layer; ``token_ids`` ``[B, T]``;
-    ``p`` keys relative to ``layers.{i}.ple.`` (``key_proj.weight``, ``value_proj.weight``,
-    ``norm_key.weight``, ``norm_query.weight``, ``norm_conv.weight``, ``conv1d.weight``; the table
-    is reached only through ``table_lookup``). Returns ``(delta [B, T, hc*H], new_context,
-    new_conv_state)``::
-
-        e     = concat_heads(table[rows])                                # [B, T, E]
-        key   = grouped_rms(key_proj e)        value = value_proj e     # [.., hc, H], [.., H]
-        qry   = grouped_rms(hyper)
-        gate  = <key_s, qry_s> / sqrt(H);  gate = sign(gate) * sqrt(max(|gate|, 1e-6))
-        gv    = sigmoid(gate_s) * value                                  # [.., hc, H]
-        delta = gv + silu(dilated_conv(grouped_rms(gv)))                 # dilation = ngram_size
-    """
-    B, T, HC = hyper.shape
-    H = HC // hc_count
-    if context_tokens is None:
-        context_tokens = ple_initial_context(hash_params, B, hyper.device)
-    rows, new_ctx = ple_ngram_ids(token_ids, context_tokens, hash_params)
-    emb = ple_embed(rows, table_lookup).to(hyper.dtype)
-    key = rms_norm(F.linear(emb, p["key_proj.weight"]), p["norm_key.weight"], eps, H).unflatten(-1, (hc_count, H))
-    value = F.linear(emb, p["value_proj.weight"])
-    query = rms_norm(hyper, p["norm_query.weight"], eps, H).unflatten(-1, (hc_count, H))
-    gate = (key * query).sum(dim=-1, keepdim=True) / math.sqrt(H)
-    gate = gate.abs().clamp_min(1e-6).sqrt() * gate.sign()
-    gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)
-    normed = rms_norm(gated, p["norm_conv.weight"], eps, H)
-    conv, new_state = ple_short_conv(normed, p["conv1d.weight"], hash_params.ngram_size, conv_state)
-    return gated + conv, new_ctx, new_state

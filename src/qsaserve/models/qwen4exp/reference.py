@@ -1,14 +1,15 @@
-"""Plain-PyTorch building blocks of the Qwen4Exp text model (CPU reference path).
+"""Plain-PyTorch references of Qwen4Exp's blocks, composed from the ops' references: the CPU
+path's block math, what the tests compare against transformers, and (reference_model tests) the
+recipe of a chunked, stateful forward.
 
-Pure functions over explicit weights and state. Parameter arguments are named after the
-transformers parameters (``model.language_model.layers.{i}.<prefix>.<name>``); the
-``*_forward`` helpers take a mapping whose keys are the HF names relative to the sub-module
-(e.g. ``{"q_proj.weight": ..., "q_norm.weight": ...}`` for ``self_attn``).
+Pure functions over explicit weights and state. The ``*_forward`` / ``*_block`` functions take a
+mapping keyed by the HF names relative to the sub-module (e.g. ``{"q_proj.weight": ...,
+"q_norm.weight": ...}`` for ``self_attn``).
 
 Norm conventions (see docs/qwen4exp.md):
 * ``Qwen4ExpTextRMSNorm`` weights are 1-centred: ``y = norm(x) * (1 + w)`` (hc_norm, PLE norms,
-  q_norm/k_norm, indexer q_layernorm/k_layernorm). Grouped variants normalise each
-  ``hidden_size`` slice of the ``hc_count * hidden_size`` stream vector separately.
+  q_norm/k_norm, indexer q_layernorm/k_layernorm; ``ops.fused.one_centred_rms_norm``). Grouped
+  variants normalise each ``hidden_size`` slice of the ``hc_count * hidden_size`` streams.
 * ``linear_attn.norm`` (gated RMSNorm of the GDN output) is *not* 1-centred: ``y = w * norm(x) * act(z)``.
 """
 
@@ -19,35 +20,14 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from qsaserve.ops.gdn.reference import (
-    causal_conv1d_reference,
-    gdn_chunk_reference,
-    gdn_recurrent_reference,
-)
-from qsaserve.ops.fused import triton_fused, use_fused
-from qsaserve.ops.fused.reference import grouped_rms_norm_reference
-from qsaserve.ops.gdn.decode_ops import gated_rms_norm
-from qsaserve.ops.hyper_connection.reference import hc_gated_residual, hc_inject
-from qsaserve.ops.moe import moe_experts_decode_triton, use_triton_moe
+from qsaserve.ops.fused import one_centred_rms_norm
+from qsaserve.ops.gdn import causal_conv1d_reference, gated_rms_norm, gdn_chunk_reference, gdn_recurrent_reference
+from qsaserve.ops.moe import moe_experts, moe_experts_sync_free, moe_router
+from qsaserve.ops.moe.reference import activation_fn
 from qsaserve.ops.qsa_attention.reference import sparse_attention_reference
-from qsaserve.ops.qsa_indexer.reference import (
-    apply_partial_rope,
-    indexer_project,
-    qsa_select_reference,
-    rms_norm_one_centred,
-    rope_cos_sin,
-)
+from qsaserve.ops.qsa_indexer.reference import apply_partial_rope, indexer_project, qsa_select_reference, rope_cos_sin
 
 __all__ = [
-    "rms_norm",
-    "gated_rms_norm",
-    "hc_expand",
-    "hc_gated_residual",
-    "hc_inject",
-    "moe_router",
-    "moe_route",
-    "moe_experts",
-    "moe_experts_sync_free",
     "dense_mlp",
     "sparse_moe_block",
     "qsa_attention_qkv",
@@ -58,119 +38,13 @@ __all__ = [
 ]
 
 
-def _act(name: str):
-    if name in ("silu", "swish"):
-        return F.silu
-    if name == "sigmoid":
-        return torch.sigmoid
-    raise ValueError(f"unsupported activation {name!r}")
-
-
-# --------------------------------------------------------------------------- norms
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, group_size: int | None = None) -> torch.Tensor:
-    """1-centred (grouped) RMSNorm: fp32 ``norm(x) * (1 + weight)``, cast back to ``x.dtype``.
-
-    With ``group_size`` each consecutive ``group_size`` features get their own RMS (the weight
-    still spans the full last dim), as ``Qwen4ExpTextRMSNorm(dim, group_size=hidden_size)``.
-    """
-    if group_size is None:
-        return rms_norm_one_centred(x, weight, eps)
-    if use_fused(x) and x.stride(-1) == 1:  # CUDA: one Triton launch
-        return triton_fused.grouped_rms_norm(x, weight, eps, group_size)
-    return grouped_rms_norm_reference(x, weight, eps, group_size)
-
-
-# --------------------------------------------------------------------------- hyper-connections
-
-
-def hc_expand(embeddings: torch.Tensor, hc_count: int) -> torch.Tensor:
-    """Initial residual: the token embedding copied into every stream, ``[..., hc_count * H]``."""
-    return embeddings.repeat(*([1] * (embeddings.dim() - 1)), hc_count)
-
-
 # --------------------------------------------------------------------------- MoE
-
-
-def moe_router(
-    x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Softmax (fp32) over ``mlp.gate.weight`` logits, top-k, optional renormalisation.
-
-    ``x`` ``[N, H]``. Returns ``(logits [N, E], weights [N, k] in logits dtype, indices [N, k])``.
-    """
-    logits = F.linear(x, gate_weight)
-    return (logits, *moe_route(logits, top_k, norm_topk_prob))
-
-
-def moe_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [N, E] -> (weights [N, k] in the logits' dtype, expert indices [N, k])."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
-    top_w, top_i = torch.topk(probs, top_k, dim=-1)
-    if norm_topk_prob:
-        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
-    return top_w.to(logits.dtype), top_i
-
-
-def moe_experts(
-    x: torch.Tensor,
-    indices: torch.Tensor,
-    weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    activation: str = "silu",
-) -> torch.Tensor:
-    """Routed experts. ``gate_up_proj`` ``[E, 2I, H]`` (rows ``:I`` gate, ``I:`` up), ``down_proj`` ``[E, H, I]``.
-
-    ``out[n] = sum_j weights[n, j] * down_e(act(gate_e x) * up_e x)`` with ``e = indices[n, j]``.
-    """
-    act = _act(activation)
-    out = torch.zeros_like(x)
-    for e in indices.unique().tolist():
-        tok, slot = torch.where(indices == e)
-        gate, up = F.linear(x[tok], gate_up_proj[e]).chunk(2, dim=-1)
-        y = F.linear(act(gate) * up, down_proj[e]) * weights[tok, slot, None]
-        out.index_add_(0, tok, y.to(out.dtype))
-    return out
-
-
-def moe_experts_sync_free(
-    x: torch.Tensor,
-    indices: torch.Tensor,
-    weights: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
-    activation: str = "silu",
-) -> torch.Tensor:
-    """`moe_experts` without reading the routing back to the host (decode steps, CUDA graphs).
-
-    On CUDA with few rows (N * k < E) the in-place Triton kernels of `ops.moe` run instead of
-    this torch code, which is their reference. Few rows: each row's k experts' weights are gathered
-    and applied with batched matmuls. Many rows: every expert runs on every row and the routing weights (0 for experts not
-    chosen) combine them; each expert's weights are then read once. Which branch runs depends on
-    shapes only."""
-    n, k = indices.shape
-    num_experts, two_i, _ = gate_up_proj.shape
-    if use_triton_moe(x, indices, num_experts, activation):
-        return moe_experts_decode_triton(x, indices, weights.to(x.dtype), gate_up_proj, down_proj)
-    act = _act(activation)
-    if n * k < num_experts:
-        gu = torch.bmm(gate_up_proj[indices.flatten()], x.repeat_interleave(k, dim=0)[:, :, None])[:, :, 0]
-        gate, up = gu.chunk(2, dim=-1)
-        y = torch.bmm(down_proj[indices.flatten()], (act(gate) * up)[:, :, None])[:, :, 0]  # [N*k, H]
-        return (y.view(n, k, -1) * weights[:, :, None]).sum(dim=1).to(x.dtype)
-    dense_w = torch.zeros(n, num_experts, dtype=weights.dtype, device=x.device).scatter_(1, indices, weights)
-    gu = torch.einsum("nh,eih->nei", x, gate_up_proj)
-    gate, up = gu.split(two_i // 2, dim=-1)
-    y = torch.einsum("nei,ehi->neh", act(gate) * up, down_proj)
-    return (y * dense_w[:, :, None]).sum(dim=1).to(x.dtype)
 
 
 def dense_mlp(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
               activation: str = "silu") -> torch.Tensor:
     """SwiGLU MLP (the shared expert): ``down(act(gate x) * up x)``."""
-    return F.linear(_act(activation)(F.linear(x, gate_proj)) * F.linear(x, up_proj), down_proj)
+    return F.linear(activation_fn(activation)(F.linear(x, gate_proj)) * F.linear(x, up_proj), down_proj)
 
 
 def sparse_moe_block(
@@ -233,8 +107,8 @@ def qsa_norm_rope_qk(q: torch.Tensor, k: torch.Tensor, q_norm_weight: torch.Tens
                      cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-head 1-centred RMSNorm and partial RoPE of qsa_attention_qkv, on q [T, Hq, D] and
     k [T, Hkv, D] already projected."""
-    q = rms_norm(q, q_norm_weight, eps)
-    k = rms_norm(k, k_norm_weight, eps)
+    q = one_centred_rms_norm(q, q_norm_weight, eps)
+    k = one_centred_rms_norm(k, k_norm_weight, eps)
     c, s = cos[:, None, :], sin[:, None, :]
     return apply_partial_rope(q, c, s), apply_partial_rope(k, c, s)
 

@@ -1,0 +1,88 @@
+"""Plain-torch references of Qwen4Exp's sparse MoE routing and routed experts (the CPU path, and
+what the Triton kernels in triton_moe.py are tested against)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["activation_fn", "moe_router", "moe_route", "moe_experts", "moe_experts_sync_free"]
+
+
+def activation_fn(name: str):
+    """The expert activation named by the config's hidden_act."""
+    if name in ("silu", "swish"):
+        return F.silu
+    if name == "sigmoid":
+        return torch.sigmoid
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+def moe_router(
+    x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, norm_topk_prob: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax (fp32) over ``mlp.gate.weight`` logits, top-k, optional renormalisation.
+
+    ``x`` ``[N, H]``. Returns ``(logits [N, E], weights [N, k] in logits dtype, indices [N, k])``.
+    """
+    logits = F.linear(x, gate_weight)
+    return (logits, *moe_route(logits, top_k, norm_topk_prob))
+
+
+def moe_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [N, E] -> (weights [N, k] in the logits' dtype, expert indices [N, k])."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    top_w, top_i = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    return top_w.to(logits.dtype), top_i
+
+
+def moe_experts(
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """Routed experts. ``gate_up_proj`` ``[E, 2I, H]`` (rows ``:I`` gate, ``I:`` up), ``down_proj`` ``[E, H, I]``.
+
+    ``out[n] = sum_j weights[n, j] * down_e(act(gate_e x) * up_e x)`` with ``e = indices[n, j]``.
+    """
+    act = activation_fn(activation)
+    out = torch.zeros_like(x)
+    for e in indices.unique().tolist():
+        tok, slot = torch.where(indices == e)
+        gate, up = F.linear(x[tok], gate_up_proj[e]).chunk(2, dim=-1)
+        y = F.linear(act(gate) * up, down_proj[e]) * weights[tok, slot, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
+
+
+def moe_experts_sync_free(
+    x: torch.Tensor,
+    indices: torch.Tensor,
+    weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """`moe_experts` without reading the routing back to the host (decode steps, CUDA graphs).
+
+    Few rows (N * k < E): each row's k experts' weights are gathered and applied with batched
+    matmuls. Many rows: every expert runs on every row and the routing weights (0 for experts not
+    chosen) combine them; each expert's weights are then read once. Which branch runs depends on
+    shapes only."""
+    n, k = indices.shape
+    num_experts, two_i, _ = gate_up_proj.shape
+    act = activation_fn(activation)
+    if n * k < num_experts:
+        gu = torch.bmm(gate_up_proj[indices.flatten()], x.repeat_interleave(k, dim=0)[:, :, None])[:, :, 0]
+        gate, up = gu.chunk(2, dim=-1)
+        y = torch.bmm(down_proj[indices.flatten()], (act(gate) * up)[:, :, None])[:, :, 0]  # [N*k, H]
+        return (y.view(n, k, -1) * weights[:, :, None]).sum(dim=1).to(x.dtype)
+    dense_w = torch.zeros(n, num_experts, dtype=weights.dtype, device=x.device).scatter_(1, indices, weights)
+    gu = torch.einsum("nh,eih->nei", x, gate_up_proj)
+    gate, up = gu.split(two_i // 2, dim=-1)
+    y = torch.einsum("nei,ehi->neh", act(gate) * up, down_proj)
+    return (y * dense_w[:, :, None]).sum(dim=1).to(x.dtype)
