@@ -66,8 +66,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsC
         self.model = Qwen4ExpModel(cfg, layout)
         vocab_rows = vocab_shard_rows(cfg.vocab_size, self.ctx.tp_size)
         self.lm_head = None if cfg.tie_word_embeddings else Weight((vocab_rows, cfg.hidden_size), layout.vocab())
-        # This rank's KV heads: duplicated when there are fewer than ranks.
-        self.num_kv_heads = -(-cfg.num_key_value_heads // self.ctx.tp_size)
+        self.num_kv_heads = layout.num_kv_heads
         rotary = int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
         self.inv_freq = rope_inv_freq(cfg.head_dim, rotary / cfg.head_dim, cfg.rope_parameters["rope_theta"])
         self.mtp_weights: dict[str, torch.Tensor] = {}  # the MTP draft head, for speculative decoding

@@ -81,7 +81,7 @@ class QSAAttention(nn.Module):
         self.o_proj = Weight((cfg.hidden_size, own * d), layout.o_proj())
         self.q_norm = Weight((d,))
         self.k_norm = Weight((d,))
-        self.attn = QSACacheLayer(-(-cfg.num_key_value_heads // layout.ctx.tp_size), d)
+        self.attn = QSACacheLayer(layout.num_kv_heads, d)
         self.state: IndexTailState | None = None
 
     def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> IndexTailState:

@@ -55,6 +55,7 @@ class RankLayout:
         self.split = n > 1
         self.query_heads = even_range(cfg.num_attention_heads, n, r)  # this rank's own heads
         self.kv_heads = kv_head_range(cfg.num_key_value_heads, n, r)
+        self.num_kv_heads = -(-cfg.num_key_value_heads // n)  # KV heads of this rank's pages
         self.gdn_key_heads = kv_head_range(cfg.linear_num_key_heads, n, r)
         self.gdn_value_heads = even_range(cfg.linear_num_value_heads, n, r)
         self.expert_inter = even_range(cfg.moe_intermediate_size, n, r)
