@@ -1,6 +1,6 @@
 """Latency of handing one step's BatchInput from rank 0 to a worker process: the pipe channel
-(one node) against the gloo control-group broadcast (several nodes), with parallel/step_channel.py's
-own classes. Reported: median microseconds from rank 0 starting to send until the worker holds
+(one node) against the gloo control-group broadcast (several nodes), with
+engine/executor/step_channel.py's own classes. Reported: median microseconds from rank 0 starting to send until the worker holds
 the unpickled batch (time.perf_counter is one clock for all processes on Linux). CPU only.
 
     PYTHONPATH=src python benchmarks/bench_step_channel.py [--steps 300] [--out f.json]
@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from qsaserve.bench.common import emit_report, source_commit
 from qsaserve.engine.batch import BatchInput
-from qsaserve.parallel.step_channel import GlooBroadcast, PipeReceiver, PipeSender
+from qsaserve.engine.executor.step_channel import GlooBroadcast, PipeReceiver, PipeSender
 
 
 def decode_batch(rows: int, context: int = 8000, block: int = 16) -> BatchInput:

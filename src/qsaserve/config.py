@@ -1,8 +1,9 @@
-"""Engine configuration: one validated dataclass; every field is also a CLI flag (see cli.py)."""
+"""Engine configuration: one validated dataclass; every field is also a CLI flag (engine_args.py), whose
+help text is the field's metadata."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -13,42 +14,74 @@ from qsaserve.quant.kv_scales import KV_CACHE_DTYPES
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _option(default, help: str):
+    """A config field that is also a CLI flag (engine_args.py): `help` is the flag's help text."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on GPU
-    device: str = "auto"  # auto: cuda if available else cpu
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    block_size: int = 16  # tokens per KV-cache page
-    enable_prefix_caching: bool | None = None  # None: on, except for hybrid models (GDN/PLE state)
-    max_num_batched_tokens: int | None = None  # per-step token budget; None: 2048 on CPU, 8192 on GPU
-    max_num_seqs: int = 256
-    gpu_memory_utilization: float = 0.9  # fraction of GPU memory for weights + activations + KV
-    kv_cache_memory: int | None = None  # bytes of KV cache; None: 1 GiB on CPU, from gpu_memory_utilization on GPU
-    seed: int = 0
-    ple_placement: str = "disk"  # Qwen4Exp PLE tables: disk (mmap), host (RAM) or gpu
-    load_format: str = "auto"  # auto: read the checkpoint; dummy: random weights (model = preset or HF dir)
-    # KV pages (quant/kv_scales.py): auto = the model dtype, or fp8_e4m3 when calibrated scales are present.
-    kv_cache_dtype: str = "auto"
-    kv_scales: str | None = None  # overlay JSON of per-layer k/v scales (`qsaserve calibrate`)
-    strict_kv_scales: bool = False  # every scale required under FP8 (always on when auto picks FP8)
-    kv_rotation: str | None = None  # none | hadamard | whitened (quant/kv_rotation.py); None: what the --kv-scales file names
-    # Parallelism (see parallel/): rank 0 is the engine process, other ranks are worker processes.
-    tensor_parallel_size: int = 1
-    decode_context_parallel_size: int = 1  # shards each request's KV over D of the TP ranks
-    dcp_interleave_size: int = 1  # consecutive tokens per DCP rank; must divide block_size
-    dcp_comm_backend: str = "ag_rs"  # partial-attention merge: ag_rs (all-gather LSE + reduce-scatter) or a2a
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str | None = None  # None: $MASTER_ADDR, else 127.0.0.1
-    master_port: int | None = None  # None: $MASTER_PORT, else (one node) a free port
-    distributed_timeout_s: int = 600  # longest wait of one collective before the engine is declared dead
+    model: str | None = _option(None, "GGUF file or Hugging Face directory; default: SmolLM2-135M-Instruct (GGUF), "
+                                      "fetched on first use")
+    dtype: str = _option("auto", "weights/activation dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, "
+                                 "float16")
+    device: str = _option("auto", "auto, cpu, cuda or cuda:N")
+    max_model_len: int | None = _option(None, "longest prompt + output in tokens (default: the model's limit)")
+    block_size: int = _option(16, "tokens per KV-cache page (power of two)")
+    enable_prefix_caching: bool | None = _option(
+        None, "reuse KV pages of identical prompt prefixes (default: on, off for hybrid models)")
+    max_num_batched_tokens: int | None = _option(
+        None, "per-step token budget shared by prefill chunks and decodes (default 2048 CPU / 8192 GPU)")
+    max_num_seqs: int = _option(256, "most sequences running at once")
+    gpu_memory_utilization: float = _option(0.9, "fraction of GPU memory for weights, activations and KV cache")
+    kv_cache_memory: int | None = _option(
+        None, "KV cache size in bytes (overrides gpu_memory_utilization; default 1 GiB on CPU)")
+    seed: int = _option(0, "seed of the engine's random generator (requests may carry their own seed)")
+    ple_placement: str = _option(
+        "disk", "where Qwen4Exp PLE tables live: disk (mmap, rows read on demand), host (RAM) or gpu")
+    load_format: str = _option(
+        "auto", "auto (read the weights) or dummy (random weights; --model may then be a preset: llama-1b, llama-8b, "
+                "smollm2-135m, qwen4exp-tiny, qwen4exp-small)")
+    # KV pages: quant/kv_scales.py
+    kv_cache_dtype: str = _option(
+        "auto", "KV cache pages: auto (the model dtype, or fp8_e4m3 when calibrated KV scales are present), bfloat16, "
+                "float16, float32, fp8_e4m3")
+    kv_scales: str | None = _option(
+        None, "JSON overlay of per-layer FP8 k/v scales written by `qsaserve calibrate` for this model")
+    strict_kv_scales: bool = _option(
+        False, "with fp8_e4m3, refuse to start unless every attention layer has a calibrated k and v scale (always on "
+               "when auto picks fp8_e4m3)")
+    kv_rotation: str | None = _option(
+        None, "none, hadamard or whitened: transform attention heads around the KV cache so FP8 pages lose less "
+              "(whitened: per-layer key transforms measured by calibrate; default: what the --kv-scales file was "
+              "calibrated with, else none; Llama-family models)")
+    # Parallelism (engine/executor/, parallel/): rank 0 is the engine process, other ranks are worker processes.
+    tensor_parallel_size: int = _option(
+        1, "ranks that shard each layer (rank 0 is this process, the rest are spawned workers)")
+    decode_context_parallel_size: int = _option(
+        1, "ranks (out of the TP ranks) that shard each request's KV cache by token instead of duplicating KV heads")
+    dcp_interleave_size: int = _option(
+        1, "consecutive tokens stored on one DCP rank before moving to the next (must divide --block-size)")
+    dcp_comm_backend: str = _option(
+        "ag_rs", "merge of the DCP ranks' partial attention: ag_rs (all-gather LSE + reduce-scatter) or a2a (one "
+                 "all-to-all)")
+    nnodes: int = _option(
+        1, "nodes the tensor-parallel ranks span (each runs `qsaserve ... --node-rank K` with the same flags)")
+    node_rank: int = _option(0, "this node's index; node 0 runs the engine, the others only workers")
+    master_addr: str | None = _option(None, "address of node 0's rendezvous (default: $MASTER_ADDR or 127.0.0.1)")
+    master_port: int | None = _option(
+        None, "port of node 0's rendezvous (default: $MASTER_PORT, or a free port on one node)")
+    distributed_timeout_s: int = _option(600, "seconds one collective may wait before the engine is declared dead")
     # CUDA graphs for decode-only steps (engine/cuda_graph.py); always off on CPU.
-    enforce_eager: bool = False
-    cuda_graph_sizes: str | None = None  # comma-separated batch sizes to capture; None: 1,2,4,8,16,24,...,256
-    # Launch decode step N+1 before reading step N's sampled tokens back (the host's scheduling and
-    # output work overlaps the device's step; engine/llm_engine.py, "The step").
-    async_scheduling: bool = False
+    enforce_eager: bool = _option(
+        False, "run every step eagerly (no CUDA graphs for decode steps; graphs are always off on CPU)")
+    cuda_graph_sizes: str | None = _option(
+        None, "comma-separated decode batch sizes to capture as CUDA graphs (default 1,2,4,8,16,24,...,256 capped at "
+              "--max-num-seqs)")
+    # The host's scheduling and output work overlaps the device's step (engine/llm_engine.py, "The step").
+    async_scheduling: bool = _option(
+        False, "launch each decode step before the previous step's tokens are read back, so host work overlaps the "
+               "device")
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", *_DTYPES):

@@ -108,7 +108,7 @@ def test_record_triton_compiles_counts_by_kernel_and_restores_the_hook():
 
 
 def test_busy_and_span_merges_overlapping_intervals():
-    from qsaserve.bench.step_profile import busy_and_span
+    from qsaserve.engine.profiling import busy_and_span
 
     assert busy_and_span([]) == (0.0, 0.0)
     # [0,2] and [1,3] overlap (3 busy), [5,6] apart (1 busy), [5.5,5.8] inside it; span 0..6
@@ -121,7 +121,7 @@ def test_device_events_exclude_user_annotations():
 
     import torch
 
-    from qsaserve.bench.step_profile import _is_device_event
+    from qsaserve.engine.profiling import _is_device_event
 
     cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     assert _is_device_event(SimpleNamespace(device_type=cuda, is_user_annotation=False))
@@ -130,7 +130,7 @@ def test_device_events_exclude_user_annotations():
 
 
 def test_collective_positions():
-    from qsaserve.bench.step_profile import collective_positions
+    from qsaserve.engine.profiling import collective_positions
 
     ar = "ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
     sr = "ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)"

@@ -46,7 +46,7 @@ def _batches(engine_block: int):
 
 def _rank_main(rank: int, port: int, dcp: int, backend: str, out: dict) -> None:
     from qsaserve.engine.batch import BatchInput
-    from qsaserve.parallel.executor import WorkerSpec, build_runner, init_rank
+    from qsaserve.engine.executor.rank import WorkerSpec, build_runner, init_rank
 
     config = _config(dcp, backend)
     spec = WorkerSpec(config, None, 256, rank, rank, "127.0.0.1", port)

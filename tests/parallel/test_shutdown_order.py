@@ -7,7 +7,7 @@ import torch
 
 from qsaserve import LLM
 from qsaserve.engine.model_runner import ModelRunner
-from qsaserve.parallel import executor as executor_module
+from qsaserve.engine.executor import multiproc as executor_module
 
 from parallel_helpers import tiny_llama
 
@@ -16,10 +16,11 @@ def test_rank0_frees_graphs_then_destroys_then_joins_workers(tmp_path, monkeypat
     path = tiny_llama(tmp_path / "model")
     llm = LLM(path, dtype="float32", progress=False, tensor_parallel_size=2, max_model_len=64, kv_cache_memory=1 << 20)
     calls = []
-    free, destroy, stop = ModelRunner.free_graphs, executor_module._destroy_bounded, executor_module._stop
+    free, destroy = ModelRunner.free_graphs, executor_module.destroy_process_group_bounded
+    stop = executor_module.stop_workers
     monkeypatch.setattr(ModelRunner, "free_graphs", lambda self: (calls.append("free_graphs"), free(self))[1])
-    monkeypatch.setattr(executor_module, "_destroy_bounded", lambda: (calls.append("destroy"), destroy())[1])
-    monkeypatch.setattr(executor_module, "_stop",
+    monkeypatch.setattr(executor_module, "destroy_process_group_bounded", lambda: (calls.append("destroy"), destroy())[1])
+    monkeypatch.setattr(executor_module, "stop_workers",
                         lambda workers, timeout: (calls.append("join_workers"), stop(workers, timeout))[1])
     workers = llm.engine.executor.workers
     llm.engine.shutdown()

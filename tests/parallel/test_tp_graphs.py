@@ -29,7 +29,7 @@ def _stand_in_runner(has_graphs: bool):
 
 def _agree(flags: list[bool]) -> list:
     """Runs agree_on_graphs on one gloo group per rank (threads of this process, one store)."""
-    from qsaserve.parallel.executor import agree_on_graphs
+    from qsaserve.engine.executor.rank import agree_on_graphs
 
     store = dist.HashStore()
     runners = [_stand_in_runner(f) for f in flags]

@@ -137,7 +137,8 @@ def test_startup_log_compares_capacity_with_the_model_dtype(tiny_llama, tiny_ide
 
 
 def test_config_and_cli_flags():
-    from qsaserve.cli import build_parser, engine_config_from_args
+    from qsaserve.cli import build_parser
+    from qsaserve.engine_args import engine_config_from_args
 
     with pytest.raises(InvalidRequestError, match="^kv_cache_dtype: "):
         EngineConfig(kv_cache_dtype="fp8")

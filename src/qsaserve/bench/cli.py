@@ -20,7 +20,7 @@ def _int_list(name: str):
 
 
 def add_bench_parser(sub) -> None:
-    from qsaserve.cli import add_engine_args
+    from qsaserve.engine_args import add_engine_args
 
     bench = sub.add_parser("bench", help="benchmark the engine (JSON on stdout)")
     kinds = bench.add_subparsers(dest="bench_kind", required=True)
@@ -59,7 +59,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args):
-    from qsaserve.cli import engine_config_from_args
+    from qsaserve.engine_args import engine_config_from_args
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:

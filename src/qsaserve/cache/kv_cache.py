@@ -15,6 +15,17 @@ from typing import Callable
 import torch
 
 
+def blocks_for(tokens: int, block_size: int) -> int:
+    """Blocks of block_size tokens that hold `tokens` tokens."""
+    return -(-tokens // block_size)
+
+
+def usable_blocks(num_blocks: int) -> int:
+    """Blocks requests can get out of num_blocks: all but the null block (block 0, which padding
+    rows and unused block-table columns point at)."""
+    return max(num_blocks - 1, 0)
+
+
 @dataclass(frozen=True)
 class KVCacheSpec:
     num_layers: int
@@ -53,7 +64,16 @@ class KVCacheSpec:
         return self.bytes_per_block / self.block_size
 
     def num_blocks_for(self, memory_bytes: int) -> int:
+        """Blocks a budget of memory_bytes allocates (the null block among them)."""
         return int(memory_bytes // self.bytes_per_block)
+
+    def blocks_for(self, tokens: int) -> int:
+        """Blocks one sequence of `tokens` tokens takes (e.g. a max_model_len request)."""
+        return blocks_for(tokens, self.block_size)
+
+    def usable_tokens(self, memory_bytes: int) -> int:
+        """Tokens requests can hold in a budget of memory_bytes (the null block excluded)."""
+        return usable_blocks(self.num_blocks_for(memory_bytes)) * self.block_size
 
 
 @dataclass

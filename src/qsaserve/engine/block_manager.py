@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from qsaserve.cache.kv_cache import blocks_for, usable_blocks
 from qsaserve.engine.sequence import Sequence
 
 NULL_BLOCK = 0
@@ -102,7 +103,7 @@ class BlockManager:
     # ---- capacity ----
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks) - 1  # usable, without the null block
+        return usable_blocks(len(self.blocks))
 
     @property
     def num_free_blocks(self) -> int:
@@ -113,7 +114,7 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
     # ---- prefix cache ----
     def find_cached_prefix(self, seq: Sequence) -> list[int]:

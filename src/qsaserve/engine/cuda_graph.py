@@ -15,7 +15,7 @@ rank captures the same buckets in the same order, so their captured collective s
 and replays the same bucket at the same step (the bucket is a function of the broadcast batch
 alone). Collectives run only during the eager warm-ups, all of which come before the first
 capture: a capture that fails on one rank (a capture runs nothing) leaves no peer waiting in a
-collective, and the ranks then agree to drop graphs together (parallel/executor.py).
+collective, and the ranks then agree to drop graphs together (engine/executor/rank.py).
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from qsaserve.cache.kv_cache import KVCacheSpec
 from qsaserve.engine.batch import BatchInput, TokenFeed
 from qsaserve.layers.attention import AttentionMetadata
 
@@ -134,12 +135,12 @@ class DecodeGraphs:
     """Captured decode graphs, one per bucket, sharing one memory pool and one set of static
     input buffers. Logits for every bucket row are computed inside the graph."""
 
-    def __init__(self, model, sizes: list[int], max_model_len: int, block_size: int, device: torch.device):
+    def __init__(self, model, sizes: list[int], max_model_len: int, kv_spec: KVCacheSpec, device: torch.device):
         if not sizes:
             raise ValueError("cuda_graph_sizes: no batch size to capture")
         self.model, self.sizes, self.max_model_len, self.device = model, sorted(sizes), max_model_len, device
         self.max_bs = self.sizes[-1]
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = kv_spec.blocks_for(max_model_len)
         self.stage64 = PinnedStaging(torch.long, 4 * self.max_bs, device, growable=False)
         self.stage32 = PinnedStaging(torch.int32, self.max_bs * (1 + self.max_blocks), device, growable=False)
         self.block_tables = torch.zeros(self.max_bs, self.max_blocks, dtype=torch.int32, device=device)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from qsaserve.cache.kv_cache import usable_blocks as usable_kv_blocks
 from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import PLACEHOLDER_TOKEN, LogitsPlan, TokenFeed, build_batch
 from qsaserve.engine.block_manager import BlockManager
@@ -22,9 +23,8 @@ from qsaserve.engine.scheduler import Scheduler, SchedulerOutput
 from qsaserve.engine.sequence import Sequence
 from qsaserve.errors import InvalidRequestError
 from qsaserve.loader.checkpoint import dummy_checkpoint, load_checkpoint, resolve_model
-from qsaserve.models.registry import is_hybrid, text_config
+from qsaserve.models.registry import check_model_parallel, is_hybrid, text_config
 from qsaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from qsaserve.parallel.tp import check_model_parallel
 from qsaserve.quant.kv_scales import capacity_report
 from qsaserve.sampling_params import SamplingParams
 
@@ -85,12 +85,12 @@ class LLMEngine:
         """Refuses a cache that cannot hold one max-length request, logs the capacity (per rank under
         parallelism, next to DCP1's at the same memory), returns tokens per engine block."""
         spec, block_size = self.executor.kv_spec, self.executor.block_size
-        usable_blocks = self.executor.num_kv_blocks - 1  # minus the null block
-        per_request = -(-self.max_model_len // block_size)
+        usable_blocks = usable_kv_blocks(self.executor.num_kv_blocks)
+        per_request = spec.blocks_for(self.max_model_len)
         if usable_blocks < per_request:
             raise InvalidRequestError(
                 "kv_cache_memory",
-                f"the KV cache holds {max(usable_blocks, 0) * block_size} tokens "
+                f"the KV cache holds {usable_blocks * block_size} tokens "
                 f"({spec.bytes_per_token} bytes/token), less than one max_model_len={self.max_model_len} request; "
                 "raise kv_cache_memory / gpu_memory_utilization or lower max_model_len",
             )

@@ -128,11 +128,9 @@ class ModelRunner:
         return None
 
     def free_graphs(self) -> None:
-        """Destroys the captured decode graphs now (before the process group, at shutdown). NCCL
-        does not destroy a communicator while a CUDA graph that captured one of its collectives is
-        alive: it waits for the graph's release, so with the graphs still held the teardown hung
-        (abandoned after 10 s on both ranks of 2 H200s), and its wait stayed behind in the process
-        (`bench_engine_restart.py`, engine_restart_qwen4exp_small_1kv_h200x2_2026-11-30_773256d.json)."""
+        """Destroys the captured decode graphs now (before the process group, at shutdown): NCCL does
+        not destroy a communicator while a CUDA graph that captured one of its collectives is alive,
+        so the teardown would wait for the graphs (docs/benchmarks.md, bench_engine_restart.py)."""
         self.graphs = None
         gc.collect()  # graphs dropped earlier (bind_kv_cache) may still sit in reference cycles
         if self.device.type == "cuda":
@@ -211,7 +209,7 @@ class ModelRunner:
     def _profile_run(self) -> None:
         n = min(self.config.token_budget, self.max_model_len)
         block_size = self.kv_spec.block_size
-        blocks = -(-n // block_size)
+        blocks = self.kv_spec.blocks_for(n)
         scratch = self.kv_quant.attach(allocate_kv_cache(self.kv_spec, blocks + 1, self.device))
         self.bind_kv_cache(scratch)
         batch = BatchInput(
@@ -232,8 +230,8 @@ class ModelRunner:
         self.bind_kv_cache(self.kv_quant.attach(allocate_kv_cache(self.kv_spec, num_blocks, self.device)))
         self._warm_up_kernels()
         if self.graphs_off_reason is None:
-            graphs = DecodeGraphs(self.model, self.config.cuda_graph_capture_sizes, self.max_model_len,
-                                  self.kv_spec.block_size, self.device)
+            graphs = DecodeGraphs(self.model, self.config.cuda_graph_capture_sizes, self.max_model_len, self.kv_spec,
+                                  self.device)
             try:
                 graphs.capture()
             except RuntimeError as exc:  # e.g. an op that syncs inside the capture: serve eagerly, say why

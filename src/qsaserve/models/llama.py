@@ -29,8 +29,8 @@ from qsaserve.layers.rmsnorm import RMSNorm
 from qsaserve.layers.rotary import RotaryEmbedding
 from qsaserve.models.interfaces import SupportsCudaGraphs, SupportsDummyWeights, SupportsKVRotation, SupportsVOffsets
 from qsaserve.parallel.state import ParallelContext
-from qsaserve.parallel.tp import (even_range, kv_head_range, shard_vocab, take, vocab_parallel_embedding,
-                                  vocab_parallel_logits, vocab_shard_rows)
+from qsaserve.parallel.tp import (even_range, kv_head_range, kv_heads_per_rank, shard_vocab, take,
+                                  vocab_parallel_embedding, vocab_parallel_logits, vocab_shard_rows)
 from qsaserve.quant.kv_rotation import fold_into_columns, fold_into_rows
 
 
@@ -80,7 +80,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.ctx = ctx
         self.num_heads = c.num_attention_heads // ctx.tp_size
-        self.num_kv_heads = -(-c.num_key_value_heads // ctx.tp_size)  # one (duplicated) head when T > Hkv
+        self.num_kv_heads = kv_heads_per_rank(c.num_key_value_heads, ctx.tp_size)
         self.head_dim = c.head_dim
         self.q_size, self.kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
         self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)

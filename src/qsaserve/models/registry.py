@@ -1,4 +1,5 @@
-"""Maps a checkpoint's model_type to the model class that serves it."""
+"""Maps a checkpoint's model_type to the model class that serves it, and checks that the model's
+dimensions split over the requested tensor / decode-context parallel layout."""
 from __future__ import annotations
 
 from torch import nn
@@ -6,6 +7,7 @@ from torch import nn
 from qsaserve.errors import InvalidRequestError
 from qsaserve.models.interfaces import CausalLM, supports_kv_rotation
 from qsaserve.models.llama import LlamaConfig, LlamaForCausalLM
+from qsaserve.parallel.dcp import check_dcp_config
 
 _LLAMA_FAMILY = ("llama", "qwen2", "qwen3", "mistral", "smollm")
 _HYBRID = ("qwen4_exp", "qwen4_exp_text")
@@ -61,3 +63,31 @@ def build_model(hf_config: dict, max_positions: int, parallel=None) -> CausalLM:
     if cls is not None:
         return cls(hf_config, max_positions, parallel)
     raise InvalidRequestError("model", f"unsupported model_type {model_type!r}; supported: {', '.join(_LLAMA_FAMILY + _HYBRID)}")
+
+
+def check_model_parallel(hf_config: dict, tp_size: int, dcp_size: int) -> None:
+    """Refuse, naming the parameter, a TP/DCP layout the model's dimensions cannot split into."""
+    if tp_size == 1 and dcp_size == 1:
+        return
+    if is_hybrid(hf_config):
+        from qsaserve.models.qwen4exp import parse_config
+
+        c = parse_config(hf_config)
+        split = {"num_attention_heads": c.num_attention_heads, "linear_num_value_heads": c.linear_num_value_heads,
+                 "moe_intermediate_size": c.moe_intermediate_size,
+                 "shared_expert_intermediate_size": c.shared_expert_intermediate_size}
+        heads = {"num_key_value_heads": c.num_key_value_heads, "linear_num_key_heads": c.linear_num_key_heads}
+        num_kv_heads = c.num_key_value_heads
+    else:
+        c = LlamaConfig.from_hf(hf_config)
+        split = {"num_attention_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size}
+        heads = {"num_key_value_heads": c.num_key_value_heads}
+        num_kv_heads = c.num_key_value_heads
+    for name, n in split.items():
+        if n % tp_size:
+            raise InvalidRequestError("tensor_parallel_size", f"{tp_size} does not divide the model's {name} ({n})")
+    for name, n in heads.items():
+        if n % tp_size and tp_size % n:
+            raise InvalidRequestError(
+                "tensor_parallel_size", f"{tp_size} must divide or be a multiple of the model's {name} ({n})")
+    check_dcp_config(tp_size, dcp_size, num_kv_heads)

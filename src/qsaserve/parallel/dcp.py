@@ -23,19 +23,16 @@ from dataclasses import dataclass
 
 import torch
 
-from qsaserve.cache.kv_cache import KVCacheSpec
+from qsaserve.cache.kv_cache import KVCacheSpec, usable_blocks
 from qsaserve.errors import InvalidRequestError
 
 
 def check_dcp_config(tp_size: int, dcp_size: int, num_kv_heads: int) -> None:
-    """vLLM's rule: DCP shards what TP would duplicate, so T % D == 0 and T / Hkv >= D; and a DCP
-    group (D consecutive ranks) must not straddle two KV heads, so (T / Hkv) % D == 0."""
+    """vLLM's rule: DCP shards what TP would duplicate, so T / Hkv >= D; and a DCP group (D
+    consecutive ranks) must not straddle two KV heads, so (T / Hkv) % D == 0. That D divides T and
+    the interleave size divides block_size is checked with the rest of the config (config.py)."""
     if dcp_size == 1:
         return
-    if tp_size % dcp_size:
-        raise InvalidRequestError(
-            "decode_context_parallel_size",
-            f"must divide tensor_parallel_size ({tp_size}); got {dcp_size}")
     if tp_size < num_kv_heads * dcp_size or (tp_size // num_kv_heads) % dcp_size:
         raise InvalidRequestError(
             "decode_context_parallel_size",
@@ -89,6 +86,7 @@ class KVCapacity:
     block_tokens: int  # tokens per engine block
     bytes_per_block: int  # per rank
     max_model_len: int
+    blocks_per_request: int  # engine blocks of one max_model_len request
 
     @property
     def tokens(self) -> int:
@@ -96,7 +94,7 @@ class KVCapacity:
 
     @property
     def max_len_requests(self) -> float:
-        return self.num_blocks / -(-self.max_model_len // self.block_tokens)
+        return self.num_blocks / self.blocks_per_request
 
 
 @dataclass(frozen=True)
@@ -107,9 +105,6 @@ class DcpGeometry:
     block_size: int = 16  # B: tokens per KV page on one rank
 
     def __post_init__(self) -> None:
-        if self.block_size % self.interleave:
-            raise InvalidRequestError(
-                "dcp_interleave_size", f"must divide block_size ({self.block_size}); got {self.interleave}")
         if not 0 <= self.rank < self.size:
             raise ValueError(f"DCP rank {self.rank} outside [0, {self.size})")
 
@@ -205,6 +200,6 @@ class DcpGeometry:
         ours = self.scale_spec(spec)
         out = []
         for s, d in ((ours, self.size), (spec, 1)):
-            blocks = s.num_blocks_for(budget_bytes) - 1  # the null block
-            out.append(KVCapacity(d, max(blocks, 0), s.block_size, s.bytes_per_block, max_model_len))
+            out.append(KVCapacity(d, usable_blocks(s.num_blocks_for(budget_bytes)), s.block_size, s.bytes_per_block,
+                                  max_model_len, s.blocks_for(max_model_len)))
         return out[0], out[1]

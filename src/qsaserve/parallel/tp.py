@@ -1,5 +1,4 @@
-"""Tensor-parallel sharding: which slice of a checkpoint tensor a rank keeps, and the startup check
-that a model's dimensions split over the requested ranks.
+"""Tensor-parallel sharding: which slice of a checkpoint tensor a rank keeps.
 
 Column-parallel weights (q/k/v, gate/up) keep a row range; row-parallel ones (o_proj, down_proj)
 keep the matching column range and their outputs are summed over ranks. KV heads are split when
@@ -11,14 +10,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.linear import linear_weight
-from qsaserve.parallel.dcp import check_dcp_config
 
 
 def even_range(n: int, tp_size: int, rank: int) -> tuple[int, int]:
     per = n // tp_size
     return rank * per, (rank + 1) * per
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads each rank holds: its share, or one (duplicated) head when T > Hkv."""
+    return -(-num_kv_heads // tp_size)
 
 
 def kv_head_range(num_kv_heads: int, tp_size: int, rank: int) -> tuple[int, int]:
@@ -68,35 +70,3 @@ def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size
     """LM head with vocab-split rows: local logits, gathered over ranks, padding cut."""
     logits = linear_weight(hidden, weight).float()
     return ctx.all_gather_last(logits)[..., :vocab_size]
-
-
-def check_model_parallel(hf_config: dict, tp_size: int, dcp_size: int) -> None:
-    """Refuse, naming the parameter, a TP/DCP layout the model's dimensions cannot split into."""
-    if tp_size == 1 and dcp_size == 1:
-        return
-    from qsaserve.models.registry import is_hybrid
-
-    if is_hybrid(hf_config):
-        from qsaserve.models.qwen4exp import parse_config
-
-        c = parse_config(hf_config)
-        split = {"num_attention_heads": c.num_attention_heads, "linear_num_value_heads": c.linear_num_value_heads,
-                 "moe_intermediate_size": c.moe_intermediate_size,
-                 "shared_expert_intermediate_size": c.shared_expert_intermediate_size}
-        heads = {"num_key_value_heads": c.num_key_value_heads, "linear_num_key_heads": c.linear_num_key_heads}
-        num_kv_heads = c.num_key_value_heads
-    else:
-        from qsaserve.models.llama import LlamaConfig
-
-        c = LlamaConfig.from_hf(hf_config)
-        split = {"num_attention_heads": c.num_attention_heads, "intermediate_size": c.intermediate_size}
-        heads = {"num_key_value_heads": c.num_key_value_heads}
-        num_kv_heads = c.num_key_value_heads
-    for name, n in split.items():
-        if n % tp_size:
-            raise InvalidRequestError("tensor_parallel_size", f"{tp_size} does not divide the model's {name} ({n})")
-    for name, n in heads.items():
-        if n % tp_size and tp_size % n:
-            raise InvalidRequestError(
-                "tensor_parallel_size", f"{tp_size} must divide or be a multiple of the model's {name} ({n})")
-    check_dcp_config(tp_size, dcp_size, num_kv_heads)

@@ -94,7 +94,7 @@ def run_qualify(common: dict, baseline: dict, candidates: dict[str, dict], datas
 
 
 def add_qualify_parser(subparsers) -> argparse.ArgumentParser:
-    from qsaserve.cli import add_engine_args
+    from qsaserve.engine_args import add_engine_args
     from qsaserve.quant.cli import add_model_tag
 
     p = subparsers.add_parser(
@@ -116,7 +116,7 @@ def add_qualify_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_qualify(args) -> int:
-    from qsaserve.cli import engine_config_from_args
+    from qsaserve.engine_args import engine_config_from_args
     from qsaserve.quant.cli import resolve_model_tag
     from qsaserve.quant.dataset import pydoc_topics, text_file
 

@@ -27,9 +27,8 @@ V gets the same treatment where the model can apply it (Llama family): values ar
 V - c, with c the per-channel mean of V aligned to the mean first-token value, and c is added
 back to the attention output, which is exact because the attention weights of a query sum to
 one. The sink's value, which most queries weight most, is then stored exactly too. The model
-folds both into its projection biases (models/llama.py), so nothing runs per step for it. On
-SmolLM2 it lowered the perplexity change by 0.13 points and the mean KL by 2-3%; top-1 agreement
-moved within its noise (docs/fp8.md).
+folds both into its projection biases (models/llama.py), so nothing runs per step for it (its
+effect on quality: docs/fp8.md).
 
 With `--kv-rotation whitened` (the CLI's default for models that support it, default_kv_rotation)
 a first pass over the same windows records, per layer and KV head,
@@ -175,8 +174,7 @@ def _sink_aligned(mean: torch.Tensor, absmax_after, sink: torch.Tensor, margin: 
 
 def default_kv_rotation(config) -> str:
     """The head transform `qsaserve calibrate` measures when --kv-rotation is not given: whitened
-    where the model supports it (the only scheme measured past 97% top-1 agreement on SmolLM2,
-    docs/fp8.md), else none."""
+    where the model supports it (the scheme that loses least to FP8, docs/fp8.md), else none."""
     from qsaserve.loader.checkpoint import dummy_checkpoint, load_checkpoint
     from qsaserve.models.registry import kv_rotation_unsupported
 

@@ -11,10 +11,6 @@ import dataclasses
 from qsaserve.quant.fp8 import FP8_E4M3
 
 
-def _tokens(spec, budget_bytes: int) -> int:
-    return max(spec.num_blocks_for(budget_bytes) - 1, 0) * spec.block_size
-
-
 def kv_capacity_report(spec, budget_bytes: int) -> dict:
     """spec: a KVCacheSpec (its `dtype` is the model dtype; its kv_dtype is ignored).
     Returns {"budget_bytes", "block_size", "model_dtype", "dtypes": {name: {"bytes_per_token",
@@ -25,7 +21,7 @@ def kv_capacity_report(spec, budget_bytes: int) -> dict:
     rows = {}
     for name, kv_dtype in ((model_name, None), ("fp8_e4m3", FP8_E4M3)):
         s = dataclasses.replace(spec, kv_dtype=kv_dtype)
-        rows[name] = {"bytes_per_token": s.bytes_per_token, "tokens": _tokens(s, budget_bytes)}
+        rows[name] = {"bytes_per_token": s.bytes_per_token, "tokens": s.usable_tokens(budget_bytes)}
     base = rows[model_name]["tokens"]
     return {"budget_bytes": int(budget_bytes), "block_size": spec.block_size, "model_dtype": model_name, "dtypes": rows,
             "fp8_capacity_ratio": rows["fp8_e4m3"]["tokens"] / base if base else None}

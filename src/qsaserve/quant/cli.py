@@ -20,7 +20,7 @@ def resolve_model_tag(args: argparse.Namespace) -> None:
 
 
 def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
-    from qsaserve.cli import add_engine_args
+    from qsaserve.engine_args import add_engine_args
 
     p = subparsers.add_parser(
         "calibrate", help="measure per-layer K/V ranges and write FP8 KV scales (--kv-scales) for a model",
@@ -47,7 +47,7 @@ def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def cmd_calibrate(args) -> int:
-    from qsaserve.cli import engine_config_from_args
+    from qsaserve.engine_args import engine_config_from_args
     from qsaserve.entrypoints.llm import LLM
     from qsaserve.quant.calibrate import calibrate, calibration_config
     from qsaserve.quant.dataset import pydoc_topics, text_file

@@ -9,9 +9,8 @@ the head dimension (symmetric, H @ H = I), the layer stores K H and V H and atte
 
 E4M3 keeps a relative precision of 2^-4 per element, so the error of q.k is dominated by the
 channels where both q and k are large. Keys have such channels (a fixed bias, RoPE's slow pairs);
-H spreads every channel over all of them, so no product dominates and the same 8 bits lose less.
-On SmolLM2 over held-out text (benchmarks/fp8_quality.py) this lowers the mean KL divergence to
-the bfloat16-KV model by ~30% at calibrated scales; see docs/fp8.md.
+H spreads every channel over all of them, so no product dominates and the same 8 bits lose less
+(measured: docs/fp8.md).
 
 V and the output need no work at run time: V H = x (H W_v)^T and (O H) W_o^T = O (W_o H)^T, so a
 model folds H into V's rows of its projection and into the output projection's columns once, at
@@ -29,9 +28,9 @@ stored basis the keys' covariance equals the queries' second moment (both R^T M^
 R = diag(s) H and M = Ck^1/2 Cq Ck^1/2: whitened_key_transform), i.e. every stored channel
 carries as much query energy as key energy: E4M3's relative rounding of a key channel then costs
 q.k the same everywhere, instead of most where the queries are large and the keys small. Not
-orthogonal, so q's matrix is T's inverse transpose (query_transform). On SmolLM2 it was the
-only K scheme measured past 97% top-1 agreement (docs/fp8.md). The matrices live beside the
-scales file, in a tensor sidecar (quant/kv_scales.py).
+orthogonal, so q's matrix is T's inverse transpose (query_transform). Of the K schemes it loses
+least to FP8 (docs/fp8.md). The matrices live beside the scales file, in a tensor sidecar
+(quant/kv_scales.py).
 """
 from __future__ import annotations
 

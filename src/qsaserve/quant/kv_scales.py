@@ -446,11 +446,8 @@ def capacity_report(spec, budget_bytes: int, quant: KVCacheQuant) -> str:
     the model dtype and fp8_e4m3 (quant/capacity.py). spec: the KVCacheSpec in use."""
     from qsaserve.quant.capacity import kv_capacity_report
 
-    def tokens(s) -> int:
-        return max(s.num_blocks_for(budget_bytes) - 1, 0) * s.block_size  # minus the null block
-
     report = kv_capacity_report(spec, budget_bytes)
     each = ", ".join(f"{name} {row['tokens']} tokens ({row['bytes_per_token']:.0f} bytes/token)"
                      for name, row in report["dtypes"].items())
-    return (f"KV cache dtype {quant.name} ({quant.reason}): {tokens(spec)} tokens in {budget_bytes / 2**20:.1f} MiB, "
+    return (f"KV cache dtype {quant.name} ({quant.reason}): {spec.usable_tokens(budget_bytes)} tokens in {budget_bytes / 2**20:.1f} MiB, "
             f"{spec.bytes_per_token:.0f} bytes/token; the same budget holds {each}")

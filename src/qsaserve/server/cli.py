@@ -13,8 +13,6 @@ import sys
 from qsaserve.errors import InvalidRequestError
 from qsaserve.server import DEFAULT_MAX_REQUEST_BYTES
 
-# qsaserve.cli is imported inside the functions: it imports this module to add `serve`.
-
 API_KEY_ENV = "QSASERVE_API_KEY"
 DEFAULT_MAX_WAITING_REQUESTS = 512
 
@@ -43,7 +41,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Adds the `serve` subcommand to the main CLI's subparsers."""
-    from qsaserve.cli import add_engine_args
+    from qsaserve.engine_args import add_engine_args
 
     parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                                    description="Serve a model over an OpenAI-compatible HTTP API.")
@@ -68,9 +66,9 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def build_server_app(args: argparse.Namespace):
     """Loads the engine and builds the app from parsed `serve` arguments."""
-    from qsaserve.cli import engine_config_from_args
     from qsaserve.engine.async_engine import AsyncLLMEngine
     from qsaserve.engine.llm_engine import LLMEngine
+    from qsaserve.engine_args import engine_config_from_args
     from qsaserve.server.app import build_app
 
     _check_args(args)
@@ -123,7 +121,7 @@ class BackgroundServer:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from qsaserve.cli import add_engine_args
+    from qsaserve.engine_args import add_engine_args
 
     parser = argparse.ArgumentParser(prog="qsaserve-serve", description="Serve a model over an OpenAI-compatible HTTP API.")
     parser.add_argument("--log-level", default="INFO")

@@ -1,30 +1,15 @@
-"""Executor: what the engine calls to run a step on every worker rank.
-
-The engine only sees this interface, so single-process and multi-rank (tensor / decode-context
-parallel) execution are interchangeable. Rank 0 always runs in the engine's process and is the
-one whose logits come back.
-"""
+"""What every executor exposes about rank 0, which lives in the engine's process: the narrow
+views the engine, calibration, qualify and the benchmarks use instead of reaching into the runner."""
 from __future__ import annotations
 
 import torch
 
-from qsaserve.config import EngineConfig
-from qsaserve.engine.batch import BatchInput, TokenFeed
-from qsaserve.engine.model_runner import ModelRunner
 from qsaserve.quant.kv_scales import KVCacheQuant
 
 
-def make_executor(config: EngineConfig, checkpoint, max_model_len: int, progress: bool = False):
-    if config.tensor_parallel_size == 1:
-        return InProcessExecutor(config, checkpoint, max_model_len, progress=progress)
-    from qsaserve.parallel.executor import MultiprocExecutor
-
-    return MultiprocExecutor(config, checkpoint, max_model_len, progress=progress)
-
-
 class Rank0Views:
-    """What every executor exposes about rank 0, which lives in the engine's process. Subclasses
-    set self.runner, self.kv_spec and self.kv_budget_bytes."""
+    """Subclasses set self.runner (rank 0's ModelRunner), self.kv_spec, self.kv_budget_bytes and
+    self.num_kv_blocks, and implement execute, check_health and shutdown."""
 
     @property
     def device(self) -> torch.device:
@@ -82,24 +67,3 @@ class Rank0Views:
                         timeout_s: float = 120.0) -> list[dict] | None:
         """Profiles the worker ranks of this node between "start" and "stop"; None: there are none."""
         return None
-
-
-class InProcessExecutor(Rank0Views):
-    """A single rank, running in the engine's own process."""
-
-    def __init__(self, config: EngineConfig, checkpoint, max_model_len: int, progress: bool = False):
-        self.runner = ModelRunner(config, checkpoint, max_model_len, progress=progress)
-        self.kv_spec = self.runner.kv_spec
-        self.kv_budget_bytes = self.runner.kv_cache_budget_bytes()
-        self.num_kv_blocks = self.kv_spec.num_blocks_for(self.kv_budget_bytes)
-        if self.num_kv_blocks >= 2:
-            self.runner.init_kv_cache(self.num_kv_blocks)
-
-    def check_health(self) -> None:
-        """Raises EngineDeadError when a rank is dead; one in-process rank is alive while we are."""
-
-    def execute(self, batch: BatchInput, feed: TokenFeed | None = None) -> torch.Tensor:
-        return self.runner.execute(batch, feed)
-
-    def shutdown(self) -> None:
-        self.runner.bind_kv_cache([])

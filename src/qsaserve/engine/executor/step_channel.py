@@ -2,24 +2,40 @@
 
 One node: a pipe per local worker. Rank 0 pickles the batch once and writes it, length-prefixed,
 to every worker's pipe; a worker blocks in read until the next step arrives. A step costs one
-write and one read per worker (~0.1 ms on a 2-core CPU machine), against ~0.8 ms for a gloo
-`broadcast_object_list` over TCP (two collectives: sizes, then bytes), and that latency is paid
-on every step because rank 0's first collective of the step waits for the slowest rank.
+write and one read per worker, several times less than a gloo `broadcast_object_list` over TCP
+(two collectives: sizes, then bytes; README, benchmarks/bench_step_channel.py), and that latency
+is paid on every step because rank 0's first collective of the step waits for the slowest rank.
 
 Several nodes: the gloo control group's broadcast (every rank of the world must take part in it,
 so rank 0 cannot mix it with pipes).
 
 A closed pipe ends a worker (EOF: rank 0 is gone); a dead worker makes rank 0's write fail
 (BrokenPipeError), which the executor reports as a dead engine.
+
+Messages: (BatchInput, fed by rank 0) for each step, a ProfileCommand between steps, None to stop.
 """
 from __future__ import annotations
 
 import os
 import pickle
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 _HEADER = 8  # payload length, little-endian
+
+
+@dataclass(frozen=True)
+class ProfileCommand:
+    """Rank 0 -> workers, on the step channel between steps: "start" a torch.profiler over the
+    steps that follow, or "stop" it and write this rank's per-step summary
+    (engine/profiling.summarize_events over `steps` steps) to `directory`/rank{r}.json. How a
+    benchmark sees whether a worker rank waits in collectives or leaves its device idle."""
+
+    action: str  # "start" | "stop"
+    directory: str
+    steps: int = 1
+    top: int = 15
 
 
 class PipeSender:
@@ -90,4 +106,4 @@ class GlooBroadcast:
         pass
 
 
-__all__ = ["GlooBroadcast", "PipeReceiver", "PipeSender"]
+__all__ = ["GlooBroadcast", "PipeReceiver", "PipeSender", "ProfileCommand"]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from qsaserve.engine.batch import BatchInput
-from qsaserve.parallel.step_channel import PipeReceiver, PipeSender
+from qsaserve.engine.executor.step_channel import PipeReceiver, PipeSender
 
 
 def _echo(read_fd: int, write_fd: int, out) -> None:

@@ -1,0 +1,30 @@
+"""One rank, running in the engine's own process."""
+from __future__ import annotations
+
+import torch
+
+from qsaserve.config import EngineConfig
+from qsaserve.engine.batch import BatchInput, TokenFeed
+from qsaserve.engine.executor.base import Rank0Views
+from qsaserve.engine.model_runner import ModelRunner
+
+
+class InProcessExecutor(Rank0Views):
+    """A single rank, running in the engine's own process."""
+
+    def __init__(self, config: EngineConfig, checkpoint, max_model_len: int, progress: bool = False):
+        self.runner = ModelRunner(config, checkpoint, max_model_len, progress=progress)
+        self.kv_spec = self.runner.kv_spec
+        self.kv_budget_bytes = self.runner.kv_cache_budget_bytes()
+        self.num_kv_blocks = self.kv_spec.num_blocks_for(self.kv_budget_bytes)
+        if self.num_kv_blocks >= 2:
+            self.runner.init_kv_cache(self.num_kv_blocks)
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError when a rank is dead; one in-process rank is alive while we are."""
+
+    def execute(self, batch: BatchInput, feed: TokenFeed | None = None) -> torch.Tensor:
+        return self.runner.execute(batch, feed)
+
+    def shutdown(self) -> None:
+        self.runner.bind_kv_cache([])
