@@ -28,6 +28,7 @@ import math
 
 import torch
 
+from qsaserve.ops import rope
 from qsaserve.ops.fused.reference import rms_norm_one_centred
 
 __all__ = [
@@ -47,9 +48,9 @@ __all__ = [
 
 
 def rope_inv_freq(head_dim: int, partial_rotary_factor: float = 1.0, rope_theta: float = 10000.0) -> torch.Tensor:
-    """Default-RoPE inverse frequencies over ``rotary_dim = int(head_dim * partial_rotary_factor)``."""
-    dim = int(head_dim * partial_rotary_factor)
-    return 1.0 / (rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    """Default-RoPE inverse frequencies over ``rotary_dim = int(head_dim * partial_rotary_factor)``
+    (`ops.rope.rope_inv_freq` in Qwen4Exp's config terms)."""
+    return rope.rope_inv_freq(int(head_dim * partial_rotary_factor), rope_theta)
 
 
 def rope_cos_sin(
