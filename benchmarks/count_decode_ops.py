@@ -16,7 +16,8 @@ import json
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qsaserve import LLM, SamplingParams
-from qsaserve.models.qwen4exp import Qwen4ExpForCausalLM, state
+from qsaserve.models.presets import preset_config
+from qsaserve.models.qwen4exp import Qwen4ExpForCausalLM, parse_config, state
 from qsaserve.models.qwen4exp.gated_deltanet import GatedDeltaNet
 from qsaserve.models.qwen4exp.hyper_connection import HyperConnection
 from qsaserve.models.qwen4exp.moe import SparseMoE
@@ -50,7 +51,8 @@ def main() -> None:
         fn = getattr(owner, name)
 
         def labelled(*a, _fn=fn, _label=label, **kw):
-            stack.append(_label)
+            # The outermost part counts: the final mixer's ops are compute_logits'.
+            stack.append(_label if stack[-1] == "other" else stack[-1])
             try:
                 return _fn(*a, **kw)
             finally:
@@ -67,7 +69,7 @@ def main() -> None:
         for _ in range(args.steps):
             eng.step()
     per_step = {k: round(v / args.steps, 1) for k, v in counts.most_common()}
-    cfg = eng.executor.runner.model.config
+    cfg = parse_config(preset_config(args.preset))
     print(json.dumps({"preset": args.preset, "layers": cfg.num_hidden_layers, "layer_types": list(cfg.layer_types),
                       "ops_per_step": round(sum(counts.values()) / args.steps, 1), "by_part": per_step}, indent=1))
 

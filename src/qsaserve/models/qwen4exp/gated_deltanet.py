@@ -35,7 +35,8 @@ class GatedDeltaNet(nn.Module):
         hv, dv = self.value_heads, self.value_dim
         self.conv_dim = 2 * self.key_heads * self.key_dim + hv * dv
         qkv, per_head = layout.gdn_qkv_channels(), layout.gdn_per_head()
-        self.in_proj = PackedWeight(cfg.hidden_size, [("qkv", self.conv_dim, qkv), ("z", hv * dv, layout.gdn_value_rows()),
+        self.in_proj = PackedWeight(cfg.hidden_size, [("qkv", self.conv_dim, qkv),
+                                                      ("z", hv * dv, layout.gdn_value_rows()),
                                                       ("b", hv, per_head), ("a", hv, per_head)])
         self.conv1d = Weight((self.conv_dim, 1, self.conv_kernel), qkv)
         self.dt_bias = parameter((hv,), ShardLoader(per_head))

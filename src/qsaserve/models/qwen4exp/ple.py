@@ -63,7 +63,8 @@ class PLE(nn.Module):
 
     def reference_weights(self) -> dict[str, torch.Tensor]:
         """ple_layer_forward's weights, by checkpoint name relative to `ple.`."""
-        return {"key_proj.weight": self.key_value_proj.part("key"), "value_proj.weight": self.key_value_proj.part("value"),
+        part = self.key_value_proj.part
+        return {"key_proj.weight": part("key"), "value_proj.weight": part("value"),
                 "norm_key.weight": self.norm_key.weight, "norm_query.weight": self.norm_query.weight,
                 "norm_conv.weight": self.norm_conv.weight, "conv1d.weight": self.conv1d.weight}
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from qsaserve.parallel.state import ParallelContext
-from qsaserve.parallel.tp import even_range, kv_head_range, shard_vocab, take
+from qsaserve.parallel.tp import even_range, kv_head_range, kv_heads_per_rank, shard_vocab, take
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class RankLayout:
         self.split = n > 1
         self.query_heads = even_range(cfg.num_attention_heads, n, r)  # this rank's own heads
         self.kv_heads = kv_head_range(cfg.num_key_value_heads, n, r)
-        self.num_kv_heads = -(-cfg.num_key_value_heads // n)  # KV heads of this rank's pages
+        self.num_kv_heads = kv_heads_per_rank(cfg.num_key_value_heads, n)  # KV heads of this rank's pages
         self.gdn_key_heads = kv_head_range(cfg.linear_num_key_heads, n, r)
         self.gdn_value_heads = even_range(cfg.linear_num_value_heads, n, r)
         self.expert_inter = even_range(cfg.moe_intermediate_size, n, r)
@@ -91,7 +91,8 @@ class RankLayout:
         if not self.ctx.dcp.enabled:
             return [(ga * 2 * d, gb * 2 * d)]
         oa, ob = self.query_heads
-        return [(h * 2 * d, h * 2 * d + d) for h in range(ga, gb)] + [(h * 2 * d + d, (h + 1) * 2 * d) for h in range(oa, ob)]
+        queries = [(h * 2 * d, h * 2 * d + d) for h in range(ga, gb)]
+        return queries + [(h * 2 * d + d, (h + 1) * 2 * d) for h in range(oa, ob)]
 
     def q_proj(self) -> Shard:
         return self._rows(0, *self.query_gate_rows())
