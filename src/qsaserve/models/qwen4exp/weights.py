@@ -136,9 +136,7 @@ class PackedLoader:
             self.rows[shard_id], self.shards[shard_id] = (start, start + rows), shard
             start += rows
         self.total_rows = start
-
-    def sizes(self) -> list[int]:
-        return [b - a for a, b in self.rows.values()]
+        self.part_rows = [b - a for a, b in self.rows.values()]  # torch.split sizes, in part order
 
     def shard(self, shard_id) -> Shard:
         return self.shards[shard_id]
@@ -208,7 +206,7 @@ class PackedWeight(nn.Module):
         self.weight = parameter((loader.total_rows, in_features), loader)
 
     def sizes(self) -> list[int]:
-        return self.weight.weight_loader.sizes()
+        return self.weight.weight_loader.part_rows
 
     def part(self, shard_id: str) -> torch.Tensor:
         """The rows of one projection (a view)."""
