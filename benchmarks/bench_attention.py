@@ -36,7 +36,10 @@ from qsaserve.bench.gpu_timing import do_bench_graph_s, do_bench_s
 from qsaserve.ops.device import num_sms
 
 from qsaserve.cache.kv_cache import KVCacheSpec
-from qsaserve.ops.attention import triton_paged as tp
+from qsaserve.ops.attention import configs, decode_triton, kv_write, triton_paged as tp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fp8_decode_candidates import FP8_DECODE_CANDIDATES  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 DT = torch.bfloat16
@@ -108,15 +111,15 @@ def decode_case(b, ctx, page, cfg=None, num_splits=None, seed=0):
     cache = rand_(torch.empty(2, nb, page, HKV, D, dtype=DT, device="cuda"))
     q = rand_(torch.empty(b, HQ, D, dtype=DT, device="cuda"))
     out = torch.empty_like(q)
-    default = tp.decode_config(b * HKV)
+    default = configs.decode_config(b * HKV)
     cfg = cfg or default
-    auto = tp.num_decode_splits(b * HKV, ctx, num_sms(q.device), cfg.block_n, cfg.ctas_per_sm, cfg.min_waves)
+    auto = configs.num_decode_splits(b * HKV, ctx, num_sms(q.device), cfg.block_n, cfg.ctas_per_sm, cfg.min_waves)
     if num_splits is None:
         num_splits = auto
 
     def run():
-        tp.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, D**-0.5,
-                        num_seqs=b, max_seq_len=ctx, config=cfg, num_splits=num_splits)
+        decode_triton.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, D**-0.5,
+                                   num_seqs=b, max_seq_len=ctx, config=cfg, num_splits=num_splits)
 
     if cfg is default and num_splits == auto:
         run = lambda: tp.paged_attention(q, cache, meta, D**-0.5, out=out)  # noqa: E731  (the engine's entry point)
@@ -158,7 +161,7 @@ def decode_sweep(args):
         for bn in (32, 64, 128):
             for nw in (4, 8):
                 for ns in (2, 3, 4):
-                    cfg = tp.DecodeConfig(bn, nw, ns)
+                    cfg = configs.DecodeConfig(bn, nw, ns)
                     try:
                         t, _, s = decode_case(b, ctx, 16, cfg)
                         out.append({"batch": b, "ctx": ctx, "block_n": bn, "warps": nw, "stages": ns, "splits": s, "tb_s": kv / t / 1e12})
@@ -166,7 +169,7 @@ def decode_sweep(args):
                         out.append({"batch": b, "ctx": ctx, "block_n": bn, "warps": nw, "stages": ns, "error": type(e).__name__})
                     print(json.dumps(out[-1]), flush=True)
         best = max((r for r in out if r.get("ctx") == ctx and r.get("batch") == b and "tb_s" in r), key=lambda r: r["tb_s"])
-        cfg = tp.DecodeConfig(best["block_n"], best["warps"], best["stages"])
+        cfg = configs.DecodeConfig(best["block_n"], best["warps"], best["stages"])
         for s in (1, 2, 4, 8, 16, 33, 66, 128):
             if s * 512 > ctx:
                 continue
@@ -210,9 +213,9 @@ def decode_diag(args):
             row["profiler_error"] = repr(e)[:200]
         row["graph_tb_s"] = kv / row["graph_us"] / 1e6
         for bn, nw in ((64, 4), (128, 4)):
-            cfg = tp.DecodeConfig(bn, nw, 3, 1 if bn == 128 else 2)
-            f2 = lambda: tp.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, D**-0.5,  # noqa: E731
-                                         num_seqs=b, max_seq_len=ctx, config=cfg)
+            cfg = configs.DecodeConfig(bn, nw, 3, 1 if bn == 128 else 2)
+            f2 = lambda: decode_triton.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, D**-0.5,  # noqa: E731
+                                                    num_seqs=b, max_seq_len=ctx, config=cfg)
             f2()
             row[f"graph_bn{bn}_tb_s"] = kv / (do_bench_graph_s(f2) * 1e6) / 1e6
         del cache
@@ -245,12 +248,12 @@ def kv_capacity(budget_gib: float, num_layers: int, page: int) -> dict:
 def fp8_variant_row(name, cfg, q, cache8, meta, out, ks, vs, ctx, elems, bf16_s, ref, num_splits=None):
     """One FP8 decode launch configuration timed through paged_decode (the merge included)."""
     b = q.shape[0]
-    auto = tp.num_decode_splits(b * HKV, ctx, num_sms(q.device), cfg.block_n, cfg.ctas_per_sm, cfg.min_waves)
+    auto = configs.num_decode_splits(b * HKV, ctx, num_sms(q.device), cfg.block_n, cfg.ctas_per_sm, cfg.min_waves)
     splits = num_splits or auto
 
     def run():
-        tp.paged_decode(q, cache8, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, D**-0.5,
-                        num_seqs=b, max_seq_len=ctx, config=cfg, num_splits=splits, k_scale=ks, v_scale=vs)
+        decode_triton.paged_decode(q, cache8, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, D**-0.5,
+                                   num_seqs=b, max_seq_len=ctx, config=cfg, num_splits=splits, k_scale=ks, v_scale=vs)
 
     run()
     diff = (out.float() - ref).abs().max().item()
@@ -261,7 +264,7 @@ def fp8_variant_row(name, cfg, q, cache8, meta, out, ks, vs, ctx, elems, bf16_s,
 
 def fp8_table(args):
     """bf16 vs FP8 E4M3 pages, same decode batch, same shuffled block tables; then every FP8 decode
-    candidate (triton_paged.FP8_DECODE_CANDIDATES) and the default with forced split counts."""
+    candidate (fp8_decode_candidates.py) and the default with forced split counts."""
     b, page = 8, 16
     ks = torch.tensor(0.05, device="cuda")
     vs = torch.tensor(0.05, device="cuda")
@@ -278,10 +281,10 @@ def fp8_table(args):
         bf16_graph = do_bench_graph_s(lambda: tp.paged_attention(q, cache, meta, D**-0.5, out=out))
         cache8 = (cache / 0.05).to(torch.float8_e4m3fn)  # |x| <= 80: finite E4M3
         del cache
-        fp8_cfg = tp.decode_config(b * HKV, fp8=True)
+        fp8_cfg = configs.decode_config(b * HKV, fp8=True)
         row["fp8_config"] = dataclasses.asdict(fp8_cfg)
-        row["fp8_splits"] = tp.num_decode_splits(b * HKV, ctx, num_sms(q.device), fp8_cfg.block_n, fp8_cfg.ctas_per_sm,
-                                                 fp8_cfg.min_waves)
+        row["fp8_splits"] = configs.num_decode_splits(b * HKV, ctx, num_sms(q.device), fp8_cfg.block_n, fp8_cfg.ctas_per_sm,
+                                                      fp8_cfg.min_waves)
         tp.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=vs)
         ref = out.float().clone()  # the default's output: every variant must agree with it
         t8 = do_bench_s(lambda: tp.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=vs))
@@ -307,7 +310,7 @@ def fp8_table(args):
                    hnd_bf16_tb_s=elems * 2 / thb / 1e12, hnd_fp8_speedup_vs_nhd_bf16=t / th8,
                    hnd_fp8_speedup_vs_hnd_bf16=thb / th8)
         variants = []
-        for name, cfg in tp.FP8_DECODE_CANDIDATES.items():
+        for name, cfg in FP8_DECODE_CANDIDATES.items():
             variants.append(fp8_variant_row(name, cfg, q, cache8, meta, out, ks, vs, ctx, elems, t, ref))
         # 8 x 64 pairs: 0.97 of one wave at 4 programs per SM (the default's plan); 6: the same at 3.
         for s in (6, 8, 12, 16, 32, 64):
@@ -399,8 +402,8 @@ def sdpa_prefill_time(b, n):
 
 def prefill_table(args):
     rows = []
-    cfgs = [tp._prefill_config(D), tp.PrefillConfig(128, 128, 8, 2), tp.PrefillConfig(128, 64, 4, 3),
-            tp.PrefillConfig(64, 64, 4, 3), tp.PrefillConfig(128, 32, 4, 4), tp.PrefillConfig(128, 128, 8, 3)]
+    cfgs = [configs.prefill_config(D), configs.PrefillConfig(128, 128, 8, 2), configs.PrefillConfig(128, 64, 4, 3),
+            configs.PrefillConfig(64, 64, 4, 3), configs.PrefillConfig(128, 32, 4, 4), configs.PrefillConfig(128, 128, 8, 3)]
     for b, n in ((1, 8192), (4, 4096), (1, 32768), (16, 1024)):
         fl = prefill_flops([n] * b, [n] * b)
         row = {"batch": b, "len": n, "kind": "fresh causal"}
@@ -436,7 +439,7 @@ def write_bench(args):
     cache = torch.zeros(2, t_tok // 16 + 1, 16, HKV, D, dtype=DT, device="cuda")
     slots = (torch.randperm(t_tok // 16, device="cuda") + 1)[:, None] * 16 + torch.arange(16, device="cuda")
     slots = slots.flatten()
-    t = do_bench_s(lambda: tp.write_kv(k, v, cache, slots))
+    t = do_bench_s(lambda: kv_write.write_kv(k, v, cache, slots))
     by = 2 * 2 * t_tok * HKV * D * 2  # read k, v; write both
     return {"tokens": t_tok, "us": t * 1e6, "tb_s": by / t / 1e12}
 
@@ -453,10 +456,10 @@ def main():
     args.pages = [int(x) for x in args.pages.split(",")]
     secs = args.sections.split(",")
     res = {"config": {"hq": HQ, "hkv": HKV, "head_dim": D, "dtype": "bfloat16", "timing": "triton do_bench median, L2 flushed",
-                      "decode_config": dataclasses.asdict(tp.DECODE_CONFIG),
-                      "prefill_config_d128": dataclasses.asdict(tp._prefill_config(D)),
-                      "decode_config_few_pairs": dataclasses.asdict(tp.DECODE_CONFIG_FEW), "few_pairs": tp.FEW_PAIRS,
-                      "decode_config_fp8": dataclasses.asdict(tp.DECODE_CONFIG_FP8),
+                      "decode_config": dataclasses.asdict(configs.DECODE_CONFIG),
+                      "prefill_config_d128": dataclasses.asdict(configs.prefill_config(D)),
+                      "decode_config_few_pairs": dataclasses.asdict(configs.DECODE_CONFIG_FEW), "few_pairs": configs.FEW_PAIRS,
+                      "decode_config_fp8": dataclasses.asdict(configs.DECODE_CONFIG_FP8),
                       "pages": args.pages}}
     t0 = time.time()
     res["env"] = env_info(args)

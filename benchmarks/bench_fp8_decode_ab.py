@@ -1,12 +1,14 @@
-"""FP8 vs bf16 paged decode, this tree against an earlier triton_paged.py, in one run. Prints JSON.
+"""FP8 vs bf16 paged decode, this tree against an earlier paged-attention module, in one run. Prints JSON.
 
 Same shapes as bench_attention's fp8 section (batch 8, 32 q / 8 KV heads, d128, shuffled 16-token
 pages). Every call is timed in interleaved rounds (the order reversed every other round, so no
 kernel always runs first or last) two ways: triton do_bench (L2 flushed before each call) and
 do_bench_cudagraph (back-to-back calls in one CUDA graph, as the engine runs decode). Ratios are
-against the bf16 kernel of the same tree; `--baseline FILE` (an earlier copy of
-src/qsaserve/ops/attention/triton_paged.py, e.g. from `git show REV:src/...`) adds that file's bf16
-and FP8 kernels. `--candidates` names entries of triton_paged.FP8_DECODE_CANDIDATES to time too.
+against the bf16 kernel of the same tree; `--baseline FILE` (a self-contained earlier copy of
+src/qsaserve/ops/attention/triton_paged.py from before its split into kv_write / decode_triton /
+prefill_triton / configs, e.g. from `git show REV:src/...`) adds that file's bf16 and FP8 kernels;
+a later baseline is a checkout of its own. `--candidates` names entries of
+fp8_decode_candidates.FP8_DECODE_CANDIDATES to time too.
 Each FP8 output is compared with the default's (max_abs_diff). About a minute on an H200.
 
     python benchmarks/bench_fp8_decode_ab.py [--baseline old_triton_paged.py] [--contexts 131072,32768]
@@ -28,7 +30,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import D, DT, HKV, HQ, env_info, make_meta, rand_  # noqa: E402
 
 from qsaserve.bench.gpu_timing import do_bench_graph_s, do_bench_s  # noqa: E402
-from qsaserve.ops.attention import triton_paged as tp  # noqa: E402
+from fp8_decode_candidates import FP8_DECODE_CANDIDATES  # noqa: E402
+from qsaserve.ops.attention import configs, decode_triton, triton_paged as tp  # noqa: E402
 from qsaserve.ops.device import num_sms  # noqa: E402
 
 SCALE = 0.05  # k_scale = v_scale; bf16 values are clamped to +-4, so |x / scale| <= 80 is finite E4M3
@@ -58,10 +61,10 @@ def context_row(ctx, args, base):
         calls["baseline_fp8"] = lambda: base.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=vs)
     splits = {}
     for name in args.candidates:
-        cfg = tp.FP8_DECODE_CANDIDATES[name]
-        n = tp.num_decode_splits(b * HKV, ctx, num_sms(q.device), cfg.block_n, cfg.ctas_per_sm, cfg.min_waves)
+        cfg = FP8_DECODE_CANDIDATES[name]
+        n = configs.num_decode_splits(b * HKV, ctx, num_sms(q.device), cfg.block_n, cfg.ctas_per_sm, cfg.min_waves)
         splits[name] = n
-        calls[name] = (lambda cfg=cfg, n=n: tp.paged_decode(
+        calls[name] = (lambda cfg=cfg, n=n: decode_triton.paged_decode(
             q, cache8, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, D**-0.5, num_seqs=b,
             max_seq_len=ctx, config=cfg, num_splits=n, k_scale=ks, v_scale=vs))
     ref = {}
@@ -81,9 +84,9 @@ def context_row(ctx, args, base):
         for n in order:
             times[n]["graph_us"].append(do_bench_graph_s(calls[n]) * 1e6)
     kv_fp8 = b * ctx * HKV * D * 2  # bytes of E4M3 K and V read
-    row = {"ctx": ctx, "batch": b, "fp8_default_splits": tp.num_decode_splits(
-        b * HKV, ctx, num_sms(q.device), tp.DECODE_CONFIG_FP8.block_n, tp.DECODE_CONFIG_FP8.ctas_per_sm,
-        tp.DECODE_CONFIG_FP8.min_waves), "candidate_splits": splits, "max_abs_diff": diffs, "calls": {}}
+    row = {"ctx": ctx, "batch": b, "fp8_default_splits": configs.num_decode_splits(
+        b * HKV, ctx, num_sms(q.device), configs.DECODE_CONFIG_FP8.block_n, configs.DECODE_CONFIG_FP8.ctas_per_sm,
+        configs.DECODE_CONFIG_FP8.min_waves), "candidate_splits": splits, "max_abs_diff": diffs, "calls": {}}
     for n in names:
         t = {m: statistics.median(v) for m, v in times[n].items()}
         entry = {**t, "rounds": times[n]}
@@ -106,12 +109,12 @@ def main():
     args = ap.parse_args()
     args.candidates = [c for c in args.candidates.split(",") if c]
     for c in args.candidates:
-        if c not in tp.FP8_DECODE_CANDIDATES:
-            ap.error(f"--candidates: unknown {c!r}; known: {', '.join(tp.FP8_DECODE_CANDIDATES)}")
+        if c not in FP8_DECODE_CANDIDATES:
+            ap.error(f"--candidates: unknown {c!r}; known: {', '.join(FP8_DECODE_CANDIDATES)}")
     base = load_baseline(args.baseline) if args.baseline else None
     res = {"benchmark": "bench_fp8_decode_ab", "env": env_info(args), "baseline": args.baseline,
            "timing": "medians over interleaved rounds: triton do_bench (L2 flushed) and do_bench_cudagraph",
-           "fp8_config": dataclasses.asdict(tp.DECODE_CONFIG_FP8), "rows": []}
+           "fp8_config": dataclasses.asdict(configs.DECODE_CONFIG_FP8), "rows": []}
     for ctx in (int(x) for x in args.contexts.split(",")):
         row = context_row(ctx, args, base)
         torch.cuda.empty_cache()

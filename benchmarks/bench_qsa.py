@@ -4,7 +4,7 @@ qwen4exp-small shapes (models/presets.py): 16 query heads, 2 KV heads, head_dim 
 heads x 128, budget 2048, r 4; bf16 pages of 16 tokens over shuffled blocks. QSA = indexer
 scoring of every visible block key + top-k and token list on device + sparse attention over the
 selected budget + r - 1 tokens (the model's decode path, ops only). Dense = the Triton split-KV
-paged decode (ops/attention/triton_paged.paged_decode) over the whole context. Contexts 8K-256K at
+paged decode (ops/attention/decode_triton.paged_decode) over the whole context. Contexts 8K-256K at
 batch 1, 8, 16 and 32; CUDA-event timing (median of repeats), eager and, for QSA and its attention
 alone, replayed as a CUDA graph (eager times of these small ops are mostly launch overhead). The
 summary gives dense/QSA at 128K per batch from both, and whether QSA is >= 8x faster (graph).
@@ -29,7 +29,7 @@ import torch
 
 from qsaserve.bench.common import emit_report, source_commit
 from qsaserve.bench.gpu_timing import event_ms, graph_ms
-from qsaserve.ops.attention.triton_paged import paged_decode
+from qsaserve.ops.attention.decode_triton import paged_decode
 from qsaserve.ops.qsa_attention.triton_sparse import SparseConfig, sparse_attention_paged_triton
 from qsaserve.ops.qsa_indexer import rope_inv_freq
 from qsaserve.ops.qsa_indexer.paged import pool_chunk_groups, select_decode_tokens, select_prefill_tokens

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from bench_attention import D, DT, HKV, HQ, make_meta, rand_  # noqa: E402
 
-from qsaserve.ops.attention import triton_paged as tp  # noqa: E402
+from qsaserve.ops.attention import configs, triton_paged as tp  # noqa: E402
 
 
 def main() -> int:
@@ -32,7 +32,7 @@ def main() -> int:
     for _ in range(2):
         tp.paged_attention(q, cache8, meta, D**-0.5, out=out, k_scale=ks, v_scale=vs)
     torch.cuda.synchronize()
-    print("bf16", tp.decode_config(b * HKV), "fp8", tp.decode_config(b * HKV, fp8=True))
+    print("bf16", configs.decode_config(b * HKV), "fp8", configs.decode_config(b * HKV, fp8=True))
     return 0
 
 

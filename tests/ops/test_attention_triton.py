@@ -96,9 +96,9 @@ def bind_cache(layer, cache):
 
 
 def run_triton(q, k, v, cache, meta, scale, **kw):
-    from qsaserve.ops.attention import triton_paged as tp
+    from qsaserve.ops.attention import kv_write, triton_paged as tp
 
-    tp.write_kv(k, v, cache, meta.slot_mapping)
+    kv_write.write_kv(k, v, cache, meta.slot_mapping)
     return tp.paged_attention(q, cache, meta, scale, **kw)
 
 
@@ -118,7 +118,7 @@ GRID = [(page, d, g) for page in (16, 32) for d in (64, 128) for g in (1, 4, 8)]
 @pytest.mark.parametrize("hkv,d", [(1, 64), (8, 128), (3, 80)])
 @pytest.mark.parametrize("page", [16, 32])
 def test_write_kv(page, hkv, d, dtype):
-    from qsaserve.ops.attention import triton_paged as tp
+    from qsaserve.ops.attention import kv_write
 
     gen = torch.Generator().manual_seed(1)
     cache = torch.randn(2, 40, page, hkv, d, generator=gen).to(dtype).cuda()
@@ -131,7 +131,7 @@ def test_write_kv(page, hkv, d, dtype):
     ref = cache.clone()
     keep = slots >= 0
     write_kv_reference(k[keep.cuda()], v[keep.cuda()], ref, slots[keep].cuda())
-    tp.write_kv(k, v, cache, slots.cuda())
+    kv_write.write_kv(k, v, cache, slots.cuda())
     assert torch.equal(cache, ref)
 
 
@@ -162,9 +162,9 @@ def test_decode(page, d, g):
 @pytest.mark.parametrize("qlen", [2, 3, 8])
 def test_decode_multi_token(g, qlen):
     """Speculative-decode verify: a few query tokens per sequence, still on the decode kernel."""
-    from qsaserve.ops.attention import triton_paged as tp
+    from qsaserve.ops.attention import decode_triton
 
-    assert qlen <= tp.decode_qlen_cap(g)
+    assert qlen <= decode_triton.decode_qlen_cap(g)
     rng = random.Random(qlen * 10 + g)
     specs = _decode_specs(rng, 12, 9000, qlen) + [(qlen, qlen), (1, 5), (qlen, 30000)]
     q, k, v, cache, meta = make_case(specs, g * 2, 2, 128, 16, torch.bfloat16, "cuda", seed=qlen, poison=float("nan"))
@@ -210,13 +210,13 @@ def test_nan_poisoned_cache(page):
         q, k, v, cache, meta = make_case(specs, 16, 4, 128, page, torch.bfloat16, "cuda", seed=11, poison=poison)
         outs.append(run_triton(q, k, v, cache, meta, 0.09))
         # Also force many splits on the decode rows so the merge sees empty / short splits.
-        from qsaserve.ops.attention import triton_paged as tp
+        from qsaserve.ops.attention import configs, decode_triton, triton_paged as tp
 
-        plan = tp._plan(meta, 4, tp._prefill_config(128).block_m, q.device)
+        plan = tp._plan(meta, 4, configs.prefill_config(128).block_m, q.device)
         out2 = outs[-1].clone()
-        tp.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out2, 0.09,
-                        num_seqs=plan.num_decode, max_seq_len=plan.max_decode_len, qlen_max=plan.qlen_max,
-                        seq_ids=plan.decode_ids, num_splits=37)
+        decode_triton.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out2, 0.09,
+                                   num_seqs=plan.num_decode, max_seq_len=plan.max_decode_len, qlen_max=plan.qlen_max,
+                                   seq_ids=plan.decode_ids, num_splits=37)
         outs.append(out2)
     for o in outs:
         assert torch.isfinite(o).all()
@@ -258,41 +258,41 @@ def test_cpu_layer_uses_reference():
 
 def test_triton_module_imports_without_cuda():
     pytest.importorskip("triton")
-    from qsaserve.ops.attention import triton_paged as tp
+    from qsaserve.ops.attention import configs, triton_common, triton_paged as tp
 
     # Split heuristic: batch 1 at 256K and batch 256 at 2K both fill a 132-SM GPU.
-    s = tp.num_decode_splits(pairs=1 * 8, max_len=262144, num_sms=132, block_n=64)
+    s = configs.num_decode_splits(pairs=1 * 8, max_len=262144, num_sms=132, block_n=64)
     assert s * 8 >= 132 * 2 * 0.9
-    assert tp.num_decode_splits(pairs=256 * 8, max_len=2048, num_sms=132, block_n=64) == 1
-    assert tp.num_decode_splits(pairs=8, max_len=100, num_sms=132, block_n=64) == 1
+    assert configs.num_decode_splits(pairs=256 * 8, max_len=2048, num_sms=132, block_n=64) == 1
+    assert configs.num_decode_splits(pairs=8, max_len=100, num_sms=132, block_n=64) == 1
     # FP8's plan counts 0.95 of a wave as full: batch 8 x 8 KV heads at 128K, 4 programs per SM,
     # takes 8 splits (512 programs in 528 slots) where a whole wave would need 15 (1.8 waves).
-    fp8 = tp.DECODE_CONFIG_FP8
-    assert tp.num_decode_splits(64, 131072, 132, fp8.block_n, fp8.ctas_per_sm, fp8.min_waves) == 8
-    assert tp.num_decode_splits(64, 131072, 132, fp8.block_n, fp8.ctas_per_sm) == 15
+    fp8 = configs.DECODE_CONFIG_FP8
+    assert configs.num_decode_splits(64, 131072, 132, fp8.block_n, fp8.ctas_per_sm, fp8.min_waves) == 8
+    assert configs.num_decode_splits(64, 131072, 132, fp8.block_n, fp8.ctas_per_sm) == 15
     plan = tp._make_plan([1, 300, 2, 1], [10, 300, 40, 7], group=4, block_m=128, device=torch.device("cpu"))
     assert plan.num_decode == 3 and plan.qlen_max == 2 and plan.max_decode_len == 40
     assert plan.decode_ids.tolist() == [0, 2, 3]
     assert plan.tiles.tolist() == [[1, 256], [1, 128], [1, 0]]
-    assert math.isfinite(tp._LOG2E)
+    assert math.isfinite(triton_common.LOG2E)
 
 
 def test_decode_block_m_has_two_sizes_per_group():
     """The decode kernel's Q tile is the one-token tile while the rows fit, else the tile of the
     longest query it takes: varying multi-token rows cannot each compile the kernel again."""
-    from qsaserve.ops.attention import triton_paged as tp
+    from qsaserve.ops.attention import decode_triton
 
     for group in (1, 2, 4, 8, 16, 32):
-        cap = tp.decode_qlen_cap(group)
-        sizes = {tp.decode_block_m(group, n) for n in range(1, cap + 1)}
+        cap = decode_triton.decode_qlen_cap(group)
+        sizes = {decode_triton.decode_block_m(group, n) for n in range(1, cap + 1)}
         assert len(sizes) <= 2 and all(m >= group * 1 and m >= 16 for m in sizes)
-        assert tp.decode_block_m(group, 1) == max(16, group)
-        assert tp.decode_block_m(group, cap) >= group * cap  # every row of the longest query fits
-    assert tp.decode_block_m(4, 4) == 16 and tp.decode_block_m(4, 5) == 64
+        assert decode_triton.decode_block_m(group, 1) == max(16, group)
+        assert decode_triton.decode_block_m(group, cap) >= group * cap  # every row of the longest query fits
+    assert decode_triton.decode_block_m(4, 4) == 16 and decode_triton.decode_block_m(4, 5) == 64
     q = torch.zeros(1, 4, 16)
     with pytest.raises(ValueError, match="^qlen_max: the decode kernel takes queries of <= 16 tokens"):
-        tp.paged_decode(q, torch.zeros(2, 1, 16, 1, 16), None, None, None, q, 1.0, num_seqs=1, max_seq_len=1,
-                        qlen_max=17)
+        decode_triton.paged_decode(q, torch.zeros(2, 1, 16, 1, 16), None, None, None, q, 1.0, num_seqs=1, max_seq_len=1,
+                                   qlen_max=17)
 
 
 def test_kernels_compile_for_hopper():
@@ -305,7 +305,7 @@ def test_kernels_compile_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from qsaserve.ops.attention import triton_paged as tp
+    from qsaserve.ops.attention import decode_triton, kv_write, prefill_triton
 
     if "nvidia" not in backends:
         pytest.skip("Triton has no NVIDIA backend here")
@@ -317,46 +317,46 @@ def test_kernels_compile_for_hopper():
 
     page_args = {"bt_ptr": "*i32", "seq_lens_ptr": "*i32", "key_lens_ptr": "*i32", "cu_q_ptr": "*i32",
                  "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "lse_ptr": "*fp32", "qk_scale": "fp32"}
-    build(tp._write_kv_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "slot_ptr": "*i64",
+    build(kv_write._write_kv_kernel, {"k_ptr": "*bf16", "v_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "slot_ptr": "*i64",
                                 "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32", "k_off_ptr": "*fp32"},
           dict(H=8, H_POW2=8, D=128, D_POW2=128, PAGE=16, IS_FP8=True, HAS_K_OFFSET=True))
     for fp8, single, dcp, f16, vg, asm in ((True, False, 2, True, 32, False), (True, True, 1, False, 0, False),
                                            (True, False, 1, True, 0, False), (True, False, 2, True, 32, True),
                                            (False, False, 1, False, 0, False)):
-        build(tp._decode_kernel, {**page_args, "q_ptr": "*bf16", "cache_ptr": "*fp8e4nv" if fp8 else "*bf16",
+        build(decode_triton._decode_kernel, {**page_args, "q_ptr": "*bf16", "cache_ptr": "*fp8e4nv" if fp8 else "*bf16",
                                   "seq_ids_ptr": "*i32", "out_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32"},
               dict(G=4, BLOCK_M=16, BLOCK_N=64, D=128, D_POW2=128, PAGE=16, HAS_SEQ_IDS=True,
                    SINGLE_SPLIT=single, IS_FP8=fp8, WRITE_LSE=dcp > 1, DCP_SIZE=dcp, DCP_I=8, F16_DOT=f16, V_GROUP=vg,
                    V_ASM=asm))
-    build(tp._merge_kernel, {"out_ptr": "*fp32", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
+    build(decode_triton._merge_kernel, {"out_ptr": "*fp32", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
                              "key_lens_ptr": "*i32", "cu_q_ptr": "*i32", "seq_ids_ptr": "*i32"},
           dict(S_POW2=128, S_BLOCK=16, D=128, D_POW2=128, HAS_SEQ_IDS=False, WRITE_LSE=True))
-    build(tp._prefill_kernel, {**page_args, "q_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "tiles_ptr": "*i32",
+    build(prefill_triton._prefill_kernel, {**page_args, "q_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "tiles_ptr": "*i32",
                                "out_ptr": "*fp32"},
           dict(G=4, BLOCK_M=128, BLOCK_N=64, D=80, D_POW2=128, PAGE=16, IS_FP8=True, WRITE_LSE=True, DCP_SIZE=2, DCP_I=1))
 
 
-def _compile_fp8_decode_sm90(triton, tp, cfg, block_m=16, dcp=False):
+def _compile_fp8_decode_sm90(triton, decode_triton, cfg, block_m=16, dcp=False):
     """The FP8 decode kernel (d128, group 4) compiled for sm_90 as the launcher specializes it:
     data pointers and strides 16-byte aligned, metadata pointers and the do_not_specialize
     integers not. dcp: the partial form (fp32 out and LSE, two ranks)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = tp._decode_kernel
+    fn = decode_triton._decode_kernel
     types = {"q_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "bt_ptr": "*i32", "seq_lens_ptr": "*i32", "key_lens_ptr": "*i32",
              "cu_q_ptr": "*i32", "seq_ids_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
              "out_ptr": "*fp32", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
     consts = dict(G=4, BLOCK_M=block_m, BLOCK_N=cfg.block_n, D=128, D_POW2=128, PAGE=16, HAS_SEQ_IDS=False,
                   SINGLE_SPLIT=False, IS_FP8=True, WRITE_LSE=dcp, DCP_SIZE=2 if dcp else 1, DCP_I=1, F16_DOT=True,
-                  V_GROUP=tp._v_group(cfg, block_m, 128), V_ASM=cfg.fp8_v_convert == "asm")
+                  V_GROUP=decode_triton._v_group(cfg, block_m, 128), V_ASM=cfg.fp8_v_convert == "asm")
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in fn.arg_names}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                if (n.startswith("stride_") or n.endswith("_ptr"))
                and n not in fn.do_not_specialize_on_alignment and n not in fn.do_not_specialize}
     options = {"num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    if tp._maxnreg(cfg, block_m, 128):  # as paged_decode applies the cap
-        options["maxnreg"] = tp._maxnreg(cfg, block_m, 128)
+    if decode_triton._maxnreg(cfg, block_m, 128):  # as paged_decode applies the cap
+        options["maxnreg"] = decode_triton._maxnreg(cfg, block_m, 128)
     kernel = triton.compile(ASTSource(fn, sig, consts, attrs=aligned), target=GPUTarget("cuda", 90, 32), options=options)
     return kernel, consts
 
@@ -370,12 +370,12 @@ def test_fp8_decode_sm90_code():
     triton = pytest.importorskip("triton")
     from triton.backends import backends
 
-    from qsaserve.ops.attention import triton_paged as tp
+    from qsaserve.ops.attention import configs, decode_triton
 
     if "nvidia" not in backends:
         pytest.skip("Triton has no NVIDIA backend here")
-    cfg = tp.DECODE_CONFIG_FP8
-    kernel, consts = _compile_fp8_decode_sm90(triton, tp, cfg)
+    cfg = configs.DECODE_CONFIG_FP8
+    kernel, consts = _compile_fp8_decode_sm90(triton, decode_triton, cfg)
     assert consts["V_GROUP"] > 0
     ptx = kernel.asm["ptx"]
     assert "cvt.rn.f16x2.e4m3x2" in ptx
@@ -405,15 +405,15 @@ def test_fp8_decode_programs_per_sm_fit(dcp, block_m):
     triton = pytest.importorskip("triton")
     from triton.backends import backends
 
-    from qsaserve.ops.attention import triton_paged as tp
+    from qsaserve.ops.attention import configs, decode_triton
 
     if "nvidia" not in backends:
         pytest.skip("Triton has no NVIDIA backend here")
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.access(ptxas, os.X_OK):
         pytest.skip(f"no ptxas at {ptxas} to count registers")
-    cfg = tp.DECODE_CONFIG_FP8
-    kernel, _ = _compile_fp8_decode_sm90(triton, tp, cfg, block_m=block_m, dcp=dcp)
+    cfg = configs.DECODE_CONFIG_FP8
+    kernel, _ = _compile_fp8_decode_sm90(triton, decode_triton, cfg, block_m=block_m, dcp=dcp)
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as fh:
@@ -425,7 +425,7 @@ def test_fp8_decode_programs_per_sm_fit(dcp, block_m):
     spill = int(re.search(r"(\d+) bytes spill stores", report).group(1))
     assert spill <= 64, (spill, regs, block_m)
     if block_m > 16:
-        assert tp._maxnreg(cfg, block_m, 128) is None
+        assert decode_triton._maxnreg(cfg, block_m, 128) is None
         return
     assert regs <= cfg.maxnreg, regs
     per_warp = -(-regs * 32 // 256) * 256

@@ -18,6 +18,7 @@ The same properties run at small sizes in Triton's CPU interpreter
 """
 from __future__ import annotations
 
+import os
 import random
 from types import SimpleNamespace
 
@@ -36,18 +37,30 @@ from test_attention_triton import check_close, make_case
 
 BF16 = torch.bfloat16
 F16_DOT_TOL = {BF16: (5e-3, 1e-2), torch.float16: (1e-3, 2e-3)}
-# triton_paged.FP8_DECODE_CANDIDATES by name (collecting this file must not need triton; a CPU
-# test checks the two lists agree).
+# benchmarks/fp8_decode_candidates.FP8_DECODE_CANDIDATES by name (collecting this file must not
+# need triton; a CPU test checks the two lists agree).
 FP8_CANDIDATES = ["bf16_dot_bn64", "f16_bn64_s3", "f16_bn128_s2", "f16_bn128_s2_c3", "f16_bn128_s3",
                   "f16_bn128_s3_c2", "f16_bn128_s4", "f16_bn128_s5", "f16_bn256_s2", "f16_bn256_s3",
                   "f16_bn128_s3_noperm", "f16_bn128_s3_w8", "f16_bn128_s3_r128", "f16_bn128_s4_r128", "f16_bn64_s3_r128",
                   "f16_bn128_s3_w2", "f16_bn128_s2_w2", "f16_bn64_s3_w2", "f16_bn128_s3_r128_asm"]
-FP8_DEFAULT = "f16_bn128_s3_r128_asm"  # triton_paged.DECODE_CONFIG_FP8
+FP8_DEFAULT = "f16_bn128_s3_r128_asm"  # configs.DECODE_CONFIG_FP8
 FP8_SHAPES = [(16, 128, 4, BF16), (16, 80, 2, BF16), (32, 64, 8, torch.float16)]
 # The shipped config on every shape; the other candidates (timed by the benchmark, which also
 # checks each agrees with the default) on the first.
 FP8_CANDIDATE_CASES = [(name, *shape) for name in FP8_CANDIDATES for shape in FP8_SHAPES
                        if name == FP8_DEFAULT or shape == FP8_SHAPES[0]]
+
+
+def fp8_decode_candidates() -> dict:
+    """The FP8 decode candidates the benchmarks time (benchmarks/fp8_decode_candidates.py; the
+    benchmarks folder is no package, so the file is loaded by path)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks", "fp8_decode_candidates.py")
+    spec = importlib.util.spec_from_file_location("fp8_decode_candidates", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FP8_DECODE_CANDIDATES
 
 
 def nan_bytes(shape, byte=0x7F, device="cpu"):
@@ -86,7 +99,7 @@ def _scales(device="cuda"):
 def test_write_kv_fp8_bit_equal(hkv, d, with_offset):
     """Quantize-on-write (x / scale, clamp +-448, round to nearest even; K minus its offset first)
     is bit-equal to the reference's, from strided bf16 views; slot -1 writes nothing."""
-    from qsaserve.ops.attention import triton_paged as tp
+    from qsaserve.ops.attention import kv_write
 
     gen = torch.Generator().manual_seed(2)
     page, t = 16, 501
@@ -102,7 +115,7 @@ def test_write_kv_fp8_bit_equal(hkv, d, with_offset):
     keep = slots >= 0
     kr = k[keep].float() - off if with_offset else k[keep]
     write_kv_reference(kr, v[keep], ref, slots[keep], ks, vs)
-    tp.write_kv(k, v, cache, slots, ks, vs, k_offset=off)
+    kv_write.write_kv(k, v, cache, slots, ks, vs, k_offset=off)
     assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
 
 
@@ -110,7 +123,7 @@ def test_write_kv_fp8_bit_equal(hkv, d, with_offset):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("page,d,g", [(16, 128, 4), (16, 64, 8), (32, 128, 1), (16, 80, 2)])
 def test_fp8_decode_and_prefill(page, d, g):
-    from qsaserve.ops.attention import triton_paged as tp
+    from qsaserve.ops.attention import kv_write, triton_paged as tp
 
     rng = random.Random(page + d + g)
     hkv = 2
@@ -125,7 +138,7 @@ def test_fp8_decode_and_prefill(page, d, g):
     ks, vs = _scales()
     for n, specs in enumerate(cases):
         q, k, v, cache, meta = fp8_case(specs, g * hkv, hkv, d, page, n, ks, vs, device="cuda")
-        tp.write_kv(k.to(BF16), v.to(BF16), cache, meta.slot_mapping, ks, vs)
+        kv_write.write_kv(k.to(BF16), v.to(BF16), cache, meta.slot_mapping, ks, vs)
         out = tp.paged_attention(q, cache, meta, d**-0.5, k_scale=ks, v_scale=vs)
         check_close(out, ref_fp8(q, cache, meta, d**-0.5, ks, vs), BF16, f"fp8 case {n}: {specs[:4]}")
 
@@ -136,20 +149,20 @@ def test_fp8_decode_and_prefill(page, d, g):
 def test_fp8_nan_poisoned_pages_change_nothing(page):
     """E4M3 NaN bytes in the null block, free blocks and page tails: finite output, bit-equal to the
     run whose unused bytes are finite (single split and 37 forced splits)."""
-    from qsaserve.ops.attention import triton_paged as tp
+    from qsaserve.ops.attention import configs, decode_triton, kv_write, triton_paged as tp
 
     specs = [(1, 1), (1, 4097), (3, 333), (250, 250), (100, 1030), (1, 65)]
     ks, vs = _scales()
     outs = []
     for poison in (False, True):
         q, k, v, cache, meta = fp8_case(specs, 16, 4, 128, page, 11, ks, vs, device="cuda", poison=poison)
-        tp.write_kv(k.to(BF16), v.to(BF16), cache, meta.slot_mapping, ks, vs)
+        kv_write.write_kv(k.to(BF16), v.to(BF16), cache, meta.slot_mapping, ks, vs)
         out = tp.paged_attention(q, cache, meta, 0.09, k_scale=ks, v_scale=vs)
-        plan = tp._plan(meta, 4, tp._prefill_config(128).block_m, q.device)
+        plan = tp._plan(meta, 4, configs.prefill_config(128).block_m, q.device)
         split = out.clone()
-        tp.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, split, 0.09,
-                        num_seqs=plan.num_decode, max_seq_len=plan.max_decode_len, qlen_max=plan.qlen_max,
-                        seq_ids=plan.decode_ids, num_splits=37, k_scale=ks, v_scale=vs)
+        decode_triton.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, split, 0.09,
+                                   num_seqs=plan.num_decode, max_seq_len=plan.max_decode_len, qlen_max=plan.qlen_max,
+                                   seq_ids=plan.decode_ids, num_splits=37, k_scale=ks, v_scale=vs)
         outs += [out, split]
     assert all(torch.isfinite(o).all() for o in outs)
     ref = ref_fp8(q, cache, meta, 0.09, ks, vs)
@@ -159,12 +172,13 @@ def test_fp8_nan_poisoned_pages_change_nothing(page):
 
 
 def _decode(tp, q, cache, meta, scale, cfg, ks, vs, num_splits=None):
-    plan = tp._plan(meta, q.shape[1] // cache.shape[3], tp._prefill_config(q.shape[2]).block_m, q.device)
+    from qsaserve.ops.attention import configs, decode_triton
+    plan = tp._plan(meta, q.shape[1] // cache.shape[3], configs.prefill_config(q.shape[2]).block_m, q.device)
     assert plan.num_tiles == 0
     out = torch.full_like(q, float("nan"))
-    return tp.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, scale,
-                           num_seqs=plan.num_decode, max_seq_len=plan.max_decode_len, qlen_max=plan.qlen_max,
-                           seq_ids=plan.decode_ids, config=cfg, num_splits=num_splits, k_scale=ks, v_scale=vs)
+    return decode_triton.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, scale,
+                                      num_seqs=plan.num_decode, max_seq_len=plan.max_decode_len, qlen_max=plan.qlen_max,
+                                      seq_ids=plan.decode_ids, config=cfg, num_splits=num_splits, k_scale=ks, v_scale=vs)
 
 
 @pytest.mark.gpu
@@ -173,9 +187,9 @@ def _decode(tp, q, cache, meta, scale, cfg, ks, vs, num_splits=None):
 def test_fp8_decode_candidates(name, page, d, g, qdtype):
     """Each FP8 decode candidate the benchmark times equals the reference (F16_DOT_TOL for the
     fp16-dot ones): long single rows (many splits), many short rows, verify rows."""
-    from qsaserve.ops.attention import triton_paged as tp
+    from qsaserve.ops.attention import kv_write, triton_paged as tp
 
-    cfg = tp.FP8_DECODE_CANDIDATES[name]
+    cfg = fp8_decode_candidates()[name]
     tol = F16_DOT_TOL[qdtype] if cfg.fp8_dot == "fp16" else None
     rng = random.Random(d + g)
     cases = [[(1, 65536), (1, 1), (1, 17), (1, 4097)], [(1, rng.randint(1, 4096)) for _ in range(64)],
@@ -183,7 +197,7 @@ def test_fp8_decode_candidates(name, page, d, g, qdtype):
     ks, vs = _scales()
     for n, specs in enumerate(cases):
         q, k, v, cache, meta = fp8_case(specs, g * 2, 2, d, page, n, ks, vs, qdtype=qdtype, device="cuda")
-        tp.write_kv(k.to(qdtype), v.to(qdtype), cache, meta.slot_mapping, ks, vs)
+        kv_write.write_kv(k.to(qdtype), v.to(qdtype), cache, meta.slot_mapping, ks, vs)
         ref = ref_fp8(q, cache, meta, d**-0.5, ks, vs)
         for splits in (None, 7):
             out = _decode(tp, q, cache, meta, d**-0.5, cfg, ks, vs, splits)
@@ -197,15 +211,15 @@ def test_fp8_nan_poisoned_pages_candidates(name):
     """Per candidate: E4M3 NaN bytes in the null block, free blocks and page tails change no bit of
     the decode output (auto splits and 37 forced splits), which stays finite and close to the
     reference."""
-    from qsaserve.ops.attention import triton_paged as tp
+    from qsaserve.ops.attention import kv_write, triton_paged as tp
 
-    cfg = tp.FP8_DECODE_CANDIDATES[name]
+    cfg = fp8_decode_candidates()[name]
     specs = [(1, 1), (1, 4097), (3, 333), (1, 1030), (1, 65), (2, 20000)]
     ks, vs = _scales()
     outs = []
     for poison in (False, True):
         q, k, v, cache, meta = fp8_case(specs, 16, 4, 128, 16, 11, ks, vs, device="cuda", poison=poison)
-        tp.write_kv(k.to(BF16), v.to(BF16), cache, meta.slot_mapping, ks, vs)
+        kv_write.write_kv(k.to(BF16), v.to(BF16), cache, meta.slot_mapping, ks, vs)
         outs += [_decode(tp, q, cache, meta, 0.09, cfg, ks, vs), _decode(tp, q, cache, meta, 0.09, cfg, ks, vs, 37)]
     assert all(torch.isfinite(o).all() for o in outs)
     ref = ref_fp8(q, cache, meta, 0.09, ks, vs)
@@ -246,7 +260,7 @@ def test_cuda_graph_padding_rows_and_bound(fp8):
     """One decode step (write + attention) captured with seq_lens_list = [bound] * B and two
     padding rows, then replayed for two batches of different true lengths written into the
     static inputs: each replay equals the reference, padding rows are 0 and write nothing."""
-    from qsaserve.ops.attention import triton_paged as tp
+    from qsaserve.ops.attention import kv_write, triton_paged as tp
 
     hq, hkv, d, page, bound, pad = 32, 8, 128, 16, 16384, 2
     ks, vs = _scales() if fp8 else (None, None)
@@ -267,7 +281,7 @@ def test_cuda_graph_padding_rows_and_bound(fp8):
         torch.full((2, num_blocks, page, hkv, d), float("nan"), dtype=BF16, device="cuda")
 
     def step():
-        tp.write_kv(static.k, static.v, cache, static.slot_mapping, ks, vs)
+        kv_write.write_kv(static.k, static.v, cache, static.slot_mapping, ks, vs)
         return tp.paged_attention(static.q, cache, static, d**-0.5, k_scale=ks, v_scale=vs)
 
     s = torch.cuda.Stream()
@@ -313,7 +327,7 @@ def test_cuda_graph_padding_rows_and_bound(fp8):
 def test_dcp_partials_match_reference_and_merge(size, interleave, fp8):
     """Per simulated rank: Triton out/LSE == dcp_reference's (empty rows: 0 / -inf); merged over
     the ranks == paged attention over the whole context."""
-    from qsaserve.ops.attention import triton_paged as tp
+    from qsaserve.ops.attention import kv_write, triton_common, triton_paged as tp
 
     page, hq, hkv, d = 16, 8, 1, 128
     specs = [(1, 1), (1, 3000), (4, 777), (300, 300), (100, 2100), (1, 2 * page * size + 1)]
@@ -349,11 +363,12 @@ def test_dcp_partials_match_reference_and_merge(size, interleave, fp8):
             rows = [t for t in range(n) if g.owner(t) == rank]
             table = tables[i].tolist()
             slots = torch.tensor([g.local_slot(t, table) for t in rows], dtype=torch.long, device="cuda")
-            tp.write_kv(k_all[i][rows], v_all[i][rows], shard, slots, *scales)
+            kv_write.write_kv(k_all[i][rows], v_all[i][rows], shard, slots, *scales)
         local = [g.local_len(n) for n in seq_lens]
         keys = g.key_positions(max(local), "cuda")
         ref_out, ref_lse = partial_reference(q, shard, tables, query_lens, seq_lens, local, keys, d**-0.5, *scales)
-        shard_keys = tp.ShardKeys(size, rank, interleave, torch.tensor(local, dtype=torch.int32, device="cuda"), local)
+        lens = torch.tensor(local, dtype=torch.int32, device="cuda")
+        shard_keys = triton_common.ShardKeys(size, rank, interleave, lens, local)
         out, lse = tp.paged_attention_partial(q, shard, meta, d**-0.5, shard_keys, *scales)
         assert out.dtype == lse.dtype == torch.float32
         empty = torch.isinf(ref_lse)

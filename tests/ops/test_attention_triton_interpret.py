@@ -31,13 +31,15 @@ from qsaserve.quant.fp8 import FP8_E4M3
 
 from test_attention_triton import check_close
 from triton_interpreter import interpreter_numpy_shim, run_under_interpreter
-from test_attention_triton_fp8 import F16_DOT_TOL, FP8_CANDIDATES, FP8_DEFAULT, fp8_case, nan_bytes, ref_fp8
+from test_attention_triton_fp8 import (F16_DOT_TOL, FP8_CANDIDATES, FP8_DEFAULT, fp8_case, fp8_decode_candidates, nan_bytes,
+                                       ref_fp8)
 
 BF16 = torch.bfloat16
 F16 = torch.float16
 
 
 def check_write_kv_fp8_bit_equal_to_reference(tp):
+    from qsaserve.ops.attention import kv_write
     gen = torch.Generator().manual_seed(0)
     hkv, d, page = 3, 24, 4
     t = 40
@@ -55,19 +57,19 @@ def check_write_kv_fp8_bit_equal_to_reference(tp):
     cache = nan_bytes((2, 12, page, hkv, d))
     ref = cache.clone()
     keep = slots >= 0
-    tp.write_kv(k.to(BF16).float(), v, cache, slots, k_scale, v_scale)  # fp32 input
+    kv_write.write_kv(k.to(BF16).float(), v, cache, slots, k_scale, v_scale)  # fp32 input
     write_kv_reference(k[keep].to(BF16).float(), v[keep], ref, slots[keep], k_scale, v_scale)
     assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
     # k_offset: K is stored as quantize((k - offset) / k_scale).
     off = torch.randn(hkv, d, generator=gen)
     kb = k.to(BF16)
-    tp.write_kv(kb, v.to(BF16), cache, slots, k_scale, v_scale, k_offset=off)
+    kv_write.write_kv(kb, v.to(BF16), cache, slots, k_scale, v_scale, k_offset=off)
     write_kv_reference(kb[keep].float() - off, v.to(BF16)[keep], ref, slots[keep], k_scale, v_scale)
     assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
     with pytest.raises(ValueError, match="k_scale"):
-        tp.write_kv(k, v, cache, slots)
+        kv_write.write_kv(k, v, cache, slots)
     with pytest.raises(ValueError, match="k_offset"):
-        tp.write_kv(k, v, cache, slots, k_scale, v_scale, k_offset=off[:1])
+        kv_write.write_kv(k, v, cache, slots, k_scale, v_scale, k_offset=off[:1])
 
 
 def check_fp8_decode_and_prefill_poisoned_pages(tp):
@@ -75,21 +77,22 @@ def check_fp8_decode_and_prefill_poisoned_pages(tp):
     kernel's tall Q tile, prefill over a cached prefix) over E4M3 pages whose unused bytes are NaN:
     finite, equal to the fp32 reference; the split-KV decode (forced to many splits, some empty)
     equals the single-split one."""
+    from qsaserve.ops.attention import configs, decode_triton, kv_write
     hq, hkv, d, page = 4, 2, 32, 8
     ks, vs = torch.tensor(0.02), torch.tensor(0.015)
     specs = [(1, 1), (1, 75), (2, 130), (40, 90), (1, 9), (9, 60)]
     q, k, v, cache, meta = fp8_case(specs, hq, hkv, d, page, 3, ks, vs, qdtype=F16)
-    tp.write_kv(k.to(F16), v.to(F16), cache, meta.slot_mapping, ks, vs)
+    kv_write.write_kv(k.to(F16), v.to(F16), cache, meta.slot_mapping, ks, vs)
     out = tp.paged_attention(q, cache, meta, d**-0.5, k_scale=ks, v_scale=vs)
     ref = ref_fp8(q, cache, meta, d**-0.5, ks, vs)
     check_close(out, ref, F16, "fp8 mixed batch")
-    plan = tp._plan(meta, hq // hkv, tp._prefill_config(d).block_m, q.device)
-    assert plan.qlen_max == 9 and tp.decode_block_m(hq // hkv, plan.qlen_max) == 32
+    plan = tp._plan(meta, hq // hkv, configs.prefill_config(d).block_m, q.device)
+    assert plan.qlen_max == 9 and decode_triton.decode_block_m(hq // hkv, plan.qlen_max) == 32
     split = out.clone()
-    tp.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, split, d**-0.5,
-                    num_seqs=plan.num_decode, max_seq_len=plan.max_decode_len, qlen_max=plan.qlen_max,
-                    seq_ids=plan.decode_ids, num_splits=5, config=tp.DecodeConfig(block_n=16),
-                    k_scale=ks, v_scale=vs)
+    decode_triton.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, split, d**-0.5,
+                               num_seqs=plan.num_decode, max_seq_len=plan.max_decode_len, qlen_max=plan.qlen_max,
+                               seq_ids=plan.decode_ids, num_splits=5, config=configs.DecodeConfig(block_n=16),
+                               k_scale=ks, v_scale=vs)
     check_close(split, ref, F16, "fp8, 5 splits")
 
 
@@ -97,12 +100,13 @@ def check_padding_rows_and_bound_seq_lens(tp):
     """CUDA-graph contract: padding rows (query 1, seq_len 0, null-block table, slot -1) give 0 and
     write nothing; seq_lens_list as a static bound sizes the splits, the device lengths rule; an
     all-decode batch builds no host tensor."""
+    from qsaserve.ops.attention import configs, kv_write
     hq, hkv, d, page = 8, 2, 32, 8
     ks, vs = torch.tensor(0.03), torch.tensor(0.02)
     specs = [(1, 300), (1, 3), (1, 41)]
     q, k, v, cache, meta = fp8_case(specs, hq, hkv, d, page, 5, ks, vs, qdtype=F16)
     ref_cache = cache.clone()
-    tp.write_kv(k.to(F16), v.to(F16), ref_cache, meta.slot_mapping, ks, vs)
+    kv_write.write_kv(k.to(F16), v.to(F16), ref_cache, meta.slot_mapping, ks, vs)
     ref = ref_fp8(q, ref_cache, meta, d**-0.5, ks, vs)
     # Two padding rows appended; the host lengths become a bound of 1000 for every row (4 splits of
     # 256 keys planned: the 300-key row uses two, the others one, the padding rows none).
@@ -120,15 +124,15 @@ def check_padding_rows_and_bound_seq_lens(tp):
         raise AssertionError("an all-decode step must not build host tensors")
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(tp, "_host_int32", no_host_tensor)
+    mp.setattr(tp, "host_int32", no_host_tensor)
     try:
-        tp.write_kv(kp.to(F16), vp.to(F16), cache, meta.slot_mapping, ks, vs)
+        kv_write.write_kv(kp.to(F16), vp.to(F16), cache, meta.slot_mapping, ks, vs)
         out = tp.paged_attention(qp, cache, meta, d**-0.5, k_scale=ks, v_scale=vs,
-                                 decode_config=tp.DecodeConfig(block_n=16))
+                                 decode_config=configs.DecodeConfig(block_n=16))
     finally:
         mp.undo()
     assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))  # padding wrote nothing
-    plan = tp._plan(meta, hq // hkv, tp._prefill_config(d).block_m, qp.device)
+    plan = tp._plan(meta, hq // hkv, configs.prefill_config(d).block_m, qp.device)
     assert plan.decode_ids is None and plan.tiles is None and plan.max_decode_len == 1000
     assert torch.equal(out[-pad:], torch.zeros_like(out[-pad:]))
     check_close(out[:-pad], ref, F16, "bound seq_lens_list")
@@ -142,6 +146,7 @@ def check_dcp_partial_matches_reference(tp):
 def _dcp_partial(tp, fp8):
     """Each rank's shard attended with global causal positions: out and base-2 LSE equal the torch
     partial, rows that see none of the rank's tokens get out 0 and lse -inf."""
+    from qsaserve.ops.attention import triton_common
     size, interleave, page = 2, 2, 4
     hq, hkv, d = 4, 1, 32
     specs = [(1, 1), (1, 23), (3, 12), (20, 26)]
@@ -169,7 +174,7 @@ def _dcp_partial(tp, fp8):
         ref_out, ref_lse = partial_reference(q, shard, tables, query_lens, seq_lens, local, keys, d**-0.5, *scales)
         meta = SimpleNamespace(block_tables=tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
                                cu_query_lens=cu, query_lens=query_lens, seq_lens_list=seq_lens)
-        keys_t = tp.ShardKeys(size, rank, interleave, torch.tensor(local, dtype=torch.int32), local)
+        keys_t = triton_common.ShardKeys(size, rank, interleave, torch.tensor(local, dtype=torch.int32), local)
         out, lse = tp.paged_attention_partial(q, shard, meta, d**-0.5, keys_t, *scales)
         empty = torch.isinf(ref_lse)
         assert not empty.all() and empty.any() == (rank == 1)  # rank 1 holds nothing of the 1-token sequence
@@ -186,22 +191,23 @@ def check_fp8_decode_candidates(tp):
     fp16 queries). head_dim 48 pads to 64 (V permuted in 2-channel runs, masked channels);
     head_dim 128 (4-channel runs) runs the default. A NaN query row gives NaN, a huge one saturates
     and stays finite."""
+    from qsaserve.ops.attention import decode_triton, kv_write
     hq, hkv, page = 4, 1, 16
     ks, vs = torch.tensor(0.02), torch.tensor(0.015)
     specs = [(1, 1), (1, 300), (2, 130), (1, 17)]
-    runs = [(48, name, cfg) for name, cfg in tp.FP8_DECODE_CANDIDATES.items()]
+    runs = [(48, name, cfg) for name, cfg in fp8_decode_candidates().items()]
     runs.append((128, "default", None))
     for d, name, cfg in runs:
         qdtype = F16 if cfg is not None and cfg.fp8_dot == "query" else BF16
         q, k, v, cache, meta = fp8_case(specs, hq, hkv, d, page, d, ks, vs, qdtype=qdtype)
-        tp.write_kv(k.to(qdtype), v.to(qdtype), cache, meta.slot_mapping, ks, vs)
+        kv_write.write_kv(k.to(qdtype), v.to(qdtype), cache, meta.slot_mapping, ks, vs)
         ref = ref_fp8(q, cache, meta, d**-0.5, ks, vs)
         tol = F16_DOT_TOL[qdtype] if cfg is None or cfg.fp8_dot == "fp16" else None
         for splits in (1, 3):
             out = torch.full_like(q, float("nan"))
-            tp.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, d**-0.5,
-                            num_seqs=len(specs), max_seq_len=max(meta.seq_lens_list), qlen_max=2, config=cfg,
-                            num_splits=splits, k_scale=ks, v_scale=vs)
+            decode_triton.paged_decode(q, cache, meta.block_tables, meta.seq_lens, meta.cu_query_lens, out, d**-0.5,
+                                       num_seqs=len(specs), max_seq_len=max(meta.seq_lens_list), qlen_max=2, config=cfg,
+                                       num_splits=splits, k_scale=ks, v_scale=vs)
             check_close(out, ref, qdtype, f"{name} d{d} splits {splits}", tol=tol)
     q[0, 0, 5] = float("nan")  # sequence 0, query head 0
     q[1, 2, :] = 3e38  # sequence 1, query head 2: q * scale far past fp16's range
@@ -247,14 +253,14 @@ def test_kernels_in_interpreter(interpreter_results, name):
 def test_fp8_candidates_match_the_gpu_tests():
     """The GPU tests parametrize over FP8_CANDIDATES (names, so collection needs no triton)."""
     pytest.importorskip("triton")
-    from qsaserve.ops.attention import triton_paged as tp
+    from qsaserve.ops.attention import configs
 
-    assert sorted(tp.FP8_DECODE_CANDIDATES) == sorted(FP8_CANDIDATES)
-    assert tp.decode_config(64, fp8=True) is tp.DECODE_CONFIG_FP8 is tp.FP8_DECODE_CANDIDATES[FP8_DEFAULT]
+    assert sorted(fp8_decode_candidates()) == sorted(FP8_CANDIDATES)
+    assert configs.decode_config(64, fp8=True) is configs.DECODE_CONFIG_FP8 is fp8_decode_candidates()[FP8_DEFAULT]
     with pytest.raises(ValueError, match="fp8_dot"):
-        tp.DecodeConfig(fp8_dot="bf16")
+        configs.DecodeConfig(fp8_dot="bf16")
     with pytest.raises(ValueError, match="block_n"):
-        tp.DecodeConfig(block_n=48)
+        configs.DecodeConfig(block_n=48)
 
 
 def _run_checks() -> dict[str, str]:

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 tp = pytest.importorskip("qsaserve.ops.attention.triton_paged")
+from qsaserve.ops.attention import decode_triton, prefill_triton, triton_common  # noqa: E402
 from qsaserve.quant.fp8 import FP8_E4M3  # noqa: E402
 
-KERNELS = ("_decode_kernel", "_merge_kernel", "_prefill_kernel")
+# Each kernel by the module that launches it.
+KERNELS = {"_decode_kernel": decode_triton, "_merge_kernel": decode_triton, "_prefill_kernel": prefill_triton}
 HQ, HKV, D, PAGE = 8, 2, 64, 16
 
 
@@ -67,21 +69,21 @@ BATCHES = [
 @pytest.mark.parametrize("dcp", [None, (2, 1, 1)])
 def test_warm_up_covers_every_variant_a_step_launches(monkeypatch, fp8, dcp):
     warm, real = set(), set()
-    monkeypatch.setattr(tp, "num_sms", lambda device: 132)
+    monkeypatch.setattr(decode_triton, "num_sms", lambda device: 132)
     cache = torch.zeros((2, 4, PAGE, HKV, D), dtype=FP8_E4M3 if fp8 else torch.bfloat16)
     scales = dict(k_scale=torch.tensor(0.02), v_scale=torch.tensor(0.01)) if fp8 else {}
-    for name in KERNELS:
-        monkeypatch.setattr(tp, name, Recorder(getattr(tp, name), warm))
+    for name, module in KERNELS.items():
+        monkeypatch.setattr(module, name, Recorder(getattr(module, name), warm))
     tp.warm_up(cache, HQ, torch.bfloat16, shard_geometry=dcp, **scales)
-    for name in KERNELS:
-        monkeypatch.setattr(tp, name, Recorder(getattr(tp, name).fn, real))
+    for name, module in KERNELS.items():
+        monkeypatch.setattr(module, name, Recorder(getattr(module, name).fn, real))
     for specs in BATCHES:
         meta, t = meta_for(specs)
         q = torch.zeros((t, HQ + 2 * HKV, D), dtype=torch.bfloat16)[:, :HQ]  # a view of a fused qkv output
         if dcp is None:
             tp.paged_attention(q, cache, meta, 0.125, **scales)
         else:
-            shard = tp.ShardKeys(*dcp, meta.seq_lens // 2, [n // 2 for n in meta.seq_lens_list])
+            shard = triton_common.ShardKeys(*dcp, meta.seq_lens // 2, [n // 2 for n in meta.seq_lens_list])
             tp.paged_attention_partial(q, cache, meta, 0.125, shard, **scales)
     assert {v[0] for v in real} == set(KERNELS)
     missing = real - warm

@@ -1,8 +1,9 @@
 """Linear projections of the Llama-family model and every model's LM head (parallel/tp.py):
 F.linear (cuBLAS), or for 1-4 rows on CUDA, without bias, the Triton GEMV of ops/gemv when
 QSASERVE_TRITON_GEMV=1 (read at import) and the Triton kernels are on (ops.dispatch). cuBLAS
-reads the small q/k/v and o projections of a batch-1 decode step at ~40% of HBM bandwidth; the
-GEMV stays opt-in until benchmarks/bench_gemv.py and `qsaserve bench latency` measure it faster."""
+reads the small q/k/v and o projections of a batch-1 decode step well below HBM bandwidth
+(docs/benchmarks.md); the GEMV stays opt-in until benchmarks/bench_gemv.py and `qsaserve bench
+latency` measure it faster."""
 from __future__ import annotations
 
 import os

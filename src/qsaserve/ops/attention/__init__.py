@@ -1,6 +1,7 @@
 """Paged attention over the KV cache (layout [2, num_blocks, block_size, Hkv, D], K then V; block 0
-is the null block that pads block tables), dispatched to the Triton kernels (triton_paged.py) or
-the torch references (reference.py, dcp_reference.py):
+is the null block that pads block tables), dispatched to the Triton kernels (kv_write.py;
+triton_paged.py plans a step onto decode_triton.py and prefill_triton.py, configs.py holds their
+launch configs) or the torch references (reference.py, dcp_reference.py):
 
 * `write_kv`: this step's K/V into their page slots (quantized for FP8 pages, less the layer's K
   offset), slot -1 stores nothing.
@@ -21,9 +22,10 @@ from qsaserve.ops.attention.reference import gather_context, paged_attention_ref
 from qsaserve.ops.dispatch import triton_runs
 
 try:  # CPU-only installs keep the references
-    from qsaserve.ops.attention import triton_paged
+    from qsaserve.ops.attention import kv_write, triton_paged
+    from qsaserve.ops.attention.triton_common import ShardKeys
 except ImportError:
-    triton_paged = None
+    kv_write = triton_paged = ShardKeys = None
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
@@ -33,7 +35,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
     FP8 E4M3 pages store clamp(x / scale, +-448) (scales 0-d fp32); k_offset (float32 [Hkv, D] or
     None) is subtracted from every key first."""
     if triton_runs(k):
-        triton_paged.write_kv(k, v, kv_cache, slots, k_scale, v_scale, k_offset=k_offset)
+        kv_write.write_kv(k, v, kv_cache, slots, k_scale, v_scale, k_offset=k_offset)
         return
     # The reference stores every row: -1 slots go to the null block's slot 0, which no reader attends to.
     write_kv_reference(k, v, kv_cache, slots.clamp_min(0), k_scale, v_scale, k_offset=k_offset)
@@ -51,7 +53,7 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta, scale: float,
 
 
 def _shard_keys(meta, dcp, device: torch.device):
-    """This step's triton_paged.ShardKeys for the rank (`dcp`: a DcpGeometry): built once per step
+    """This step's triton_common.ShardKeys for the rank (`dcp`: a DcpGeometry): built once per step
     (one host-to-device copy of the local lengths) and shared by every layer through `meta`."""
     key = ("_dcp_shard_keys", str(device))
     keys = meta.__dict__.get(key)
@@ -59,7 +61,7 @@ def _shard_keys(meta, dcp, device: torch.device):
         lens = meta.dcp.local_seq_lens
         t = torch.tensor(lens, dtype=torch.int32)
         t = t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
-        keys = triton_paged.ShardKeys(dcp.size, dcp.rank, dcp.interleave, t, list(lens))
+        keys = ShardKeys(dcp.size, dcp.rank, dcp.interleave, t, list(lens))
         meta.__dict__[key] = keys
     return keys
 

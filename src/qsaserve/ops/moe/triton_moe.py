@@ -1,6 +1,6 @@
 """Routed experts for a few tokens (decode) reading each chosen expert's weights in place.
 
-The torch path (`qwen4exp_blocks.moe_experts_sync_free`, the reference) gathers the k chosen
+The torch path (`reference.moe_experts_sync_free`) gathers the k chosen
 experts' [2I, H] and [H, I] matrices into new tensors and runs batched matmuls: every active weight
 byte is read, written and read again, in ~12 launches. Here two kernels (and one for the router:
 softmax, top-k and renormalisation, `moe_route_triton`):
@@ -113,10 +113,10 @@ def moe_route_triton(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> 
     return weights, indices
 
 
-# Row-block sizes tried, widest first. H200, qwen4exp-small batch 1 (8 choices, I 512, H 2048):
-# 16-row blocks gave 256 gate/up and 128 down programs, ~1 per SM, and read weights at only
-# 0.7-1.05 TB/s (0.9 of the 3.2 ms step; benchmarks/results/qsa_model_step_h200_2026-11-30_ecab533.json).
-# Narrower blocks until the grid has a few programs per SM keep more loads in flight.
+# Row-block sizes tried, widest first. At qwen4exp-small's batch 1 (8 choices, I 512, H 2048)
+# 16-row blocks give ~1 program per SM, too few loads in flight to read the weights at speed
+# (docs/benchmarks.md, "Kernel launch choices"); narrower blocks until the grid has a few programs
+# per SM keep more loads in flight.
 BLOCK_N_CHOICES = (32, 16, 8, 4)
 PROGRAMS_PER_SM = 4
 

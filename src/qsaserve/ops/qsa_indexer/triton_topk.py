@@ -28,17 +28,11 @@ _LOW_WORD = tl.constexpr(4294967295)  # 2^32 - 1
 # (512 for qwen4exp-small); larger k, e.g. k = N in tests, goes to torch.topk (same indices).
 MAX_K = 4096
 # One program per row (topk_indices_triton): its time grows with N whatever the batch. Each row
-# over N / 2048 programs (topk_indices_split): six launches, flat in N at few rows. H200, graphs,
-# qwen4exp-small keys (benchmarks/results/qsa_decode_h200_2026-11-30_f167007.json), us:
-#   groups            2K    8K    32K    64K
-#   one program       18    52    193    379   (batch 1-64 alike)
-#   split, batch 1    29    29     30     31
-#   split, batch 64   32    39     87    155
-#   torch.topk, b1    41    64     94     99
-# So rows up to 4096 groups take one program per row, wider rows the split kernel. Many rows (a
-# prefill chunk's queries) keep one program per row: it then fills the GPU (the prefill-chunk
-# figure measured 8,192 query rows over 32K groups that way), while the split kernel's work grows
-# with the rows (atomics on one histogram per row).
+# over N / 2048 programs (topk_indices_split): six launches, flat in N at few rows. Where each
+# wins was timed by benchmarks/bench_qsa.py (docs/benchmarks.md, "Kernel launch choices"): rows up
+# to 4096 groups take one program per row, wider rows the split kernel. Many rows (a prefill
+# chunk's queries) keep one program per row: it then fills the GPU, while the split kernel's work
+# grows with the rows (atomics on one histogram per row).
 RADIX_MAX_GROUPS = 4096
 RADIX_MIN_ROWS = 256  # about two programs per SM
 
