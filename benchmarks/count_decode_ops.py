@@ -16,13 +16,22 @@ import json
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qsaserve import LLM, SamplingParams
-from qsaserve.models import qwen4exp
+from qsaserve.models.presets import preset_config
+from qsaserve.models.qwen4exp import Qwen4ExpForCausalLM, parse_config, state
+from qsaserve.models.qwen4exp.gated_deltanet import GatedDeltaNet
+from qsaserve.models.qwen4exp.hyper_connection import HyperConnection
+from qsaserve.models.qwen4exp.moe import SparseMoE
+from qsaserve.models.qwen4exp.ple import PLE
+from qsaserve.models.qwen4exp.qsa_attention import QSAAttention
 
 FREE = {"aten.view", "aten._unsafe_view", "aten.as_strided", "aten.slice", "aten.select", "aten.t", "aten.transpose",
         "aten.unsqueeze", "aten.squeeze", "aten.expand", "aten.detach", "aten.alias", "aten._reshape_alias",
         "aten.empty", "aten.empty_strided", "aten.permute", "aten.split", "aten.split_with_sizes", "aten.unbind",
         "aten.lift_fresh", "aten.empty_like", "aten._local_scalar_dense"}
-PARTS = ("_hc_step", "_ple", "_gdn", "_qsa_decode", "_moe", "compute_logits", "_decode_step")
+# (owner, function name, label): each part's ops are counted under its label.
+PARTS = ((HyperConnection, "forward", "hyper_connection"), (PLE, "forward", "ple"), (GatedDeltaNet, "forward", "gdn"),
+         (QSAAttention, "_decode", "qsa_decode"), (SparseMoE, "forward", "moe"),
+         (Qwen4ExpForCausalLM, "compute_logits", "compute_logits"), (state, "_decode_step", "decode_step"))
 
 
 def main() -> None:
@@ -38,17 +47,17 @@ def main() -> None:
                 counts[stack[-1]] += 1
             return func(*a, **(kw or {}))
 
-    cls = qwen4exp.Qwen4ExpForCausalLM
-    for name in PARTS:
-        method = getattr(cls, name)
+    for owner, name, label in PARTS:
+        fn = getattr(owner, name)
 
-        def labelled(self, *a, _m=method, _n=name, **kw):
-            stack.append(_n)
+        def labelled(*a, _fn=fn, _label=label, **kw):
+            # The outermost part counts: the final mixer's ops are compute_logits'.
+            stack.append(_label if stack[-1] == "other" else stack[-1])
             try:
-                return _m(self, *a, **kw)
+                return _fn(*a, **kw)
             finally:
                 stack.pop()
-        setattr(cls, name, functools.wraps(method)(labelled))
+        setattr(owner, name, functools.wraps(fn)(labelled))
     llm = LLM(args.preset, load_format="dummy", progress=False, device="cpu", kv_cache_memory=1 << 24,
               max_model_len=512)
     eng = llm.engine
@@ -60,7 +69,7 @@ def main() -> None:
         for _ in range(args.steps):
             eng.step()
     per_step = {k: round(v / args.steps, 1) for k, v in counts.most_common()}
-    cfg = eng.executor.runner.model.cfg
+    cfg = parse_config(preset_config(args.preset))
     print(json.dumps({"preset": args.preset, "layers": cfg.num_hidden_layers, "layer_types": list(cfg.layer_types),
                       "ops_per_step": round(sum(counts.values()) / args.steps, 1), "by_part": per_step}, indent=1))
 

@@ -15,10 +15,7 @@ KNOWN_CYCLES = [
     # server/: the package builds the app lazily, and app.py imports the package's constants.
     {"qsaserve.server", "qsaserve.server.app"},
 ]
-KNOWN_LAYER_IMPORTS = {
-    # PLE hashing moves into ops/ (issue 21: references in ops/<op>/reference.py).
-    ("qsaserve.ops.ple.reference", "qsaserve.models.qwen4exp_ple"),
-}
+KNOWN_LAYER_IMPORTS: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, pathlib.Path]:

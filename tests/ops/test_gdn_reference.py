@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qsaserve.models.qwen4exp_blocks import gdn_layer_forward
+from qsaserve.models.qwen4exp.reference import gdn_layer_forward
 from qsaserve.ops.gdn import (
     causal_conv1d_reference,
     causal_conv1d_update_reference,

@@ -1,4 +1,4 @@
-"""The hyper-connection step's Triton kernels against the torch reference (qwen4exp_blocks'
+"""The hyper-connection step's Triton kernels against the torch reference (ops.hyper_connection.reference
 hc_inject + hc_gated_residual): float32 to 1e-5, bf16 within a few bf16 steps; first block (no
 output to inject), inner blocks, and the final mixer (no injection weights); H not a power of two.
 Under the Triton interpreter on CPU and on a CUDA GPU."""

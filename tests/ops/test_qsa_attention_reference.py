@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from qsaserve.models.qwen4exp_blocks import qsa_attention_forward
+from qsaserve.models.qwen4exp.reference import qsa_attention_forward
 from qsaserve.ops.qsa_attention import merge_attention_partials, sparse_attention_reference
 from qsaserve.ops.qsa_indexer import rope_inv_freq
 

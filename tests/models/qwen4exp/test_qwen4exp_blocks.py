@@ -3,15 +3,12 @@
 import pytest
 import torch
 
-from qsaserve.models.qwen4exp_blocks import (
-    gated_rms_norm,
-    hc_expand,
-    hc_gated_residual,
-    hc_inject,
-    moe_router,
-    rms_norm,
-    sparse_moe_block,
-)
+from qsaserve.models.qwen4exp.hyper_connection import hc_expand
+from qsaserve.models.qwen4exp.reference import sparse_moe_block
+from qsaserve.ops.fused import one_centred_rms_norm
+from qsaserve.ops.gdn import gated_rms_norm
+from qsaserve.ops.hyper_connection import hc_gated_residual, hc_inject
+from qsaserve.ops.moe import moe_router
 
 hf = pytest.importorskip("transformers.models.qwen4_exp.modeling_qwen4_exp")
 from transformers import Qwen4ExpTextConfig  # noqa: E402
@@ -49,7 +46,7 @@ def test_rms_norm_variants(dtype):
         _randomize(norm, 1)
         with torch.no_grad():
             expect = norm(x)
-        got = rms_norm(x, norm.weight, 1e-6, group_size=group)
+        got = one_centred_rms_norm(x, norm.weight, 1e-6, group_size=group)
         assert got.dtype == dtype and torch.equal(got, expect)
     for act in ("silu", "sigmoid"):
         gnorm = hf.Qwen4ExpTextRMSNormGated(8, eps=1e-6, activation=act).to(dtype)

@@ -5,7 +5,9 @@ cache or state. The model is driven directly with hand-built metadata on the eng
 import pytest
 import torch
 
-import qsaserve.models.qwen4exp as qwen4exp
+import qsaserve.models.qwen4exp.state as slot_state
+from qsaserve.models.qwen4exp.qsa_attention import QSAAttention
+from qsaserve.models.qwen4exp.state import GDNState
 from qsaserve import LLM
 from qsaserve.layers.attention import AttentionMetadata
 
@@ -46,7 +48,7 @@ def _run(model, rows, ids):
 
 def _snapshot(runner):
     caches = [(c.kv.clone(), c.block_keys.clone()) for c in runner.kv_caches]
-    states = [[t.clone() for t in _state_tensors(s)] for s in runner.model.state]
+    states = [[t.clone() for t in s.tensors()] for s in runner.model.slot_states()]
     return caches, states
 
 
@@ -54,14 +56,9 @@ def _restore(runner, snap):
     caches, states = snap
     for c, (kv, bk) in zip(runner.kv_caches, caches):
         c.kv.copy_(kv), c.block_keys.copy_(bk)
-    for s, saved in zip(runner.model.state, states):
-        for t, v in zip(_state_tensors(s), saved):
+    for s, saved in zip(runner.model.slot_states(), states):
+        for t, v in zip(s.tensors(), saved):
             t.copy_(v)
-
-
-def _state_tensors(s):
-    """A layer's per-slot state tensors (GDN, PLE, or the QSA open-group raw index keys)."""
-    return [t for t in (s.conv, s.recurrent, s.ngram_context, s.ple_conv, s.index_tail) if t is not None]
 
 
 def _real_parts(runner, tables, slots):
@@ -71,8 +68,8 @@ def _real_parts(runner, tables, slots):
     out = []
     for c in runner.kv_caches:
         out += [c.kv[:, blocks], c.block_keys[blocks]]
-    for s in runner.model.state:
-        out += [t[idx] for t in _state_tensors(s)]
+    for s in runner.model.slot_states():  # GDN, PLE and the QSA open-group raw index keys
+        out += [t[idx] for t in s.tensors()]
     return out
 
 
@@ -87,8 +84,8 @@ def test_decode_path_matches_prefill_path_and_ignores_padding(runner, monkeypatc
     nxt = [int(x) for x in torch.randint(4, 120, (3,), generator=gen)]
     decode_rows = [(1, n + 1, t, s, [n]) for n, t, s in zip(lengths, tables, slots)]
     # A one-token prompt decodes alongside them: its state must start fresh (slot 4 holds junk).
-    for st in model.state:
-        if st.conv is not None:
+    for st in model.slot_states():
+        if isinstance(st, GDNState):
             st.conv[4] = 1.0
             st.recurrent[4] = 1.0
     decode_rows.append((1, 1, [10], 4, [0]))
@@ -96,13 +93,14 @@ def test_decode_path_matches_prefill_path_and_ignores_padding(runner, monkeypatc
     snap = _snapshot(runner)
 
     calls = []
-    monkeypatch.setattr(model, "_qsa_decode", lambda *a, **k: calls.append(1) or type(model)._qsa_decode(model, *a, **k))
+    decode = QSAAttention._decode
+    monkeypatch.setattr(QSAAttention, "_decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
     fast = _run(model, decode_rows, nxt)
     assert calls, "the vectorized decode path did not run"
     fast_state = [t.clone() for t in _real_parts(runner, tables + [[10]], slots + [4])]
 
     _restore(runner, snap)
-    monkeypatch.setattr(qwen4exp, "_is_decode", lambda *a: False)
+    monkeypatch.setattr(slot_state, "is_decode_step", lambda *a: False)
     slow = _run(model, decode_rows, nxt)
     torch.testing.assert_close(fast, slow, atol=2e-4, rtol=1e-4)
     for a, b in zip(fast_state, _real_parts(runner, tables + [[10]], slots + [4])):
@@ -123,7 +121,7 @@ def test_decode_path_matches_prefill_path_and_ignores_padding(runner, monkeypatc
 
 @pytest.mark.parametrize("rows", [3, 40])  # gathered experts (rows * k < E) and every expert at once
 def test_sync_free_moe_equals_looped_experts(rows):
-    from qsaserve.models.qwen4exp_blocks import moe_experts, moe_experts_sync_free, moe_router
+    from qsaserve.ops.moe import moe_experts, moe_experts_sync_free, moe_router
 
     gen = torch.Generator().manual_seed(rows)
     h, inter, e, k = 16, 8, 12, 3

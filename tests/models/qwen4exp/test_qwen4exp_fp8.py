@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from qsaserve import LLM, SamplingParams
+from qsaserve.models.qwen4exp.state import GDNState, IndexTailState
 from qsaserve.quant.calibrate import calibrate_windows
 
 from qwen4exp_testing import build_random_model
@@ -54,8 +55,9 @@ def test_only_attention_kv_pages_are_fp8(case):
     for cache in runner.kv_caches:
         assert cache.kv.dtype == torch.float8_e4m3fn
         assert cache.block_keys.dtype == torch.float32
-    assert all(st.index_tail.dtype == torch.float32 for st in runner.model.state if st.index_tail is not None)
-    states = [st for st in runner.model.state if st.conv is not None]
+    states = runner.model.slot_states()
+    assert all(st.index_tail.dtype == torch.float32 for st in states if isinstance(st, IndexTailState))
+    states = [st for st in states if isinstance(st, GDNState)]
     assert states and all(st.conv.dtype == torch.float32 and st.recurrent.dtype == torch.float32 for st in states)
 
 

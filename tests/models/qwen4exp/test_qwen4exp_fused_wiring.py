@@ -4,14 +4,14 @@ call sites, the PLE decode ops' call sites, the block-key pooling call, the MoE 
 the MoE block's fused shared expert give what the reference path gives.
 
 On CUDA those paths call Triton kernels (tested against their references in tests/ops); here the
-model takes its CUDA branches while each dispatched op (ops/<op>/__init__.py) runs its torch
+blocks take their CUDA branches while each dispatched op (ops/<op>/__init__.py) runs its torch
 reference on the CPU tensors, so this checks only the model code around them, in float32 against
 the unpatched model (prompt logprobs within 1e-5, identical greedy tokens), over chunked prefill,
 batched decode and a PLE layer."""
 import torch
 
 from qsaserve import LLM, SamplingParams
-from qsaserve.models import qwen4exp
+from qsaserve.models.qwen4exp import moe, ple, qsa_attention
 
 from qwen4exp_testing import build_random_model, make_config
 
@@ -38,11 +38,12 @@ def test_fast_path_wiring_equals_reference_path(tmp_path, monkeypatch):
             return fn(*a)
         return run
 
-    monkeypatch.setattr(qwen4exp, "use_triton", lambda x: True)
-    monkeypatch.setattr(qwen4exp, "moe_route", counted("route", qwen4exp.moe_route))
-    monkeypatch.setattr(qwen4exp, "ngram_rows_decode_", counted("ple", qwen4exp.ngram_rows_decode_))
-    monkeypatch.setattr(qwen4exp, "silu_mul", counted("silu_mul", qwen4exp.silu_mul))
-    monkeypatch.setattr(qwen4exp, "norm_rope_heads", counted("norm_rope_heads", qwen4exp.norm_rope_heads))
+    for block in (moe, ple, qsa_attention):  # each block's choice of its CUDA branch
+        monkeypatch.setattr(block, "use_triton", lambda x: True)
+    monkeypatch.setattr(moe, "moe_route", counted("route", moe.moe_route))
+    monkeypatch.setattr(ple, "ngram_rows_decode_", counted("ple", ple.ngram_rows_decode_))
+    monkeypatch.setattr(moe, "silu_mul", counted("silu_mul", moe.silu_mul))
+    monkeypatch.setattr(qsa_attention, "norm_rope_heads", counted("norm_rope_heads", qsa_attention.norm_rope_heads))
     got = _run(str(tmp_path))
     assert calls["silu_mul"] and calls["norm_rope_heads"] and calls["ple"] and calls["route"]  # the fast branches ran
     for (tw, lw), (tg, lg) in zip(want, got):

@@ -8,14 +8,9 @@ the logits of any chunking equal transformers' full-sequence forward.
 import pytest
 import torch
 
-from qsaserve.models.qwen4exp_blocks import (
-    gdn_layer_forward,
-    hc_expand,
-    hc_gated_residual,
-    hc_inject,
-    qsa_attention_forward,
-    sparse_moe_block,
-)
+from qsaserve.models.qwen4exp.hyper_connection import hc_expand
+from qsaserve.models.qwen4exp.reference import gdn_layer_forward, qsa_attention_forward, sparse_moe_block
+from qsaserve.ops.hyper_connection import hc_gated_residual, hc_inject
 from qsaserve.ops.ple.hashing import PLEHashParams
 from qsaserve.ops.ple.reference import TensorRowTable, ple_layer_forward
 from qsaserve.ops.qsa_indexer import rope_inv_freq

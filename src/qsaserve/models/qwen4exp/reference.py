@@ -1,14 +1,15 @@
-"""Plain-PyTorch building blocks of the Qwen4Exp text model (CPU reference path).
+"""Plain-PyTorch references of Qwen4Exp's blocks, composed from the ops' references: the CPU
+path's block math, what the tests compare against transformers, and (reference_model tests) the
+recipe of a chunked, stateful forward.
 
-Pure functions over explicit weights and state. Parameter arguments are named after the
-transformers parameters (``model.language_model.layers.{i}.<prefix>.<name>``); the
-``*_forward`` helpers take a mapping whose keys are the HF names relative to the sub-module
-(e.g. ``{"q_proj.weight": ..., "q_norm.weight": ...}`` for ``self_attn``).
+Pure functions over explicit weights and state. The ``*_forward`` / ``*_block`` functions take a
+mapping keyed by the HF names relative to the sub-module (e.g. ``{"q_proj.weight": ...,
+"q_norm.weight": ...}`` for ``self_attn``).
 
 Norm conventions (see docs/qwen4exp.md):
 * ``Qwen4ExpTextRMSNorm`` weights are 1-centred: ``y = norm(x) * (1 + w)`` (hc_norm, PLE norms,
-  q_norm/k_norm, indexer q_layernorm/k_layernorm). Grouped variants normalise each
-  ``hidden_size`` slice of the ``hc_count * hidden_size`` stream vector separately.
+  q_norm/k_norm, indexer q_layernorm/k_layernorm; ``ops.fused.one_centred_rms_norm``). Grouped
+  variants normalise each ``hidden_size`` slice of the ``hc_count * hidden_size`` streams.
 * ``linear_attn.norm`` (gated RMSNorm of the GDN output) is *not* 1-centred: ``y = w * norm(x) * act(z)``.
 """
 
@@ -19,35 +20,14 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from qsaserve.ops.gdn.reference import (
-    causal_conv1d_reference,
-    gdn_chunk_reference,
-    gdn_recurrent_reference,
-)
-from qsaserve.ops.fused import one_centred_rms_norm as rms_norm
-from qsaserve.ops.gdn.decode_ops import gated_rms_norm
-from qsaserve.ops.hyper_connection.reference import hc_gated_residual, hc_inject
-from qsaserve.ops.moe import moe_experts_sync_free
-from qsaserve.ops.moe.reference import activation_fn as _act
-from qsaserve.ops.moe.reference import moe_experts, moe_route, moe_router
+from qsaserve.ops.fused import one_centred_rms_norm
+from qsaserve.ops.gdn import causal_conv1d_reference, gated_rms_norm, gdn_chunk_reference, gdn_recurrent_reference
+from qsaserve.ops.moe import moe_experts, moe_experts_sync_free, moe_router
+from qsaserve.ops.moe.reference import activation_fn
 from qsaserve.ops.qsa_attention.reference import sparse_attention_reference
-from qsaserve.ops.qsa_indexer.reference import (
-    apply_partial_rope,
-    indexer_project,
-    qsa_select_reference,
-    rope_cos_sin,
-)
+from qsaserve.ops.qsa_indexer.reference import apply_partial_rope, indexer_project, qsa_select_reference, rope_cos_sin
 
 __all__ = [
-    "rms_norm",
-    "gated_rms_norm",
-    "hc_expand",
-    "hc_gated_residual",
-    "hc_inject",
-    "moe_router",
-    "moe_route",
-    "moe_experts",
-    "moe_experts_sync_free",
     "dense_mlp",
     "sparse_moe_block",
     "qsa_attention_qkv",
@@ -58,21 +38,13 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------- hyper-connections
-
-
-def hc_expand(embeddings: torch.Tensor, hc_count: int) -> torch.Tensor:
-    """Initial residual: the token embedding copied into every stream, ``[..., hc_count * H]``."""
-    return embeddings.repeat(*([1] * (embeddings.dim() - 1)), hc_count)
-
-
 # --------------------------------------------------------------------------- MoE
 
 
 def dense_mlp(x: torch.Tensor, gate_proj: torch.Tensor, up_proj: torch.Tensor, down_proj: torch.Tensor,
               activation: str = "silu") -> torch.Tensor:
     """SwiGLU MLP (the shared expert): ``down(act(gate x) * up x)``."""
-    return F.linear(_act(activation)(F.linear(x, gate_proj)) * F.linear(x, up_proj), down_proj)
+    return F.linear(activation_fn(activation)(F.linear(x, gate_proj)) * F.linear(x, up_proj), down_proj)
 
 
 def sparse_moe_block(
@@ -135,8 +107,8 @@ def qsa_norm_rope_qk(q: torch.Tensor, k: torch.Tensor, q_norm_weight: torch.Tens
                      cos: torch.Tensor, sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The per-head 1-centred RMSNorm and partial RoPE of qsa_attention_qkv, on q [T, Hq, D] and
     k [T, Hkv, D] already projected."""
-    q = rms_norm(q, q_norm_weight, eps)
-    k = rms_norm(k, k_norm_weight, eps)
+    q = one_centred_rms_norm(q, q_norm_weight, eps)
+    k = one_centred_rms_norm(k, k_norm_weight, eps)
     c, s = cos[:, None, :], sin[:, None, :]
     return apply_partial_rope(q, c, s), apply_partial_rope(k, c, s)
 

@@ -1,0 +1,80 @@
+"""Gated DeltaNet (the linear-attention layers): a causal depthwise conv over q | k | v, the gated
+delta rule continuing from each sequence's recurrent state, a gated RMSNorm and the output
+projection. This rank holds its key / value heads (outputs summed over the TP ranks)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qsaserve.models.qwen4exp.sharding import RankLayout
+from qsaserve.models.qwen4exp.state import GDNState, Step
+from qsaserve.models.qwen4exp.weights import PackedWeight, ShardLoader, Weight, parameter
+from qsaserve.ops.gdn import (causal_conv1d_reference, conv1d_decode_, delta_rule_decode_, gated_delta_rule, gated_norm,
+                              gdn_gates)
+
+
+class GatedDeltaNet(nn.Module):
+    """`Qwen4ExpTextGatedDeltaNet` on the paged runtime: all sequences of a step in one packed
+    call, each continuing from its state slot (`reference.gdn_layer_forward` is the per-request
+    reference)."""
+
+    # in_proj_qkv | z | b | a read the same input: row ranges of one parameter, one GEMM.
+    packed_names = {"in_proj_qkv.weight": ("in_proj.weight", "qkv"), "in_proj_z.weight": ("in_proj.weight", "z"),
+                    "in_proj_b.weight": ("in_proj.weight", "b"), "in_proj_a.weight": ("in_proj.weight", "a")}
+
+    def __init__(self, cfg, layout: RankLayout):
+        super().__init__()
+        self.ctx = layout.ctx
+        self.key_heads = layout.gdn_key_heads[1] - layout.gdn_key_heads[0]
+        self.value_heads = layout.gdn_value_heads[1] - layout.gdn_value_heads[0]
+        self.key_dim, self.value_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.conv_kernel = cfg.linear_conv_kernel_dim
+        self.activation, self.eps = cfg.hidden_act, cfg.rms_norm_eps
+        self.output_activation = cfg.output_gate_type or cfg.hidden_act
+        hv, dv = self.value_heads, self.value_dim
+        self.conv_dim = 2 * self.key_heads * self.key_dim + hv * dv
+        qkv, per_head = layout.gdn_qkv_channels(), layout.gdn_per_head()
+        self.in_proj = PackedWeight(cfg.hidden_size, [("qkv", self.conv_dim, qkv),
+                                                      ("z", hv * dv, layout.gdn_value_rows()),
+                                                      ("b", hv, per_head), ("a", hv, per_head)])
+        self.conv1d = Weight((self.conv_dim, 1, self.conv_kernel), qkv)
+        self.dt_bias = parameter((hv,), ShardLoader(per_head))
+        self.A_log = parameter((hv,), ShardLoader(per_head))
+        self.norm = Weight((dv,))
+        self.out_proj = Weight((cfg.hidden_size, hv * dv), layout.gdn_out_proj())
+        self.state: GDNState | None = None
+
+    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> GDNState:
+        self.state = GDNState.zeros(num_slots, self.conv_dim, self.conv_kernel, self.value_heads, self.key_dim,
+                                    self.value_dim, dtype, device)
+        return self.state
+
+    def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        hk, hv, dk, dv = self.key_heads, self.value_heads, self.key_dim, self.value_dim
+        t, st, slot_idx = x.shape[0], self.state, step.slot_idx
+        mixed, z, b, a = torch.split(F.linear(x, self.in_proj.weight), self.in_proj.sizes(), dim=-1)
+        z = z.reshape(t, hv, dv)
+        # beta = sigmoid(b); decay g in fp32 (exp(A_log) may overflow half precision).
+        beta, g = gdn_gates(b, a, self.A_log, self.dt_bias)
+        conv_weight = self.conv1d.weight
+        if step.decode:
+            # One token per sequence from its conv and delta-rule state slots (both advanced in place;
+            # zeros when fresh).
+            conv = conv1d_decode_(mixed, conv_weight, st.conv, slot_idx, step.fresh, self.activation)
+            q, k, v = torch.split(conv, [hk * dk, hk * dk, hv * dv], dim=-1)
+            o = delta_rule_decode_(q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv), g, beta, st.recurrent,
+                                   slot_idx, step.fresh)
+        else:
+            conv, new_conv = causal_conv1d_reference(mixed.t()[None], conv_weight, None, st.conv[slot_idx],
+                                                     activation=self.activation, cu_seqlens=step.cu_seqlens)
+            st.conv[slot_idx] = new_conv
+            q, k, v = torch.split(conv[0].t(), [hk * dk, hk * dk, hv * dv], dim=-1)
+            o, final = gated_delta_rule(
+                q.reshape(1, t, hk, dk), k.reshape(1, t, hk, dk), v.reshape(1, t, hv, dv), g[None], beta[None],
+                st.recurrent[slot_idx], step.cu_seqlens, single_token=t == len(step.spans),
+            )
+            o = o[0]
+            st.recurrent[slot_idx] = final.float()
+        o = gated_norm(o, z, self.norm.weight, self.eps, self.output_activation)
+        return self.ctx.all_reduce(F.linear(o.reshape(t, hv * dv), self.out_proj.weight))

@@ -1,0 +1,204 @@
+"""QSA attention: gated attention over a sparse, indexer-chosen subset of the context.
+
+Per layer the indexer pools the raw index keys of every completed group of r positions into a
+block key (kept in pages beside K/V), scores the visible blocks against the index queries,
+keeps the top `budget` groups, and each query attends over only those tokens (plus its own open
+group), so cost follows the budget, not the context. K/V and block keys live in pages addressed
+by the request's block table (QSACacheLayer, bound by the runner); the raw keys of the open group
+live in the layer's state slot.
+
+Under DCP the indexer state and the top-k are replicated (identical on every rank); the selection
+is then localized to this rank's K/V shard, the DCP group's query heads attend over it, partials
+are merged, and the output gate is applied after the merge.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qsaserve.cache.kv_cache import LayerCache
+from qsaserve.layers.attention import AttentionMetadata
+from qsaserve.models.qwen4exp.reference import qsa_attention_output, qsa_norm_rope_qk
+from qsaserve.models.qwen4exp.sharding import REPLICATED, RankLayout
+from qsaserve.models.qwen4exp.state import IndexTailState, Step
+from qsaserve.models.qwen4exp.weights import PackedWeight, Weight
+from qsaserve.ops.attention import write_kv
+from qsaserve.ops.dispatch import use_triton
+from qsaserve.ops.fused import norm_rope_heads
+from qsaserve.ops.qsa_attention import sparse_attention_paged
+from qsaserve.ops.qsa_indexer import (indexer_project, pool_chunk_groups, pool_completed_groups, rope_cos_sin,
+                                      select_decode, select_prefill)
+
+
+class QSACacheLayer:
+    """What the runner binds a QSA layer's pages to (same interface as layers.attention.Attention)."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int):
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.cache: LayerCache | None = None
+
+    def warm_up(self, dtype: torch.dtype) -> int:
+        return 0  # no warm-up: the QSA kernels compile on first use (graph capture builds its buckets')
+
+
+class QSAIndexer(nn.Module):
+    """The indexer's norms (its projection is packed into QSAAttention.qkv_index_proj) and shapes."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.indexer_n_heads, cfg.indexer_head_dim
+        self.ratio, self.budget = cfg.indexer_compress_ratio, cfg.indexer_budget
+        self.q_layernorm = Weight((self.head_dim,))
+        self.k_layernorm = Weight((self.head_dim,))
+
+
+class QSAAttention(nn.Module):
+    """`self_attn` of a QSA layer on this rank's query heads (the DCP group's, under DCP) and KV
+    heads; outputs summed over the TP ranks."""
+
+    # q_proj | k_proj | v_proj | index_qk_proj read the same input: one parameter, one GEMM on
+    # the fused path.
+    packed_names = {"q_proj.weight": ("qkv_index_proj.weight", "q"), "k_proj.weight": ("qkv_index_proj.weight", "k"),
+                    "v_proj.weight": ("qkv_index_proj.weight", "v"),
+                    "indexer.index_qk_proj.weight": ("qkv_index_proj.weight", "index_qk")}
+
+    def __init__(self, cfg, layout: RankLayout):
+        super().__init__()
+        self.ctx = layout.ctx
+        d = self.head_dim = cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        own = layout.query_heads[1] - layout.query_heads[0]
+        ga, gb = layout.query_head_range()
+        self.group_heads = gb - ga  # query heads this rank attends with (own + DCP group's)
+        self.num_kv_heads = layout.kv_heads[1] - layout.kv_heads[0]
+        self.indexer = QSAIndexer(cfg)
+        q_rows = sum(b - a for a, b in layout.query_gate_rows())
+        self.qkv_index_proj = PackedWeight(cfg.hidden_size, [
+            ("q", q_rows, layout.q_proj()), ("k", self.num_kv_heads * d, layout.kv_proj()),
+            ("v", self.num_kv_heads * d, layout.kv_proj()),
+            ("index_qk", (self.indexer.num_heads + 1) * self.indexer.head_dim, REPLICATED)])
+        self.o_proj = Weight((cfg.hidden_size, own * d), layout.o_proj())
+        self.q_norm = Weight((d,))
+        self.k_norm = Weight((d,))
+        self.attn = QSACacheLayer(layout.num_kv_heads, d)
+        self.state: IndexTailState | None = None
+
+    def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> IndexTailState:
+        self.state = IndexTailState.zeros(num_slots, self.indexer.ratio, self.indexer.head_dim, dtype, device)
+        return self.state
+
+    def forward(self, x: torch.Tensor, step: Step, meta: AttentionMetadata) -> torch.Tensor:
+        return self._decode(x, step, meta) if step.decode else self._prefill(x, step, meta)
+
+    # ---- projections ----
+    def _split_query_gate(self, qg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's q_proj output [T, rows] (RankLayout.query_gate_rows) -> q [T, heads, D]
+        (views) and the output gate [T, own heads * D]."""
+        t, d = qg.shape[0], self.head_dim
+        if not self.ctx.dcp.enabled:
+            qg = qg.view(t, -1, 2 * d)
+            return qg[..., :d], qg[..., d:].reshape(t, -1)
+        return qg[:, :self.group_heads * d].view(t, self.group_heads, d), qg[:, self.group_heads * d:]
+
+    def _inputs(self, x: torch.Tensor, step: Step):
+        """-> q [T, heads, D], gate, k, v [T, Hkv, D], index queries [T, Hi, Di], raw index keys [T, Di]."""
+        if step.rope is None:  # the same tables for every QSA layer of the step
+            step.rope = rope_cos_sin(step.positions, step.inv_freq, x.dtype)
+        cos, sin = step.rope
+        if not use_triton(x):
+            return self._inputs_reference(x, cos, sin)
+        # CUDA: the packed GEMM, each head's 1-centred RMSNorm + partial RoPE in one kernel
+        # (ops.fused.norm_rope_heads; _inputs_reference is its reference).
+        t, d, hi, di = x.shape[0], self.head_dim, self.indexer.num_heads, self.indexer.head_dim
+        qg, k, v, qk = torch.split(F.linear(x, self.qkv_index_proj.weight), self.qkv_index_proj.sizes(), dim=-1)
+        q, gate = self._split_query_gate(qg)
+        q = norm_rope_heads(q, self.q_norm.weight, cos, sin, self.eps)
+        k = norm_rope_heads(k.view(t, -1, d), self.k_norm.weight, cos, sin, self.eps)
+        v = v.view(t, -1, d)
+        iq = norm_rope_heads(qk[:, :hi * di].view(t, hi, di), self.indexer.q_layernorm.weight, cos, sin, self.eps)
+        return q, gate, k, v, iq, qk[:, hi * di:]
+
+    def _inputs_reference(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """qsa_attention_qkv and indexer_project, with this rank's q_proj layout."""
+        t, d, part = x.shape[0], self.head_dim, self.qkv_index_proj.part
+        q, gate = self._split_query_gate(F.linear(x, part("q")))
+        k = F.linear(x, part("k")).view(t, -1, d)
+        v = F.linear(x, part("v")).view(t, -1, d)
+        q, k = qsa_norm_rope_qk(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.eps)
+        iq, raw = indexer_project(x, part("index_qk"), self.indexer.q_layernorm.weight, self.indexer.num_heads,
+                                  self.indexer.head_dim, cos, sin, self.eps)
+        return q, gate, k, v, iq, raw
+
+    def _output(self, attn: torch.Tensor, lse: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        attn = self.ctx.dcp_merge(attn, lse)
+        return self.ctx.all_reduce(qsa_attention_output(attn, gate, self.o_proj.weight))
+
+    def _run(self, cache: LayerCache) -> int:
+        """Run length the sparse kernel may assume: the selection lists whole groups of r
+        positions (and the tail's prefix of one) at aligned columns, so r, unless DCP's
+        localization splits groups across ranks (interleave not a multiple of r) or pages do."""
+        r, dcp = self.indexer.ratio, self.ctx.dcp
+        if r & (r - 1) or cache.kv.shape[2] % r or (dcp.enabled and dcp.interleave % r):
+            return 1
+        return r
+
+    # ---- steps ----
+    def _prefill(self, x: torch.Tensor, step: Step, meta: AttentionMetadata) -> torch.Tensor:
+        """Prefill and mixed steps. Per sequence: pool the groups its chunk completes (from the
+        open-group raw keys in its state slot plus the chunk's), then select its queries' tokens
+        in row blocks that bound the temporaries; then one sparse-attention call for every row of
+        the step, reading the selected positions through the block tables (on CUDA: Triton scoring,
+        batched top-k on device with "lowest_index" ties, as decode; on CPU transformers' tie order,
+        "torch"; ops.qsa_indexer / ops.qsa_attention choose)."""
+        dcp, idx = self.ctx.dcp, self.indexer
+        cache, tails = self.attn.cache, self.state.index_tail
+        q, gate, k, v, iq, raw = self._inputs(x, step)
+        if cache.observer is not None:
+            cache.observer(k, v, q)
+        if dcp.enabled:
+            plan = meta.dcp
+            _write_kv(cache, k[plan.write_rows], v[plan.write_rows], plan.write_slots)
+        else:
+            _write_kv(cache, k, v, meta.slot_mapping)
+        r, budget, positions = idx.ratio, idx.budget, step.positions
+        iq = iq.to(cache.block_keys.dtype)
+        selected = torch.empty((q.shape[0], budget + r - 1), dtype=torch.long, device=q.device)
+        for s, (a, b) in enumerate(step.spans):
+            length, table = meta.seq_lens_list[s], meta.block_tables[s]
+            pool_chunk_groups(tails[step.slots[s]], raw[a:b], length - (b - a), cache.block_keys, table,
+                              idx.k_layernorm.weight, step.inv_freq, r, self.eps)
+            selected[a:b] = select_prefill(iq[a:b], cache.block_keys, table, positions[a:b], r, budget, length // r)
+        if dcp.enabled:
+            selected = dcp.localize(selected)
+        rows = torch.arange(q.shape[0], dtype=meta.cu_query_lens.dtype, device=q.device)
+        seq_ids = torch.searchsorted(meta.cu_query_lens[1:].contiguous(), rows, right=True)
+        attn, lse = sparse_attention_paged(q, cache.kv, meta.block_tables, selected, self.head_dim**-0.5, seq_ids,
+                                           cache.k_scale, cache.v_scale, run=self._run(cache),
+                                           pack=self.ctx.dcp_pack_size)
+        return self._output(attn, lse, gate)
+
+    def _decode(self, x: torch.Tensor, step: Step, meta: AttentionMetadata) -> torch.Tensor:
+        """One token per sequence, all sequences at once: pool the block a token completes, score
+        every visible block through the block tables, top-k on device, and attend over only the
+        selected tokens (Triton on CUDA, the paged torch references elsewhere)."""
+        idx, cache = self.indexer, self.attn.cache
+        q, gate, k, v, iq, raw = self._inputs(x, step)
+        if cache.observer is not None:
+            cache.observer(k, v, q)
+        _write_kv(cache, k, v, step.kv_slots)
+        # The raw key joins its sequence's open group in the state slot (padding rows: the scratch slot).
+        r, tables, pos = idx.ratio, meta.block_tables, step.query_pos
+        pool_completed_groups(self.state.index_tail, step.slot_idx, raw, cache.block_keys, tables, pos, step.valid,
+                              idx.k_layernorm.weight, step.inv_freq, r, self.eps)
+        iq = iq.to(cache.block_keys.dtype)
+        selected = select_decode(iq, cache.block_keys, tables, pos, r, idx.budget, dcp=self.ctx.dcp)
+        attn, lse = sparse_attention_paged(q, cache.kv, tables, selected, self.head_dim**-0.5, None, cache.k_scale,
+                                           cache.v_scale, run=self._run(cache), pack=self.ctx.dcp_pack_size)
+        return self._output(attn, lse, gate)
+
+
+def _write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store K/V rows at `slots` (-1: not stored here), quantizing for FP8 pages and subtracting a
+    K offset when the layer has one."""
+    write_kv(k, v, cache.kv, slots, cache.k_scale, cache.v_scale, k_offset=getattr(cache, "k_offset", None))

@@ -1,0 +1,165 @@
+"""Per-request state of Qwen4Exp, in slots the engine assigns (one per sequence that can run at
+once, plus slot 0, the scratch slot of CUDA-graph padding rows), and what each step tells the
+layers about its sequences.
+
+State per layer: GDN conv + recurrent state; PLE n-gram context + conv state; per QSA layer the
+raw index keys of the open group (< r tokens). A sequence whose chunk starts at position 0 begins
+from a fresh state, so preemption by recompute needs nothing special.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from qsaserve.layers.attention import AttentionMetadata
+
+logger = logging.getLogger("qsaserve")
+
+
+class SlotState:
+    """A block's per-slot tensors; reset() puts slots back to a fresh request's state."""
+
+    def tensors(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+    def reset(self, slots: list[int]) -> None:
+        raise NotImplementedError
+
+
+@dataclass
+class GDNState(SlotState):
+    conv: torch.Tensor  # [slots, conv_dim, Kc-1]
+    recurrent: torch.Tensor  # [slots, Hv, Dk, Dv] fp32
+
+    @classmethod
+    def zeros(cls, num_slots: int, conv_dim: int, kernel: int, value_heads: int, key_dim: int, value_dim: int,
+              dtype: torch.dtype, device: torch.device) -> GDNState:
+        return cls(torch.zeros(num_slots, conv_dim, kernel - 1, dtype=dtype, device=device),
+                   torch.zeros(num_slots, value_heads, key_dim, value_dim, dtype=torch.float32, device=device))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.conv, self.recurrent]
+
+    def reset(self, slots: list[int]) -> None:
+        idx = torch.tensor(slots, device=self.conv.device)
+        self.conv[idx] = 0
+        self.recurrent[idx] = 0
+
+
+@dataclass
+class PLEState(SlotState):
+    ngram_context: torch.Tensor  # [slots, ngram-1] int64 token ids
+    conv: torch.Tensor  # [slots, HC, (Kp-1)*ngram]
+    eos_token_id: int
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.ngram_context, self.conv]
+
+    def reset(self, slots: list[int]) -> None:
+        idx = torch.tensor(slots, device=self.conv.device)
+        self.ngram_context[idx] = self.eos_token_id
+        self.conv[idx] = 0
+
+
+@dataclass
+class IndexTailState(SlotState):
+    # QSA raw index keys [slots, r, Di]: row j = latest position = j (mod r). Raw keys are kept only
+    # until their group completes and is pooled into a block key: the open group's (< r) are read,
+    # r rows keep the slot's layout fixed.
+    index_tail: torch.Tensor
+
+    @classmethod
+    def zeros(cls, num_slots: int, ratio: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> IndexTailState:
+        return cls(torch.zeros(num_slots, ratio, head_dim, dtype=dtype, device=device))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.index_tail]
+
+    def reset(self, slots: list[int]) -> None:
+        self.index_tail[torch.tensor(slots, device=self.index_tail.device)] = 0
+
+
+def log_allocation(num_slots: int, states: list[SlotState]) -> None:
+    total = sum(s.nbytes for s in states)
+    logger.info("recurrent state: %d slots x %.1f KiB = %.1f MiB", num_slots, total / num_slots / 1024, total / 2**20)
+
+
+def reset_fresh_slots(states: list[SlotState], meta: AttentionMetadata) -> None:
+    """Slots of the sequences whose chunk starts the request (prefill steps)."""
+    fresh = [s for s, n, length in zip(meta.state_slots, meta.query_lens, meta.seq_lens_list) if length == n]
+    if fresh:
+        for state in states:
+            state.reset(fresh)
+
+
+@dataclass
+class Step:
+    """What every layer of one forward needs about the step's sequences (built once per step)."""
+
+    decode: bool
+    slot_idx: torch.Tensor  # [B] state slot of each sequence
+    positions: torch.Tensor  # [T] each row's position
+    inv_freq: torch.Tensor  # RoPE inverse frequencies (QSA layers, block-key pooling)
+    spans: list[tuple[int, int]] | None = None  # prefill: each sequence's rows
+    slots: list[int] | None = None  # prefill: host copy of slot_idx
+    cu_seqlens: torch.Tensor | None = None  # prefill: packed sequence boundaries
+    valid: torch.Tensor | None = None  # decode: real rows (CUDA-graph padding rows are False)
+    fresh: torch.Tensor | None = None  # decode: rows whose state starts at this token
+    query_pos: torch.Tensor | None = None  # decode: each row's position, -1 for padding
+    kv_slots: torch.Tensor | None = None  # decode: this rank's K/V slot of each new token, -1 = none
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE cos/sin at the step's positions (QSA layers)
+
+
+def is_decode_step(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Every sequence of the step brings one token (host lists only; CUDA-graph padding rows
+    count as one-token sequences)."""
+    return input_ids.shape[0] == meta.num_seqs and all(n == 1 for n in meta.query_lens)
+
+
+def build_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, inv_freq: torch.Tensor,
+               dcp, states: list[SlotState]) -> Step:
+    if is_decode_step(input_ids, meta):
+        return _decode_step(input_ids, positions, meta, inv_freq, dcp)
+    return _prefill_step(input_ids, positions, meta, inv_freq, states)
+
+
+def _spans(query_lens: list[int]) -> list[tuple[int, int]]:
+    spans, start = [], 0
+    for n in query_lens:
+        spans.append((start, start + n))
+        start += n
+    return spans
+
+
+def _prefill_step(input_ids, positions, meta: AttentionMetadata, inv_freq, states: list[SlotState]) -> Step:
+    """Any step with a multi-token query: per-sequence loops over host lists."""
+    reset_fresh_slots(states, meta)
+    spans = _spans(meta.query_lens)
+    dev = input_ids.device
+    return Step(decode=False, positions=positions, inv_freq=inv_freq, spans=spans, slots=list(meta.state_slots),
+                slot_idx=torch.tensor(meta.state_slots, device=dev),
+                cu_seqlens=torch.tensor([0] + [b for _, b in spans], device=dev))
+
+
+def _decode_step(input_ids, positions, meta: AttentionMetadata, inv_freq, dcp) -> Step:
+    """One token per sequence: everything comes from device tensors, shapes from tensor shapes,
+    so the step has no host syncs and can be captured in a CUDA graph. Padding rows (seq_len 0,
+    slot -1, null block table, a scratch state slot) see nothing and write no real cache."""
+    slot_idx = getattr(meta, "state_slots_t", None)
+    if slot_idx is None:  # built once per step, shared by every layer
+        slot_idx = torch.tensor(meta.state_slots, dtype=torch.long, device=input_ids.device)
+    seq_lens = meta.seq_lens.long()
+    valid = seq_lens > 0
+    step = Step(decode=True, positions=positions, inv_freq=inv_freq, slot_idx=slot_idx.long(), valid=valid,
+                # A one-token prompt's state starts here; padding rows (seq_len 0) also start
+                # from zeros, not from what other padding rows left in the shared scratch slot.
+                fresh=seq_lens <= 1,
+                query_pos=torch.where(valid, seq_lens - 1, -1))
+    step.kv_slots = dcp.decode_slots(meta.slot_mapping) if dcp.enabled else meta.slot_mapping
+    return step
