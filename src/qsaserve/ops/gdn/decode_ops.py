@@ -11,7 +11,7 @@ output norm. `triton_decode.py` runs each as one kernel; ops/gdn/__init__.py dis
   states, runs `delta_rule.gated_delta_rule` (fla-core's recurrent kernel on CUDA) and scatters them
   back; the Triton kernel reads and writes each state once, in its slot.
 * gated_rms_norm: the GDN output norm (weight * norm(x), times act(gate) in fp32), also the
-  model's CPU path (qwen4exp_blocks re-exports it).
+  model's CPU path.
 """
 from __future__ import annotations
 

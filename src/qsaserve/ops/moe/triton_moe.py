@@ -98,7 +98,7 @@ def _route_kernel(logits_ptr, w_ptr, i_ptr, E, stride_l, stride_w, stride_i,
 
 def moe_route_triton(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [N, E] -> (weights [N, k] in the logits' dtype, expert indices [N, k]), as
-    qwen4exp_blocks.moe_route (softmax, topk, renormalise: ~6 launches) in one."""
+    ops.moe.reference.moe_route (softmax, topk, renormalise: ~6 launches) in one."""
     n, e = logits.shape
     if not 0 < top_k <= e:
         raise ValueError(f"top_k: must be in [1, {e}], got {top_k}")
