@@ -201,4 +201,4 @@ class QSAAttention(nn.Module):
 def _write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
     """Store K/V rows at `slots` (-1: not stored here), quantizing for FP8 pages and subtracting a
     K offset when the layer has one."""
-    write_kv(k, v, cache.kv, slots, cache.k_scale, cache.v_scale, k_offset=getattr(cache, "k_offset", None))
+    write_kv(k, v, cache.kv, slots, cache.k_scale, cache.v_scale, k_offset=cache.k_offset)
