@@ -18,6 +18,7 @@ from qsaserve.engine.batch import PLACEHOLDER_TOKEN, LogitsPlan, TokenFeed, buil
 from qsaserve.engine.block_manager import BlockManager
 from qsaserve.engine.detokenizer import detokenize_incrementally
 from qsaserve.engine.executor import make_executor
+from qsaserve.engine.model_runner import resolve_block_size
 from qsaserve.engine.sampler import DeferredTokens, SampledToken, prompt_logprobs_for, sample, sample_deferred
 from qsaserve.engine.scheduler import Scheduler, SchedulerOutput
 from qsaserve.engine.sequence import Sequence
@@ -65,6 +66,7 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config, hf)
         self.eos_token_ids = _eos_ids(hf, self.tokenizer)
         check_model_parallel(hf, config.tensor_parallel_size, config.decode_context_parallel_size)
+        self.config = config = resolve_block_size(config, hf)
         prefix_caching = self._prefix_caching(config, hf)
 
         self.executor = make_executor(config, checkpoint, self.max_model_len, progress=progress)

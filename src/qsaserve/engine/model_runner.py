@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from qsaserve.cache.geometry import choose_block_size
 from qsaserve.cache.kv_cache import LayerCache, allocate_kv_cache
 from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, TokenFeed
@@ -25,7 +26,7 @@ from qsaserve.models.interfaces import (CausalLM, RowTable, side_tables_allow_cu
                                         supports_dcp_cuda_graph, supports_dummy_weights, supports_recurrent_state,
                                         supports_side_tables, supports_v_offsets)
 from qsaserve.models.ple_table import dummy_ple_tables, is_table_tensor, open_ple_tables
-from qsaserve.models.registry import build_model, kv_rotation_unsupported
+from qsaserve.models.registry import build_model, kv_block_multiple, kv_rotation_unsupported
 from qsaserve.parallel.dcp import DcpGeometry
 from qsaserve.parallel.state import ParallelContext
 from qsaserve.quant.kv_scales import CheckpointScales, resolve_kv_cache
@@ -36,9 +37,21 @@ logger = logging.getLogger("qsaserve")
 CPU_KV_CACHE_BYTES = 1 << 30
 
 
+def resolve_block_size(config: EngineConfig, hf_config: dict) -> EngineConfig:
+    """config with its block_size fitted to the model (cache/geometry.py): the user's, checked, or
+    the engine's choice, logged with the reason."""
+    geometry = choose_block_size(config.block_size, kv_block_multiple(hf_config), config.dcp_interleave_size)
+    if geometry.block_size == config.block_size:
+        return config
+    logger.info("block size: %d tokens per KV page, %s", geometry.block_size, geometry.reason)
+    return dataclasses.replace(config, block_size=geometry.block_size)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, checkpoint, max_model_len: int, progress: bool = False,
                  parallel: ParallelContext | None = None, device: torch.device | None = None):
+        if config.block_size is None:  # built directly, not through an engine that resolved it
+            config = resolve_block_size(config, checkpoint.hf_config)
         self.config = config
         self.parallel = parallel or ParallelContext(dcp=DcpGeometry(block_size=config.block_size))
         self.device = device or config.torch_device
