@@ -257,6 +257,8 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int, num_state_snapshots: int = 0) -> None:
         if num_state_snapshots:  # before graph capture: the pool regroups the state tensors the graphs read
             self.model.allocate_state_snapshots(num_state_snapshots)
+            if self.device.type == "cuda":  # the state's old tensors, freed by the regrouping, go back before the KV
+                torch.cuda.empty_cache()
         self.bind_kv_cache(self.kv_quant.attach(allocate_kv_cache(self.kv_spec, num_blocks, self.device)))
         self._warm_up_kernels()
         if self.graphs_off_reason is None:
