@@ -23,7 +23,8 @@ QSA_TYPE = next(t for t in Qwen4ExpTextConfig().layer_types if t != "linear_atte
 EOS = 3
 
 
-def make_config(budget=12, ple_layer_ids=(1,), hc_count=3, num_experts=4, top_k=2, layers=5, indexer_heads=2):
+def make_config(budget=12, ple_layer_ids=(1,), hc_count=3, num_experts=4, top_k=2, layers=5, indexer_heads=2,
+                compress_ratio=4):
     """A tiny 5-layer Qwen4Exp (GDN, QSA, GDN, GDN, QSA) whose knobs the tests vary."""
     types = ["linear_attention", QSA_TYPE, "linear_attention", "linear_attention", QSA_TYPE][:layers]
     return Qwen4ExpTextConfig(
@@ -33,7 +34,7 @@ def make_config(budget=12, ple_layer_ids=(1,), hc_count=3, num_experts=4, top_k=
         num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=True, hc_count=hc_count, hc_lowrank=8,
         layer_types=types, ple_layer_ids=list(ple_layer_ids), ple_embed_dim=32, ngram_size=3, heads_per_ngram=2,
         ngram_vocab_size_base=50, split_ngram_parts=4,
-        indexer_n_heads=indexer_heads, indexer_kv_heads=1, indexer_head_dim=12, indexer_budget=budget, indexer_compress_ratio=4,
+        indexer_n_heads=indexer_heads, indexer_kv_heads=1, indexer_head_dim=12, indexer_budget=budget, indexer_compress_ratio=compress_ratio,
         eos_token_id=EOS, max_position_embeddings=512,
         rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
     )

@@ -27,9 +27,16 @@ class EngineConfig:
                                  "float16")
     device: str = _option("auto", "auto, cpu, cuda or cuda:N")
     max_model_len: int | None = _option(None, "longest prompt + output in tokens (default: the model's limit)")
-    block_size: int = _option(16, "tokens per KV-cache page (power of two)")
+    block_size: int | None = _option(
+        None, "tokens per KV-cache page (default: the smallest multiple of 16 that the model's QSA compress ratio and "
+              "--dcp-interleave-size divide; cache/geometry.py)")
     enable_prefix_caching: bool | None = _option(
-        None, "reuse KV pages of identical prompt prefixes (default: on, off for hybrid models)")
+        None, "reuse KV pages of identical prompt prefixes, with recurrent-state snapshots for hybrid models "
+              "(default: on, off for hybrid models)")
+    prefix_state_interval: int | None = _option(
+        None, "hybrid models with prefix caching: tokens between two recurrent-state snapshots, a multiple of the "
+              "engine block (default: every block while a snapshot costs no more than one block of KV, else the "
+              "fewest blocks whose KV costs one snapshot)")
     max_num_batched_tokens: int | None = _option(
         None, "per-step token budget shared by prefill chunks and decodes (default 2048 CPU / 8192 GPU)")
     max_num_seqs: int = _option(256, "most sequences running at once")
@@ -90,9 +97,10 @@ class EngineConfig:
             raise InvalidRequestError("device", f"must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidRequestError("device", "CUDA was requested but no CUDA device is available")
-        _check_int("block_size", self.block_size, 1)
-        if self.block_size & (self.block_size - 1):
-            raise InvalidRequestError("block_size", f"must be a power of two, got {self.block_size}")
+        if self.block_size is not None:  # the model's constraints are checked once it is known (cache/geometry.py)
+            _check_int("block_size", self.block_size, 1)
+        if self.prefix_state_interval is not None:
+            _check_int("prefix_state_interval", self.prefix_state_interval, 1)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 1)
         if self.max_num_batched_tokens is not None:
@@ -138,7 +146,7 @@ class EngineConfig:
         tp, dcp = self.tensor_parallel_size, self.decode_context_parallel_size
         if tp % dcp:
             raise InvalidRequestError("decode_context_parallel_size", f"must divide tensor_parallel_size ({tp}); got {dcp}")
-        if self.block_size % self.dcp_interleave_size:
+        if self.block_size is not None and self.block_size % self.dcp_interleave_size:
             raise InvalidRequestError(
                 "dcp_interleave_size", f"must divide block_size ({self.block_size}); got {self.dcp_interleave_size}")
         if self.dcp_comm_backend not in ("ag_rs", "a2a"):

@@ -77,7 +77,7 @@ def test_corrupt_gguf(tmp_path, smollm2_gguf_path):
 
 def test_bad_engine_args():
     with pytest.raises(InvalidRequestError, match="block_size"):
-        LLM(block_size=3, progress=False)
+        LLM(block_size=0, progress=False)
     with pytest.raises(InvalidRequestError, match="dtype"):
         LLM(dtype="int8", progress=False)
     with pytest.raises(TypeError, match="unknown engine arguments"):

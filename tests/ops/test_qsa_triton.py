@@ -317,6 +317,12 @@ INTERPRETER_CHECKS = [
     ("sparse_runs_fp16_splits", lambda: check_sparse_runs("cpu", torch.float16, r=2, budget=16, splits=2)),
     ("sparse_runs_prefetch", lambda: check_sparse_runs("cpu", torch.float32, splits=2, prefetch=True)),
     ("fused_selection_fp32", lambda: check_fused_selection("cpu", torch.float32)),
+    # A compress ratio that is not a power of two, on the page the engine picks for it (48 tokens):
+    # scoring, prefill scoring and the fused selection take any ratio, the sparse kernel any page.
+    ("scores_ratio3_page48", lambda: check_scores("cpu", torch.float32, r=3, page=48)),
+    ("prefill_scores_ratio3_page48", lambda: check_prefill_scores("cpu", torch.float32, r=3, page=48)),
+    ("fused_selection_ratio3_page48", lambda: check_fused_selection("cpu", torch.float32, r=3, page=48, budget=12)),
+    ("sparse_fp32_page48", lambda: check_sparse("cpu", torch.float32, page=48)),
 ]
 
 

@@ -55,10 +55,22 @@ class EngineSnapshot:
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Hybrid models: recurrent-state snapshots of the prefix cache (engine/state_cache.py).
+    prefix_state_hits: int = 0
+    prefix_state_misses: int = 0
+    prefix_state_snapshots: int = 0
+    prefix_state_snapshot_bytes: int = 0
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_unfinished_requests: int = 0
+
+
+def _state_cache_counters(cache) -> dict:
+    if cache is None:
+        return {}
+    return dict(prefix_state_hits=cache.stats.hits, prefix_state_misses=cache.stats.misses,
+                prefix_state_snapshots=cache.num_cached, prefix_state_snapshot_bytes=cache.nbytes)
 
 
 class RequestStream:
@@ -344,6 +356,7 @@ class AsyncLLMEngine:
             kv_cache_usage=bm.usage,
             prefix_cache_queries=bm.stats.queries,
             prefix_cache_hits=bm.stats.hits,
+            **_state_cache_counters(bm.state_cache),
             num_preemptions=e.scheduler.num_preemptions,
             prompt_tokens=e.stats["prompt_tokens"],
             generation_tokens=e.stats["generation_tokens"],

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from qsaserve.engine.block_manager import BlockTables
+from qsaserve.engine.block_manager import BlockTables, StateSnapshotPlan
 from qsaserve.engine.sampler import to_device
 from qsaserve.engine.scheduler import ScheduledChunk
 from qsaserve.engine.sequence import Sequence
@@ -27,6 +27,7 @@ class BatchInput:
     logits_indices: list[int]  # token rows whose logits the runner returns, in this order
     state_slots: list[int]  # recurrent-state slot per sequence (hybrid models); a sequence whose
     # chunk starts at position 0 begins from a fresh state
+    state_snapshots: StateSnapshotPlan | None = None  # the hybrid prefix cache's copies this step
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_tables, np.ndarray):

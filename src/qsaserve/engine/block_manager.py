@@ -6,6 +6,12 @@ hold a hash stay in the free list as cached blocks; a new prefix can revive them
 evicted, least recently freed first. Block 0 is the null block: never allocated, used as padding
 in block tables so kernels always index valid memory.
 
+Hybrid models (recurrent state beside the KV) reuse a prefix only up to a block boundary where the
+state cache (state_cache.py) holds a snapshot of the state, keyed by the same chain hash: a hit is
+the deepest such boundary inside the cached KV chain, and its snapshot is restored into the
+sequence's state slot before its first step. Snapshots are planned per step
+(plan_state_snapshots) and published with the blocks they end.
+
 Besides each sequence's own list, the block tables are mirrored into one persistent int32 array
 (BlockTables), written only when a block is appended or freed, so a step's tables are one gather
 instead of a nested list rebuilt every step.
@@ -20,6 +26,7 @@ import xxhash
 
 from qsaserve.cache.kv_cache import blocks_for, usable_blocks
 from qsaserve.engine.sequence import Sequence
+from qsaserve.engine.state_cache import StateSnapshotCache
 
 NULL_BLOCK = 0
 
@@ -73,6 +80,28 @@ class Block:
     hash: int | None = None  # set once the block is full and its KV is computed
 
 
+class CachedPrefix(list):
+    """Block ids of a cached prefix (a list); state_row: the snapshot row to restore with it
+    (hybrid models), None when the prefix needs no state or is empty."""
+
+    state_row: int | None = None
+
+
+@dataclass
+class StateSnapshotPlan:
+    """One step's state-snapshot copies (picklable: every rank applies the same plan)."""
+
+    restore_rows: list[int]  # before the step: snapshot row -> state slot
+    restore_slots: list[int]
+    save_slots: list[int]  # after the step: state slot -> snapshot row (chunks ending on a boundary)
+    save_rows: list[int]
+    interior_offsets: list[list[int]]  # per chunk of the step: boundaries strictly inside it
+    interior_rows: list[int]  # their rows, chunk by chunk
+
+    def __bool__(self) -> bool:
+        return bool(self.restore_rows or self.save_rows or self.interior_rows)
+
+
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
@@ -84,7 +113,8 @@ class PrefixCacheStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_state_slots: int = 1 << 16):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool, num_state_slots: int = 1 << 16,
+                 state_cache: StateSnapshotCache | None = None):
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks (one is the null block), got {num_blocks}")
         self.block_size = block_size
@@ -99,6 +129,8 @@ class BlockManager:
         # blocks. Slot 0 is the padding slot, like the null block.
         self.free_state_slots = list(range(num_state_slots - 1, 0, -1))
         self.tables = BlockTables()
+        self.state_cache = state_cache if enable_prefix_caching else None
+        self._launched_restores: list[int] = []
 
     # ---- capacity ----
     @property
@@ -122,7 +154,7 @@ class BlockManager:
         since the last position's logits are needed."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
-        hits: list[int] = []
+        hits, hashes = CachedPrefix(), []
         parent = None
         for i in range((seq.num_tokens - 1) // self.block_size):
             h = chain_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
@@ -130,8 +162,19 @@ class BlockManager:
             if block_id is None:
                 break
             hits.append(block_id)
+            hashes.append(h)
             parent = h
-        return hits
+        if self.state_cache is None:
+            return hits
+        # The deepest snapshot boundary inside the KV chain.
+        per = self.state_cache.interval // self.block_size
+        for n in range(len(hits) // per * per, 0, -per):
+            row = self.state_cache.find(hashes[n - 1])
+            if row is not None:
+                prefix = CachedPrefix(hits[:n])
+                prefix.state_row = row
+                return prefix
+        return CachedPrefix()
 
     def record_lookup(self, num_prompt_tokens: int, num_hit_tokens: int) -> None:
         self.stats.queries += num_prompt_tokens
@@ -157,6 +200,13 @@ class BlockManager:
             seq.state_slot = self.free_state_slots.pop()
         if seq.table_row is None:
             seq.table_row = self.tables.acquire()
+        if self.state_cache is not None and isinstance(cached_blocks, CachedPrefix):
+            if cached_blocks.state_row is not None:
+                self.state_cache.acquire(cached_blocks.state_row)
+                seq.restore_state_row = cached_blocks.state_row
+                self.state_cache.stats.hits += 1
+            else:
+                self.state_cache.stats.misses += 1
         old_len = len(table)
         if cached_blocks:
             hashes = self.block_hashes.setdefault(seq.seq_id, [])
@@ -190,8 +240,6 @@ class BlockManager:
             return
         hashes = self.block_hashes.setdefault(seq.seq_id, [])
         num_full = seq.num_computed_tokens // self.block_size
-        if num_full == len(hashes):
-            return
         for i in range(len(hashes), num_full):
             parent = hashes[-1] if hashes else None
             h = chain_hash(parent, seq.token_ids[i * self.block_size : (i + 1) * self.block_size])
@@ -201,6 +249,11 @@ class BlockManager:
                 block.hash = h
                 # First writer wins; a duplicate block with equal content is simply not shared.
                 self.hash_to_block.setdefault(h, block.block_id)
+        if seq.pending_state_saves:  # snapshots written by the steps these blocks came from
+            done = [(b, row) for b, row in seq.pending_state_saves if b <= seq.num_computed_tokens]
+            seq.pending_state_saves = seq.pending_state_saves[len(done):]
+            for b, row in done:
+                self.state_cache.publish(row, hashes[b // self.block_size - 1])
 
     def free_seq(self, seq: Sequence, cacheable: bool = True) -> None:
         """Release seq's blocks. Tail blocks are queued for eviction before head blocks, since
@@ -224,8 +277,57 @@ class BlockManager:
             self.free_state_slots.append(seq.state_slot)
             seq.state_slot = None
         self.block_hashes.pop(seq.seq_id, None)
+        if seq.restore_state_row is not None:  # admitted, never launched
+            self.state_cache.release(seq.restore_state_row)
+            seq.restore_state_row = None
+        for _, row in seq.pending_state_saves:
+            self.state_cache.drop(row)
+        seq.pending_state_saves = []
+
+    # ---- recurrent-state snapshots (hybrid models) ----
+    def plan_state_snapshots(self, chunks) -> StateSnapshotPlan | None:
+        """The step's snapshot copies: restores for sequences starting from a cached prefix, and a
+        row for every snapshot boundary (a multiple of the interval) a chunk reaches, written after
+        the step when the chunk ends on it, by the model inside the chunk otherwise. A boundary
+        gets no snapshot when every row is in use. None when there is nothing to copy."""
+        cache = self.state_cache
+        if cache is None:
+            return None
+        interval = cache.interval
+        plan = StateSnapshotPlan([], [], [], [], [], [])
+        for chunk in chunks:
+            seq = chunk.seq
+            if seq.restore_state_row is not None:
+                plan.restore_rows.append(seq.restore_state_row)
+                plan.restore_slots.append(seq.state_slot)
+                self._launched_restores.append(seq.restore_state_row)
+                seq.restore_state_row = None
+            start = seq.num_computed_tokens
+            end = start + chunk.num_new_tokens
+            inside = []
+            for b in range((start // interval + 1) * interval, end + 1, interval):
+                row = cache.reserve()
+                if row is None:
+                    break
+                seq.pending_state_saves.append((b, row))
+                if b == end:
+                    plan.save_slots.append(seq.state_slot)
+                    plan.save_rows.append(row)
+                else:
+                    inside.append(b - start)
+                    plan.interior_rows.append(row)
+            plan.interior_offsets.append(inside)
+        return plan if plan else None
+
+    def release_launched_restores(self) -> None:
+        """The step's restores are launched (stream-ordered before any later write to their rows)."""
+        for row in self._launched_restores:
+            self.state_cache.release(row)
+        self._launched_restores.clear()
 
     def reset_prefix_cache(self) -> None:
+        if self.state_cache is not None:
+            self.state_cache.reset()
         for block_id in self.free:
             self.blocks[block_id].hash = None
         self.hash_to_block = {h: b for h, b in self.hash_to_block.items() if self.blocks[b].ref_count > 0}

@@ -44,6 +44,10 @@ class StepMetadata(AttentionMetadata):
     `state_slots_t` (int64 [B]) instead of the host list, whose values a graph cannot see."""
 
     state_slots_t: torch.Tensor | None = None
+    # Prefill steps of the hybrid prefix cache (models/interfaces.py SupportsStateSnapshots): per
+    # sequence, the chunk offsets whose state goes to a snapshot row, and those rows (int64).
+    snapshot_offsets: list[list[int]] | None = None
+    snapshot_rows: torch.Tensor | None = None
 
 
 class PinnedStaging:

@@ -18,8 +18,10 @@ from qsaserve.engine.batch import PLACEHOLDER_TOKEN, LogitsPlan, TokenFeed, buil
 from qsaserve.engine.block_manager import BlockManager
 from qsaserve.engine.detokenizer import detokenize_incrementally
 from qsaserve.engine.executor import make_executor
+from qsaserve.engine.model_runner import resolve_block_size
 from qsaserve.engine.sampler import DeferredTokens, SampledToken, prompt_logprobs_for, sample, sample_deferred
 from qsaserve.engine.scheduler import Scheduler, SchedulerOutput
+from qsaserve.engine.state_cache import StateSnapshotCache
 from qsaserve.engine.sequence import Sequence
 from qsaserve.errors import InvalidRequestError
 from qsaserve.loader.resolve import dummy_checkpoint, load_checkpoint, resolve_model
@@ -65,12 +67,14 @@ class LLMEngine:
         self.max_model_len = resolve_max_model_len(config, hf)
         self.eos_token_ids = _eos_ids(hf, self.tokenizer)
         check_model_parallel(hf, config.tensor_parallel_size, config.decode_context_parallel_size)
+        self.config = config = resolve_block_size(config, hf)
         prefix_caching = self._prefix_caching(config, hf)
 
         self.executor = make_executor(config, checkpoint, self.max_model_len, progress=progress)
         try:
             block_size = self._check_kv_capacity()
-            self.block_manager = BlockManager(self.executor.num_kv_blocks, block_size, prefix_caching, config.num_state_slots)
+            self.block_manager = BlockManager(self.executor.num_kv_blocks, block_size, prefix_caching, config.num_state_slots,
+                                              self._state_cache(prefix_caching))
         except BaseException:
             self.executor.shutdown()
             raise
@@ -111,21 +115,29 @@ class LLMEngine:
             )
         return block_size
 
+    def _state_cache(self, prefix_caching: bool) -> StateSnapshotCache | None:
+        """The recurrent-state half of a hybrid model's prefix cache, logged with its memory."""
+        ex = self.executor
+        if not prefix_caching or not ex.num_state_snapshots:
+            return None
+        cache = StateSnapshotCache(ex.num_state_snapshots, ex.state_interval, ex.state_snapshot_bytes)
+        per_rank = " per rank" if self.config.tensor_parallel_size > 1 else ""
+        logger.info("prefix cache: recurrent-state snapshots every %d tokens, %d x %.1f KiB = %.1f MiB%s (one per %d "
+                    "tokens of KV the cache holds)", cache.interval, cache.num_rows, cache.row_bytes / 1024,
+                    cache.nbytes / 2**20, per_rank, cache.interval)
+        return cache
+
     def check_health(self) -> None:
         """Raises EngineDeadError when a worker rank has died (the server reports it)."""
         self.executor.check_health()
 
     @staticmethod
     def _prefix_caching(config: EngineConfig, hf_config: dict) -> bool:
+        """On by default; hybrid models (whose hits also restore a recurrent-state snapshot) only
+        when asked for."""
         if not is_hybrid(hf_config):
             return config.enable_prefix_caching is not False
-        if config.enable_prefix_caching:
-            raise InvalidRequestError(
-                "enable_prefix_caching",
-                "not supported for hybrid models (Qwen4Exp): a cached KV prefix would also need the GDN/PLE "
-                "recurrent state at that block boundary, which is not snapshotted; leave it unset or pass False",
-            )
-        return False
+        return bool(config.enable_prefix_caching)
 
     # ---- requests ----
     def add_request(
@@ -229,7 +241,11 @@ class LLMEngine:
             return results
         batch, plan = build_batch(sched.chunks, self.block_manager.tables, self.executor.block_size,
                                   sched.all_decode)
+        if self.block_manager.state_cache is not None:
+            batch.state_snapshots = self.block_manager.plan_state_snapshots(sched.chunks)
         logits = self.executor.execute(batch, feed) if feed is not None else self.executor.execute(batch)
+        if self.block_manager.state_cache is not None:
+            self.block_manager.release_launched_restores()
         num_sampled = len(plan.sample_seqs)
         if (self.config.async_scheduling and num_sampled and not plan.prompt_logprob_spans
                 and not any(s.uses_penalties for s in plan.sample_seqs)):

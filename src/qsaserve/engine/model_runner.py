@@ -16,16 +16,18 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from qsaserve.cache.geometry import (CacheSplit, check_state_interval, choose_block_size, default_state_interval,
+                                     split_cache_budget)
 from qsaserve.cache.kv_cache import LayerCache, allocate_kv_cache
 from qsaserve.config import EngineConfig
-from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, TokenFeed
+from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, StateSnapshotPlan, TokenFeed
 from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata
 from qsaserve.errors import InvalidRequestError
 from qsaserve.models.interfaces import (CausalLM, RowTable, side_tables_allow_cuda_graphs, supports_cuda_graph,
                                         supports_dcp_cuda_graph, supports_dummy_weights, supports_recurrent_state,
-                                        supports_side_tables, supports_v_offsets)
+                                        supports_side_tables, supports_state_snapshots, supports_v_offsets)
 from qsaserve.models.ple_table import dummy_ple_tables, is_table_tensor, open_ple_tables
-from qsaserve.models.registry import build_model, kv_rotation_unsupported
+from qsaserve.models.registry import build_model, kv_block_multiple, kv_rotation_unsupported
 from qsaserve.parallel.dcp import DcpGeometry
 from qsaserve.parallel.state import ParallelContext
 from qsaserve.quant.kv_scales import CheckpointScales, resolve_kv_cache
@@ -36,9 +38,21 @@ logger = logging.getLogger("qsaserve")
 CPU_KV_CACHE_BYTES = 1 << 30
 
 
+def resolve_block_size(config: EngineConfig, hf_config: dict) -> EngineConfig:
+    """config with its block_size fitted to the model (cache/geometry.py): the user's, checked, or
+    the engine's choice, logged with the reason."""
+    geometry = choose_block_size(config.block_size, kv_block_multiple(hf_config), config.dcp_interleave_size)
+    if geometry.block_size == config.block_size:
+        return config
+    logger.info("block size: %d tokens per KV page, %s", geometry.block_size, geometry.reason)
+    return dataclasses.replace(config, block_size=geometry.block_size)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, checkpoint, max_model_len: int, progress: bool = False,
                  parallel: ParallelContext | None = None, device: torch.device | None = None):
+        if config.block_size is None:  # built directly, not through an engine that resolved it
+            config = resolve_block_size(config, checkpoint.hf_config)
         self.config = config
         self.parallel = parallel or ParallelContext(dcp=DcpGeometry(block_size=config.block_size))
         self.device = device or config.torch_device
@@ -75,7 +89,15 @@ class ModelRunner:
             # Recurrent per-request state (GDN, PLE): one slot per sequence that can run at once,
             # plus slot 0, the scratch slot of padding rows.
             model.allocate_state(config.num_state_slots, self.device)
+        # The hybrid prefix cache keeps state snapshots every state_interval tokens (0: none).
+        self.state_snapshot_bytes = self.state_interval = 0
+        if config.enable_prefix_caching and supports_state_snapshots(model):
+            self.state_snapshot_bytes = model.state_snapshot_bytes()
+            self.state_interval = config.prefix_state_interval or default_state_interval(
+                self.kv_spec.block_size, self.state_snapshot_bytes, self.kv_spec.bytes_per_block)
+            check_state_interval(self.state_interval, self.kv_spec.block_size)
         self._stage64 = PinnedStaging(torch.long, 4096, self.device)
+        self._stage_snapshots = PinnedStaging(torch.long, 256, self.device)
         self._stage32 = PinnedStaging(torch.int32, 4096, self.device)
         self.graphs: DecodeGraphs | None = None
         self.graphs_off_reason = self._graphs_off_reason()
@@ -226,7 +248,17 @@ class ModelRunner:
         self.bind_kv_cache([])
         del scratch
 
-    def init_kv_cache(self, num_blocks: int) -> None:
+    def split_cache_budget(self, budget_bytes: int) -> CacheSplit:
+        """KV blocks and state-snapshot rows a budget holds (cache/geometry.py)."""
+        spec = self.kv_spec
+        return split_cache_budget(budget_bytes, spec.bytes_per_block, spec.block_size, self.state_snapshot_bytes,
+                                  self.state_interval)
+
+    def init_kv_cache(self, num_blocks: int, num_state_snapshots: int = 0) -> None:
+        if num_state_snapshots:  # before graph capture: the pool regroups the state tensors the graphs read
+            self.model.allocate_state_snapshots(num_state_snapshots)
+            if self.device.type == "cuda":  # the state's old tensors, freed by the regrouping, go back before the KV
+                torch.cuda.empty_cache()
         self.bind_kv_cache(self.kv_quant.attach(allocate_kv_cache(self.kv_spec, num_blocks, self.device)))
         self._warm_up_kernels()
         if self.graphs_off_reason is None:
@@ -267,17 +299,38 @@ class ModelRunner:
         observers, which force eager steps, run only with one rank)."""
         if feed is not None and self.parallel.tp_size > 1:
             feed = FeedAcrossRanks(feed, self.parallel)
+        snapshots = self._stage_snapshot_plan(batch.state_snapshots)
+        logits = None
         if self.graphs is not None and not self._observing():
             bucket = self.graphs.bucket_for(batch)
             if bucket is not None:
-                return self.graphs.replay(batch, bucket, feed)
-        return self._execute_eager(batch, feed)
+                logits = self.graphs.replay(batch, bucket, feed)
+        if logits is None:
+            logits = self._execute_eager(batch, feed, snapshots)
+        if snapshots is not None and snapshots[3].numel():  # after the step (and outside any graph)
+            self.model.save_state_snapshots(snapshots[2], snapshots[3])
+        return logits
+
+    def _stage_snapshot_plan(self, plan: StateSnapshotPlan | None):
+        """Uploads the plan's rows and slots (one non_blocking copy) and launches its restores;
+        returns the device views (restore rows, restore slots, save slots, save rows, interior
+        rows), or None without a plan."""
+        if plan is None:
+            return None
+        counts = [len(plan.restore_rows), len(plan.restore_rows), len(plan.save_slots), len(plan.save_rows),
+                  len(plan.interior_rows)]
+        flat = self._stage_snapshots.upload(plan.restore_rows + plan.restore_slots + plan.save_slots + plan.save_rows
+                                            + plan.interior_rows)
+        views = list(torch.split(flat, counts))
+        if counts[0]:
+            self.model.restore_state_snapshots(views[0], views[1])
+        return views
 
     def _observing(self) -> bool:
         """A cache-write observer (calibration) runs host code a graph would skip."""
         return any(layer.cache is not None and layer.cache.observer is not None for layer in self.attention_layers)
 
-    def _execute_eager(self, batch: BatchInput, feed: TokenFeed | None = None) -> torch.Tensor:
+    def _execute_eager(self, batch: BatchInput, feed: TokenFeed | None = None, snapshots=None) -> torch.Tensor:
         t, b, n_rows = len(batch.input_ids), len(batch.query_lens), len(batch.logits_indices)
         tables = batch.block_tables
         width = tables.shape[1]
@@ -301,6 +354,8 @@ class ModelRunner:
             state_slots=batch.state_slots,
             state_slots_t=d64[3 * t + n_rows :],
         )
+        if snapshots is not None and snapshots[4].numel():
+            meta.snapshot_offsets, meta.snapshot_rows = batch.state_snapshots.interior_offsets, snapshots[4]
         if self.parallel.dcp.enabled:
             meta.dcp = self.parallel.dcp.step_plan(batch.positions, batch.query_lens, batch.seq_lens, batch.block_tables,
                                                    self.device)

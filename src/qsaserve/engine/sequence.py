@@ -54,6 +54,10 @@ class Sequence:
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache on first schedule
         self.num_preemptions = 0
+        # Recurrent-state snapshots of the hybrid prefix cache (engine/state_cache.py): the row its
+        # next step restores, and the rows its launched steps write (boundary token count, row).
+        self.restore_state_row: int | None = None
+        self.pending_state_saves: list[tuple[int, int]] = []
 
         # Output state, owned by the engine.
         self.output_text = ""

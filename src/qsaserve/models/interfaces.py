@@ -102,6 +102,38 @@ def supports_recurrent_state(model: object) -> TypeIs[HasRecurrentState]:
     return getattr(model, "has_recurrent_state", False)
 
 
+@runtime_checkable
+class SupportsStateSnapshots(Protocol):
+    """Copies of the recurrent state at block boundaries, for the prefix cache of hybrid models: a
+    pool of snapshot rows beside the state slots, filled and read by device copies only (no host
+    sync). The engine decides what each row holds. Inside a prefill chunk the model writes the
+    state at interior boundaries itself: the step metadata's `snapshot_offsets` (per sequence,
+    chunk offsets strictly inside its chunk) and `snapshot_rows` (int64 device tensor, their rows,
+    sequence by sequence) say where."""
+
+    supports_state_snapshots: ClassVar[Literal[True]] = True
+
+    def state_snapshot_bytes(self) -> int:
+        """Bytes of one snapshot row on this rank (after allocate_state)."""
+        ...
+
+    def allocate_state_snapshots(self, num_rows: int) -> None:
+        """Allocates the pool (after allocate_state, before any step)."""
+        ...
+
+    def save_state_snapshots(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """State slot slots[i] -> snapshot row rows[i] (int64 device tensors), in stream order."""
+        ...
+
+    def restore_state_snapshots(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Snapshot row rows[i] -> state slot slots[i], in stream order."""
+        ...
+
+
+def supports_state_snapshots(model: object) -> TypeIs[SupportsStateSnapshots]:
+    return getattr(model, "supports_state_snapshots", False)
+
+
 @dataclass(frozen=True)
 class SideTableSpec:
     """One layer's row table: how many rows it needs and the width of a row."""

@@ -28,6 +28,16 @@ def is_hybrid(hf_config: dict) -> bool:
     return hf_config.get("model_type", "") in _HYBRID
 
 
+def kv_block_multiple(hf_config: dict) -> int:
+    """Tokens a KV page must be a multiple of for this model: the QSA compress ratio of hybrid
+    models (a page's index page holds whole groups), 1 otherwise (cache/geometry.py)."""
+    if not is_hybrid(hf_config):
+        return 1
+    from qsaserve.models.qwen4exp import parse_config
+
+    return int(parse_config(hf_config).indexer_compress_ratio)
+
+
 def kv_rotation_unsupported(hf_config: dict) -> str | None:
     """Why this model (the checkpoint's config, as build_model takes it) cannot store its K/V in a
     transformed head basis (quant/kv_rotation.py), or None when it can: its class must declare

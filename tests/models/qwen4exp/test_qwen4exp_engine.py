@@ -107,14 +107,6 @@ def test_ple_placements_give_identical_logits(case):
     assert results[0] == results[1] == results[2]
 
 
-def test_prefix_caching_is_refused_clearly(case):
-    _, _, path = case
-    from qsaserve import InvalidRequestError
-
-    with pytest.raises(InvalidRequestError, match="enable_prefix_caching"):
-        LLM(path, dtype="float32", device="cpu", max_model_len=128, enable_prefix_caching=True, progress=False)
-
-
 def test_multimodal_layout_sharded_with_index(case, tmp_path, caplog):
     """A real checkpoint's layout: config with text_config, weights under model.language_model.*,
     vision tensors (skipped with a log line), mtp.* (kept), sharded with an index."""

@@ -8,8 +8,8 @@ from qsaserve.quant.kv_scales import KVCacheQuant
 
 
 class Rank0Views:
-    """Subclasses set self.runner (rank 0's ModelRunner), self.kv_spec, self.kv_budget_bytes and
-    self.num_kv_blocks, and implement execute, check_health and shutdown."""
+    """Subclasses set self.runner (rank 0's ModelRunner), self.kv_spec, self.kv_budget_bytes,
+    self.num_kv_blocks and self.num_state_snapshots, and implement execute, check_health and shutdown."""
 
     @property
     def device(self) -> torch.device:
@@ -19,6 +19,16 @@ class Rank0Views:
     def block_size(self) -> int:
         """Tokens per engine block (block manager and block tables)."""
         return self.kv_spec.block_size
+
+    @property
+    def state_interval(self) -> int:
+        """Tokens between two recurrent-state snapshots of the prefix cache (0: no snapshots)."""
+        return self.runner.state_interval
+
+    @property
+    def state_snapshot_bytes(self) -> int:
+        """Bytes of one recurrent-state snapshot on each rank (0: no snapshots)."""
+        return self.runner.state_snapshot_bytes
 
     def capacity(self, max_model_len: int):
         """(this layout, DCP1) KV capacity at the same per-rank memory (parallel.dcp.KVCapacity)."""

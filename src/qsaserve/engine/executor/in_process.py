@@ -16,9 +16,10 @@ class InProcessExecutor(Rank0Views):
         self.runner = ModelRunner(config, checkpoint, max_model_len, progress=progress)
         self.kv_spec = self.runner.kv_spec
         self.kv_budget_bytes = self.runner.kv_cache_budget_bytes()
-        self.num_kv_blocks = self.kv_spec.num_blocks_for(self.kv_budget_bytes)
+        split = self.runner.split_cache_budget(self.kv_budget_bytes)
+        self.num_kv_blocks, self.num_state_snapshots = split.num_blocks, split.num_snapshots
         if self.num_kv_blocks >= 2:
-            self.runner.init_kv_cache(self.num_kv_blocks)
+            self.runner.init_kv_cache(self.num_kv_blocks, self.num_state_snapshots)
 
     def check_health(self) -> None:
         """Raises EngineDeadError when a rank is dead; one in-process rank is alive while we are."""

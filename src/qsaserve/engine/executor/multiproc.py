@@ -102,7 +102,7 @@ class MultiprocExecutor(Rank0Views):
         self.control = result["control"]
         self._steps = (PipeSender([w.step_write_fd for w in self.workers]) if self.config.nnodes == 1
                        else GlooBroadcast(self.control))
-        self.runner, self.num_kv_blocks, self.kv_budget_bytes = result["runner"]
+        self.runner, self.num_kv_blocks, self.kv_budget_bytes, self.num_state_snapshots = result["runner"]
         if self.config.torch_device.type == "cuda":
             torch.cuda.set_device(self.runner.device)  # the side thread's choice is per-thread
         self.kv_spec = self.runner.kv_spec

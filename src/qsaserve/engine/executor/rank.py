@@ -90,7 +90,8 @@ def init_rank(spec: WorkerSpec) -> tuple[ParallelContext, torch.device, object]:
 
 def build_runner(spec: WorkerSpec, ctx: ParallelContext, device: torch.device, control, checkpoint=None,
                  progress: bool = False):
-    """Load this rank's shard and allocate its KV cache with the block count every rank can hold."""
+    """Load this rank's shard and allocate its KV cache (and state snapshots) with the counts every
+    rank can hold."""
     if checkpoint is None:
         from qsaserve.loader.resolve import dummy_checkpoint, load_checkpoint
 
@@ -98,13 +99,14 @@ def build_runner(spec: WorkerSpec, ctx: ParallelContext, device: torch.device, c
         checkpoint = dummy_checkpoint(c.model) if c.load_format == "dummy" else load_checkpoint(spec.model_path, progress=False)
     runner = ModelRunner(spec.config, checkpoint, spec.max_model_len, progress=progress, parallel=ctx, device=device)
     budget = runner.kv_cache_budget_bytes()
-    agreed = torch.tensor([runner.kv_spec.num_blocks_for(budget), budget], dtype=torch.int64)
+    split = runner.split_cache_budget(budget)
+    agreed = torch.tensor([split.num_blocks, budget, split.num_snapshots], dtype=torch.int64)
     dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=control)
-    num_blocks, budget = int(agreed[0]), int(agreed[1])
+    num_blocks, budget, num_snapshots = (int(x) for x in agreed)
     if num_blocks >= 2:
-        runner.init_kv_cache(num_blocks)  # every rank captures the same buckets, in the same order
+        runner.init_kv_cache(num_blocks, num_snapshots)  # every rank captures the same buckets, in the same order
         agree_on_graphs(runner, control)
-    return runner, num_blocks, budget
+    return runner, num_blocks, budget, num_snapshots
 
 
 def agree_on_graphs(runner, control) -> bool:

@@ -76,7 +76,7 @@ def worker_main(spec: WorkerSpec, error_fd: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // per_node))
     try:
         ctx, device, control = init_rank(spec)
-        runner, num_blocks, _ = build_runner(spec, ctx, device, control)
+        runner, num_blocks, _, _ = build_runner(spec, ctx, device, control)
         if num_blocks < 2:
             return  # rank 0 refuses the configuration and closes the world
         steps = PipeReceiver(spec.step_fd) if spec.step_fd is not None else GlooBroadcast(control)

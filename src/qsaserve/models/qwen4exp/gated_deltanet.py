@@ -8,10 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from qsaserve.models.qwen4exp.sharding import RankLayout
+from qsaserve.models.qwen4exp.snapshots import state_windows
 from qsaserve.models.qwen4exp.state import GDNState, Step
 from qsaserve.models.qwen4exp.weights import PackedWeight, ShardLoader, Weight, parameter
-from qsaserve.ops.gdn import (causal_conv1d_reference, conv1d_decode_, delta_rule_decode_, gated_delta_rule, gated_norm,
-                              gdn_gates)
+from qsaserve.ops.gdn import (causal_conv1d_reference, conv1d_decode_, delta_rule_decode_, gated_delta_rule,
+                              gated_delta_rule_with_states, gated_norm, gdn_gates)
 
 
 class GatedDeltaNet(nn.Module):
@@ -66,15 +67,31 @@ class GatedDeltaNet(nn.Module):
             o = delta_rule_decode_(q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv), g, beta, st.recurrent,
                                    slot_idx, step.fresh)
         else:
-            conv, new_conv = causal_conv1d_reference(mixed.t()[None], conv_weight, None, st.conv[slot_idx],
+            old_conv = st.conv[slot_idx]
+            conv, new_conv = causal_conv1d_reference(mixed.t()[None], conv_weight, None, old_conv,
                                                      activation=self.activation, cu_seqlens=step.cu_seqlens)
             st.conv[slot_idx] = new_conv
             q, k, v = torch.split(conv[0].t(), [hk * dk, hk * dk, hv * dv], dim=-1)
-            o, final = gated_delta_rule(
-                q.reshape(1, t, hk, dk), k.reshape(1, t, hk, dk), v.reshape(1, t, hv, dv), g[None], beta[None],
-                st.recurrent[slot_idx], step.cu_seqlens, single_token=t == len(step.spans),
-            )
+            args = (q.reshape(1, t, hk, dk), k.reshape(1, t, hk, dk), v.reshape(1, t, hv, dv), g[None], beta[None],
+                    st.recurrent[slot_idx])
+            if step.snapshots is None:
+                o, final = gated_delta_rule(*args, step.cu_seqlens, single_token=t == len(step.spans))
+            else:  # the prefix cache wants the state at block boundaries inside the chunks
+                o, final, states = gated_delta_rule_with_states(*args, step.spans, step.snapshots.offsets)
+                self._snapshot_prefill(mixed, old_conv, states, step)
             o = o[0]
             st.recurrent[slot_idx] = final.float()
         o = gated_norm(o, z, self.norm.weight, self.eps, self.output_activation)
         return self.ctx.all_reduce(F.linear(o.reshape(t, hv * dv), self.out_proj.weight))
+
+    def _snapshot_prefill(self, mixed: torch.Tensor, old_conv: torch.Tensor, recurrent: torch.Tensor,
+                          step: Step) -> None:
+        """Writes the states at step.snapshots' chunk offsets into the snapshot pool: the conv state
+        there is the last Kc-1 conv inputs before the offset (the old state ++ the chunk's inputs),
+        the delta-rule state comes from gated_delta_rule_with_states."""
+        snaps, pools = step.snapshots, self.state.snapshot_pools
+        span = old_conv.shape[-1]
+        conv = [state_windows(torch.cat([old_conv[i], mixed[a:b].t().to(old_conv.dtype)], dim=-1), cut, span)
+                for i, ((a, b), cut) in enumerate(zip(step.spans, snaps.offsets)) if cut]
+        pools["conv"].index_copy_(0, snaps.rows, torch.cat(conv))
+        pools["recurrent"].index_copy_(0, snaps.rows, recurrent)

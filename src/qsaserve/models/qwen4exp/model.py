@@ -16,8 +16,9 @@ from qsaserve.cache.kv_cache import KVCacheSpec
 from qsaserve.layers.attention import AttentionMetadata
 from qsaserve.layers.vocab_parallel import vocab_parallel_embedding, vocab_parallel_logits
 from qsaserve.models.interfaces import (HasRecurrentState, HasSideTables, RowTable, SideTableSpec, SupportsCudaGraphs,
-                                        SupportsDcpCudaGraphs, SupportsDummyWeights)
+                                        SupportsDcpCudaGraphs, SupportsDummyWeights, SupportsStateSnapshots)
 from qsaserve.models.qwen4exp import state as slot_state
+from qsaserve.models.qwen4exp.snapshots import StateSnapshotPool, slot_bytes
 from qsaserve.models.qwen4exp.config import parse_config, validate_config
 from qsaserve.models.qwen4exp.decoder_layer import Qwen4ExpDecoderLayer
 from qsaserve.models.qwen4exp.hyper_connection import HyperConnection, hc_expand
@@ -54,7 +55,7 @@ class Qwen4ExpModel(nn.Module):
 
 
 class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsCudaGraphs, SupportsDcpCudaGraphs,
-                          SupportsDummyWeights):
+                          SupportsDummyWeights, SupportsStateSnapshots):
     # CUDA graphs: steps where every sequence decodes one token take a path free of host syncs and
     # of data-dependent shapes (state.build_step), DCP slots included (derived on the device).
 
@@ -72,6 +73,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsC
         self.inv_freq = rope_inv_freq(cfg.head_dim, rotary / cfg.head_dim, cfg.rope_parameters["rope_theta"])
         self.mtp_weights: dict[str, torch.Tensor] = {}  # the MTP draft head, for speculative decoding
         self._states: list[slot_state.SlotState] = []  # slot_states(), once allocated
+        self._snapshots: StateSnapshotPool | None = None  # the prefix cache's state snapshots
         _plain_attribute_reads(self)
 
     # ---- structure ----
@@ -121,6 +123,19 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsC
                 block.allocate_state(num_slots, dtype, device)
         self._states = self.slot_states()
         slot_state.log_allocation(num_slots, self._states)
+
+    # ---- state snapshots (prefix caching; snapshots.py) ----
+    def state_snapshot_bytes(self) -> int:
+        return slot_bytes(self._states)
+
+    def allocate_state_snapshots(self, num_rows: int) -> None:
+        self._snapshots = StateSnapshotPool(self._states, num_rows)
+
+    def save_state_snapshots(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        self._snapshots.save(slots, rows)
+
+    def restore_state_snapshots(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        self._snapshots.restore(rows, slots)
 
     # ---- forward ----
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -83,14 +83,23 @@ class PLE(nn.Module):
     def _prefill(self, hyper, input_ids, step: Step) -> torch.Tensor:
         st, w = self.state, self.reference_weights()
         out = torch.empty_like(hyper)
-        for (a, b), slot in zip(step.spans, step.slots):
-            delta, ctx, conv = ple_layer_forward(
+        snaps = step.snapshots
+        ctx_at, conv_at = [], []  # states at the prefix cache's boundaries inside the chunks
+        for i, ((a, b), slot) in enumerate(zip(step.spans, step.slots)):
+            offsets = snaps.offsets[i] if snaps is not None and snaps.offsets[i] else None
+            delta, ctx, conv, *at = ple_layer_forward(
                 hyper[None, a:b], input_ids[None, a:b], w, self.hash_params, self.table, self.hc_count, self.eps,
-                st.ngram_context[slot : slot + 1], st.conv[slot : slot + 1],
+                st.ngram_context[slot : slot + 1], st.conv[slot : slot + 1], state_offsets=offsets,
             )
             out[a:b] = delta[0]
             st.ngram_context[slot] = ctx[0]
             st.conv[slot] = conv[0]
+            if at:
+                ctx_at.append(at[0][:, 0])
+                conv_at.append(at[1][:, 0])
+        if ctx_at:
+            st.snapshot_pools["ngram_context"].index_copy_(0, snaps.rows, torch.cat(ctx_at))
+            st.snapshot_pools["conv"].index_copy_(0, snaps.rows, torch.cat(conv_at))
         return out
 
     def _decode_fused(self, hyper, input_ids, step: Step) -> torch.Tensor:

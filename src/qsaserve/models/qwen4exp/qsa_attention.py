@@ -164,11 +164,16 @@ class QSAAttention(nn.Module):
         r, budget, positions = idx.ratio, idx.budget, step.positions
         iq = iq.to(cache.block_keys.dtype)
         selected = torch.empty((q.shape[0], budget + r - 1), dtype=torch.long, device=q.device)
+        snaps, tails_at = step.snapshots, []
         for s, (a, b) in enumerate(step.spans):
             length, table = meta.seq_lens_list[s], meta.block_tables[s]
+            if snaps is not None and snaps.offsets[s]:
+                tails_at += [_tail_at(tails[step.slots[s]], raw[a:b], o, r) for o in snaps.offsets[s]]
             pool_chunk_groups(tails[step.slots[s]], raw[a:b], length - (b - a), cache.block_keys, table,
                               idx.k_layernorm.weight, step.inv_freq, r, self.eps)
             selected[a:b] = select_prefill(iq[a:b], cache.block_keys, table, positions[a:b], r, budget, length // r)
+        if tails_at:
+            self.state.snapshot_pools["index_tail"].index_copy_(0, snaps.rows, torch.stack(tails_at))
         if dcp.enabled:
             selected = dcp.localize(selected)
         rows = torch.arange(q.shape[0], dtype=meta.cu_query_lens.dtype, device=q.device)
@@ -196,6 +201,15 @@ class QSAAttention(nn.Module):
         attn, lse = sparse_attention_paged(q, cache.kv, tables, selected, self.head_dim**-0.5, None, cache.k_scale,
                                            cache.v_scale, run=self._run(cache), pack=self.ctx.dcp_pack_size)
         return self._output(attn, lse, gate)
+
+
+def _tail_at(tail: torch.Tensor, raw: torch.Tensor, offset: int, r: int) -> torch.Tensor:
+    """The index tail after a chunk's first `offset` raw keys (raw [T, Di]), where that point is a
+    group boundary: row j holds position = j (mod r), so the last r keys in order, the older ones
+    from the tail (rows 0..r-offset-1) while the chunk has fewer than r."""
+    if offset >= r:
+        return raw[offset - r : offset].to(tail.dtype)
+    return torch.cat([tail[: r - offset], raw[:offset].to(tail.dtype)])
 
 
 def _write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

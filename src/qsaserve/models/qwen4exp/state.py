@@ -10,19 +10,26 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from qsaserve.layers.attention import AttentionMetadata
+from qsaserve.models.qwen4exp.snapshots import InteriorSnapshots
 
 logger = logging.getLogger("qsaserve")
 
 
 class SlotState:
-    """A block's per-slot tensors; reset() puts slots back to a fresh request's state."""
+    """A block's per-slot tensors (the fields named in tensor_fields, each [slots, ...]); reset()
+    puts slots back to a fresh request's state. With prefix caching, snapshot_pools maps each
+    field to its [rows, ...] snapshot pool (snapshots.StateSnapshotPool)."""
+
+    tensor_fields: ClassVar[tuple[str, ...]] = ()
+    snapshot_pools: dict[str, torch.Tensor]
 
     def tensors(self) -> list[torch.Tensor]:
-        raise NotImplementedError
+        return [getattr(self, name) for name in self.tensor_fields]
 
     @property
     def nbytes(self) -> int:
@@ -36,15 +43,13 @@ class SlotState:
 class GDNState(SlotState):
     conv: torch.Tensor  # [slots, conv_dim, Kc-1]
     recurrent: torch.Tensor  # [slots, Hv, Dk, Dv] fp32
+    tensor_fields: ClassVar[tuple[str, ...]] = ("conv", "recurrent")
 
     @classmethod
     def zeros(cls, num_slots: int, conv_dim: int, kernel: int, value_heads: int, key_dim: int, value_dim: int,
               dtype: torch.dtype, device: torch.device) -> GDNState:
         return cls(torch.zeros(num_slots, conv_dim, kernel - 1, dtype=dtype, device=device),
                    torch.zeros(num_slots, value_heads, key_dim, value_dim, dtype=torch.float32, device=device))
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.conv, self.recurrent]
 
     def reset(self, slots: list[int]) -> None:
         idx = torch.tensor(slots, device=self.conv.device)
@@ -57,9 +62,7 @@ class PLEState(SlotState):
     ngram_context: torch.Tensor  # [slots, ngram-1] int64 token ids
     conv: torch.Tensor  # [slots, HC, (Kp-1)*ngram]
     eos_token_id: int
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.ngram_context, self.conv]
+    tensor_fields: ClassVar[tuple[str, ...]] = ("ngram_context", "conv")
 
     def reset(self, slots: list[int]) -> None:
         idx = torch.tensor(slots, device=self.conv.device)
@@ -73,13 +76,11 @@ class IndexTailState(SlotState):
     # until their group completes and is pooled into a block key: the open group's (< r) are read,
     # r rows keep the slot's layout fixed.
     index_tail: torch.Tensor
+    tensor_fields: ClassVar[tuple[str, ...]] = ("index_tail",)
 
     @classmethod
     def zeros(cls, num_slots: int, ratio: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> IndexTailState:
         return cls(torch.zeros(num_slots, ratio, head_dim, dtype=dtype, device=device))
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [self.index_tail]
 
     def reset(self, slots: list[int]) -> None:
         self.index_tail[torch.tensor(slots, device=self.index_tail.device)] = 0
@@ -114,6 +115,7 @@ class Step:
     query_pos: torch.Tensor | None = None  # decode: each row's position, -1 for padding
     kv_slots: torch.Tensor | None = None  # decode: this rank's K/V slot of each new token, -1 = none
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE cos/sin at the step's positions (QSA layers)
+    snapshots: InteriorSnapshots | None = None  # prefill: states the prefix cache wants inside the chunks
 
 
 def is_decode_step(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
@@ -142,9 +144,11 @@ def _prefill_step(input_ids, positions, meta: AttentionMetadata, inv_freq, state
     reset_fresh_slots(states, meta)
     spans = _spans(meta.query_lens)
     dev = input_ids.device
+    offsets = getattr(meta, "snapshot_offsets", None)
+    snapshots = InteriorSnapshots(offsets, meta.snapshot_rows) if offsets and any(offsets) else None
     return Step(decode=False, positions=positions, inv_freq=inv_freq, spans=spans, slots=list(meta.state_slots),
                 slot_idx=torch.tensor(meta.state_slots, device=dev),
-                cu_seqlens=torch.tensor([0] + [b for _, b in spans], device=dev))
+                cu_seqlens=torch.tensor([0] + [b for _, b in spans], device=dev), snapshots=snapshots)
 
 
 def _decode_step(input_ids, positions, meta: AttentionMetadata, inv_freq, dcp) -> Step:

@@ -12,7 +12,7 @@ import torch
 from qsaserve.ops.dispatch import use_triton
 from qsaserve.ops.gdn.decode_ops import (conv1d_decode_reference_, delta_rule_decode_reference_, gated_rms_norm,
                                          gdn_gates_reference)
-from qsaserve.ops.gdn.delta_rule import gated_delta_rule
+from qsaserve.ops.gdn.delta_rule import gated_delta_rule, gated_delta_rule_with_states
 from qsaserve.ops.gdn.reference import (
     causal_conv1d_reference,
     causal_conv1d_update_reference,
@@ -65,6 +65,7 @@ __all__ = [
     "conv1d_decode_",
     "delta_rule_decode_",
     "gated_delta_rule",
+    "gated_delta_rule_with_states",
     "gated_norm",
     "gated_rms_norm",
     "gdn_chunk_reference",

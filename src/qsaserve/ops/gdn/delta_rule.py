@@ -44,3 +44,49 @@ def gated_delta_rule(
         return kernel(q, k, v, **kwargs)
     kernel = gdn_recurrent_reference if single_token else gdn_chunk_reference
     return kernel(q, k, v, **kwargs)
+
+
+def gated_delta_rule_with_states(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    spans: list[tuple[int, int]],
+    splits: list[list[int]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`gated_delta_rule` over packed sequences (rows spans[i] = (start, end) of the T axis) that
+    also returns each sequence's state after the chunk offsets splits[i] (ascending, inside the
+    chunk: 0 < offset < end - start) -> (o, final states [N, ...], states [sum of len(splits[i]),
+    Hv, Dk, Dv] fp32, sequence by sequence, offsets ascending).
+
+    The kernels give the state only at a sequence's end, so each sequence is cut at its offsets
+    and the pieces run in rounds: round j runs piece j of every sequence that has one, as one
+    packed call continuing from the state round j - 1 left. Every row is computed once; a chunk
+    with n offsets costs n more kernel calls, not more work. Index tensors are built on the device
+    from host integers (no host sync)."""
+    dev = q.device
+    pieces = [list(zip([a, *(a + o for o in cut)], [*(a + o for o in cut), b]))
+              for (a, b), cut in zip(spans, splits)]
+    state = initial_state.clone()
+    out = torch.empty_like(v)
+    points: list[list[torch.Tensor]] = [[] for _ in spans]
+    for j in range(max(len(p) for p in pieces)):
+        members = [i for i, p in enumerate(pieces) if len(p) > j]
+        bounds = [pieces[i][j] for i in members]
+        rows = torch.cat([torch.arange(a, b, device=dev) for a, b in bounds])
+        lengths = [b - a for a, b in bounds]
+        cu = torch.zeros(len(lengths) + 1, dtype=torch.long, device=dev)
+        cu[1:] = torch.cumsum(torch.as_tensor(lengths, dtype=torch.long).to(dev, non_blocking=True), 0)
+        idx = torch.as_tensor(members, dtype=torch.long).to(dev, non_blocking=True)
+        o, final = gated_delta_rule(q[:, rows], k[:, rows], v[:, rows], g[:, rows], beta[:, rows], state[idx], cu,
+                                    single_token=all(n == 1 for n in lengths))
+        out[:, rows] = o.to(out.dtype)
+        state[idx] = final.float()
+        for n, i in enumerate(members):
+            if j < len(pieces[i]) - 1:
+                points[i].append(final[n].float())
+    flat = [s for p in points for s in p]
+    states = torch.stack(flat) if flat else state.new_empty((0, *state.shape[1:]))
+    return out, state, states

@@ -84,7 +84,8 @@ def ple_layer_forward(
     eps: float,
     context_tokens: torch.Tensor | None = None,
     conv_state: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    state_offsets: list[int] | None = None,
+) -> tuple[torch.Tensor, ...]:
     """``Qwen4ExpTextPLELayer`` on a chunk; the caller adds the result to the residual.
 
     ``hyper`` ``[B, T, hc*H]`` residual streams entering the layer; ``token_ids`` ``[B, T]``;
@@ -99,6 +100,10 @@ def ple_layer_forward(
         gate  = <key_s, qry_s> / sqrt(H);  gate = sign(gate) * sqrt(max(|gate|, 1e-6))
         gv    = sigmoid(gate_s) * value                                  # [.., hc, H]
         delta = gv + silu(dilated_conv(grouped_rms(gv)))                 # dilation = ngram_size
+
+    ``state_offsets`` (chunk offsets, e.g. the prefix cache's block boundaries): two more results,
+    the context ``[len, B, n-1]`` and conv state ``[len, B, hc*H, span]`` after each offset's first
+    tokens.
     """
     B, T, HC = hyper.shape
     H = HC // hc_count
@@ -114,7 +119,17 @@ def ple_layer_forward(
     gated = (torch.sigmoid(gate) * value.unsqueeze(-2)).flatten(-2)
     normed = rms_norm(gated, p["norm_conv.weight"], eps, H)
     conv, new_state = ple_short_conv(normed, p["conv1d.weight"], hash_params.ngram_size, conv_state)
-    return gated + conv, new_ctx, new_state
+    if state_offsets is None:
+        return gated + conv, new_ctx, new_state
+    # The state after the chunk's first o tokens: the last n-1 ids and the last conv-span normed
+    # values of (state ++ chunk) up to o.
+    ctx_ext = torch.cat([context_tokens, token_ids], dim=-1)
+    span = new_state.shape[-1]
+    conv_ext = torch.cat([new_state.new_zeros(B, HC, span) if conv_state is None else conv_state,
+                          normed.transpose(1, 2).to(new_state.dtype)], dim=-1)
+    ctx_at = torch.stack([ctx_ext[..., o : o + new_ctx.shape[-1]] for o in state_offsets])
+    conv_at = torch.stack([conv_ext[..., o : o + span] for o in state_offsets])
+    return gated + conv, new_ctx, new_state, ctx_at, conv_at
 
 
 def ngram_rows_decode_reference_(tokens, contexts, slots, fresh, params) -> torch.Tensor:
