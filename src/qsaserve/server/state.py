@@ -1,0 +1,35 @@
+"""What every route of one app shares: the engine, the names it serves, the limits."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from qsaserve.engine.async_engine import AsyncLLMEngine
+from qsaserve.server import metrics as metrics_mod
+from qsaserve.server.errors import ApiError
+from qsaserve.server.tokenizer import ServerTokenizer
+
+
+@dataclass
+class ServerState:
+    engine: AsyncLLMEngine
+    model_names: list[str]
+    api_key: str | None
+    max_request_bytes: int
+    max_logprobs: int
+    max_n: int
+    max_prompts: int
+    tokenizer: ServerTokenizer
+    metrics: metrics_mod.ServerMetrics
+    max_model_len: int
+    vocab_size: int
+    model_root: str | None
+    started: int = field(default_factory=lambda: int(time.time()))
+
+    def model_name(self, requested: str | None) -> str:
+        if requested is None:
+            return self.model_names[0]
+        if requested not in self.model_names:
+            raise ApiError(400, f"model: the model {requested!r} does not exist; this server serves {self.model_names}",
+                           param="model", code="model_not_found")
+        return requested
