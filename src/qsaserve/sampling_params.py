@@ -8,6 +8,9 @@ from qsaserve.errors import InvalidRequestError
 # Logprob requests above this need more host<->device traffic than a serving engine should
 # spend per token; vLLM uses the same default.
 MAX_LOGPROBS = 20
+# Temperatures below this sample greedily, as in vLLM (its _SAMPLING_EPS): dividing float32
+# logits by a smaller one overflows to inf, and the distribution is an argmax by then anyway.
+MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -88,7 +91,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     def clone(self, **changes) -> "SamplingParams":
         kwargs = {f: getattr(self, f) for f in self.__dataclass_fields__ if not f.startswith("_")}

@@ -178,6 +178,10 @@ class LLMEngine:
             raise InvalidRequestError(
                 "prompt", f"the prompt has {n} tokens; max_model_len is {self.max_model_len} (room for one output token needed)"
             )
+        if n + params.min_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "min_tokens", f"prompt ({n} tokens) + min_tokens ({params.min_tokens}) exceeds max_model_len {self.max_model_len}"
+            )
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 "max_tokens",

@@ -41,6 +41,8 @@ from qsaserve.server.tokenizer import ServerTokenizer
 
 logger = logging.getLogger("qsaserve")
 
+READ_METHODS = ["GET", "HEAD"]  # HEAD too: health probes use it
+
 
 def build_app(
     engine: AsyncLLMEngine | LLMEngine,
@@ -103,7 +105,7 @@ def build_app(
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
 
-    @app.get("/health")
+    @app.api_route("/health", methods=READ_METHODS)
     async def health() -> Response:
         dead = engine.dead_error
         if dead is not None or not engine.is_healthy():
@@ -111,21 +113,21 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             return error_response(503, reason, type="service_unavailable_error", code="engine_dead")
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=READ_METHODS)
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=metrics_mod.CONTENT_TYPE)
 
-    @app.get("/version")
+    @app.api_route("/version", methods=READ_METHODS)
     async def version() -> Response:
         return JSONResponse({"version": qsaserve.__version__})
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=READ_METHODS)
     async def models() -> Response:
         cards = [ModelCard(id=n, created=state.started, root=state.model_root, max_model_len=state.max_model_len)
                  for n in state.model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
-    @app.get("/tokenizer_info")
+    @app.api_route("/tokenizer_info", methods=READ_METHODS)
     async def tokenizer_info() -> Response:
         tok = state.tokenizer.tok
         return JSONResponse({

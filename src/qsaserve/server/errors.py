@@ -90,9 +90,14 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(400, err.message, param=err.param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException):
+    async def http_error(request: Request, e: StarletteHTTPException):
         kind = "invalid_request_error" if e.status_code < 500 else "internal_server_error"
-        return error_response(e.status_code, str(e.detail), type=kind, headers=getattr(e, "headers", None))
+        message = str(e.detail)
+        if e.status_code == 404:  # OpenAI's wording for a route it does not serve
+            message = f"Invalid URL ({request.method} {request.url.path}): this server has no such route"
+        elif e.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        return error_response(e.status_code, message, type=kind, headers=getattr(e, "headers", None))
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(_: Request, e: ClientDisconnect):

@@ -30,6 +30,7 @@ class ServerState:
         if requested is None:
             return self.model_names[0]
         if requested not in self.model_names:
-            raise ApiError(400, f"model: the model {requested!r} does not exist; this server serves {self.model_names}",
+            # 404, as OpenAI and vLLM answer an unknown model.
+            raise ApiError(404, f"model: the model {requested!r} does not exist; this server serves {self.model_names}",
                            param="model", code="model_not_found")
         return requested

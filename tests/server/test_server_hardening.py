@@ -1,0 +1,189 @@
+"""Hostile clients against the real SmolLM2 server on loopback: every bad request is refused
+with an OpenAI error body naming the parameter, the server keeps serving, and streams that run
+meanwhile keep their pace (inter-token gap < 0.5 s)."""
+import http.client
+import json
+import threading
+import time
+
+import openai
+import pytest
+
+from qsaserve.config import EngineConfig
+from qsaserve.engine.async_engine import AsyncLLMEngine
+from qsaserve.engine.llm_engine import LLMEngine
+from qsaserve.server import build_app
+from qsaserve.server.cli import BackgroundServer
+
+MODEL = "smol"
+MAX_MODEL_LEN = 256
+MAX_GAP_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory=48 * 2**20), progress=False)
+    aengine = AsyncLLMEngine(engine, max_waiting_requests=64)
+    srv = BackgroundServer(build_app(aengine, MODEL))
+    srv.aengine = aengine
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def raw(server, method, path, body=None, headers=None, timeout=60):
+    """One HTTP request; `body` is a dict (sent as JSON) or bytes (sent as given)."""
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=timeout)
+    hdrs = {"Content-Type": "application/json"} if body is not None else {}
+    hdrs.update(headers or {})
+    if isinstance(body, dict):
+        body = json.dumps(body).encode()
+    conn.request(method, path, body=body, headers=hdrs)
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    try:
+        parsed = json.loads(data) if data else None
+    except ValueError:
+        parsed = data.decode()
+    return resp.status, dict(resp.getheaders()), parsed
+
+
+def check_error(status, body, param, expected_status=400, code=None):
+    assert status == expected_status, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["param"] == param and isinstance(err["message"], str) and err["message"], err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def still_serves(client):
+    r = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=2, temperature=0)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 2
+
+
+class PacedStream:
+    """A long greedy stream read on a thread, recording when each event arrives: other requests
+    must not stretch its inter-token gaps."""
+
+    def __init__(self, server, max_tokens=120):
+        self.conn = http.client.HTTPConnection(server.host, server.port, timeout=120)
+        body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": max_tokens, "ignore_eos": True,
+                "temperature": 0, "stream": True}
+        self.conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        self.resp = self.conn.getresponse()
+        assert self.resp.status == 200
+        self.times: list[float] = []
+        self.events: list[str] = []
+        for _ in range(5):  # running before the hostile request goes out
+            self._read_one()
+        self.thread = threading.Thread(target=self._read_all, daemon=True)
+        self.thread.start()
+
+    def _read_one(self) -> bool:
+        line = self.resp.readline()
+        if not line:
+            return False
+        if line.startswith(b"data: "):
+            self.times.append(time.monotonic())
+            self.events.append(line[6:].decode().strip())
+        return True
+
+    def _read_all(self) -> None:
+        while self._read_one():
+            pass
+
+    def finish(self) -> float:
+        """Waits for the end of the stream; returns the largest gap between its events."""
+        self.thread.join(120)
+        self.conn.close()
+        assert self.events[-1] == "[DONE]", self.events[-3:]
+        return max(b - a for a, b in zip(self.times, self.times[1:]))
+
+
+# ---------------- D4: tiny temperatures ----------------
+def test_tiny_temperature_is_greedy(client):
+    """logits / 1e-40 overflowed to inf: every token became id 0 ("" with finish_reason length)."""
+    kwargs = dict(model=MODEL, prompt="The capital of France is", max_tokens=8, extra_body={"ignore_eos": True})
+    greedy = client.completions.create(temperature=0, **kwargs).choices[0].text
+    assert greedy
+    for t in (1e-40, 1e-30, 1e-8):
+        assert client.completions.create(temperature=t, **kwargs).choices[0].text == greedy, t
+        # top_p takes the sampler's general path (filters), which divides too.
+        assert client.completions.create(temperature=t, top_p=0.9, **kwargs).choices[0].text == greedy, t
+    chat = dict(model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=6)
+    assert (client.chat.completions.create(temperature=1e-40, **chat).choices[0].message.content
+            == client.chat.completions.create(temperature=0, **chat).choices[0].message.content)
+
+
+# ---------------- D8: non-finite numbers, unbounded integers ----------------
+NON_FINITE = [
+    (b'{"prompt": "hi", "temperature": 1e400}', "temperature"),
+    (b'{"prompt": "hi", "top_p": -1e400}', "top_p"),
+    (b'{"prompt": "hi", "frequency_penalty": 1e400}', "frequency_penalty"),
+    (b'{"prompt": "hi", "presence_penalty": -1e999}', "presence_penalty"),
+    (b'{"prompt": "hi", "repetition_penalty": 1e400}', "repetition_penalty"),
+    (b'{"prompt": "hi", "min_p": 1e400}', "min_p"),
+]
+HUGE_INTS = [
+    ({"prompt": "hi", "min_tokens": 2**70}, "min_tokens"),
+    ({"prompt": "hi", "min_tokens": 2**40, "max_tokens": None}, "min_tokens"),
+    ({"prompt": "hi", "max_tokens": 2**70}, "max_tokens"),
+    ({"prompt": "hi", "top_k": 2**70}, "top_k"),
+    ({"prompt": "hi", "n": 2**70}, "n"),
+    ({"prompt": "hi", "logprobs": 2**70}, "logprobs"),
+    ({"prompt": "hi", "prompt_logprobs": 2**70}, "prompt_logprobs"),
+    ({"prompt": "hi", "stop_token_ids": [2**70]}, "stop_token_ids[0]"),
+    ({"prompt": "hi", "best_of": 2**70}, "best_of"),
+]
+
+
+@pytest.mark.parametrize("body, param", NON_FINITE, ids=[p for _, p in NON_FINITE])
+def test_non_finite_numbers_are_refused(server, client, body, param):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        if path.endswith("chat/completions"):
+            body = body.replace(b'"prompt": "hi"', b'"messages": [{"role": "user", "content": "hi"}]')
+        check_error(*raw(server, "POST", path, body)[::2], param)
+    still_serves(client)
+
+
+@pytest.mark.parametrize("body, param", HUGE_INTS, ids=[p for _, p in HUGE_INTS])
+def test_huge_integers_are_refused(server, client, body, param):
+    check_error(*raw(server, "POST", "/v1/completions", body)[::2], param)
+    still_serves(client)
+
+
+def test_huge_chat_integers_are_refused(server):
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for field in ("min_tokens", "max_completion_tokens", "top_logprobs", "max_tokens"):
+        check_error(*raw(server, "POST", "/v1/chat/completions", {**chat, field: 2**70, "logprobs": True})[::2], field)
+    check_error(*raw(server, "POST", "/detokenize", {"tokens": [2**70]})[::2], "tokens[0]")
+
+
+# ---------------- D9: HEAD, and OpenAI-style 404s ----------------
+def test_head_health(server):
+    status, headers, body = raw(server, "HEAD", "/health")
+    assert status == 200 and body is None
+    for path in ("/v1/models", "/version"):
+        assert raw(server, "HEAD", path)[0] == 200
+
+
+def test_unknown_routes_and_models_are_openai_404s(server, client):
+    for method, path in (("GET", "/v1/nothing"), ("POST", "/v1/embeddings"), ("GET", "/")):
+        status, _, body = raw(server, method, path, {} if method == "POST" else None)
+        err = check_error(status, body, None, expected_status=404)
+        assert err["type"] == "invalid_request_error" and path in err["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-nope", prompt="hi", max_tokens=1)
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "hi"}])
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
+        status, _, err = raw(server, "POST", path, {**body, "model": "nope"})
+        check_error(status, err, "model", expected_status=404, code="model_not_found")
