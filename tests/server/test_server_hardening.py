@@ -104,7 +104,9 @@ class PacedStream:
         self.thread.join(120)
         self.conn.close()
         assert self.events[-1] == "[DONE]", self.events[-3:]
-        return max(b - a for a, b in zip(self.times, self.times[1:]))
+        gap = max(b - a for a, b in zip(self.times, self.times[1:]))
+        print(f"max inter-token gap {gap:.3f} s over {len(self.times)} events")
+        return gap
 
 
 # ---------------- D4: tiny temperatures ----------------
@@ -187,3 +189,76 @@ def test_unknown_routes_and_models_are_openai_404s(server, client):
     for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
         status, _, err = raw(server, "POST", path, {**body, "model": "nope"})
         check_error(status, err, "model", expected_status=404, code="model_not_found")
+
+
+# ---------------- D1 / D7: tokenization off the engine thread, bounded before it starts ----------------
+HUGE_TEXT = "hello world " * 600_000  # 7.2 MB, under the 8 MiB body limit
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": HUGE_TEXT, "max_tokens": 4}, "prompt"),
+    ("/v1/completions", {"prompt": ["short", HUGE_TEXT], "max_tokens": 4}, "prompt[1]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": HUGE_TEXT}], "max_tokens": 4}, "messages"),
+    ("/tokenize", {"prompt": HUGE_TEXT}, "prompt"),
+], ids=["completion", "completion-list", "chat", "tokenize"])
+def test_huge_prompt_is_refused_without_stalling_streams(server, client, path, body, param):
+    """A 7 MB prompt was tokenized on the engine thread (~5 s with every stream stalled) before
+    being refused for length; now its size is checked before any tokenizer runs."""
+    payload = json.dumps({"model": MODEL, **body}).encode()  # the server runs in this process: encode first
+    paced = PacedStream(server)
+    start = time.monotonic()
+    status, _, err = raw(server, "POST", path, payload)
+    elapsed = time.monotonic() - start
+    gap = paced.finish()
+    assert gap < MAX_GAP_S and elapsed < 3.0, (gap, elapsed)
+    assert "characters" in check_error(status, err, param)["message"], err
+    still_serves(client)
+
+
+def test_long_token_prompt_is_refused_before_the_engine(server, client):
+    payload = json.dumps({"model": MODEL, "prompt": [42] * 1_000_000}).encode()
+    paced = PacedStream(server)
+    err = check_error(*raw(server, "POST", "/v1/completions", payload)[::2], "prompt")
+    assert "1000000 tokens" in err["message"]
+    assert paced.finish() < MAX_GAP_S
+    still_serves(client)
+
+
+@pytest.fixture(scope="module")
+def roomy_server():
+    """Prompt texts up to 8M characters reach the tokenizer (and are refused for length after it)."""
+    engine = LLMEngine(EngineConfig(dtype="float32", max_model_len=MAX_MODEL_LEN, kv_cache_memory=16 * 2**20), progress=False)
+    srv = BackgroundServer(build_app(AsyncLLMEngine(engine), MODEL, max_prompt_chars=8_000_000, tokenizer_pool_size=2))
+    yield srv
+    srv.stop()
+
+
+def test_long_tokenization_does_not_hold_up_short_requests(roomy_server):
+    """One tokenizer thread served every chat request: a 7 MB conversation held up all others
+    for seconds. Now the pool keeps a worker free of long jobs."""
+    big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello world " * 250_000}],
+                      "max_tokens": 2}).encode()  # 3 MB: seconds of tokenizing, then refused for length
+    results = {}
+
+    def send_big(i):
+        results[i] = raw(roomy_server, "POST", "/v1/chat/completions", big, timeout=120)
+        results[f"{i}-done"] = time.monotonic()
+
+    threads = [threading.Thread(target=send_big, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # both long jobs are running or queued
+    small = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+    latencies = []
+    for _ in range(3):
+        start = time.monotonic()
+        status, _, body = raw(roomy_server, "POST", "/v1/chat/completions", small)
+        latencies.append(time.monotonic() - start)
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
+    small_done = time.monotonic()
+    for t in threads:
+        t.join(120)
+    assert max(latencies) < 1.0, latencies
+    assert small_done < min(results["0-done"], results["1-done"]), "the short requests waited for the long ones"
+    for i in range(2):
+        assert "tokens" in check_error(*results[i][::2], "messages")["message"]

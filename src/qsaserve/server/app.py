@@ -25,7 +25,8 @@ from qsaserve.server.chat import create_chat_completion
 from qsaserve.server.completions import create_completion
 from qsaserve.server.errors import bad_request, error_response, install_error_handlers
 from qsaserve.server.middleware import GuardMiddleware
-from qsaserve.server.parsing import normalize_messages, parse, read_json
+from qsaserve.server.parsing import parse, read_json
+from qsaserve.server.prompts import encode_conversation
 from qsaserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,8 +37,8 @@ from qsaserve.server.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from qsaserve.server.state import ServerState
-from qsaserve.server.tokenizer import ServerTokenizer
+from qsaserve.server.state import ServerLimits, ServerState
+from qsaserve.server.tokenizer import DEFAULT_POOL_SIZE, TokenizerPool, decode, encode_text, ids_to_tokens
 
 logger = logging.getLogger("qsaserve")
 
@@ -51,10 +52,14 @@ def build_app(
     *,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_logprobs: int = MAX_LOGPROBS,
+    max_prompt_chars: int | None = None,
+    tokenizer_pool_size: int = DEFAULT_POOL_SIZE,
     shutdown_engine: bool = True,
 ) -> FastAPI:
     """The FastAPI app. `engine` may be an LLMEngine (wrapped, unbounded queue) or an
-    AsyncLLMEngine; `shutdown_engine` stops it when the app shuts down."""
+    AsyncLLMEngine; `shutdown_engine` stops it when the app shuts down. max_prompt_chars
+    (default: max_model_len x the longest token's characters, the most a prompt that fits can
+    have) bounds each prompt text and each conversation before it is tokenized."""
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine)
     core = engine.engine
@@ -70,18 +75,25 @@ def build_app(
         raise InvalidRequestError("max_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {max_logprobs!r}")
     if not isinstance(max_request_bytes, int) or max_request_bytes < 1024:
         raise InvalidRequestError("max_request_bytes", f"must be an integer >= 1024, got {max_request_bytes!r}")
+    if max_prompt_chars is not None and (not isinstance(max_prompt_chars, int) or max_prompt_chars < 1):
+        raise InvalidRequestError("max_prompt_chars", f"must be an integer >= 1, got {max_prompt_chars!r}")
 
+    tokenizer = TokenizerPool(core.tokenizer, tokenizer_pool_size)
+    limits = ServerLimits(
+        max_request_bytes=max_request_bytes,
+        max_prompt_chars=max_prompt_chars or core.max_model_len * tokenizer.max_token_chars,
+        max_logprobs=max_logprobs,
+        max_n=core.config.max_num_seqs,
+        max_seqs_per_request=engine.max_waiting_requests or 1024,
+        max_model_len=core.max_model_len,
+    )
     state = ServerState(
         engine=engine,
         model_names=names,
         api_key=api_key or None,
-        max_request_bytes=max_request_bytes,
-        max_logprobs=max_logprobs,
-        max_n=core.config.max_num_seqs,
-        max_prompts=engine.max_waiting_requests or 1024,
-        tokenizer=ServerTokenizer(core.tokenizer),
+        limits=limits,
+        tokenizer=tokenizer,
         metrics=metrics_mod.ServerMetrics(engine, names[0]),
-        max_model_len=core.max_model_len,
         vocab_size=core.vocab_size,
         model_root=getattr(getattr(core, "checkpoint", None), "path", None),
     )
@@ -103,7 +115,7 @@ def build_app(
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
-    engine = state.engine
+    engine, limits = state.engine, state.limits
 
     @app.api_route("/health", methods=READ_METHODS)
     async def health() -> Response:
@@ -123,7 +135,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.api_route("/v1/models", methods=READ_METHODS)
     async def models() -> Response:
-        cards = [ModelCard(id=n, created=state.started, root=state.model_root, max_model_len=state.max_model_len)
+        cards = [ModelCard(id=n, created=state.started, root=state.model_root, max_model_len=limits.max_model_len)
                  for n in state.model_names]
         return JSONResponse(ModelList(data=cards).model_dump())
 
@@ -137,43 +149,45 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "pad_token": tok.pad_token,
             "unk_token": tok.unk_token,
             "chat_template": getattr(tok, "chat_template", None),
-            "model_max_length": state.max_model_len,
+            "model_max_length": limits.max_model_len,
             "vocab_size": state.vocab_size,
         })
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        req = parse(TokenizeRequest, await read_json(request, state.max_request_bytes))
+        req = parse(TokenizeRequest, await read_json(request, limits.max_request_bytes))
         state.model_name(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("prompt", "prompt: give exactly one of 'prompt' or 'messages'")
-        tok = state.tokenizer
+        pool = state.tokenizer
         if req.messages is not None:
-            messages = normalize_messages(req.messages)
-            ids = await tok.call(tok.render_chat, messages, req.add_generation_prompt)
+            ids = await encode_conversation(state, req.messages, req.add_generation_prompt)
         else:
+            if len(req.prompt) > limits.max_prompt_chars:
+                raise bad_request("prompt", f"prompt: the prompt has {len(req.prompt)} characters; at most "
+                                            f"{limits.max_prompt_chars} are accepted")
             add_special = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = await tok.call(lambda: tok.tok.encode(req.prompt, add_special_tokens=add_special))
-        strs = await tok.call(tok.tok.convert_ids_to_tokens, ids) if req.return_token_strs else None
-        body = TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs)
+            ids = await pool.run(encode_text, req.prompt, add_special, chars=len(req.prompt))
+        strs = await pool.run(ids_to_tokens, ids, chars=len(ids)) if req.return_token_strs else None
+        body = TokenizeResponse(count=len(ids), max_model_len=limits.max_model_len, tokens=ids, token_strs=strs)
         return JSONResponse(body.model_dump())
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> Response:
-        req = parse(DetokenizeRequest, await read_json(request, state.max_request_bytes))
+        req = parse(DetokenizeRequest, await read_json(request, limits.max_request_bytes))
         state.model_name(req.model)
         bad = [t for t in req.tokens if not 0 <= t < state.vocab_size]
         if bad:
             raise bad_request("tokens", f"tokens: ids {bad[:5]} are outside the vocabulary [0, {state.vocab_size})")
-        text = await state.tokenizer.call(state.tokenizer.tok.decode, req.tokens)
+        text = await state.tokenizer.run(decode, req.tokens, chars=len(req.tokens))
         return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse(CompletionRequest, await read_json(request, state.max_request_bytes))
+        req = parse(CompletionRequest, await read_json(request, limits.max_request_bytes))
         return await create_completion(state, request, req)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse(ChatCompletionRequest, await read_json(request, state.max_request_bytes))
+        req = parse(ChatCompletionRequest, await read_json(request, limits.max_request_bytes))
         return await create_chat_completion(state, request, req)

@@ -13,7 +13,7 @@ from qsaserve.outputs import RequestOutput
 from qsaserve.sampling_params import SamplingParams
 from qsaserve.server.errors import ClientGone, bad_request
 from qsaserve.server.logprobs import chat_logprobs, prompt_logprobs_json, usage
-from qsaserve.server.parsing import normalize_messages
+from qsaserve.server.prompts import EncodedPrompt, add_requests, check_prompt_length, encode_conversation
 from qsaserve.server.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -30,7 +30,6 @@ from qsaserve.server.streaming import (
     SSE_DONE,
     ChoiceState,
     SSEResponse,
-    add_requests,
     final_outputs,
     merge,
     sse,
@@ -41,7 +40,7 @@ from qsaserve.server.streaming import (
 
 async def create_chat_completion(state: ServerState, request: Request, req: ChatCompletionRequest) -> Response:
     model = state.model_name(req.model)
-    req.check_common(state.max_n, state.max_logprobs)
+    req.check_common(state.limits.max_n, state.limits.max_logprobs)
     if req.tools:
         raise bad_request("tools", "tools: tool calling is not supported by this server")
     if req.response_format is not None and req.response_format.get("type", "text") != "text":
@@ -49,20 +48,20 @@ async def create_chat_completion(state: ServerState, request: Request, req: Chat
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise bad_request("top_logprobs", "top_logprobs: requires logprobs to be true")
-        if not 0 <= req.top_logprobs <= state.max_logprobs:
-            raise bad_request("top_logprobs", f"top_logprobs: must be in [0, {state.max_logprobs}], got {req.top_logprobs}")
+        if not 0 <= req.top_logprobs <= state.limits.max_logprobs:
+            raise bad_request("top_logprobs", f"top_logprobs: must be in [0, {state.limits.max_logprobs}], got {req.top_logprobs}")
     if req.max_completion_tokens is not None and req.max_completion_tokens < 1:
         raise bad_request("max_completion_tokens", f"max_completion_tokens: must be >= 1, got {req.max_completion_tokens}")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     num_top = req.top_logprobs or 0
     params = req.sampling_params(max_tokens=max_tokens, logprobs=num_top if req.logprobs else None,
                                  prompt_logprobs=req.prompt_logprobs)
-    messages = normalize_messages(req.messages)
-    prompt_ids = await state.tokenizer.call(state.tokenizer.render_chat, messages, req.add_generation_prompt)
+    prompt_ids = await encode_conversation(state, req.messages, req.add_generation_prompt)
+    check_prompt_length("messages", len(prompt_ids), state.limits.max_model_len)
     request_id = random_id("chatcmpl")
     created = int(time.time())
     try:
-        streams = await add_requests(state, request_id, [prompt_ids], params)
+        streams = await add_requests(state, request_id, [EncodedPrompt(None, prompt_ids)], params)
     except InvalidRequestError as e:
         if e.param == "prompt":  # the prompt is the rendered conversation
             raise InvalidRequestError("messages", str(e).removeprefix("prompt: ")) from None

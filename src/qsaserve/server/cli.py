@@ -21,6 +21,7 @@ DEFAULT_MAX_WAITING_REQUESTS = 512
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     from qsaserve.sampling_params import MAX_LOGPROBS
+    from qsaserve.server.tokenizer import DEFAULT_POOL_SIZE
 
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="model to serve (same as --model)")
     group = parser.add_argument_group("server")
@@ -35,6 +36,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After when overloaded (default: 1)")
     group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                        help=f"largest accepted request body (default: {DEFAULT_MAX_REQUEST_BYTES})")
+    group.add_argument("--max-prompt-chars", type=int, default=None,
+                       help="longest prompt text (and conversation content) accepted before tokenizing "
+                            "(default: max-model-len x the longest token's characters: a longer text cannot fit)")
+    group.add_argument("--tokenizer-pool-size", type=int, default=DEFAULT_POOL_SIZE,
+                       help=f"tokenizer worker threads; long prompts leave one free for short ones (default: {DEFAULT_POOL_SIZE})")
     group.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                        help=f"largest logprobs / top_logprobs / prompt_logprobs a request may ask for (default: {MAX_LOGPROBS})")
     group.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
@@ -62,6 +68,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InvalidRequestError("port", f"must be in [0, 65535], got {args.port}")
     if args.max_waiting_requests < 1:
         raise InvalidRequestError("max_waiting_requests", f"must be >= 1, got {args.max_waiting_requests}")
+    if args.max_prompt_chars is not None and args.max_prompt_chars < 1:
+        raise InvalidRequestError("max_prompt_chars", f"must be >= 1, got {args.max_prompt_chars}")
+    if args.tokenizer_pool_size < 1:
+        raise InvalidRequestError("tokenizer_pool_size", f"must be >= 1, got {args.tokenizer_pool_size}")
     if args.retry_after < 0:
         raise InvalidRequestError("retry_after", f"must be >= 0, got {args.retry_after}")
 
@@ -79,7 +89,8 @@ def build_server_app(args: argparse.Namespace):
     async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, retry_after=args.retry_after)
     names = args.served_model_name or [args.model_tag or args.model or "default"]
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    return build_app(async_engine, names, api_key, max_request_bytes=args.max_request_bytes, max_logprobs=args.max_logprobs)
+    return build_app(async_engine, names, api_key, max_request_bytes=args.max_request_bytes, max_logprobs=args.max_logprobs,
+                     max_prompt_chars=args.max_prompt_chars, tokenizer_pool_size=args.tokenizer_pool_size)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from qsaserve.sampling_params import SamplingParams
 from qsaserve.server.errors import ClientGone, bad_request
 from qsaserve.server.logprobs import concat_logprobs, legacy_logprobs, prompt_logprobs_json, usage
 from qsaserve.server.parsing import normalize_prompts
+from qsaserve.server.prompts import EncodedPrompt, add_requests, encode_prompts
 from qsaserve.server.protocol import (
     CompletionChoice,
     CompletionRequest,
@@ -22,11 +23,11 @@ from qsaserve.server.protocol import (
     random_id,
 )
 from qsaserve.server.state import ServerState
+from qsaserve.server.tokenizer import decode
 from qsaserve.server.streaming import (
     SSE_DONE,
     ChoiceState,
     SSEResponse,
-    add_requests,
     final_outputs,
     merge,
     sse,
@@ -37,22 +38,23 @@ from qsaserve.server.streaming import (
 
 async def create_completion(state: ServerState, request: Request, req: CompletionRequest) -> Response:
     model = state.model_name(req.model)
-    req.check_common(state.max_n, state.max_logprobs)
+    req.check_common(state.limits.max_n, state.limits.max_logprobs)
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of", "best_of: only best_of == n (or unset) is supported")
     if req.suffix:
         raise bad_request("suffix", "suffix: is not supported by this server")
-    if req.logprobs is not None and req.logprobs > state.max_logprobs:
-        raise bad_request("logprobs", f"logprobs: must be <= {state.max_logprobs}, got {req.logprobs}")
-    prompts = normalize_prompts(req.prompt)
-    if len(prompts) > state.max_prompts:
-        raise bad_request("prompt", f"prompt: at most {state.max_prompts} prompts per request, got {len(prompts)}")
+    if req.logprobs is not None and req.logprobs > state.limits.max_logprobs:
+        raise bad_request("logprobs", f"logprobs: must be <= {state.limits.max_logprobs}, got {req.logprobs}")
     echo_lps = req.echo and req.logprobs is not None
     prompt_lps = req.prompt_logprobs
     if echo_lps:
         prompt_lps = max(req.logprobs, prompt_lps or 0)
     params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_lps)
+    limits = state.limits
+    texts_or_ids = normalize_prompts(req.prompt, max_prompts=max(1, limits.max_seqs_per_request // params.n),
+                                     max_chars=limits.max_prompt_chars, max_model_len=limits.max_model_len)
 
+    prompts = await encode_prompts(state, texts_or_ids)
     request_id = random_id("cmpl")
     created = int(time.time())
     streams = await add_requests(state, request_id, prompts, params)
@@ -84,18 +86,20 @@ async def create_completion(state: ServerState, request: Request, req: Completio
     return JSONResponse(body.model_dump())
 
 
-async def _echo_parts(state: ServerState, prompt, out: RequestOutput, echo: bool, with_logprobs: bool) -> tuple[str, str | None]:
+async def _echo_parts(state: ServerState, prompt: EncodedPrompt, out: RequestOutput, echo: bool,
+                      with_logprobs: bool) -> tuple[str, str | None]:
     """The prompt text to echo and the text of its first token (which has no logprob entry)."""
     if not echo:
         return "", None
-    tok = state.tokenizer
-    text = prompt if isinstance(prompt, str) else await tok.call(tok.tok.decode, list(prompt))
-    first = await tok.call(tok.tok.decode, out.prompt_token_ids[:1]) if with_logprobs else None
+    pool = state.tokenizer
+    text = prompt.text if prompt.text is not None else await pool.run(decode, prompt.token_ids, chars=len(prompt.token_ids))
+    first = await pool.run(decode, out.prompt_token_ids[:1]) if with_logprobs else None
     return text, first
 
 
 async def _completion_stream(state: ServerState, req: CompletionRequest, params: SamplingParams, request_id: str,
-                             created: int, model: str, prompts: list, streams: list[RequestStream]) -> AsyncIterator[str]:
+                             created: int, model: str, prompts: list[EncodedPrompt],
+                             streams: list[RequestStream]) -> AsyncIterator[str]:
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     exclude = None if include_usage else {"usage"}
     echo_lps = req.echo and req.logprobs is not None

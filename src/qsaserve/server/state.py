@@ -7,7 +7,18 @@ from dataclasses import dataclass, field
 from qsaserve.engine.async_engine import AsyncLLMEngine
 from qsaserve.server import metrics as metrics_mod
 from qsaserve.server.errors import ApiError
-from qsaserve.server.tokenizer import ServerTokenizer
+from qsaserve.server.tokenizer import TokenizerPool
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Per-request bounds, all checked before a request costs tokenizer or engine time."""
+    max_request_bytes: int
+    max_prompt_chars: int  # per prompt text, and per conversation (the sum of its contents)
+    max_logprobs: int
+    max_n: int
+    max_seqs_per_request: int  # prompts x n
+    max_model_len: int
 
 
 @dataclass
@@ -15,13 +26,9 @@ class ServerState:
     engine: AsyncLLMEngine
     model_names: list[str]
     api_key: str | None
-    max_request_bytes: int
-    max_logprobs: int
-    max_n: int
-    max_prompts: int
-    tokenizer: ServerTokenizer
+    limits: ServerLimits
+    tokenizer: TokenizerPool
     metrics: metrics_mod.ServerMetrics
-    max_model_len: int
     vocab_size: int
     model_root: str | None
     started: int = field(default_factory=lambda: int(time.time()))

@@ -15,17 +15,10 @@ from pydantic import BaseModel
 from qsaserve.engine.async_engine import EngineOverloadedError, RequestStream
 from qsaserve.errors import EngineDeadError, InvalidRequestError
 from qsaserve.outputs import RequestOutput
-from qsaserve.sampling_params import SamplingParams
 from qsaserve.server.errors import ClientGone
 from qsaserve.server.protocol import ErrorInfo, ErrorResponse
-from qsaserve.server.state import ServerState
 
 logger = logging.getLogger("qsaserve")
-
-
-async def add_requests(state: ServerState, request_id: str, prompts: list, params: SamplingParams) -> list[RequestStream]:
-    entries = [(f"{request_id}-{i}", p if isinstance(p, str) else {"prompt_token_ids": p}, params) for i, p in enumerate(prompts)]
-    return await state.engine.add_requests(entries)
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
