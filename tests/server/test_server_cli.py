@@ -26,11 +26,13 @@ def parse(argv):
 def test_serve_arguments():
     args = parse(["serve", "model.gguf", "--host", "0.0.0.0", "--port", "9000", "--api-key", "k", "--served-model-name", "a", "b",
                   "--max-waiting-requests", "3", "--retry-after", "5", "--max-request-bytes", "4096", "--max-logprobs", "5",
-                  "--max-prompt-chars", "1000", "--tokenizer-pool-size", "2", "--max-num-seqs", "4", "--no-enable-prefix-caching"])
+                  "--max-prompt-chars", "1000", "--tokenizer-pool-size", "2", "--max-waiting-tokens", "9999",
+                  "--max-seqs-per-request", "7", "--max-num-seqs", "4", "--no-enable-prefix-caching"])
     assert args.func is cmd_serve and args.model_tag == "model.gguf"
     assert (args.host, args.port, args.api_key, args.served_model_name) == ("0.0.0.0", 9000, "k", ["a", "b"])
-    assert (args.max_waiting_requests, args.retry_after, args.max_request_bytes, args.max_logprobs) == (3, 5, 4096, 5)
-    assert (args.max_prompt_chars, args.tokenizer_pool_size) == (1000, 2)
+    assert (args.max_waiting_seqs, args.retry_after, args.max_request_bytes, args.max_logprobs) == (3, 5, 4096, 5)
+    assert (args.max_prompt_chars, args.tokenizer_pool_size, args.max_waiting_tokens, args.max_seqs_per_request) == (1000, 2, 9999, 7)
+    assert parse(["serve", "--max-waiting-seqs", "9"]).max_waiting_seqs == 9
     assert args.max_num_seqs == 4 and args.enable_prefix_caching is False
     defaults = parse(["serve"])
     assert (defaults.host, defaults.port, defaults.api_key, defaults.model_tag) == ("127.0.0.1", 8000, None, None)
@@ -41,7 +43,10 @@ def test_serve_arguments():
     [
         (["serve", "a.gguf", "--model", "b.gguf"], "model"),
         (["serve", "--port", "70000"], "port"),
-        (["serve", "--max-waiting-requests", "0"], "max_waiting_requests"),
+        (["serve", "--max-waiting-requests", "0"], "max_waiting_seqs"),
+        (["serve", "--max-waiting-seqs", "0"], "max_waiting_seqs"),
+        (["serve", "--max-waiting-tokens", "0"], "max_waiting_tokens"),
+        (["serve", "--max-seqs-per-request", "0"], "max_seqs_per_request"),
         (["serve", "--retry-after", "-1"], "retry_after"),
         (["serve", "--max-prompt-chars", "0"], "max_prompt_chars"),
         (["serve", "--tokenizer-pool-size", "0"], "tokenizer_pool_size"),

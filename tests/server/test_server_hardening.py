@@ -262,3 +262,21 @@ def test_long_tokenization_does_not_hold_up_short_requests(roomy_server):
     assert small_done < min(results["0-done"], results["1-done"]), "the short requests waited for the long ones"
     for i in range(2):
         assert "tokens" in check_error(*results[i][::2], "messages")["message"]
+
+
+# ---------------- D2: admission counted in sequences ----------------
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": ["Hi"] * 16, "n": 256}, "n"),  # n alone exceeds the 64 sequences one request may have
+    ({"prompt": ["Hi"] * 17, "n": 4}, "prompt"),  # 68 sequences
+    ({"prompt": ["Hi"] * 512, "n": 1}, "prompt"),
+], ids=["n", "prompts-x-n", "prompts"])
+def test_sequences_per_request_are_bounded(server, client, body, param):
+    """16 prompts x n=256 used to queue 4,096 sequences from one request (the bound counted prompts)."""
+    paced = PacedStream(server, max_tokens=60)
+    start = time.monotonic()
+    check_error(*raw(server, "POST", "/v1/completions", {"model": MODEL, "max_tokens": 2, **body})[::2], param)
+    assert time.monotonic() - start < 1.0
+    assert paced.finish() < MAX_GAP_S
+    assert server.aengine.snapshot.num_requests_waiting == 0
+    r = client.completions.create(model=MODEL, prompt=["Hi"] * 16, n=4, max_tokens=1)  # 64 is the bound
+    assert len(r.choices) == 64

@@ -53,13 +53,16 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_logprobs: int = MAX_LOGPROBS,
     max_prompt_chars: int | None = None,
+    max_seqs_per_request: int | None = None,
     tokenizer_pool_size: int = DEFAULT_POOL_SIZE,
     shutdown_engine: bool = True,
 ) -> FastAPI:
     """The FastAPI app. `engine` may be an LLMEngine (wrapped, unbounded queue) or an
     AsyncLLMEngine; `shutdown_engine` stops it when the app shuts down. max_prompt_chars
     (default: max_model_len x the longest token's characters, the most a prompt that fits can
-    have) bounds each prompt text and each conversation before it is tokenized."""
+    have) bounds each prompt text and each conversation before it is tokenized;
+    max_seqs_per_request (default: max_num_seqs, at most the engine's waiting bound) bounds
+    prompts x n."""
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine)
     core = engine.engine
@@ -75,16 +78,20 @@ def build_app(
         raise InvalidRequestError("max_logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {max_logprobs!r}")
     if not isinstance(max_request_bytes, int) or max_request_bytes < 1024:
         raise InvalidRequestError("max_request_bytes", f"must be an integer >= 1024, got {max_request_bytes!r}")
-    if max_prompt_chars is not None and (not isinstance(max_prompt_chars, int) or max_prompt_chars < 1):
-        raise InvalidRequestError("max_prompt_chars", f"must be an integer >= 1, got {max_prompt_chars!r}")
+    for name, value in (("max_prompt_chars", max_prompt_chars), ("max_seqs_per_request", max_seqs_per_request)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise InvalidRequestError(name, f"must be an integer >= 1, got {value!r}")
+    seqs_per_request = max_seqs_per_request or core.config.max_num_seqs
+    if engine.max_waiting_requests is not None:  # more could never be admitted
+        seqs_per_request = min(seqs_per_request, engine.max_waiting_requests)
 
     tokenizer = TokenizerPool(core.tokenizer, tokenizer_pool_size)
     limits = ServerLimits(
         max_request_bytes=max_request_bytes,
         max_prompt_chars=max_prompt_chars or core.max_model_len * tokenizer.max_token_chars,
         max_logprobs=max_logprobs,
-        max_n=core.config.max_num_seqs,
-        max_seqs_per_request=engine.max_waiting_requests or 1024,
+        max_n=min(core.config.max_num_seqs, seqs_per_request),
+        max_seqs_per_request=seqs_per_request,
         max_model_len=core.max_model_len,
     )
     state = ServerState(

@@ -16,7 +16,8 @@ from qsaserve.server import DEFAULT_MAX_REQUEST_BYTES
 # qsaserve.cli is imported inside the functions: it imports this module to add `serve`.
 
 API_KEY_ENV = "QSASERVE_API_KEY"
-DEFAULT_MAX_WAITING_REQUESTS = 512
+DEFAULT_MAX_WAITING_SEQS = 512
+DEFAULT_MAX_WAITING_TOKENS = 2**20
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -31,8 +32,15 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV} if set)")
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="model name(s) clients may send in 'model' (default: MODEL, or 'default' for the default model)")
-    group.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
-                       help=f"requests that may wait for a slot; beyond it new ones get 503 + Retry-After (default: {DEFAULT_MAX_WAITING_REQUESTS})")
+    group.add_argument("--max-waiting-seqs", "--max-waiting-requests", dest="max_waiting_seqs", type=int,
+                       default=DEFAULT_MAX_WAITING_SEQS,
+                       help="sequences (prompts x n) that may wait to be scheduled; beyond it new requests get 429 + "
+                            f"Retry-After (default: {DEFAULT_MAX_WAITING_SEQS})")
+    group.add_argument("--max-waiting-tokens", type=int, default=None,
+                       help="prompt tokens (times n) that may wait to be computed; beyond it new requests get 429 "
+                            f"(default: {DEFAULT_MAX_WAITING_TOKENS}, or max-model-len if larger)")
+    group.add_argument("--max-seqs-per-request", type=int, default=None,
+                       help="largest prompts x n of one request (default: max-num-seqs, at most max-waiting-seqs)")
     group.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After when overloaded (default: 1)")
     group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                        help=f"largest accepted request body (default: {DEFAULT_MAX_REQUEST_BYTES})")
@@ -66,12 +74,10 @@ def _check_args(args: argparse.Namespace) -> None:
         args.model = args.model_tag
     if not 0 <= args.port <= 65535:
         raise InvalidRequestError("port", f"must be in [0, 65535], got {args.port}")
-    if args.max_waiting_requests < 1:
-        raise InvalidRequestError("max_waiting_requests", f"must be >= 1, got {args.max_waiting_requests}")
-    if args.max_prompt_chars is not None and args.max_prompt_chars < 1:
-        raise InvalidRequestError("max_prompt_chars", f"must be >= 1, got {args.max_prompt_chars}")
-    if args.tokenizer_pool_size < 1:
-        raise InvalidRequestError("tokenizer_pool_size", f"must be >= 1, got {args.tokenizer_pool_size}")
+    for name in ("max_waiting_seqs", "max_waiting_tokens", "max_seqs_per_request", "max_prompt_chars", "tokenizer_pool_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise InvalidRequestError(name, f"must be >= 1, got {value}")
     if args.retry_after < 0:
         raise InvalidRequestError("retry_after", f"must be >= 0, got {args.retry_after}")
 
@@ -86,11 +92,13 @@ def build_server_app(args: argparse.Namespace):
     _check_args(args)
     config = engine_config_from_args(args)
     engine = LLMEngine(config)
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, retry_after=args.retry_after)
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_seqs, retry_after=args.retry_after,
+                                  max_waiting_tokens=args.max_waiting_tokens or max(DEFAULT_MAX_WAITING_TOKENS, engine.max_model_len))
     names = args.served_model_name or [args.model_tag or args.model or "default"]
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     return build_app(async_engine, names, api_key, max_request_bytes=args.max_request_bytes, max_logprobs=args.max_logprobs,
-                     max_prompt_chars=args.max_prompt_chars, tokenizer_pool_size=args.tokenizer_pool_size)
+                     max_prompt_chars=args.max_prompt_chars, max_seqs_per_request=args.max_seqs_per_request,
+                     tokenizer_pool_size=args.tokenizer_pool_size)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

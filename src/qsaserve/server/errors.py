@@ -1,7 +1,8 @@
 """OpenAI-style error bodies and the app's exception handlers.
 
-Every client mistake is a 400 naming the parameter; an overloaded or dead engine is a 503; only
-server bugs are 500s (logged with their traceback)."""
+Every client mistake is a 400 naming the parameter (404 for unknown routes and models); a full
+waiting queue is a 429 with Retry-After; a dead or draining engine is a 503; only server bugs are
+500s (logged with their traceback)."""
 from __future__ import annotations
 
 import json
@@ -77,7 +78,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(EngineOverloadedError)
     async def overloaded(_: Request, e: EngineOverloadedError):
-        return error_response(503, str(e), type="service_unavailable_error", code="server_overloaded",
+        # 429: the request is fine but the waiting queue is full now (the openai client retries it).
+        return error_response(429, str(e), type="rate_limit_error", code="server_overloaded",
                               headers={"Retry-After": str(e.retry_after)})
 
     @app.exception_handler(EngineDeadError)

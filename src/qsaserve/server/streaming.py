@@ -122,7 +122,9 @@ def sse(model: BaseModel, exclude: set[str] | None = None) -> str:
 def sse_error(e: Exception) -> str:
     if isinstance(e, InvalidRequestError):
         info = ErrorInfo(message=str(e), type="invalid_request_error", param=e.param)
-    elif isinstance(e, (EngineDeadError, EngineOverloadedError)):
+    elif isinstance(e, EngineOverloadedError):
+        info = ErrorInfo(message=str(e), type="rate_limit_error", code="server_overloaded")
+    elif isinstance(e, EngineDeadError):
         info = ErrorInfo(message=str(e), type="service_unavailable_error", code="engine_dead")
     else:
         logger.exception("internal error while streaming", exc_info=e)
