@@ -280,3 +280,56 @@ def test_sequences_per_request_are_bounded(server, client, body, param):
     assert server.aengine.snapshot.num_requests_waiting == 0
     r = client.completions.create(model=MODEL, prompt=["Hi"] * 16, n=4, max_tokens=1)  # 64 is the bound
     assert len(r.choices) == 64
+
+
+# ---------------- D3: stop strings bounded, matched by one automaton ----------------
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_huge_stop_list_is_refused_at_once(server, client, path):
+    """600,000 stop strings blocked the event loop (/health took 4.3 s) and the engine thread."""
+    body = {"model": MODEL, "max_tokens": 4, "stop": [f"stop{i}" for i in range(600_000)]}
+    body.update({"prompt": "hi"} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    payload = json.dumps(body).encode()
+    paced = PacedStream(server)
+    start = time.monotonic()
+    status, _, err = raw(server, "POST", path, payload)
+    elapsed = time.monotonic() - start
+    health_start = time.monotonic()
+    assert raw(server, "GET", "/health")[0] == 200 and time.monotonic() - health_start < MAX_GAP_S
+    assert paced.finish() < MAX_GAP_S and elapsed < 2.0, elapsed
+    assert "at most 128 stop strings" in check_error(status, err, "stop")["message"]
+    still_serves(client)
+
+
+@pytest.mark.parametrize("stop, ok", [
+    ([f"s{i}" for i in range(129)], False),
+    (["x" * 4000, "y" * 4000, "z" * 193], False),  # 8193 characters in all
+    ([f"{i:03d}" + "q" * 61 for i in range(128)], True),  # 128 strings, 8192 characters: the limits
+], ids=["129-strings", "8193-chars", "at-the-limits"])
+def test_stop_string_limits(server, client, stop, ok):
+    status, _, body = raw(server, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stop": stop})
+    if ok:
+        assert status == 200 and body["usage"]["completion_tokens"] == 2, body
+    else:
+        check_error(status, body, "stop")
+    still_serves(client)
+
+
+def test_many_stop_strings_cut_where_the_first_one_begins(client):
+    kwargs = dict(model=MODEL, prompt="List three colors:", max_tokens=24, temperature=0)
+    base = client.completions.create(**kwargs, extra_body={"ignore_eos": True}).choices[0].text
+    words = base.split(" ")
+    assert len(words) > 6, base
+    early, late = " " + " ".join(words[3:5]), " " + words[5]
+    decoys = [f"never-{i}-{'#' * 20}" for i in range(120)]
+    for stops in (decoys + [late, early], [early] + decoys + [late]):  # list order does not matter
+        expected = base[: base.index(early)]
+        r = client.completions.create(**kwargs, stop=stops).choices[0]
+        assert (r.text, r.finish_reason, r.stop_reason) == (expected, "stop", early)
+        chunks = list(client.completions.create(**kwargs, stop=stops, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == expected
+        chat = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Count to ten."}], max_tokens=20, temperature=0,
+            stop=stops, stream=True) if c.choices]
+        assert not any(s in "".join(chat) for s in stops)
+    with_stop = client.completions.create(**kwargs, stop=decoys + [early], extra_body={"include_stop_str_in_output": True})
+    assert with_stop.choices[0].text == base[: base.index(early) + len(early)]

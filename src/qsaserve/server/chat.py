@@ -34,7 +34,6 @@ from qsaserve.server.streaming import (
     merge,
     sse,
     sse_error,
-    stop_holdback,
 )
 
 
@@ -110,7 +109,7 @@ async def _chat_stream(req: ChatCompletionRequest, params: SamplingParams, reque
                 if st.finished:
                     continue
                 final = comp.finish_reason is not None
-                limit = len(comp.text) if final else len(comp.text) - stop_holdback(comp.text, params.stop_strings)
+                limit = st.sendable(comp.text, final, params.stop_matcher)
                 text = ""
                 if limit > st.sent_chars:
                     text = comp.text[st.sent_chars:limit]

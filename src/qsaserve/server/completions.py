@@ -32,7 +32,6 @@ from qsaserve.server.streaming import (
     merge,
     sse,
     sse_error,
-    stop_holdback,
 )
 
 
@@ -126,7 +125,7 @@ async def _completion_stream(state: ServerState, req: CompletionRequest, params:
                     else:
                         st.offset = len(prompt_text)
                 st.started = True
-                limit = len(comp.text) if final else len(comp.text) - stop_holdback(comp.text, params.stop_strings)
+                limit = st.sendable(comp.text, final, params.stop_matcher)
                 if limit > st.sent_chars:
                     text += comp.text[st.sent_chars:limit]
                     st.sent_chars = limit

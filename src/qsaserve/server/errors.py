@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import reprlib
 from typing import Iterable, Sequence
 
 from fastapi import FastAPI, Request
@@ -56,14 +57,25 @@ def loc_to_param(loc: Iterable) -> str:
     return out or "body"
 
 
+_PREVIEW = reprlib.Repr()
+_PREVIEW.maxlevel, _PREVIEW.maxlist, _PREVIEW.maxdict, _PREVIEW.maxstring, _PREVIEW.maxother = 2, 6, 6, 60, 60
+
+
+def preview(value) -> str:
+    """A short rendering of a refused value; its cost is bounded however large the value is."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return json.dumps(value)[:80]
+    if isinstance(value, str):
+        return json.dumps(value[:60]) + ("..." if len(value) > 60 else "")
+    return _PREVIEW.repr(value)
+
+
 def validation_error(errors: Sequence[dict]) -> ApiError:
     err = errors[0]
     param = loc_to_param(err.get("loc", ()))
-    given = err.get("input")
     detail = err.get("msg", "invalid value")
     if err.get("type") != "missing":
-        shown = json.dumps(given, default=str) if given is not None else "null"
-        detail += f" (got {shown[:80]})"
+        detail += f" (got {preview(err.get('input'))})"
     return bad_request(param, f"{param}: {detail}")
 
 

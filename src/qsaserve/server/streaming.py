@@ -17,6 +17,7 @@ from qsaserve.errors import EngineDeadError, InvalidRequestError
 from qsaserve.outputs import RequestOutput
 from qsaserve.server.errors import ClientGone
 from qsaserve.server.protocol import ErrorInfo, ErrorResponse
+from qsaserve.stop_strings import StopStringMatcher
 
 logger = logging.getLogger("qsaserve")
 
@@ -93,18 +94,6 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
-def stop_holdback(text: str, stops: list[str]) -> int:
-    """Length of the longest suffix of text that begins some stop string: it may still become
-    a stop (which the engine would cut), so streaming must not send it yet."""
-    hold = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, len(text)), hold, -1):
-            if text.endswith(stop[:k]):
-                hold = k
-                break
-    return hold
-
-
 @dataclass
 class ChoiceState:
     """What one streamed choice has sent so far."""
@@ -113,6 +102,18 @@ class ChoiceState:
     offset: int = 0  # text_offset of the next token
     started: bool = False
     finished: bool = False
+    stop_state: int = 0  # the stop strings' automaton after the first `scanned` characters
+    scanned: int = 0
+
+    def sendable(self, text: str, final: bool, stops: StopStringMatcher | None) -> int:
+        """How much of the cumulative text may be sent: all of a final one; otherwise all but its
+        longest suffix that begins a stop string (it may still become a stop, which the engine
+        would cut)."""
+        if final or stops is None:
+            return len(text)
+        self.stop_state, _ = stops.advance(self.stop_state, text, self.scanned)
+        self.scanned = len(text)
+        return len(text) - min(stops.depth(self.stop_state), len(text))
 
 
 def sse(model: BaseModel, exclude: set[str] | None = None) -> str:
