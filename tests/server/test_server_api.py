@@ -498,7 +498,7 @@ def test_bad_bodies(server, client, body):
 
 def test_oversized_body(server, client):
     big = json.dumps({"prompt": "x" * (MAX_BODY + 10)}).encode()
-    status, _, err = raw(server, "POST", "/v1/completions", big)
+    status, _, err = raw(server, "POST", "/v1/completions", big, headers={"Content-Type": "application/json"})
     check_400(status, err, "body")
     assert err["error"]["code"] == "request_too_large"
     # Without Content-Length (chunked), the limit applies while reading.

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from qsaserve.errors import InvalidRequestError
-from qsaserve.server.cli import API_KEY_ENV, add_serve_parser, build_server_app, cmd_serve
+from qsaserve.server.cli import API_KEY_ENV, add_serve_parser, allowed_hosts_for, build_server_app, cmd_serve
 
 
 def parse(argv):
@@ -36,6 +36,19 @@ def test_serve_arguments():
     assert args.max_num_seqs == 4 and args.enable_prefix_caching is False
     defaults = parse(["serve"])
     assert (defaults.host, defaults.port, defaults.api_key, defaults.model_tag) == ("127.0.0.1", 8000, None, None)
+
+
+def test_host_and_origin_arguments():
+    args = parse(["serve", "--allowed-hosts", "myhost", "*.lan", "--allowed-origins", "http://localhost:3000"])
+    assert (args.allowed_hosts, args.allowed_origins) == (["myhost", "*.lan"], ["http://localhost:3000"])
+    assert parse(["serve"]).allowed_origins == []
+    loopback = ["localhost", "127.0.0.1", "::1"]
+    for bind in ("127.0.0.1", "localhost", "::1", "[::1]", "127.0.0.2"):
+        assert allowed_hosts_for(bind, None) == loopback, bind
+        assert allowed_hosts_for(bind, ["myhost"]) == loopback + ["myhost"]
+    for bind in ("0.0.0.0", "::", "10.1.2.3", "myhost"):
+        assert allowed_hosts_for(bind, None) is None, bind  # reached under names the server cannot know
+        assert allowed_hosts_for(bind, ["myhost"]) == loopback + ["myhost"]
 
 
 @pytest.mark.parametrize(

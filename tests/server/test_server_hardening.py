@@ -1,6 +1,7 @@
 """Hostile clients against the real SmolLM2 server on loopback: every bad request is refused
 with an OpenAI error body naming the parameter, the server keeps serving, and streams that run
 meanwhile keep their pace (inter-token gap < 0.5 s)."""
+import gc
 import http.client
 import json
 import threading
@@ -73,6 +74,7 @@ class PacedStream:
     must not stretch its inter-token gaps."""
 
     def __init__(self, server, max_tokens=120):
+        gc.collect()  # the server shares this process: no collection of earlier garbage mid-measurement
         self.conn = http.client.HTTPConnection(server.host, server.port, timeout=120)
         body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": max_tokens, "ignore_eos": True,
                 "temperature": 0, "stream": True}
@@ -333,3 +335,69 @@ def test_many_stop_strings_cut_where_the_first_one_begins(client):
         assert not any(s in "".join(chat) for s in stops)
     with_stop = client.completions.create(**kwargs, stop=decoys + [early], extra_body={"include_stop_str_in_output": True})
     assert with_stop.choices[0].text == base[: base.index(early) + len(early)]
+
+
+# ---------------- D6: Host, Origin, Content-Type, CORS ----------------
+def test_host_allow_list(server):
+    """Without a Host check, DNS rebinding let any web page read /v1/models (file paths) of a
+    server bound to loopback."""
+    for host in ("localhost", "localhost:8000", "127.0.0.1:1234", "[::1]:8000", "LOCALHOST."):
+        assert raw(server, "GET", "/v1/models", headers={"Host": host})[0] == 200, host
+    for host in ("evil.example", "evil.example:8000", "127.0.0.1.evil.example", "localhost.evil.example"):
+        for method, path, body in (("GET", "/v1/models", None), ("POST", "/v1/completions", {"prompt": "hi"}),
+                                   ("GET", "/health", None)):
+            err = check_error(*raw(server, method, path, body, headers={"Host": host})[::2], "Host")
+            assert "--allowed-hosts" in err["message"]
+
+
+def test_foreign_origins_are_refused(server):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
+    for origin in ("http://evil.example", "null", "http://localhost:3000"):
+        check_error(*raw(server, "POST", "/v1/completions", body, headers={"Origin": origin})[::2], "Origin")
+        check_error(*raw(server, "GET", "/v1/models", headers={"Origin": origin})[::2], "Origin")
+    status, headers, _ = raw(server, "OPTIONS", "/v1/completions", headers={
+        "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+    assert status == 400 and "access-control-allow-origin" not in {k.lower() for k in headers}  # CORS is off
+
+
+@pytest.mark.parametrize("content_type, ok", [
+    ("application/json", True), ("application/json; charset=utf-8", True), ("Application/JSON", True),
+    ("text/plain", False), ("text/plain;charset=UTF-8", False), ("application/x-www-form-urlencoded", False),
+    ("multipart/form-data; boundary=x", False), (None, False),
+])
+def test_post_bodies_must_be_json(server, content_type, ok):
+    """A web page could drive the server with a text/plain POST, which needs no CORS preflight."""
+    headers = {"Content-Type": content_type} if content_type else {}
+    conn = http.client.HTTPConnection(server.host, server.port, timeout=30)
+    conn.putrequest("POST", "/v1/completions", skip_accept_encoding=True)
+    payload = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    for k, v in {**headers, "Content-Length": str(len(payload))}.items():
+        conn.putheader(k, v)
+    conn.endheaders(payload)
+    resp = conn.getresponse()
+    body = json.loads(resp.read())
+    conn.close()
+    if ok:
+        assert resp.status == 200, body
+    else:
+        assert "Content-Type" in check_error(resp.status, body, "Content-Type")["message"]
+
+
+@pytest.fixture(scope="module")
+def cors_server(server):
+    """The same engine behind a second app that allows one web origin (CORS on)."""
+    app = build_app(server.aengine, MODEL, allowed_origins=["http://app.example"], shutdown_engine=False)
+    srv = BackgroundServer(app)
+    yield srv
+    srv.stop()
+
+
+def test_cors_for_allowed_origins_only(cors_server):
+    origin = {"Origin": "http://app.example"}
+    status, headers, _ = raw(cors_server, "OPTIONS", "/v1/completions", headers={
+        **origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization, content-type"})
+    assert status == 200 and headers["access-control-allow-origin"] == "http://app.example"
+    status, headers, body = raw(cors_server, "POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 1},
+                                headers=origin)
+    assert status == 200 and headers["access-control-allow-origin"] == "http://app.example", body
+    check_error(*raw(cors_server, "GET", "/v1/models", headers={"Origin": "http://evil.example"})[::2], "Origin")

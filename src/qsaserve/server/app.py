@@ -13,6 +13,7 @@ from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.middleware.cors import CORSMiddleware
 
 import qsaserve
 from qsaserve.engine.async_engine import AsyncLLMEngine
@@ -24,7 +25,7 @@ from qsaserve.server import metrics as metrics_mod
 from qsaserve.server.chat import create_chat_completion
 from qsaserve.server.completions import create_completion
 from qsaserve.server.errors import bad_request, error_response, install_error_handlers
-from qsaserve.server.middleware import GuardMiddleware
+from qsaserve.server.middleware import LOOPBACK_HOSTS, GuardMiddleware
 from qsaserve.server.parsing import parse, read_json
 from qsaserve.server.prompts import encode_conversation
 from qsaserve.server.protocol import (
@@ -55,6 +56,8 @@ def build_app(
     max_prompt_chars: int | None = None,
     max_seqs_per_request: int | None = None,
     tokenizer_pool_size: int = DEFAULT_POOL_SIZE,
+    allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
+    allowed_origins: Sequence[str] = (),
     shutdown_engine: bool = True,
 ) -> FastAPI:
     """The FastAPI app. `engine` may be an LLMEngine (wrapped, unbounded queue) or an
@@ -62,7 +65,8 @@ def build_app(
     (default: max_model_len x the longest token's characters, the most a prompt that fits can
     have) bounds each prompt text and each conversation before it is tokenized;
     max_seqs_per_request (default: max_num_seqs, at most the engine's waiting bound) bounds
-    prompts x n."""
+    prompts x n. allowed_hosts: the Host names answered (None: any; the default suits a
+    loopback bind); allowed_origins: the web origins allowed, with CORS (default: none)."""
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine)
     core = engine.engine
@@ -116,7 +120,10 @@ def build_app(
     app = FastAPI(title="qsaserve", version=qsaserve.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     install_error_handlers(app)
-    app.add_middleware(GuardMiddleware, state=state)
+    app.add_middleware(GuardMiddleware, state=state, allowed_hosts=allowed_hosts, allowed_origins=allowed_origins)
+    if allowed_origins:  # added last, so outermost: it answers preflights itself
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "HEAD", "POST"],
+                           allow_headers=["*"], expose_headers=["Retry-After"])
     _add_routes(app, state)
     return app
 

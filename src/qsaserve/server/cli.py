@@ -6,6 +6,7 @@ qsaserve.server.cli [MODEL] ...` runs it on its own.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import sys
@@ -51,6 +52,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help=f"tokenizer worker threads; long prompts leave one free for short ones (default: {DEFAULT_POOL_SIZE})")
     group.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                        help=f"largest logprobs / top_logprobs / prompt_logprobs a request may ask for (default: {MAX_LOGPROBS})")
+    group.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                       help="Host header names answered besides localhost, 127.0.0.1 and ::1 ('*.example.com' "
+                            "matches subdomains, '*' any name); a server bound to loopback refuses other names "
+                            "(DNS rebinding); bound elsewhere, any name is answered unless this is given")
+    group.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                       help="web origins (e.g. http://localhost:3000, or '*') allowed to call the API, with CORS; "
+                            "requests carrying any other Origin are refused (default: none)")
     group.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (default: info)")
 
@@ -82,6 +90,24 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InvalidRequestError("retry_after", f"must be >= 0, got {args.retry_after}")
 
 
+def is_loopback(host: str) -> bool:
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost
+        return False
+
+
+def allowed_hosts_for(bind_host: str, extra: list[str] | None) -> list[str] | None:
+    """The Host names a server bound to bind_host answers to (None: any)."""
+    from qsaserve.server.middleware import LOOPBACK_HOSTS
+
+    if extra is None and not is_loopback(bind_host):
+        return None
+    return [*LOOPBACK_HOSTS, *(extra or ())]
+
+
 def build_server_app(args: argparse.Namespace):
     """Loads the engine and builds the app from parsed `serve` arguments."""
     from qsaserve.cli import engine_config_from_args
@@ -98,7 +124,8 @@ def build_server_app(args: argparse.Namespace):
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     return build_app(async_engine, names, api_key, max_request_bytes=args.max_request_bytes, max_logprobs=args.max_logprobs,
                      max_prompt_chars=args.max_prompt_chars, max_seqs_per_request=args.max_seqs_per_request,
-                     tokenizer_pool_size=args.tokenizer_pool_size)
+                     tokenizer_pool_size=args.tokenizer_pool_size, allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
+                     allowed_origins=args.allowed_origins)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
