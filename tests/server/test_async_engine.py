@@ -320,6 +320,24 @@ def test_dead_engine_loop_makes_health_503(make_server, llm_engine, monkeypatch)
     assert_idle(llm_engine)
 
 
+def test_stop_ends_streams_in_band_within_the_grace(llm_engine):
+    a = AsyncLLMEngine(llm_engine)
+    srv = BackgroundServer(build_app(a, "smol", shutdown_engine=False), grace=1.0)
+    try:
+        conn = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stream": True, **LONG})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        start = time.monotonic()
+        srv.stop()
+        assert time.monotonic() - start < 3.0 and not srv.thread.is_alive()
+        events = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutting_down", events[-3:]
+    finally:
+        srv.stop()
+        a.shutdown(shutdown_engine=False)
+    assert_idle(llm_engine)
+
+
 def test_dead_worker_while_idle_makes_health_503(make_server, llm_engine, monkeypatch):
     """A worker rank that dies between steps is reported by /health before any request fails
     (the multi-process executor's check_health raises EngineDeadError naming the rank)."""

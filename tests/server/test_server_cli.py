@@ -86,14 +86,23 @@ def request(port, method, path, body=None, key=None, timeout=30):
     return conn, conn.getresponse()
 
 
-def test_serve_process_env_key_and_graceful_shutdown(tmp_path):
+def sse_events(resp) -> list[str]:
+    return [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+
+
+def test_serve_process_env_key_and_sigterm_drain(tmp_path):
+    """SIGTERM used to let streams run on for the whole grace period, then drop their connections
+    mid-body (no error event, no [DONE]), while new requests were still accepted, and to log
+    CancelledError tracebacks. Now: new requests get 503 at once, a stream that finishes within
+    the grace completes, the others end with an error event and [DONE], the process exits."""
     port = free_port()
+    grace = 4
     env = dict(os.environ, **{API_KEY_ENV: "env-key"})
     log = open(tmp_path / "server.log", "w+")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "qsaserve.server.cli", "--dtype", "float32", "--max-model-len", "256",
+        [sys.executable, "-m", "qsaserve.server.cli", "--dtype", "float32", "--max-model-len", "512",
          "--kv-cache-memory", str(32 * 2**20), "--port", str(port), "--served-model-name", "smol",
-         "--uvicorn-log-level", "warning"],
+         "--timeout-graceful-shutdown", str(grace), "--uvicorn-log-level", "info"],
         env=env, stdout=log, stderr=subprocess.STDOUT,
     )
     try:
@@ -113,19 +122,46 @@ def test_serve_process_env_key_and_graceful_shutdown(tmp_path):
         _, resp = request(port, "GET", "/v1/models", key="env-key")
         assert resp.status == 200 and [m["id"] for m in json.loads(resp.read())["data"]] == ["smol"]
 
-        # SIGTERM while a stream is in flight: it completes, then the process exits cleanly.
-        conn, stream = request(port, "POST", "/v1/completions", key="env-key", timeout=60,
-                               body={"prompt": "Count: 1, 2, 3,", "max_tokens": 24, "ignore_eos": True, "temperature": 0,
-                                     "stream": True, "stream_options": {"include_usage": True}})
-        assert stream.status == 200 and stream.readline().startswith(b"data: ")
+        def start_stream(max_tokens):
+            conn, stream = request(port, "POST", "/v1/completions", key="env-key", timeout=60,
+                                   body={"prompt": "Count: 1, 2, 3,", "max_tokens": max_tokens, "ignore_eos": True,
+                                         "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
+            assert stream.status == 200 and stream.readline().startswith(b"data: ")
+            return conn, stream
+
+        _, short = start_stream(24)  # finishes within the grace
+        _, long = start_stream(490)  # does not
+        waiting_conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)  # non-streaming, also too long
+        waiting_conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json", "Authorization": "Bearer env-key"},
+                             body=json.dumps({"prompt": "Story:", "max_tokens": 490, "ignore_eos": True}))
+        time.sleep(0.3)
         proc.send_signal(signal.SIGTERM)
-        events = [line for line in stream.read().decode().splitlines() if line.startswith("data: ")]
-        assert events[-1] == "data: [DONE]"
-        assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 24
+        sigterm = time.monotonic()
+        time.sleep(0.3)
+
+        _, refused = request(port, "POST", "/v1/completions", key="env-key", body={"prompt": "New", "max_tokens": 2})
+        body = json.loads(refused.read())
+        assert refused.status == 503 and body["error"]["code"] == "server_shutting_down", body
+        _, health = request(port, "GET", "/health")
+        assert health.status == 503 and json.loads(health.read())["error"]["type"] == "service_unavailable_error"
+
+        events = sse_events(short)
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["usage"]["completion_tokens"] == 24
+        events = sse_events(long)
+        ended = time.monotonic() - sigterm
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])["error"]
+        assert error["code"] == "server_shutting_down" and error["type"] == "service_unavailable_error"
+        assert ended < grace, ended
+        resp = waiting_conn.getresponse()
+        assert resp.status == 503 and json.loads(resp.read())["error"]["code"] == "server_shutting_down"
+
         # uvicorn re-raises the signal after its graceful shutdown, so the status says SIGTERM.
-        assert proc.wait(timeout=60) in (0, -signal.SIGTERM)
+        assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert time.monotonic() - sigterm < grace + 10
         output = (tmp_path / "server.log").read_text()
-        assert "server shut down: engine stopped" in output and "Traceback" not in output, output
+        assert "server shut down: engine stopped" in output, output
+        assert "Traceback" not in output and "CancelledError" not in output and "Exception in ASGI" not in output, output
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -103,6 +103,13 @@ class RequestStream:
     def finished(self) -> bool:
         return self._done
 
+    def fail(self, error: BaseException) -> None:
+        """Ends the stream with `error` (raised to its reader after any output already delivered)
+        and stops the request. Call on the stream's event loop."""
+        if not self._done:
+            self._fail(error)
+            self._engine._post_abort(self.request_id)
+
     def abort(self) -> None:
         """Stops the request if it is still running (idempotent)."""
         if not self._done:

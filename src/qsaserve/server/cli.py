@@ -19,6 +19,7 @@ from qsaserve.server import DEFAULT_MAX_REQUEST_BYTES
 API_KEY_ENV = "QSASERVE_API_KEY"
 DEFAULT_MAX_WAITING_SEQS = 512
 DEFAULT_MAX_WAITING_TOKENS = 2**20
+DEFAULT_SHUTDOWN_GRACE_S = 10.0
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +60,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
                        help="web origins (e.g. http://localhost:3000, or '*') allowed to call the API, with CORS; "
                             "requests carrying any other Origin are refused (default: none)")
+    group.add_argument("--timeout-graceful-shutdown", type=float, default=DEFAULT_SHUTDOWN_GRACE_S, metavar="SECONDS",
+                       help="on SIGTERM/SIGINT: new requests get 503 at once, running ones may finish within this "
+                            "many seconds, then the rest end with an error event (streams) or a 503 "
+                            f"(default: {DEFAULT_SHUTDOWN_GRACE_S:g})")
     group.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (default: info)")
 
@@ -131,23 +136,31 @@ def build_server_app(args: argparse.Namespace):
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from qsaserve.server.drain import GracefulServer
+
     app = build_server_app(args)
     logging.getLogger("qsaserve").info("serving %s on http://%s:%d", app.state.server.model_names, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=10)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    GracefulServer(config, app.state.server.drain, args.timeout_graceful_shutdown).run()
     return 0
 
 
 class BackgroundServer:
-    """A uvicorn server on a daemon thread (for notebooks, benchmarks and tests); port=0 picks a free port."""
+    """A uvicorn server on a daemon thread (for notebooks, benchmarks and tests); port=0 picks a
+    free port. stop() shuts it down as SIGTERM does `serve`, with `grace` seconds."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", startup_timeout: float = 60.0):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", startup_timeout: float = 60.0,
+                 grace: float = DEFAULT_SHUTDOWN_GRACE_S):
         import threading
         import time
 
         import uvicorn
 
+        from qsaserve.server.drain import GracefulServer
+
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"))
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
+        self.server = GracefulServer(config, app.state.server.drain, grace)
         self.thread = threading.Thread(target=self.server.run, name="qsaserve-uvicorn", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + startup_timeout
@@ -163,9 +176,11 @@ class BackgroundServer:
         return f"http://{self.host}:{self.port}"
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Graceful stop: uvicorn closes connections, then the app's lifespan shuts the engine down."""
-        self.server.should_exit = True
-        self.thread.join(timeout)
+        """Graceful stop: the drain, then uvicorn closes connections, then the app's lifespan shuts
+        the engine down."""
+        if self.thread.is_alive():
+            self.server.request_drain()
+            self.thread.join(timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

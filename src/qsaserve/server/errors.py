@@ -34,10 +34,19 @@ class ClientGone(Exception):
     """The client disconnected before a non-streaming response was ready."""
 
 
+class ServerShuttingDown(Exception):
+    """The server is draining: it takes no new requests and ends those past the grace period."""
+
+
 def error_response(status: int, message: str, *, type: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     body = ErrorResponse(error=ErrorInfo(message=message, type=type, param=param, code=code))
     return JSONResponse(body.model_dump(), status_code=status, headers=headers)
+
+
+def shutting_down_response() -> JSONResponse:
+    return error_response(503, "the server is shutting down; send the request again (to another server)",
+                          type="service_unavailable_error", code="server_shutting_down", headers={"Connection": "close"})
 
 
 def bad_request(param: str | None, message: str, code: str | None = None) -> ApiError:
@@ -97,6 +106,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def dead(_: Request, e: EngineDeadError):
         return error_response(503, str(e), type="service_unavailable_error", code="engine_dead")
+
+    @app.exception_handler(ServerShuttingDown)
+    async def shutting_down(_: Request, e: ServerShuttingDown):
+        return shutting_down_response()
 
     @app.exception_handler(RequestValidationError)
     async def validation(_: Request, e: RequestValidationError):

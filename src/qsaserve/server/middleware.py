@@ -1,13 +1,13 @@
 """The guard in front of every route, in order: the Host allow-list (DNS rebinding), the Origin
 check (web pages), the API key, JSON-only POST bodies (a text/plain POST needs no CORS
-preflight), and per-route HTTP status counts. Pure ASGI, so streaming responses and
-client-disconnect cancellation pass through untouched."""
+preflight), 503 while the server shuts down (drain.py), and per-route HTTP status counts. Pure
+ASGI, so streaming responses and client-disconnect cancellation pass through untouched."""
 from __future__ import annotations
 
 import hmac
 from typing import Iterable
 
-from qsaserve.server.errors import error_response
+from qsaserve.server.errors import error_response, shutting_down_response
 from qsaserve.server.state import ServerState
 
 OPEN_PATHS = {"/health"}  # reachable without the API key (load balancers probe it)
@@ -63,10 +63,12 @@ class GuardMiddleware:
 
         try:
             refusal = self._refusal(scope, path)
+            if refusal is None and self.state.drain.draining:
+                refusal = shutting_down_response()
             if refusal is not None:
                 await refusal(scope, receive, send_wrapper)
             else:
-                await self.app(scope, receive, send_wrapper)
+                await self.state.drain.run(self.app, scope, receive, send_wrapper)
         finally:
             route = path if path in ROUTES else "other"
             self.state.metrics.http_requests.labels(route, str(status[0])).inc()

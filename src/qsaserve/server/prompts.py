@@ -64,4 +64,6 @@ async def encode_conversation(state: ServerState, messages: Any, add_generation_
 async def add_requests(state: ServerState, request_id: str, prompts: list[EncodedPrompt],
                        params: SamplingParams) -> list[RequestStream]:
     entries = [(f"{request_id}-{i}", p.engine_input(), params) for i, p in enumerate(prompts)]
-    return await state.engine.add_requests(entries)
+    streams = await state.engine.add_requests(entries)
+    state.drain.watch_streams(streams)  # a shutdown past its grace period ends them
+    return streams

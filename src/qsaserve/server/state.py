@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from qsaserve.engine.async_engine import AsyncLLMEngine
 from qsaserve.server import metrics as metrics_mod
+from qsaserve.server.drain import Drain
 from qsaserve.server.errors import ApiError
 from qsaserve.server.tokenizer import TokenizerPool
 
@@ -31,6 +32,7 @@ class ServerState:
     metrics: metrics_mod.ServerMetrics
     vocab_size: int
     model_root: str | None
+    drain: Drain = field(default_factory=Drain)
     started: int = field(default_factory=lambda: int(time.time()))
 
     def model_name(self, requested: str | None) -> str:

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from qsaserve.engine.async_engine import EngineOverloadedError, RequestStream
 from qsaserve.errors import EngineDeadError, InvalidRequestError
 from qsaserve.outputs import RequestOutput
-from qsaserve.server.errors import ClientGone
+from qsaserve.server.errors import ClientGone, ServerShuttingDown
 from qsaserve.server.protocol import ErrorInfo, ErrorResponse
 from qsaserve.stop_strings import StopStringMatcher
 
@@ -78,6 +78,8 @@ async def final_outputs(request: Request, streams: list[RequestStream]) -> list[
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        elif not task.cancelled():
+            task.exception()  # seen: when this handler was cancelled meanwhile, nobody re-raises it
         for s in streams:
             s.abort()
     if task not in done:
@@ -125,6 +127,8 @@ def sse_error(e: Exception) -> str:
         info = ErrorInfo(message=str(e), type="invalid_request_error", param=e.param)
     elif isinstance(e, EngineOverloadedError):
         info = ErrorInfo(message=str(e), type="rate_limit_error", code="server_overloaded")
+    elif isinstance(e, ServerShuttingDown):
+        info = ErrorInfo(message=str(e), type="service_unavailable_error", code="server_shutting_down")
     elif isinstance(e, EngineDeadError):
         info = ErrorInfo(message=str(e), type="service_unavailable_error", code="engine_dead")
     else:
