@@ -356,3 +356,28 @@ def test_dead_worker_while_idle_makes_health_503(make_server, llm_engine, monkey
     conn.request("GET", "/health")
     health = conn.getresponse()
     assert health.status == 503 and "rank 1" in json.loads(health.read())["error"]["message"]
+
+
+def test_dead_engine_is_stopped_with_its_workers(llm_engine, monkeypatch):
+    """A worker rank that died left its sibling ranks waiting on it until the server exited: the
+    server now stops a dead engine (for the multi-process executor, that stops its ranks)."""
+    import threading
+
+    a = AsyncLLMEngine(llm_engine)
+    stopped = threading.Event()
+    monkeypatch.setattr(llm_engine, "shutdown", stopped.set)  # the LLMEngine is shared by these tests: not really stopped
+    srv = BackgroundServer(build_app(a, "smol"))  # shutdown_engine=True, as `serve` runs it
+    try:
+        assert not stopped.wait(1.5)  # healthy: left alone
+
+        def dead_worker():
+            raise EngineDeadError("worker rank 1 exited with code -9")
+
+        monkeypatch.setattr(llm_engine.executor, "check_health", dead_worker, raising=False)
+        assert stopped.wait(10), "the dead engine was not stopped"
+        conn = http.client.HTTPConnection(srv.host, srv.port, timeout=10)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 503
+    finally:
+        srv.stop()
+    assert not a.is_healthy()

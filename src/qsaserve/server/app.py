@@ -111,7 +111,10 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        reaper = asyncio.ensure_future(_release_when_dead(engine)) if shutdown_engine else None
         yield
+        if reaper is not None:
+            reaper.cancel()
         state.tokenizer.close()
         if shutdown_engine:
             await asyncio.to_thread(engine.shutdown)
@@ -126,6 +129,16 @@ def build_app(
                            allow_headers=["*"], expose_headers=["Retry-After"])
     _add_routes(app, state)
     return app
+
+
+async def _release_when_dead(engine: AsyncLLMEngine, interval_s: float = 1.0) -> None:
+    """Once the engine is dead (its loop failed, or a worker rank exited), stop it: that stops its
+    surviving worker processes, which would otherwise wait on their dead sibling until the server
+    exits. The server goes on answering, with 503s."""
+    while engine.dead_error is None:
+        await asyncio.sleep(interval_s)
+    logger.error("the engine is dead (%s); stopping it and its worker processes", engine.dead_error)
+    await asyncio.to_thread(engine.shutdown)
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
