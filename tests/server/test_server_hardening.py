@@ -401,3 +401,41 @@ def test_cors_for_allowed_origins_only(cors_server):
                                 headers=origin)
     assert status == 200 and headers["access-control-allow-origin"] == "http://app.example", body
     check_error(*raw(cors_server, "GET", "/v1/models", headers={"Origin": "http://evil.example"})[::2], "Origin")
+
+
+# ---------------- served model names ----------------
+def test_default_model_name_is_the_models_own(server):
+    """The default model was served as `default`: a client naming the model got model_not_found."""
+    app = build_app(server.aengine, shutdown_engine=False)
+    srv = BackgroundServer(app)
+    try:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+        path = app.state.server.model_root
+        assert path.endswith(".gguf")
+        for name in ("SmolLM2-135M-Instruct", "default", path, None):  # older clients sent the path or `default`
+            kwargs = {} if name is None else {"model": name}
+            status, _, body = raw(srv, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1, **kwargs})
+            assert status == 200 and body["model"] == (name or "SmolLM2-135M-Instruct"), body
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="SmolLM2", prompt="Hi", max_tokens=1)
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("path, model_arg, name", [
+    ("/cache/SmolLM2-135M-Instruct.Q4_1.gguf", None, "SmolLM2-135M-Instruct"),
+    ("/m/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf", "/m/Meta-Llama-3.1-8B-Instruct-Q4_K_M.gguf", "Meta-Llama-3.1-8B-Instruct"),
+    ("/m/qwen2.5-7b-instruct-q8_0-00001-of-00002.gguf", "x", "qwen2.5-7b-instruct"),
+    ("/m/model-f16.gguf", "x", "model"),
+    ("/m/tiny.gguf", "x", "tiny"),
+    ("/models/Llama-3.2-1B-Instruct", "/models/Llama-3.2-1B-Instruct/", "Llama-3.2-1B-Instruct"),
+    ("/hf/hub/models--meta-llama--Llama-3.2-1B/snapshots/0123abcd", "x", "meta-llama/Llama-3.2-1B"),
+    (None, "llama-tiny", "llama-tiny"),
+])
+def test_own_model_names(path, model_arg, name):
+    from qsaserve.server.model_names import default_names
+
+    names, aliases = default_names(path, model_arg)
+    assert names == [name]
+    assert (path is None or path in aliases or path == name) and ("default" in aliases) == (model_arg is None)

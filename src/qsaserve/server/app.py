@@ -26,6 +26,7 @@ from qsaserve.server.chat import create_chat_completion
 from qsaserve.server.completions import create_completion
 from qsaserve.server.errors import bad_request, error_response, install_error_handlers
 from qsaserve.server.middleware import LOOPBACK_HOSTS, GuardMiddleware
+from qsaserve.server.model_names import default_names
 from qsaserve.server.parsing import parse, read_json
 from qsaserve.server.prompts import encode_conversation
 from qsaserve.server.protocol import (
@@ -61,7 +62,8 @@ def build_app(
     shutdown_engine: bool = True,
 ) -> FastAPI:
     """The FastAPI app. `engine` may be an LLMEngine (wrapped, unbounded queue) or an
-    AsyncLLMEngine; `shutdown_engine` stops it when the app shuts down. max_prompt_chars
+    AsyncLLMEngine; `shutdown_engine` stops it when the app shuts down. served_model_name
+    (default: the model's own name, see model_names.py) is what /v1/models lists. max_prompt_chars
     (default: max_model_len x the longest token's characters, the most a prompt that fits can
     have) bounds each prompt text and each conversation before it is tokenized;
     max_seqs_per_request (default: max_num_seqs, at most the engine's waiting bound) bounds
@@ -70,8 +72,10 @@ def build_app(
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine)
     core = engine.engine
+    model_root = getattr(getattr(core, "checkpoint", None), "path", None)
+    aliases: set[str] = set()
     if served_model_name is None:
-        names = [core.config.model or "default"]
+        names, aliases = default_names(model_root, core.config.model)
     elif isinstance(served_model_name, str):
         names = [served_model_name]
     else:
@@ -101,12 +105,13 @@ def build_app(
     state = ServerState(
         engine=engine,
         model_names=names,
+        model_aliases=aliases,
         api_key=api_key or None,
         limits=limits,
         tokenizer=tokenizer,
         metrics=metrics_mod.ServerMetrics(engine, names[0]),
         vocab_size=core.vocab_size,
-        model_root=getattr(getattr(core, "checkpoint", None), "path", None),
+        model_root=model_root,
     )
 
     @contextlib.asynccontextmanager

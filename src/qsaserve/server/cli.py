@@ -33,7 +33,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--api-key", default=None,
                        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV} if set)")
     group.add_argument("--served-model-name", nargs="+", default=None,
-                       help="model name(s) clients may send in 'model' (default: MODEL, or 'default' for the default model)")
+                       help="model name(s) clients may send in 'model', listed by /v1/models (default: the model's own "
+                            "name, e.g. SmolLM2-135M-Instruct; its path, and 'default' for the default model, are "
+                            "accepted too)")
     group.add_argument("--max-waiting-seqs", "--max-waiting-requests", dest="max_waiting_seqs", type=int,
                        default=DEFAULT_MAX_WAITING_SEQS,
                        help="sequences (prompts x n) that may wait to be scheduled; beyond it new requests get 429 + "
@@ -123,14 +125,16 @@ def build_server_app(args: argparse.Namespace):
     _check_args(args)
     config = engine_config_from_args(args)
     engine = LLMEngine(config)
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_seqs, retry_after=args.retry_after,
-                                  max_waiting_tokens=args.max_waiting_tokens or max(DEFAULT_MAX_WAITING_TOKENS, engine.max_model_len))
-    names = args.served_model_name or [args.model_tag or args.model or "default"]
+    waiting_tokens = args.max_waiting_tokens or max(DEFAULT_MAX_WAITING_TOKENS, engine.max_model_len)
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_seqs, max_waiting_tokens=waiting_tokens,
+                                  retry_after=args.retry_after)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    return build_app(async_engine, names, api_key, max_request_bytes=args.max_request_bytes, max_logprobs=args.max_logprobs,
-                     max_prompt_chars=args.max_prompt_chars, max_seqs_per_request=args.max_seqs_per_request,
-                     tokenizer_pool_size=args.tokenizer_pool_size, allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts),
-                     allowed_origins=args.allowed_origins)
+    return build_app(
+        async_engine, args.served_model_name, api_key,
+        max_request_bytes=args.max_request_bytes, max_logprobs=args.max_logprobs, max_prompt_chars=args.max_prompt_chars,
+        max_seqs_per_request=args.max_seqs_per_request, tokenizer_pool_size=args.tokenizer_pool_size,
+        allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts), allowed_origins=args.allowed_origins,
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

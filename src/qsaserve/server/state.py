@@ -25,7 +25,8 @@ class ServerLimits:
 @dataclass
 class ServerState:
     engine: AsyncLLMEngine
-    model_names: list[str]
+    model_names: list[str]  # listed in /v1/models; the first answers requests that name no model
+    model_aliases: set[str]  # accepted too, not listed
     api_key: str | None
     limits: ServerLimits
     tokenizer: TokenizerPool
@@ -38,7 +39,7 @@ class ServerState:
     def model_name(self, requested: str | None) -> str:
         if requested is None:
             return self.model_names[0]
-        if requested not in self.model_names:
+        if requested not in self.model_names and requested not in self.model_aliases:
             # 404, as OpenAI and vLLM answer an unknown model.
             raise ApiError(404, f"model: the model {requested!r} does not exist; this server serves {self.model_names}",
                            param="model", code="model_not_found")
