@@ -39,7 +39,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
-    _stop_matcher: StopStringMatcher | None = field(default=None, init=False, repr=False)
+    _stop_matcher: StopStringMatcher | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> InvalidRequestError:

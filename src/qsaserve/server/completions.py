@@ -50,7 +50,7 @@ async def create_completion(state: ServerState, request: Request, req: Completio
         prompt_lps = max(req.logprobs, prompt_lps or 0)
     params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_lps)
     limits = state.limits
-    texts_or_ids = normalize_prompts(req.prompt, max_prompts=max(1, limits.max_seqs_per_request // params.n),
+    texts_or_ids = normalize_prompts(req.prompt, n=params.n, max_seqs=limits.max_seqs_per_request,
                                      max_chars=limits.max_prompt_chars, max_model_len=limits.max_model_len)
 
     prompts = await encode_prompts(state, texts_or_ids)

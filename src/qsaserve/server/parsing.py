@@ -61,9 +61,9 @@ def is_token_id(t) -> bool:
 _PROMPT_TYPES = "prompt: must be a string, a list of strings, a list of token ids or a list of token-id lists"
 
 
-def normalize_prompts(prompt: Any, *, max_prompts: int, max_chars: int, max_model_len: int) -> list[str | list[int]]:
+def normalize_prompts(prompt: Any, *, n: int, max_seqs: int, max_chars: int, max_model_len: int) -> list[str | list[int]]:
     """The request's prompts, each checked against the limits before any tokenizer or engine work:
-    at most max_prompts of them, texts of at most max_chars characters, token lists shorter than
+    prompts x n at most max_seqs, texts of at most max_chars characters, token lists shorter than
     max_model_len. The checks cost O(limits), never O(body)."""
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and is_token_id(prompt[0])):
         prompts, single = [prompt], True
@@ -71,8 +71,9 @@ def normalize_prompts(prompt: Any, *, max_prompts: int, max_chars: int, max_mode
         prompts, single = prompt, False
     else:
         raise bad_request("prompt", _PROMPT_TYPES)
-    if len(prompts) > max_prompts:
-        raise bad_request("prompt", f"prompt: at most {max_prompts} prompts per request (prompts x n), got {len(prompts)}")
+    if len(prompts) * n > max_seqs:
+        raise bad_request("prompt", f"prompt: {len(prompts)} prompts x n={n} make {len(prompts) * n} sequences; "
+                                    f"at most {max_seqs} per request")
     kind = type(prompts[0])
     for i, p in enumerate(prompts):
         name = "prompt" if single else f"prompt[{i}]"
