@@ -16,6 +16,8 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 # they are, but building the automaton and validating them is not free.
 MAX_STOP_STRINGS = 128
 MAX_STOP_CHARS = 8192
+# Stop token ids are looked up for every generated token.
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -94,6 +96,8 @@ class SamplingParams:
             or not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids)
         ):
             raise bad("stop_token_ids", f"must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -302,6 +302,17 @@ def test_huge_stop_list_is_refused_at_once(server, client, path):
     still_serves(client)
 
 
+def test_stop_token_ids_are_bounded(server, client):
+    """Each generated token is looked up in stop_token_ids: a million of them stalled the engine."""
+    payload = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 4, "stop_token_ids": [7] * 1_000_000}).encode()
+    paced = PacedStream(server)
+    status, _, err = raw(server, "POST", "/v1/completions", payload)
+    assert paced.finish() < MAX_GAP_S
+    assert "at most 1024 stop token ids" in check_error(status, err, "stop_token_ids")["message"]
+    ok = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"stop_token_ids": [7] * 1024})
+    assert ok.usage.completion_tokens <= 2
+
+
 @pytest.mark.parametrize("stop, ok", [
     ([f"s{i}" for i in range(129)], False),
     (["x" * 4000, "y" * 4000, "z" * 193], False),  # 8193 characters in all

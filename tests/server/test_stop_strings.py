@@ -5,7 +5,7 @@ import random
 import pytest
 
 from qsaserve.errors import InvalidRequestError
-from qsaserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+from qsaserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 from qsaserve.stop_strings import StopStringMatcher
 
 
@@ -52,4 +52,8 @@ def test_limits_in_sampling_params():
         with pytest.raises(InvalidRequestError) as e:
             SamplingParams(stop=stop)
         assert e.value.param == "stop"
+    SamplingParams(stop_token_ids=[1] * MAX_STOP_TOKEN_IDS)
+    with pytest.raises(InvalidRequestError) as e:
+        SamplingParams(stop_token_ids=[1] * (MAX_STOP_TOKEN_IDS + 1))
+    assert e.value.param == "stop_token_ids"
     assert SamplingParams().stop_matcher is None and SamplingParams(stop="ab").stop_matcher is not None

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from qsaserve.errors import InvalidRequestError
-from qsaserve.sampling_params import MAX_STOP_STRINGS, SamplingParams
+from qsaserve.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # Every integer a request carries fits in 64 bits: larger ones would overflow device tensors.
@@ -72,12 +72,13 @@ class _SamplingRequest(_Request):
     include_stop_str_in_output: bool = False
     prompt_logprobs: Int | None = None
 
-    @field_validator("stop", mode="before")
+    @field_validator("stop", "stop_token_ids", mode="before")
     @classmethod
-    def _bounded_stop_count(cls, value):
+    def _bounded_stop_count(cls, value, info):
         # Before the elements are validated: a list of 600,000 strings is refused at O(1) cost.
-        if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(value)}")
+        limit, what = (MAX_STOP_STRINGS, "stop strings") if info.field_name == "stop" else (MAX_STOP_TOKEN_IDS, "stop token ids")
+        if isinstance(value, list) and len(value) > limit:
+            raise ValueError(f"at most {limit} {what}, got {len(value)}")
         return value
 
     def check_common(self, max_n: int, max_logprobs: int) -> None:
