@@ -4,6 +4,7 @@ meanwhile keep their pace (inter-token gap < 0.5 s)."""
 import gc
 import http.client
 import json
+import re
 import threading
 import time
 
@@ -188,6 +189,9 @@ def test_unknown_routes_and_models_are_openai_404s(server, client):
     assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "hi"}])
+    err = check_error(*raw(server, "POST", "/v1/completions", {"prompt": "hi", "model": "m" * 100_000})[::2], "model",
+                      expected_status=404)
+    assert len(err["message"]) < 300  # the name is not echoed whole
     for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):
         status, _, err = raw(server, "POST", path, {**body, "model": "nope"})
         check_error(status, err, "model", expected_status=404, code="model_not_found")
@@ -202,7 +206,8 @@ HUGE_TEXT = "hello world " * 600_000  # 7.2 MB, under the 8 MiB body limit
     ("/v1/completions", {"prompt": ["short", HUGE_TEXT], "max_tokens": 4}, "prompt[1]"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": HUGE_TEXT}], "max_tokens": 4}, "messages"),
     ("/tokenize", {"prompt": HUGE_TEXT}, "prompt"),
-], ids=["completion", "completion-list", "chat", "tokenize"])
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}] * 200_000}, "messages"),
+], ids=["completion", "completion-list", "chat", "tokenize", "chat-messages"])
 def test_huge_prompt_is_refused_without_stalling_streams(server, client, path, body, param):
     """A 7 MB prompt was tokenized on the engine thread (~5 s with every stream stalled) before
     being refused for length; now its size is checked before any tokenizer runs."""
@@ -213,7 +218,7 @@ def test_huge_prompt_is_refused_without_stalling_streams(server, client, path, b
     elapsed = time.monotonic() - start
     gap = paced.finish()
     assert gap < MAX_GAP_S and elapsed < 3.0, (gap, elapsed)
-    assert "characters" in check_error(status, err, param)["message"], err
+    assert re.search("characters|messages cannot fit", check_error(status, err, param)["message"]), err
     still_serves(client)
 
 

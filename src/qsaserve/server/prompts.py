@@ -47,7 +47,11 @@ async def encode_prompts(state: ServerState, prompts: list[str | list[int]]) -> 
 
 
 def check_conversation_size(state: ServerState, messages: Any) -> int:
-    """The conversation's content characters, refused over max_prompt_chars before rendering."""
+    """The conversation's content characters, refused over max_prompt_chars before rendering, as
+    is a conversation of max_model_len messages or more (each renders to one token at least)."""
+    if isinstance(messages, list) and len(messages) >= state.limits.max_model_len:
+        raise bad_request("messages", f"messages: {len(messages)} messages cannot fit in max_model_len "
+                                      f"{state.limits.max_model_len} tokens")
     chars = content_chars(messages)
     limit = state.limits.max_prompt_chars
     if chars > limit:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from qsaserve.engine.async_engine import AsyncLLMEngine
 from qsaserve.server import metrics as metrics_mod
 from qsaserve.server.drain import Drain
-from qsaserve.server.errors import ApiError
+from qsaserve.server.errors import ApiError, preview
 from qsaserve.server.tokenizer import TokenizerPool
 
 
@@ -41,6 +41,6 @@ class ServerState:
             return self.model_names[0]
         if requested not in self.model_names and requested not in self.model_aliases:
             # 404, as OpenAI and vLLM answer an unknown model.
-            raise ApiError(404, f"model: the model {requested!r} does not exist; this server serves {self.model_names}",
+            raise ApiError(404, f"model: the model {preview(requested)} does not exist; this server serves {self.model_names}",
                            param="model", code="model_not_found")
         return requested
