@@ -455,3 +455,21 @@ def test_own_model_names(path, model_arg, name):
     names, aliases = default_names(path, model_arg)
     assert names == [name]
     assert (path is None or path in aliases or path == name) and ("default" in aliases) == (model_arg is None)
+
+
+def test_model_without_tokenizer():
+    """Random weights from a preset have no tokenizer: token-id prompts work, text is a 400."""
+    engine = LLMEngine(EngineConfig(model="smollm2-135m", load_format="dummy", dtype="float32", max_model_len=64,
+                                    kv_cache_memory=8 * 2**20), progress=False)
+    srv = BackgroundServer(build_app(engine))
+    try:
+        status, _, body = raw(srv, "POST", "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True})
+        assert status == 200 and body["model"] == "smollm2-135m" and body["usage"]["completion_tokens"] == 2, body
+        for path, request in (("/v1/completions", {"prompt": "text"}), ("/tokenize", {"prompt": "text"}),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+                              ("/detokenize", {"tokens": [1, 2]})):
+            assert "no tokenizer" in check_error(*raw(srv, "POST", path, request)[::2], "model")["message"], path
+        status, _, info = raw(srv, "GET", "/tokenizer_info")
+        assert status == 200 and info["eos_token"] is None
+    finally:
+        srv.stop()

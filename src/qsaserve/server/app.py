@@ -173,13 +173,13 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.api_route("/tokenizer_info", methods=READ_METHODS)
     async def tokenizer_info() -> Response:
-        tok = state.tokenizer.tok
+        tok = state.tokenizer.tok  # None for a model without one
         return JSONResponse({
-            "tokenizer_class": type(tok).__name__,
-            "eos_token": tok.eos_token,
-            "bos_token": tok.bos_token,
-            "pad_token": tok.pad_token,
-            "unk_token": tok.unk_token,
+            "tokenizer_class": type(tok).__name__ if tok is not None else None,
+            "eos_token": getattr(tok, "eos_token", None),
+            "bos_token": getattr(tok, "bos_token", None),
+            "pad_token": getattr(tok, "pad_token", None),
+            "unk_token": getattr(tok, "unk_token", None),
             "chat_template": getattr(tok, "chat_template", None),
             "model_max_length": limits.max_model_len,
             "vocab_size": state.vocab_size,

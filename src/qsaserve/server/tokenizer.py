@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -43,18 +44,24 @@ class TokenizerPool:
         self.tok = copy.deepcopy(tokenizer)  # metadata reads on the event loop (tokenizer_info)
         self.size = size
         self.max_token_chars = longest_token_chars(tokenizer)
+        # The workers' copies are made now, not when a first request starts a worker thread.
+        self._copies: queue.SimpleQueue = queue.SimpleQueue()
+        for _ in range(size):
+            self._copies.put(copy.deepcopy(tokenizer))
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(size, thread_name_prefix="qsaserve-tokenizer", initializer=self._init_worker)
         self._large_jobs = asyncio.Semaphore(max(1, size - 1))
 
     def _init_worker(self) -> None:
-        self._local.tok = copy.deepcopy(self.tok)
+        self._local.tok = self._copies.get_nowait()
 
     def _run_job(self, fn: Callable, args: tuple):
         return fn(self._local.tok, *args)
 
     async def run(self, fn: Callable, *args, chars: int = 0):
         """fn(tokenizer, *args) on a worker; `chars` (the text it handles) sorts out large jobs."""
+        if self.tok is None:
+            raise InvalidRequestError("model", "this model has no tokenizer: send prompts as token ids, not text or messages")
         loop = asyncio.get_running_loop()
         if chars <= LARGE_JOB_CHARS:
             return await loop.run_in_executor(self._pool, self._run_job, fn, args)
