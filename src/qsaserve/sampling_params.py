@@ -4,10 +4,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from qsaserve.errors import InvalidRequestError
+from qsaserve.stop_strings import StopStringMatcher
 
 # Logprob requests above this need more host<->device traffic than a serving engine should
 # spend per token; vLLM uses the same default.
 MAX_LOGPROBS = 20
+# Temperatures below this sample greedily, as in vLLM (its _SAMPLING_EPS): dividing float32
+# logits by a smaller one overflows to inf, and the distribution is an argmax by then anyway.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+# Stop strings per request, and their total length: matching is linear in the text whatever
+# they are, but building the automaton and validating them is not free.
+MAX_STOP_STRINGS = 128
+MAX_STOP_CHARS = 8192
+# Stop token ids are looked up for every generated token.
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -31,6 +41,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
+    _stop_matcher: StopStringMatcher | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         def bad(param: str, msg: str) -> InvalidRequestError:
@@ -74,11 +85,19 @@ class SamplingParams:
             raise bad("stop", f"must be a string or a list of strings, got {self.stop!r}")
         if any(s == "" for s in self._stop_list):
             raise bad("stop", "stop strings must be non-empty")
+        if len(self._stop_list) > MAX_STOP_STRINGS:
+            raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self._stop_list)}")
+        stop_chars = sum(map(len, self._stop_list))
+        if stop_chars > MAX_STOP_CHARS:
+            raise bad("stop", f"the stop strings have {stop_chars} characters in all; at most {MAX_STOP_CHARS}")
+        self._stop_matcher = StopStringMatcher(self._stop_list) if self._stop_list else None
         if self.stop_token_ids is not None and (
             not isinstance(self.stop_token_ids, (list, tuple))
             or not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids)
         ):
             raise bad("stop_token_ids", f"must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
         if self.top_k == -1:
             self.top_k = 0
 
@@ -87,8 +106,13 @@ class SamplingParams:
         return self._stop_list
 
     @property
+    def stop_matcher(self) -> StopStringMatcher | None:
+        """One automaton over the stop strings (None without any)."""
+        return self._stop_matcher
+
+    @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     def clone(self, **changes) -> "SamplingParams":
         kwargs = {f: getattr(self, f) for f in self.__dataclass_fields__ if not f.startswith("_")}

@@ -124,14 +124,55 @@ def test_add_requests_is_all_or_nothing(aengine):
 
 def test_waiting_queue_bound(aengine):
     short = SamplingParams(temperature=0, max_tokens=1)
+
     async def scenario():
-        with pytest.raises(EngineOverloadedError) as e:
-            await aengine.add_requests([(f"r{i}", "Hello", short) for i in range(9)])  # limit 8
-        assert e.value.retry_after == 1
+        with pytest.raises(InvalidRequestError) as e:  # 9 sequences can never fit a queue of 8
+            await aengine.add_requests([(f"r{i}", "Hello", short) for i in range(9)])
+        assert e.value.param == "n"
         ok = await aengine.add_requests([(f"r{i}", "Hello", short) for i in range(8)])
         return [(await _last(s)).finished for s in ok]
 
     assert asyncio.run(scenario()) == [True] * 8
+
+
+def test_waiting_queue_counts_sequences_and_tokens(llm_engine):
+    """The bound counted requests: one request with n=256 (or 512 prompts x n=256) got in whole."""
+    a = AsyncLLMEngine(llm_engine, max_waiting_requests=8, max_waiting_tokens=100, retry_after=2)
+    short = SamplingParams(temperature=0, max_tokens=1)
+
+    async def blocked_then(*adds):
+        """The adds run in one engine iteration, after the engine thread was kept busy: each sees
+        what the ones before it queued, and no step schedules anything in between."""
+        results = await asyncio.gather(a.run(lambda e: time.sleep(0.2)), *adds, return_exceptions=True)
+        return results[1:]
+
+    async def scenario():
+        with pytest.raises(InvalidRequestError) as e:
+            await a.add_request("n9", "Hello", short.clone(n=9))
+        assert e.value.param == "n"
+        with pytest.raises(InvalidRequestError) as e:  # 2 x 60 prompt tokens
+            await a.add_request("t120", {"prompt_token_ids": [1] * 60}, short.clone(n=2))
+        assert e.value.param == "prompt"
+        first, second, third = await blocked_then(
+            a.add_request("x", "Hello", short.clone(n=6)),
+            a.add_request("y", "Hello", short.clone(n=3)),  # 6 + 3 > 8
+            a.add_request("z", "Hello", short.clone(n=2)),  # 6 + 2 fits
+        )
+        assert isinstance(second, EngineOverloadedError) and second.retry_after == 2, second
+        assert "6 sequences are waiting" in str(second)
+        finished = [(await _last(s)).finished for s in (first, third)]
+        first, second = await blocked_then(
+            a.add_request("u", {"prompt_token_ids": [1] * 40}, short.clone(n=2)),
+            a.add_request("v", "Hello " * 25, short),  # text: counted once tokenized, 80 + 25 > 100
+        )
+        assert isinstance(second, EngineOverloadedError) and "prompt tokens" in str(second), second
+        return finished + [(await _last(first)).finished]
+
+    try:
+        assert asyncio.run(scenario()) == [True] * 3
+    finally:
+        a.shutdown(shutdown_engine=False)
+    assert_idle(llm_engine)
 
 
 async def _last(stream):
@@ -183,24 +224,27 @@ def wait_for(predicate, timeout=30.0):
         time.sleep(0.02)
 
 
-def test_overloaded_server_answers_503_with_retry_after(make_server, llm_engine):
-    srv = make_server(max_waiting_requests=1, retry_after=3)
-    # max_num_seqs=2: two long streams run, a third waits, a fourth is refused.
+def test_overloaded_server_answers_429_with_retry_after(make_server, llm_engine):
+    srv = make_server(max_waiting_requests=3, retry_after=3)
+    # max_num_seqs=2: two long streams run; then sequences wait, three at most.
     running = []
     for i in range(2):  # one at a time: a request counts as waiting until a step schedules it
         running.append(post(srv, "/v1/completions", {"prompt": f"Story {i}:", "stream": True, **LONG}))
         resp = running[-1].getresponse()
         assert resp.status == 200 and resp.readline().startswith(b"data: ")
-    waiting = post(srv, "/v1/completions", {"prompt": "Waiting:", "max_tokens": 2})
+    waiting = post(srv, "/v1/completions", {"prompt": "Waiting:", "max_tokens": 2, "n": 2})
     wait_for(lambda: srv.aengine.snapshot.num_requests_waiting == 1)
-    refused = post(srv, "/v1/completions", {"prompt": "Refused:", "max_tokens": 2}).getresponse()
+    refused = post(srv, "/v1/completions", {"prompt": "Refused:", "max_tokens": 2, "n": 2}).getresponse()
     body = json.loads(refused.read())
-    assert refused.status == 503 and refused.getheader("Retry-After") == "3"
-    assert body["error"]["code"] == "server_overloaded" and body["error"]["type"] == "service_unavailable_error"
-    for conn in running:  # the clients leave; their aborts let the waiting request run
+    assert refused.status == 429 and refused.getheader("Retry-After") == "3", body
+    assert body["error"]["code"] == "server_overloaded" and body["error"]["type"] == "rate_limit_error"
+    assert "2 sequences are waiting" in body["error"]["message"]
+    fits = post(srv, "/v1/completions", {"prompt": "Fits:", "max_tokens": 2})  # 2 + 1 sequences
+    for conn in running:  # the clients leave; their aborts let the waiting requests run
         conn.close()
-    resp = waiting.getresponse()
-    assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] == 2
+    for conn in (waiting, fits):
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["usage"]["completion_tokens"] >= 2
     ok = post(srv, "/v1/completions", {"prompt": "Now fine:", "max_tokens": 2}).getresponse()
     assert ok.status == 200
 
@@ -276,6 +320,24 @@ def test_dead_engine_loop_makes_health_503(make_server, llm_engine, monkeypatch)
     assert_idle(llm_engine)
 
 
+def test_stop_ends_streams_in_band_within_the_grace(llm_engine):
+    a = AsyncLLMEngine(llm_engine)
+    srv = BackgroundServer(build_app(a, "smol", shutdown_engine=False), grace=1.0)
+    try:
+        conn = post(srv, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "stream": True, **LONG})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        start = time.monotonic()
+        srv.stop()
+        assert time.monotonic() - start < 3.0 and not srv.thread.is_alive()
+        events = [line[6:] for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "server_shutting_down", events[-3:]
+    finally:
+        srv.stop()
+        a.shutdown(shutdown_engine=False)
+    assert_idle(llm_engine)
+
+
 def test_dead_worker_while_idle_makes_health_503(make_server, llm_engine, monkeypatch):
     """A worker rank that dies between steps is reported by /health before any request fails
     (the multi-process executor's check_health raises EngineDeadError naming the rank)."""
@@ -294,3 +356,28 @@ def test_dead_worker_while_idle_makes_health_503(make_server, llm_engine, monkey
     conn.request("GET", "/health")
     health = conn.getresponse()
     assert health.status == 503 and "rank 1" in json.loads(health.read())["error"]["message"]
+
+
+def test_dead_engine_is_stopped_with_its_workers(llm_engine, monkeypatch):
+    """A worker rank that died left its sibling ranks waiting on it until the server exited: the
+    server now stops a dead engine (for the multi-process executor, that stops its ranks)."""
+    import threading
+
+    a = AsyncLLMEngine(llm_engine)
+    stopped = threading.Event()
+    monkeypatch.setattr(llm_engine, "shutdown", stopped.set)  # the LLMEngine is shared by these tests: not really stopped
+    srv = BackgroundServer(build_app(a, "smol"))  # shutdown_engine=True, as `serve` runs it
+    try:
+        assert not stopped.wait(1.5)  # healthy: left alone
+
+        def dead_worker():
+            raise EngineDeadError("worker rank 1 exited with code -9")
+
+        monkeypatch.setattr(llm_engine.executor, "check_health", dead_worker, raising=False)
+        assert stopped.wait(10), "the dead engine was not stopped"
+        conn = http.client.HTTPConnection(srv.host, srv.port, timeout=10)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 503
+    finally:
+        srv.stop()
+    assert not a.is_healthy()

@@ -404,7 +404,6 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "n": 100000}, "n"),
     ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "logprobs": -1}, "logprobs"),
-    ({"prompt": "hi", "model": "gpt-nope"}, "model"),
     ({"prompt": "hi", "stop": [1]}, "stop"),
     ({"prompt": "hi", "stop": [""]}, "stop"),
     ({"prompt": "hi", "seed": 2**70}, "seed"),
@@ -445,7 +444,6 @@ BAD_CHAT = [
     ({"messages": GOOD_CHAT, "max_tokens": 300}, "max_tokens"),
     ({"messages": GOOD_CHAT, "temperature": -1}, "temperature"),
     ({"messages": GOOD_CHAT, "n": 0}, "n"),
-    ({"messages": GOOD_CHAT, "model": "other"}, "model"),
     ({"messages": GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ({"messages": GOOD_CHAT, "response_format": {"type": "json_object"}}, "response_format"),
 ]
@@ -458,7 +456,6 @@ BAD_OTHER = [
     ("/detokenize", {}, "tokens"),
     ("/detokenize", {"tokens": [1, -1]}, "tokens"),
     ("/detokenize", {"tokens": ["a"]}, "tokens[0]"),
-    ("/detokenize", {"tokens": [1], "model": "nope"}, "model"),
 ]
 
 
@@ -503,7 +500,7 @@ def test_bad_bodies(server, client, body):
 
 def test_oversized_body(server, client):
     big = json.dumps({"prompt": "x" * (MAX_BODY + 10)}).encode()
-    status, _, err = raw(server, "POST", "/v1/completions", big)
+    status, _, err = raw(server, "POST", "/v1/completions", big, headers={"Content-Type": "application/json"})
     check_400(status, err, "body")
     assert err["error"]["code"] == "request_too_large"
     # Without Content-Length (chunked), the limit applies while reading.

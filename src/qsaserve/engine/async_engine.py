@@ -115,6 +115,13 @@ class RequestStream:
     def finished(self) -> bool:
         return self._done
 
+    def fail(self, error: BaseException) -> None:
+        """Ends the stream with `error` (raised to its reader after any output already delivered)
+        and stops the request. Call on the stream's event loop."""
+        if not self._done:
+            self._fail(error)
+            self._engine._post_abort(self.request_id)
+
     def abort(self) -> None:
         """Stops the request if it is still running (idempotent)."""
         if not self._done:
@@ -123,18 +130,26 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
+    """max_waiting_requests bounds the sequences waiting to be scheduled (a request with n
+    completions counts n), max_waiting_tokens the prompt tokens they still have to compute; an
+    add beyond either raises EngineOverloadedError, and one that could never fit
+    InvalidRequestError."""
+
     def __init__(
         self,
         engine: LLMEngine,
         *,
         max_waiting_requests: int | None = None,
+        max_waiting_tokens: int | None = None,
         retry_after: int = 1,
         start: bool = True,
     ):
-        if max_waiting_requests is not None and (not isinstance(max_waiting_requests, int) or max_waiting_requests < 1):
-            raise InvalidRequestError("max_waiting_requests", f"must be an integer >= 1, got {max_waiting_requests!r}")
+        for name, value in (("max_waiting_requests", max_waiting_requests), ("max_waiting_tokens", max_waiting_tokens)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InvalidRequestError(name, f"must be an integer >= 1, got {value!r}")
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
+        self.max_waiting_tokens = max_waiting_tokens
         self.retry_after = retry_after
         self.observers: list[RequestObserver] = []
         self.snapshot = EngineSnapshot()
@@ -198,7 +213,10 @@ class AsyncLLMEngine:
         arrival = time.monotonic()
 
         def add() -> None:
-            self._check_capacity(len(requests))
+            waiting = self._waiting_load()
+            # Checked before anything is added, with the token counts known so far (prompts given
+            # as ids), and again after tokenizing any text prompts.
+            self._check_capacity(waiting, [(params.n, _known_prompt_tokens(prompt)) for _, prompt, params in requests])
             added: list[str] = []
             try:
                 for (rid, prompt, params), stream in zip(requests, streams):
@@ -208,6 +226,9 @@ class AsyncLLMEngine:
                     added.append(rid)
                     self._streams[rid] = stream
                     self._timing[rid] = [arrival, arrival, 0]
+                if any(_known_prompt_tokens(prompt) is None for _, prompt, _ in requests):
+                    self._check_capacity(waiting, [(self.engine.requests[rid].params.n,
+                                                    len(self.engine.requests[rid].prompt_token_ids)) for rid in added])
             except BaseException:
                 for rid in added:
                     self._drop(rid)
@@ -241,15 +262,30 @@ class AsyncLLMEngine:
         return await asyncio.wrap_future(self._submit(lambda: fn(self.engine)))
 
     # ---- engine-thread side ----
-    def _check_capacity(self, incoming: int) -> None:
-        if self.max_waiting_requests is None:
-            return
-        waiting = len({seq.request_id for seq in self.engine.scheduler.waiting})
-        if waiting + incoming > self.max_waiting_requests:
-            raise EngineOverloadedError(
-                f"the server is overloaded: {waiting} requests are waiting (limit {self.max_waiting_requests}); retry later",
-                self.retry_after,
-            )
+    def _waiting_load(self) -> tuple[int, int]:
+        """(sequences waiting to be scheduled, tokens they have yet to compute)."""
+        waiting = self.engine.scheduler.waiting
+        if self.max_waiting_tokens is None:
+            return len(waiting), 0
+        return len(waiting), sum(seq.num_tokens - seq.num_computed_tokens for seq in waiting)
+
+    def _check_capacity(self, waiting: tuple[int, int], incoming: list[tuple[int, int | None]]) -> None:
+        """incoming: (n, prompt tokens or None if not known yet) per request."""
+        seqs = sum(n for n, _ in incoming)
+        tokens = sum(n * (t or 0) for n, t in incoming)
+        for limit, now, more, param, unit in (
+            (self.max_waiting_requests, waiting[0], seqs, "n", "sequences (n per prompt)"),
+            (self.max_waiting_tokens, waiting[1], tokens, "prompt", "prompt tokens (times n)"),
+        ):
+            if limit is None:
+                continue
+            if more > limit:
+                raise InvalidRequestError(param, f"the request needs {more} waiting {unit}; at most {limit} may wait")
+            if now + more > limit:
+                raise EngineOverloadedError(
+                    f"the server is overloaded: {now} {unit.split(' (')[0]} are waiting and this request adds {more} "
+                    f"(limit {limit}); retry later", self.retry_after,
+                )
 
     def _submit(self, fn: Callable[[], object]) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -385,6 +421,15 @@ class AsyncLLMEngine:
             self._update_snapshot()
         except Exception:  # noqa: BLE001 - the engine is already broken
             logger.exception("could not release the requests of the dead engine")
+
+
+def _known_prompt_tokens(prompt) -> int | None:
+    """A prompt's token count when it is given as token ids (None for text, not tokenized yet)."""
+    if isinstance(prompt, dict) and isinstance(prompt.get("prompt_token_ids"), (list, tuple)):
+        return len(prompt["prompt_token_ids"])
+    if isinstance(prompt, (list, tuple)):
+        return len(prompt)
+    return None
 
 
 def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:

@@ -190,6 +190,10 @@ class LLMEngine:
             raise InvalidRequestError(
                 "prompt", f"the prompt has {n} tokens; max_model_len is {self.max_model_len} (room for one output token needed)"
             )
+        if n + params.min_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                "min_tokens", f"prompt ({n} tokens) + min_tokens ({params.min_tokens}) exceeds max_model_len {self.max_model_len}"
+            )
         if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
             raise InvalidRequestError(
                 "max_tokens",
@@ -383,7 +387,7 @@ class LLMEngine:
             if self.tokenizer is not None:
                 detokenize_incrementally(self.tokenizer, seq)
             num_output = len(seq.token_ids) - seq.num_prompt_tokens
-            if p.stop_strings and num_output >= p.min_tokens and self._check_stop_strings(seq, old_len):
+            if p.stop_strings and self._check_stop_strings(seq, old_len, num_output >= p.min_tokens):
                 pass
             elif seq.at_max_tokens:
                 seq.finish_reason = "length"
@@ -392,16 +396,16 @@ class LLMEngine:
         if seq.finish_reason is not None:
             self.scheduler.finish(seq)
 
-    def _check_stop_strings(self, seq: Sequence, old_len: int) -> bool:
-        for stop in seq.params.stop_strings:
-            # Only text that could overlap the new characters needs searching.
-            idx = seq.output_text.find(stop, max(0, old_len - len(stop) + 1))
-            if idx != -1:
-                end = idx + len(stop) if seq.params.include_stop_str_in_output else idx
-                seq.output_text = seq.output_text[:end]
-                seq.finish_reason, seq.stop_reason = "stop", stop
-                return True
-        return False
+    def _check_stop_strings(self, seq: Sequence, old_len: int, active: bool) -> bool:
+        """Feeds the new text to the stop strings' automaton (always, so that its state follows
+        the text); before min_tokens (not active) a stop it finds does not count."""
+        seq.stop_state, match = seq.params.stop_matcher.advance(seq.stop_state, seq.output_text, old_len)
+        if match is None or not active:
+            return False
+        end = match.end if seq.params.include_stop_str_in_output else match.start
+        seq.output_text = seq.output_text[:end]
+        seq.finish_reason, seq.stop_reason = "stop", match.stop
+        return True
 
     def _make_output(self, req: _Request) -> RequestOutput:
         """A snapshot of the request: built for every progressing request each step when streaming,

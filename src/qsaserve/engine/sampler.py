@@ -2,8 +2,8 @@
 
 Order, as in vLLM: logprobs are taken from the raw model distribution; then penalties,
 min_tokens masking, temperature, top-k, top-p and min-p shape the distribution that is sampled.
-Greedy rows (temperature 0) take the argmax after penalties. Seeded requests draw from their
-own generator, so their output does not depend on what else is in the batch.
+Greedy rows (temperature below MIN_SAMPLING_TEMPERATURE) take the argmax after penalties. Seeded
+requests draw from their own generator, so their output does not depend on what else is in the batch.
 
 Everything runs on the logits' device; decisions that depend on request parameters are taken
 on the host from those parameters, never from device values. The one wait per step is reading
@@ -202,12 +202,12 @@ def _sample_simple(logits: torch.Tensor, seqs: list[Sequence], generator: torch.
     temps: list[float] = []
     seeded: list[int] = []
     for i, s in enumerate(seqs):
-        t = s.params.temperature
-        temps.append(t if t != 0.0 else 1.0)
-        if t != 0.0 and s.generator is not None:
+        greedy = s.params.greedy  # below the temperature floor: logits / t would overflow
+        temps.append(1.0 if greedy else s.params.temperature)
+        if not greedy and s.generator is not None:
             seeded.append(i)
     tokens = logits.argmax(dim=-1)
-    num_greedy = sum(1 for s in seqs if s.params.temperature == 0.0)
+    num_greedy = sum(1 for s in seqs if s.params.greedy)
     if num_greedy < len(seqs):
         probs = (logits / to_device(temps, torch.float32, logits.device)[:, None]).softmax(dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=generator)
@@ -215,7 +215,7 @@ def _sample_simple(logits: torch.Tensor, seqs: list[Sequence], generator: torch.
             noise[i].exponential_(generator=seqs[i].generator)
         sampled = (probs / noise).argmax(dim=-1)
         if num_greedy:
-            greedy = to_device([s.params.temperature == 0.0 for s in seqs], torch.bool, logits.device)
+            greedy = to_device([s.params.greedy for s in seqs], torch.bool, logits.device)
             sampled = torch.where(greedy, tokens, sampled)
         tokens = sampled
     return DeferredTokens(tokens, torch.stack([tokens, finite.long()], dim=1), _plain_tokens)

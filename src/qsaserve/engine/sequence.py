@@ -66,6 +66,7 @@ class Sequence:
         self.prompt_logprobs: list[PositionLogprobs | None] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.stop_state = 0  # the stop strings' automaton state after output_text
         self.detok_prefix_offset = 0
         self.detok_read_offset = 0
 

@@ -6,6 +6,7 @@ qsaserve.server.cli [MODEL] ...` runs it on its own.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import sys
@@ -14,11 +15,14 @@ from qsaserve.errors import InvalidRequestError
 from qsaserve.server import DEFAULT_MAX_REQUEST_BYTES
 
 API_KEY_ENV = "QSASERVE_API_KEY"
-DEFAULT_MAX_WAITING_REQUESTS = 512
+DEFAULT_MAX_WAITING_SEQS = 512
+DEFAULT_MAX_WAITING_TOKENS = 2**20
+DEFAULT_SHUTDOWN_GRACE_S = 10.0
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     from qsaserve.sampling_params import MAX_LOGPROBS
+    from qsaserve.server.tokenizer import DEFAULT_POOL_SIZE
 
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="model to serve (same as --model)")
     group = parser.add_argument_group("server")
@@ -27,14 +31,39 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--api-key", default=None,
                        help=f"require 'Authorization: Bearer KEY' on every route but /health (default: ${API_KEY_ENV} if set)")
     group.add_argument("--served-model-name", nargs="+", default=None,
-                       help="model name(s) clients may send in 'model' (default: MODEL, or 'default' for the default model)")
-    group.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
-                       help=f"requests that may wait for a slot; beyond it new ones get 503 + Retry-After (default: {DEFAULT_MAX_WAITING_REQUESTS})")
+                       help="model name(s) clients may send in 'model', listed by /v1/models (default: the model's own "
+                            "name, e.g. SmolLM2-135M-Instruct; its path, and 'default' for the default model, are "
+                            "accepted too)")
+    group.add_argument("--max-waiting-seqs", "--max-waiting-requests", dest="max_waiting_seqs", type=int,
+                       default=DEFAULT_MAX_WAITING_SEQS,
+                       help="sequences (prompts x n) that may wait to be scheduled; beyond it new requests get 429 + "
+                            f"Retry-After (default: {DEFAULT_MAX_WAITING_SEQS})")
+    group.add_argument("--max-waiting-tokens", type=int, default=None,
+                       help="prompt tokens (times n) that may wait to be computed; beyond it new requests get 429 "
+                            f"(default: {DEFAULT_MAX_WAITING_TOKENS}, or max-model-len if larger)")
+    group.add_argument("--max-seqs-per-request", type=int, default=None,
+                       help="largest prompts x n of one request (default: max-num-seqs, at most max-waiting-seqs)")
     group.add_argument("--retry-after", type=int, default=1, help="seconds sent in Retry-After when overloaded (default: 1)")
     group.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                        help=f"largest accepted request body (default: {DEFAULT_MAX_REQUEST_BYTES})")
+    group.add_argument("--max-prompt-chars", type=int, default=None,
+                       help="longest prompt text (and conversation content) accepted before tokenizing "
+                            "(default: max-model-len x the longest token's characters: a longer text cannot fit)")
+    group.add_argument("--tokenizer-pool-size", type=int, default=DEFAULT_POOL_SIZE,
+                       help=f"tokenizer worker threads; long prompts leave one free for short ones (default: {DEFAULT_POOL_SIZE})")
     group.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                        help=f"largest logprobs / top_logprobs / prompt_logprobs a request may ask for (default: {MAX_LOGPROBS})")
+    group.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                       help="Host header names answered besides localhost, 127.0.0.1 and ::1 ('*.example.com' "
+                            "matches subdomains, '*' any name); a server bound to loopback refuses other names "
+                            "(DNS rebinding); bound elsewhere, any name is answered unless this is given")
+    group.add_argument("--allowed-origins", nargs="+", default=[], metavar="ORIGIN",
+                       help="web origins (e.g. http://localhost:3000, or '*') allowed to call the API, with CORS; "
+                            "requests carrying any other Origin are refused (default: none)")
+    group.add_argument("--timeout-graceful-shutdown", type=float, default=DEFAULT_SHUTDOWN_GRACE_S, metavar="SECONDS",
+                       help="on SIGTERM/SIGINT: new requests get 503 at once, running ones may finish within this "
+                            "many seconds, then the rest end with an error event (streams) or a 503 "
+                            f"(default: {DEFAULT_SHUTDOWN_GRACE_S:g})")
     group.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (default: info)")
 
@@ -58,10 +87,30 @@ def _check_args(args: argparse.Namespace) -> None:
         args.model = args.model_tag
     if not 0 <= args.port <= 65535:
         raise InvalidRequestError("port", f"must be in [0, 65535], got {args.port}")
-    if args.max_waiting_requests < 1:
-        raise InvalidRequestError("max_waiting_requests", f"must be >= 1, got {args.max_waiting_requests}")
+    for name in ("max_waiting_seqs", "max_waiting_tokens", "max_seqs_per_request", "max_prompt_chars", "tokenizer_pool_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise InvalidRequestError(name, f"must be >= 1, got {value}")
     if args.retry_after < 0:
         raise InvalidRequestError("retry_after", f"must be >= 0, got {args.retry_after}")
+
+
+def is_loopback(host: str) -> bool:
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost
+        return False
+
+
+def allowed_hosts_for(bind_host: str, extra: list[str] | None) -> list[str] | None:
+    """The Host names a server bound to bind_host answers to (None: any)."""
+    from qsaserve.server.middleware import LOOPBACK_HOSTS
+
+    if extra is None and not is_loopback(bind_host):
+        return None
+    return [*LOOPBACK_HOSTS, *(extra or ())]
 
 
 def build_server_app(args: argparse.Namespace):
@@ -74,32 +123,46 @@ def build_server_app(args: argparse.Namespace):
     _check_args(args)
     config = engine_config_from_args(args)
     engine = LLMEngine(config)
-    async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_requests, retry_after=args.retry_after)
-    names = args.served_model_name or [args.model_tag or args.model or "default"]
+    waiting_tokens = args.max_waiting_tokens or max(DEFAULT_MAX_WAITING_TOKENS, engine.max_model_len)
+    async_engine = AsyncLLMEngine(engine, max_waiting_requests=args.max_waiting_seqs, max_waiting_tokens=waiting_tokens,
+                                  retry_after=args.retry_after)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    return build_app(async_engine, names, api_key, max_request_bytes=args.max_request_bytes, max_logprobs=args.max_logprobs)
+    return build_app(
+        async_engine, args.served_model_name, api_key,
+        max_request_bytes=args.max_request_bytes, max_logprobs=args.max_logprobs, max_prompt_chars=args.max_prompt_chars,
+        max_seqs_per_request=args.max_seqs_per_request, tokenizer_pool_size=args.tokenizer_pool_size,
+        allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts), allowed_origins=args.allowed_origins,
+    )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from qsaserve.server.drain import GracefulServer
+
     app = build_server_app(args)
     logging.getLogger("qsaserve").info("serving %s on http://%s:%d", app.state.server.model_names, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=10)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    GracefulServer(config, app.state.server.drain, args.timeout_graceful_shutdown).run()
     return 0
 
 
 class BackgroundServer:
-    """A uvicorn server on a daemon thread (for notebooks, benchmarks and tests); port=0 picks a free port."""
+    """A uvicorn server on a daemon thread (for notebooks, benchmarks and tests); port=0 picks a
+    free port. stop() shuts it down as SIGTERM does `serve`, with `grace` seconds."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", startup_timeout: float = 60.0):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", startup_timeout: float = 60.0,
+                 grace: float = DEFAULT_SHUTDOWN_GRACE_S):
         import threading
         import time
 
         import uvicorn
 
+        from qsaserve.server.drain import GracefulServer
+
         self.app = app
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on"))
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
+        self.server = GracefulServer(config, app.state.server.drain, grace)
         self.thread = threading.Thread(target=self.server.run, name="qsaserve-uvicorn", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + startup_timeout
@@ -115,9 +178,11 @@ class BackgroundServer:
         return f"http://{self.host}:{self.port}"
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Graceful stop: uvicorn closes connections, then the app's lifespan shuts the engine down."""
-        self.server.should_exit = True
-        self.thread.join(timeout)
+        """Graceful stop: the drain, then uvicorn closes connections, then the app's lifespan shuts
+        the engine down."""
+        if self.thread.is_alive():
+            self.server.request_drain()
+            self.thread.join(timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from qsaserve.errors import InvalidRequestError
-from qsaserve.sampling_params import SamplingParams
+from qsaserve.sampling_params import MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Every integer a request carries fits in 64 bits: larger ones would overflow device tensors.
+Int = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class _Request(BaseModel):
     # Unknown fields are ignored (as vLLM does), so clients sending newer OpenAI fields still work.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # JSON numbers that overflow a double (1e400) arrive as inf: refused, as NaN is.
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class _Response(BaseModel):
@@ -47,27 +50,36 @@ class StreamOptions(_Request):
 
 class _SamplingRequest(_Request):
     model: str | None = None
-    n: int = 1
+    n: Int = 1
     temperature: float | None = None
     top_p: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
-    seed: int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     # vLLM extras
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None
+    prompt_logprobs: Int | None = None
+
+    @field_validator("stop", "stop_token_ids", mode="before")
+    @classmethod
+    def _bounded_stop_count(cls, value, info):
+        # Before the elements are validated: a list of 600,000 strings is refused at O(1) cost.
+        limit, what = (MAX_STOP_STRINGS, "stop strings") if info.field_name == "stop" else (MAX_STOP_TOKEN_IDS, "stop token ids")
+        if isinstance(value, list) and len(value) > limit:
+            raise ValueError(f"at most {limit} {what}, got {len(value)}")
+        return value
 
     def check_common(self, max_n: int, max_logprobs: int) -> None:
         if self.stream_options is not None and not self.stream:
@@ -109,10 +121,10 @@ class _SamplingRequest(_Request):
 class CompletionRequest(_SamplingRequest):
     # str | list[int] | list[str] | list[list[int]]; checked by the server to name the bad element.
     prompt: Any = Field(...)
-    max_tokens: int | None = 16
+    max_tokens: Int | None = 16
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: Int | None = None
+    best_of: Int | None = None
     suffix: str | None = None
 
 
@@ -174,10 +186,10 @@ class CompletionStreamResponse(_Response):
 class ChatCompletionRequest(_SamplingRequest):
     # list of {role, content}; roles and content are checked by validate_messages.
     messages: list[dict[str, Any]]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
     tool_choice: Any = None
@@ -279,7 +291,7 @@ class TokenizeResponse(_Response):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
 class DetokenizeResponse(_Response):
