@@ -9,15 +9,6 @@ import re
 
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "qsaserve"
 
-# Known exceptions, outside the engine layer; an entry goes when its fix lands (a cycle that grows
-# or a new one fails the test).
-KNOWN_CYCLES = [
-    # server/: the package builds the app lazily, and app.py imports the package's constants.
-    {"qsaserve.server", "qsaserve.server.app"},
-]
-KNOWN_LAYER_IMPORTS: set[tuple[str, str]] = set()
-
-
 def _modules() -> dict[str, pathlib.Path]:
     mods = {}
     for path in SRC.rglob("*.py"):
@@ -107,9 +98,8 @@ def test_cycle_finder_finds_a_cycle_through_a_function_level_import():
 
 
 def test_no_import_cycle():
-    found = cycles(import_graph())
-    unexpected = [sorted(c) for c in found if c not in KNOWN_CYCLES]
-    assert not unexpected, unexpected
+    found = [sorted(c) for c in cycles(import_graph())]
+    assert not found, found
 
 
 # What each low layer may import from qsaserve (itself always): ops/ holds kernels and their
@@ -125,8 +115,7 @@ ALLOWED_IMPORTS = {
 
 def test_low_layers_import_downward_only():
     bad = sorted((m, t) for m, targets in import_graph().items() for t in targets
-                 if _layer(m) in ALLOWED_IMPORTS and _layer(t) not in ALLOWED_IMPORTS[_layer(m)]
-                 and (m, t) not in KNOWN_LAYER_IMPORTS)
+                 if _layer(m) in ALLOWED_IMPORTS and _layer(t) not in ALLOWED_IMPORTS[_layer(m)])
     assert not bad, bad
 
 

@@ -2,7 +2,7 @@
 
 Importing this package stays light (no FastAPI) so the main CLI can add `serve` cheaply."""
 
-DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
+from qsaserve.server.limits import DEFAULT_MAX_REQUEST_BYTES
 
 __all__ = ["build_app", "DEFAULT_MAX_REQUEST_BYTES"]
 

@@ -20,7 +20,7 @@ from qsaserve.engine.async_engine import AsyncLLMEngine
 from qsaserve.engine.llm_engine import LLMEngine
 from qsaserve.errors import InvalidRequestError
 from qsaserve.sampling_params import MAX_LOGPROBS
-from qsaserve.server import DEFAULT_MAX_REQUEST_BYTES
+from qsaserve.server.limits import DEFAULT_MAX_REQUEST_BYTES
 from qsaserve.server import metrics as metrics_mod
 from qsaserve.server.chat import create_chat_completion
 from qsaserve.server.completions import create_completion

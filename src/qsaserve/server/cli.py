@@ -12,7 +12,7 @@ import os
 import sys
 
 from qsaserve.errors import InvalidRequestError
-from qsaserve.server import DEFAULT_MAX_REQUEST_BYTES
+from qsaserve.server.limits import DEFAULT_MAX_REQUEST_BYTES
 
 API_KEY_ENV = "QSASERVE_API_KEY"
 DEFAULT_MAX_WAITING_SEQS = 512
