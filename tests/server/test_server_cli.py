@@ -23,6 +23,15 @@ def parse(argv):
     return parser.parse_args(argv)
 
 
+def test_command_line_builds_without_the_web_stack():
+    """`qsaserve bench` / `generate` / `calibrate` run where FastAPI is not importable: building the
+    parser (which adds `serve` and its flags) must not import it."""
+    code = ("import sys; import qsaserve.cli as c; c.build_parser(); "
+            "bad = sorted(m for m in ('fastapi', 'starlette', 'uvicorn') if m in sys.modules); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_serve_arguments():
     args = parse(["serve", "model.gguf", "--host", "0.0.0.0", "--port", "9000", "--api-key", "k", "--served-model-name", "a", "b",
                   "--max-waiting-requests", "3", "--retry-after", "5", "--max-request-bytes", "4096", "--max-logprobs", "5",

@@ -20,7 +20,7 @@ from qsaserve.engine.async_engine import AsyncLLMEngine
 from qsaserve.engine.llm_engine import LLMEngine
 from qsaserve.errors import InvalidRequestError
 from qsaserve.sampling_params import MAX_LOGPROBS
-from qsaserve.server.limits import DEFAULT_MAX_REQUEST_BYTES
+from qsaserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_POOL_SIZE
 from qsaserve.server import metrics as metrics_mod
 from qsaserve.server.chat import create_chat_completion
 from qsaserve.server.completions import create_completion
@@ -40,7 +40,7 @@ from qsaserve.server.protocol import (
     TokenizeResponse,
 )
 from qsaserve.server.state import ServerLimits, ServerState
-from qsaserve.server.tokenizer import DEFAULT_POOL_SIZE, TokenizerPool, decode, encode_text, ids_to_tokens
+from qsaserve.server.tokenizer import TokenizerPool, decode, encode_text, ids_to_tokens
 
 logger = logging.getLogger("qsaserve")
 
@@ -56,7 +56,7 @@ def build_app(
     max_logprobs: int = MAX_LOGPROBS,
     max_prompt_chars: int | None = None,
     max_seqs_per_request: int | None = None,
-    tokenizer_pool_size: int = DEFAULT_POOL_SIZE,
+    tokenizer_pool_size: int = DEFAULT_TOKENIZER_POOL_SIZE,
     allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
     allowed_origins: Sequence[str] = (),
     shutdown_engine: bool = True,

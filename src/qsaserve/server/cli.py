@@ -12,7 +12,7 @@ import os
 import sys
 
 from qsaserve.errors import InvalidRequestError
-from qsaserve.server.limits import DEFAULT_MAX_REQUEST_BYTES
+from qsaserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_POOL_SIZE
 
 API_KEY_ENV = "QSASERVE_API_KEY"
 DEFAULT_MAX_WAITING_SEQS = 512
@@ -22,7 +22,6 @@ DEFAULT_SHUTDOWN_GRACE_S = 10.0
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     from qsaserve.sampling_params import MAX_LOGPROBS
-    from qsaserve.server.tokenizer import DEFAULT_POOL_SIZE
 
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="model to serve (same as --model)")
     group = parser.add_argument_group("server")
@@ -49,8 +48,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-prompt-chars", type=int, default=None,
                        help="longest prompt text (and conversation content) accepted before tokenizing "
                             "(default: max-model-len x the longest token's characters: a longer text cannot fit)")
-    group.add_argument("--tokenizer-pool-size", type=int, default=DEFAULT_POOL_SIZE,
-                       help=f"tokenizer worker threads; long prompts leave one free for short ones (default: {DEFAULT_POOL_SIZE})")
+    group.add_argument("--tokenizer-pool-size", type=int, default=DEFAULT_TOKENIZER_POOL_SIZE,
+                       help=f"tokenizer worker threads; long prompts leave one free for short ones (default: {DEFAULT_TOKENIZER_POOL_SIZE})")
     group.add_argument("--max-logprobs", type=int, default=MAX_LOGPROBS,
                        help=f"largest logprobs / top_logprobs / prompt_logprobs a request may ask for (default: {MAX_LOGPROBS})")
     group.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",

@@ -18,9 +18,9 @@ import jinja2
 
 from qsaserve.entrypoints.llm import apply_chat_template
 from qsaserve.errors import InvalidRequestError
+from qsaserve.server.limits import DEFAULT_TOKENIZER_POOL_SIZE
 from qsaserve.server.parsing import normalize_messages
 
-DEFAULT_POOL_SIZE = 4
 LARGE_JOB_CHARS = 64 * 1024
 
 
@@ -38,7 +38,7 @@ def longest_token_chars(tokenizer) -> int:
 
 
 class TokenizerPool:
-    def __init__(self, tokenizer, size: int = DEFAULT_POOL_SIZE):
+    def __init__(self, tokenizer, size: int = DEFAULT_TOKENIZER_POOL_SIZE):
         if not isinstance(size, int) or size < 1:
             raise InvalidRequestError("tokenizer_pool_size", f"must be an integer >= 1, got {size!r}")
         self.tok = copy.deepcopy(tokenizer)  # metadata reads on the event loop (tokenizer_info)
