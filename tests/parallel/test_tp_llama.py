@@ -82,6 +82,24 @@ def test_dead_worker_fails_fast_with_engine_dead_error(gqa):
         assert time.monotonic() - start < 15
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc to see unreaped processes")
+def test_surviving_workers_are_reaped_when_one_dies(gqa):
+    """TP4: when one worker dies the other two are ended and reaped at once, not left waiting on
+    the dead rank (or exited but unreaped, zombies) until the engine is shut down. /proc shows it
+    without a wait() of our own, which would reap them itself."""
+    llm = LLM(gqa, dtype="float32", progress=False, tensor_parallel_size=4, **ENGINE)
+    try:
+        workers = llm.engine.executor.workers
+        assert len(workers) == 3 and all(w.is_alive() for w in workers)
+        os.kill(workers[1].pid, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match=r"worker rank \d \(pid \d+\) exited with code"):
+            llm.generate([{"prompt_token_ids": PROMPTS[0]}], PARAMS, use_tqdm=False)
+        left = [w.pid for w in workers if os.path.exists(f"/proc/{w.pid}")]
+        assert not left, f"worker processes not reaped: {left}"
+    finally:
+        llm.engine.shutdown()
+
+
 def test_worker_failing_at_startup_is_reported(gqa, tmp_path, monkeypatch):
     """A worker that dies before joining the world: startup raises at once naming it, rather than
     after the rendezvous timeout, and the next parallel engine of this process starts and serves

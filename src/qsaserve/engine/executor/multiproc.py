@@ -124,7 +124,7 @@ class MultiprocExecutor(Rank0Views):
         if self._dead is None and not self._closed:
             dead = self._find_dead_worker()
             if dead:
-                self._dead = dead
+                self._declare_dead(dead)
         if self._dead is not None:
             raise EngineDeadError(f"tensor-parallel engine is dead: {self._dead}")
         if self._closed:
@@ -140,8 +140,18 @@ class MultiprocExecutor(Rank0Views):
             return self.runner.execute(batch, feed)
         except Exception as e:
             # Ranks are out of step now whatever the cause; name a dead worker if there is one.
-            self._dead = self._find_dead_worker(wait=2.0) or f"step failed on rank 0: {type(e).__name__}: {e}"
+            self._declare_dead(self._find_dead_worker(wait=2.0) or f"step failed on rank 0: {type(e).__name__}: {e}")
             raise EngineDeadError(f"tensor-parallel engine is dead: {self._dead}") from e
+
+    def _declare_dead(self, reason: str) -> None:
+        """Records why the engine is dead and ends the surviving workers now, rather than at
+        shutdown: they would wait on the dead rank in their next collective for as long as this
+        process lives. Closing the step channel ends the receive loop of those waiting for a step;
+        stop_workers terminates (then kills) those stuck in a collective and reaps them all."""
+        self._dead = reason
+        if self._steps is not None:
+            self._steps.close()
+        stop_workers(self.workers, 1.0)
 
     def profile_workers(self, action: str, directory: str, steps: int = 1, top: int = 15,
                         timeout_s: float = 120.0) -> list[dict] | None:
