@@ -97,6 +97,6 @@ def test_cli_generate_prints_continuation(tmp_path):
 
 def test_cli_reports_bad_input_cleanly():
     res = subprocess.run(
-        [sys.executable, "-m", "qsaserve.cli", "generate", "hi", "--block-size", "3"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "qsaserve.cli", "generate", "hi", "--block-size", "0"], capture_output=True, text=True, timeout=300
     )
     assert res.returncode == 2 and "block_size" in res.stderr and "Traceback" not in res.stderr
