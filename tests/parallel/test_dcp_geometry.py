@@ -165,7 +165,9 @@ def test_dcp_constraints_name_the_parameter():
 
 @pytest.mark.parametrize("kwargs,param", [
     (dict(tensor_parallel_size=4, decode_context_parallel_size=3), "decode_context_parallel_size"),
-    (dict(tensor_parallel_size=2, decode_context_parallel_size=2, dcp_interleave_size=32), "dcp_interleave_size"),
+    # an explicit block size the interleave does not divide (unset, the block size follows the interleave)
+    (dict(tensor_parallel_size=2, decode_context_parallel_size=2, dcp_interleave_size=32, block_size=16),
+     "dcp_interleave_size"),
     (dict(dcp_comm_backend="ring"), "dcp_comm_backend"),
     (dict(tensor_parallel_size=0), "tensor_parallel_size"),
     (dict(tensor_parallel_size=3, nnodes=2), "nnodes"),
