@@ -17,7 +17,7 @@ for _sub in ("quant", "parallel"):
 # bound its wide-flip rate), short gate prompts, a handful of task items.
 SMALL = ["--num-tokens", "1100", "--window", "220", "--gate-tokens", "8", "--gate-long-tokens", "160",
          "--oracle-seeds", "2", "--oracle-tokens", "96", "--arithmetic-items", "6", "--long-items", "1",
-         "--prefill-tokens", "64", "--decode-batch", "2"]
+         "--prefill-tokens", "64", "--decode-batch", "2", "--decode-tokens", "8"]
 
 
 @pytest.fixture(scope="session")

@@ -96,6 +96,7 @@ def add_qualify_parser(subparsers) -> argparse.ArgumentParser:
                    "per-item seeds are the same on both sides either way)")
     p.add_argument("--prefill-tokens", type=int, default=d.prefill_tokens, help="prompt length of the prefill timing")
     p.add_argument("--decode-batch", type=int, default=d.decode_batch, help="sequences of the decode timing")
+    p.add_argument("--decode-tokens", type=int, default=d.decode_tokens, help="tokens each sequence decodes in the timing")
     add_engine_args(p)
     p.set_defaults(func=cmd_qualify)
     return p
@@ -135,7 +136,7 @@ def cmd_qualify(args) -> int:
                         long_items=args.long_items, task_temperature=args.task_temperature,
                         task_files=[t for t in args.tasks if not t.startswith("lmeval:")],
                         lmeval_tasks=[t.removeprefix("lmeval:") for t in args.tasks if t.startswith("lmeval:")],
-                        prefill_tokens=args.prefill_tokens, decode_batch=args.decode_batch,
+                        prefill_tokens=args.prefill_tokens, decode_batch=args.decode_batch, decode_tokens=args.decode_tokens,
                         strict_provenance=args.strict_provenance)
     dataset = text_file(args.dataset) if args.dataset else pydoc_topics("evaluation")
     configs = configurations(parse_overrides(args.baseline, "baseline"), candidates, parse_overrides(args.oracle, "oracle"))

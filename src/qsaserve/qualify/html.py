@@ -188,16 +188,19 @@ def render_html(report: dict, clean: dict) -> str:
 
     prov_tables, prov_plot = _provenance(recs)
     ran = {k: any(st[k]["status"] != "NOT_RUN" for st in cands.values()) for k in STAGE_TITLES}
-    sections = {
-        "teacher_forced": (_tf_table(per("teacher_forced")), plots.teacher_forced(per("teacher_forced"))),
-        "token_gate": (_gate_table(per("token_gate")), plots.token_gate(per("token_gate"))),
-        "oracle": (_oracle_table(res.get("oracle_distances", {})),
-                   plots.oracle(res["oracle_distances"]) if res.get("oracle_distances") else None),
-        "tasks": (_task_table(per("tasks")), plots.tasks(per("tasks"))),
-        "health": (_health_table(res, recs), plots.health(recs) if res.get("health") else None),
-        "capacity": (_capacity_table(recs), plots.capacity(recs) if ran["capacity"] else None),
-        "provenance": (prov_tables, prov_plot),
+    plot_of = {
+        "teacher_forced": lambda: plots.teacher_forced(per("teacher_forced")),
+        "token_gate": lambda: plots.token_gate(per("token_gate")),
+        "oracle": lambda: plots.oracle(res["oracle_distances"]) if res.get("oracle_distances") else None,
+        "tasks": lambda: plots.tasks(per("tasks")),
+        "health": lambda: plots.health(recs) if res.get("health") else None,
+        "capacity": lambda: plots.capacity(recs),
+        "provenance": lambda: prov_plot,
     }
+    tables = {"teacher_forced": _tf_table(per("teacher_forced")), "token_gate": _gate_table(per("token_gate")),
+              "oracle": _oracle_table(res.get("oracle_distances", {})), "tasks": _task_table(per("tasks")),
+              "health": _health_table(res, recs), "capacity": _capacity_table(recs), "provenance": prov_tables}
+    sections = {k: (tables[k], plot_of[k]() if ran[k] else None) for k in STAGE_TITLES}
     stages = [{"key": k, "title": STAGE_TITLES[k], "rule": RULE_TEXT[k], "status": per(k), "tables": sections[k][0],
                "plot": sections[k][1], "ran": ran[k]} for k in STAGE_TITLES]
     return TEMPLATE.render(r=clean, stages=stages, inputs=json.dumps(clean.get("inputs", {}), indent=1),

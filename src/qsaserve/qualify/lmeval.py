@@ -26,14 +26,14 @@ class LmEvalScorer:
 def lmeval_items(names: list[str], codec, num_fewshot: int = 0) -> tuple[list[Item], list[str]]:
     """(items, skipped reasons) for the named tasks."""
     try:
-        from lm_eval.tasks import TaskManager, get_task_dict
+        from lm_eval.tasks import TaskManager
     except ImportError:
         return [], [f"lmeval:{n}: lm-eval is not installed" for n in names]
     items, skipped = [], []
     manager = TaskManager()
     for name in names:
         try:
-            task = get_task_dict([name], manager)[name]
+            task = manager.load([name])["tasks"][name]
             docs = list(task.eval_docs)[:MAX_DOCS]
         except Exception as e:  # noqa: BLE001 - missing data or an unknown name: reported, not fatal
             skipped.append(f"lmeval:{name}: cannot load ({type(e).__name__}: {str(e).splitlines()[0][:200]})")

@@ -117,13 +117,14 @@ def _device(device: torch.device) -> dict:
 
 
 def process_facts(device: torch.device) -> dict:
-    import qsaserve
-
-    package_dir = os.path.dirname(os.path.abspath(qsaserve.__file__))
+    # The package this module was imported from (its parent package is always loaded before it;
+    # importing it here by name would be an import cycle through qsaserve/__init__.py).
+    package = sys.modules[__name__.split(".")[0]]
+    package_dir = os.path.dirname(os.path.abspath(package.__file__))
     return {
         "pid": os.getpid(),
         "python": sys.version.split()[0],
-        "package": {"version": qsaserve.__version__, "path": package_dir, "source_sha256": source_sha256(package_dir),
+        "package": {"version": package.__version__, "path": package_dir, "source_sha256": source_sha256(package_dir),
                     "distribution": _distribution(package_dir)},
         "git": _git(package_dir),
         "libraries": _versions(),
