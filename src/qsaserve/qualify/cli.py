@@ -142,8 +142,8 @@ def cmd_qualify(args) -> int:
     configs = configurations(parse_overrides(args.baseline, "baseline"), candidates, parse_overrides(args.oracle, "oracle"))
     body = run(common, configs, dataset, stages, os.path.join(args.output, ".scratch"), settings=settings, rules=rules)
     meta = {
-        "command": shlex.join(["qsaserve", *sys.argv[1:]]) if sys.argv and sys.argv[0].endswith("qsaserve")
-        else shlex.join(sys.argv),
+        # as typed: `qsaserve qualify ...` (also when started as `python -m qsaserve.cli`)
+        "command": shlex.join(["qsaserve", *sys.argv[sys.argv.index("qualify"):]]) if "qualify" in sys.argv else None,
         "date": datetime.date.today().isoformat(),
         "model": config.model,
         "common_engine_args": common,
