@@ -69,3 +69,33 @@ def test_worker_with_another_package_version_fails_provenance(tiny_qwen4exp, tmp
     assert not any(" rank 0 (pid" in r for r in reasons)  # rank 0 matches itself
     worker = doc["configurations"]["tp2_dcp2"]["provenance"]["processes"][1]
     assert worker["package"]["path"] == str(other / "qsaserve")
+
+
+def test_the_h200_command_on_the_tiny_preset(tmp_path):
+    """docs/qualify.md's qwen4exp-small command, on CPU with qwen4exp-tiny: scales calibrated on the
+    character stand-in's ids, bf16 KV and GPU PLE vs calibrated FP8 KV and host PLE. Random weights:
+    the oracle is not run, and says why."""
+    from qsaserve import LLM
+    from qsaserve.quant.calibrate import calibrate_windows
+    from qsaserve.quant.dataset import pydoc_topics
+    from qsaserve.qualify.inputs import CharCodec, build_corpus
+
+    llm = LLM("qwen4exp-tiny", load_format="dummy", device="cpu", kv_cache_dtype="bfloat16", ple_placement="gpu",
+              max_model_len=512, progress=False)
+    corpus = build_corpus(CharCodec(llm.engine.vocab_size), pydoc_topics("calibration"))
+    scales = tmp_path / "tiny_scales.json"
+    calibrate_windows(llm, corpus.windows(256, 1024), str(scales), corpus.description)
+    llm.engine.shutdown()
+    out = tmp_path / "report"
+    rc = main(["qualify", "qwen4exp-tiny", "--load-format", "dummy", "--device", "cpu", "--kv-cache-memory", str(4 << 20),
+               "--max-model-len", "512", *SMALL, "--baseline", "kv_cache_dtype=bfloat16,ple_placement=gpu",
+               "--candidate", f"fp8_hostple:kv_scales={scales},ple_placement=host", "-o", str(out)])
+    doc = json.loads((out / "report.json").read_text())
+    v = doc["verdicts"]["fp8_hostple"]
+    assert v["not_run"] == ["oracle"] and "load_format=dummy" in doc["results"]["candidates"]["fp8_hostple"]["oracle"]["reasons"][0]
+    assert doc["configurations"]["fp8_hostple"]["kv_cache_dtype"] == "fp8_e4m3"
+    assert "oracle" not in doc["configurations"]
+    # calibrated E4M3 pages and host-resident PLE rows keep this model's distributions (KL < 0.01)
+    assert rc == 0 and v["verdict"] == "PASS", v
+    assert all(v["stages"][s] == "PASS" for s in ("teacher_forced", "token_gate", "tasks", "health", "capacity",
+                                                   "provenance"))

@@ -106,3 +106,21 @@ def test_bad_overrides_are_refused():
     assert Rules.parse(["gate_margin=2"]).gate_margin == 2.0
     with pytest.raises(InvalidRequestError, match="^rule: "):
         Rules.parse(["nope=1"])
+
+
+def test_distribution_report_for_the_fp8_benchmark(tiny_llama, tmp_path):
+    """benchmarks/fp8_quality.py's flat stage-1 report."""
+    from qsaserve.qualify.distribution_report import format_table, run_qualify
+    from qsaserve.quant.dataset import text_file
+
+    from fp8_testing import DOC_TEXT
+
+    data = tmp_path / "docs.txt"
+    data.write_text(DOC_TEXT)
+    report = run_qualify({"dtype": "float32", "device": "cpu", "kv_cache_memory": 4 << 20}, {"kv_cache_dtype": "bfloat16"},
+                         {"fp8_unit": {"kv_cache_dtype": "fp8_e4m3"}}, text_file(str(data)), num_tokens=200, window=64)
+    assert report["num_positions"] == 196 and report["num_windows"] == 4
+    c = report["candidates"]["fp8_unit"]
+    assert c["kv_cache_dtype"] == "fp8_e4m3" and c["kv_bytes_per_token"] == report["baseline"]["kv_bytes_per_token"] / 2
+    assert sum(report["baseline"]["top2_margin_histogram"].values()) == 196 and c["kl_mean"] > 0
+    assert "| fp8_unit | fp8_e4m3 |" in format_table(report)

@@ -21,6 +21,10 @@ from qsaserve.qualify.rules import NOT_RUN, Rules, result
 
 logger = logging.getLogger("qsaserve")
 
+# Random weights are drawn on the device in the model dtype (models' init_dummy_weights): a float64
+# CPU copy of a load_format=dummy model is another model, so there is nothing to compare against.
+ORACLE_DUMMY = ("random weights (load_format=dummy) are drawn on the device in the model dtype: a float64 copy would be "
+                "another model; qualify a saved checkpoint for the oracle")
 STAGES = ("teacher_forced", "token_gate", "oracle", "tasks", "health", "capacity", "provenance")
 
 
@@ -104,6 +108,7 @@ def run(common: dict, configs: list[Configuration], dataset, stages: list[str], 
         raise ValueError(f"unknown stages {unknown}; choose from {', '.join(STAGES)}")
     os.makedirs(scratch, exist_ok=True)
     inputs: Inputs | None = None
+    oracle_skipped = None
     records: dict[str, dict] = {}
     timings: dict[str, float] = {}
     try:
@@ -118,6 +123,9 @@ def run(common: dict, configs: list[Configuration], dataset, stages: list[str], 
             llm = LLM(progress=False, **{**common, **overrides})
             try:
                 if inputs is None:
+                    if "oracle" in stages and llm.engine.checkpoint.format == "dummy":
+                        stages = [x for x in stages if x != "oracle"]
+                        oracle_skipped = ORACLE_DUMMY
                     inputs = _build_inputs(llm, dataset, s, stages)
                 records[cfg.name] = _collect(llm, cfg, inputs, stages, scratch, s)
             finally:
@@ -126,6 +134,9 @@ def run(common: dict, configs: list[Configuration], dataset, stages: list[str], 
             logger.info("qualify: %s measured in %.1f s", cfg.name, timings[cfg.name])
         t0 = time.perf_counter()
         results = _compare(configs, records, inputs, stages, rules, s)
+        if oracle_skipped:
+            for st in results["candidates"].values():
+                st["oracle"] = result(NOT_RUN, [oracle_skipped])
         timings["compare"] = round(time.perf_counter() - t0, 1)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -141,7 +152,8 @@ def describe_engine(llm) -> dict:
             "model_dtype": str(ex.dtype).removeprefix("torch."), "device": str(ex.device),
             "kv_cache_dtype": quant.name, "kv_dtype_reason": quant.reason, "kv_bytes_per_token": ex.kv_spec.bytes_per_token,
             "tensor_parallel_size": c.tensor_parallel_size, "decode_context_parallel_size": c.decode_context_parallel_size,
-            "max_model_len": engine.max_model_len, "prefix_caching": engine.block_manager.enable_prefix_caching}
+            "max_model_len": engine.max_model_len, "prefix_caching": engine.block_manager.enable_prefix_caching,
+            "model_format": engine.checkpoint.format}
 
 
 def _collect(llm, cfg: Configuration, inp: Inputs, stages, scratch: str, s: Settings) -> dict:

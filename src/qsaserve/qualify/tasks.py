@@ -171,11 +171,17 @@ def generate_tasks(codec, max_model_len: int, *, arithmetic_items: int, long_ite
 
 # ---- running ----
 def collect(llm, items: list[Item], codec, *, temperature: float, seed: int) -> list[dict]:
-    """One record per item, in item order. Each item carries its own seed (seed + position)."""
-    prompts = [{"prompt_token_ids": it.ids} for it in items]
+    """One record per item, in item order. Each item carries its own seed (seed + position).
+    Each task runs as its own batch: its items have similar lengths, and a batch that mixes 8K
+    prompts with short ones pads every row to the long ones in the CPU attention reference."""
     params = [SamplingParams(temperature=temperature, max_tokens=it.max_tokens, seed=seed + k, logprobs=0)
               for k, it in enumerate(items)]
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs: list = [None] * len(items)
+    for task in dict.fromkeys(it.task for it in items):
+        sel = [k for k, it in enumerate(items) if it.task == task]
+        got = llm.generate([{"prompt_token_ids": items[k].ids} for k in sel], [params[k] for k in sel], use_tqdm=False)
+        for k, out in zip(sel, got):
+            outs[k] = out
     records = []
     for it, out in zip(items, outs):
         c = out.outputs[0]
