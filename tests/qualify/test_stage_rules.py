@@ -52,6 +52,16 @@ def test_task_rule_pass_fail_inconclusive():
     assert tasks.judge(worse, rules)["status"] == FAIL
     few = tasks.compare(recs([1, 0, 1, 0]), recs([0, 1, 1, 0]), rules)  # one win, one loss in four: no evidence
     assert tasks.judge(few, rules)["status"] == INCONCLUSIVE
+    # pooled equivalent, but every item of a small second task lost: not decided
+    def two(scores_a, scores_b):
+        return [{**r, "task": name} for name, rs in (("short", recs(scores_a)), ("long", recs(scores_b))) for r in rs]
+
+    mixed = tasks.compare(two([1, 0] * 50, [1, 1]), two([1, 0] * 50, [0, 0]), rules)
+    assert mixed["pooled"]["tost"]["equivalent"]
+    res = tasks.judge(mixed, rules)
+    assert res["status"] == INCONCLUSIVE and "long: 0 wins / 2 losses" in res["reasons"][0]
+    lost = tasks.compare(two([1, 0] * 50, [1] * 12), two([1, 0] * 50, [0] * 12), rules)  # 12 losses: p = 0.0005
+    assert tasks.judge(lost, rules)["status"] == FAIL
     bad = recs([1, 0] * 50)
     bad[3]["nonfinite"] = True
     assert tasks.judge(tasks.compare(recs([1, 0] * 50), bad, rules), rules)["status"] == FAIL

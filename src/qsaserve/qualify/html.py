@@ -18,9 +18,10 @@ RULE_TEXT = {
     "token_gate": "FAIL when a greedy continuation diverges where the baseline led by >= gate_margin nats, or a "
                   "configuration continues the same prompt two ways.",
     "oracle": "PASS when KL(oracle || candidate) <= oracle_factor x KL(oracle || baseline), or <= oracle_kl_floor.",
-    "tasks": "FAIL when the candidate is significantly worse (McNemar exact p < task_alpha with more losses) or its "
-             "interval lies below -task_margin, or it has new non-finite logprobs; PASS when TOST shows "
-             "equivalence within +-task_margin; else INCONCLUSIVE.",
+    "tasks": "FAIL when the candidate is significantly worse, pooled or on a task (McNemar exact p < task_alpha with "
+             "more losses), its pooled interval lies below -task_margin, or it has new non-finite logprobs; PASS when "
+             "the pooled TOST shows equivalence within +-task_margin and no task is behind without its own "
+             "equivalence; else INCONCLUSIVE.",
     "health": "FAIL on any NaN/inf logit, a non-finite logprob at max_model_len - 1, an accepted max_model_len "
               "prompt, or an engine that cannot serve after refusing it.",
     "capacity": "FAIL when the candidate holds fewer KV tokens at the same budget or is slower than speed_ratio_min "

@@ -250,8 +250,16 @@ def judge(metrics: dict, rules) -> dict:
         reasons.append(f"significantly worse: {summary}")
     elif hi < -rules.task_margin:
         reasons.append(f"worse beyond the margin: {summary}")
+    # a task the candidate loses on is judged on its own: many short items must not hide it
+    per_task = metrics["per_task"] if len(metrics["per_task"]) > 1 else {}
+    reasons += [f"{t}: significantly worse ({m['wins']} wins / {m['losses']} losses, McNemar p={m['mcnemar_p']:.3g})"
+                for t, m in per_task.items() if m["losses"] > m["wins"] and m["mcnemar_p"] < rules.task_alpha]
     if reasons:
         return result(FAIL, reasons)
-    if pooled["tost"]["equivalent"]:
+    behind = [f"{t}: {m['wins']} wins / {m['losses']} losses in {m['items']} items, equivalence not shown"
+              for t, m in per_task.items() if m["losses"] > m["wins"] and not m["tost"]["equivalent"]]
+    if pooled["tost"]["equivalent"] and not behind:
         return result(PASS, [f"equivalent: {summary}"])
-    return result(INCONCLUSIVE, [f"equivalence not shown: {summary}"])
+    if pooled["tost"]["equivalent"]:
+        return result(INCONCLUSIVE, [f"pooled equivalent ({summary}), but behind on a task: " + "; ".join(behind)])
+    return result(INCONCLUSIVE, [f"equivalence not shown: {summary}"] + behind)
