@@ -28,7 +28,7 @@ import torch
 from qsaserve import LLM, __version__
 from qsaserve.quant.calibrate import DEFAULT_MARGIN, calibrate, calibration_config
 from qsaserve.quant.dataset import pydoc_topics
-from qsaserve.qualify.cli import format_table, run_qualify
+from qsaserve.qualify.distribution_report import format_table, run_qualify
 from qsaserve.config import EngineConfig
 from qsaserve.quant.capacity import kv_capacity_report
 

@@ -11,7 +11,8 @@ from qsaserve.errors import InvalidRequestError
 from qsaserve.quant.kv_rotation import KV_ROTATIONS
 from qsaserve.quant.kv_scales import KV_CACHE_DTYPES
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+           "float64": torch.float64}  # float64: the CPU reference of `qsaserve qualify`'s oracle
 
 
 def _option(default, help: str):
@@ -24,7 +25,7 @@ class EngineConfig:
     model: str | None = _option(None, "GGUF file or Hugging Face directory; default: SmolLM2-135M-Instruct (GGUF), "
                                       "fetched on first use")
     dtype: str = _option("auto", "weights/activation dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, "
-                                 "float16")
+                                 "float16, float64 (a CPU reference)")
     device: str = _option("auto", "auto, cpu, cuda or cuda:N")
     max_model_len: int | None = _option(None, "longest prompt + output in tokens (default: the model's limit)")
     block_size: int | None = _option(

@@ -1,15 +1,17 @@
-"""`qsaserve qualify [MODEL] --candidate NAME:KEY=VAL,... [--baseline KEY=VAL,...] -o report.json`.
+"""`qsaserve qualify [MODEL] --baseline KEY=VAL,... --candidate NAME:KEY=VAL,... -o DIR`.
 
-Every engine is the common engine flags plus its own overrides (EngineConfig field names), e.g.
-  qsaserve qualify --dtype float32 --baseline kv_cache_dtype=bfloat16 \\
-      --candidate fp8:kv_cache_dtype=fp8_e4m3,kv_scales=scales.json -o report.json
+Every configuration is the common engine flags plus its own overrides (EngineConfig field names):
+  qsaserve qualify --dtype float32 --kv-cache-memory 268435456 --baseline kv_cache_dtype=bfloat16 \\
+      --candidate fp8:kv_cache_dtype=fp8_e4m3,kv_scales=scales.json -o qualify-fp8
+writes qualify-fp8/report.json and qualify-fp8/report.html. Exit status: 0 when every candidate
+passes, 1 when one fails, 2 when none fails but one is inconclusive.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import logging
+import os
 import shlex
 import sys
 import time
@@ -19,9 +21,6 @@ from qsaserve.config import EngineConfig
 from qsaserve.errors import InvalidRequestError
 
 logger = logging.getLogger("qsaserve")
-
-DEFAULT_NUM_TOKENS = 4096
-DEFAULT_WINDOW = 512
 
 
 def parse_overrides(text: str, what: str) -> dict:
@@ -49,112 +48,122 @@ def parse_overrides(text: str, what: str) -> dict:
     return out
 
 
-def run_qualify(common: dict, baseline: dict, candidates: dict[str, dict], dataset, *, num_tokens: int = DEFAULT_NUM_TOKENS,
-                window: int = DEFAULT_WINDOW, chunk_size: int = 256) -> dict:
-    """Builds the engines (common args + overrides), scores `dataset` and returns the report."""
-    from qsaserve.entrypoints.llm import LLM
-    from qsaserve.quant.dataset import token_windows
-    from qsaserve.qualify.compare import compare_engines, describe_engine
-
-    common = {"max_model_len": window, **common}
-    t0 = time.perf_counter()
-    base_llm = LLM(progress=False, **{**common, **baseline})
-    cand_llms = {name: LLM(progress=False, **{**common, **over}) for name, over in candidates.items()}
-    t_load = time.perf_counter() - t0
-    engine = base_llm.engine
-    if engine.tokenizer is None:
-        raise InvalidRequestError("model", "qualify needs a model with a tokenizer")
-    windows = token_windows(engine.tokenizer, dataset.texts, window, num_tokens)
-    t1 = time.perf_counter()
-    metrics = compare_engines(base_llm, cand_llms, windows, chunk_size)
-    report = {
-        "model": engine.checkpoint.path,
-        "model_identity": engine.checkpoint.identity,
-        "model_dtype": str(engine.executor.dtype).removeprefix("torch."),
-        "device": str(engine.executor.device),
-        "dataset": dataset.description,
-        "num_tokens": sum(len(w) for w in windows),
-        "window": window,
-        "common_engine_args": common,
-        "num_windows": metrics["num_windows"],
-        "num_positions": metrics["num_positions"],
-        "baseline": {"engine_args": baseline, **describe_engine(base_llm), **metrics["baseline"]},
-        "candidates": {name: {"engine_args": candidates[name], **describe_engine(cand_llms[name]), **m}
-                       for name, m in metrics["candidates"].items()},
-        "metrics": {
-            "perplexity": "exp(mean NLL of the next token), teacher-forced, each window an independent context",
-            "ppl_change_pct": "100 * (candidate perplexity / baseline perplexity - 1)",
-            "kl_mean": "mean over positions of KL(baseline || candidate) over the full vocabulary, nats",
-            "top1_agreement": "fraction of positions whose argmax token is the baseline's",
-        },
-        "load_s": round(t_load, 1),
-        "score_s": round(time.perf_counter() - t1, 1),
-    }
-    return report
+def parse_candidate(spec: str) -> tuple[str, dict]:
+    name, sep, rest = spec.partition(":")
+    if not sep or not name or name in ("baseline", "oracle"):
+        raise InvalidRequestError("candidate", f"expected NAME:KEY=VAL,... with NAME not baseline/oracle, got {spec!r}")
+    return name, parse_overrides(rest, "candidate")
 
 
 def add_qualify_parser(subparsers) -> argparse.ArgumentParser:
     from qsaserve.engine_args import add_engine_args
     from qsaserve.quant.cli import add_model_tag
+    from qsaserve.qualify.runner import STAGES, Settings
 
+    d = Settings()
     p = subparsers.add_parser(
-        "qualify", help="compare candidate engine configurations to a baseline (perplexity, KL, top-1 agreement)",
-        description="Teacher-force the same token stream through a baseline and candidate engines and compare "
-                    "their full-vocabulary distributions.")
+        "qualify", help="prove candidate engine configurations as good as a baseline (report.json + report.html)",
+        description="Run the qualification stages (teacher-forced distribution, token gate, FP64 oracle, paired "
+                    "tasks, health, capacity, provenance) on a baseline and candidates; a verdict per candidate.")
     add_model_tag(p)
     p.add_argument("--baseline", default="", help="baseline overrides KEY=VAL,... of engine arguments (default: none)")
     p.add_argument("--candidate", action="append", required=True, metavar="NAME:KEY=VAL,...",
                    help="a candidate configuration (repeatable)")
-    p.add_argument("-o", "--output", default=None, help="report JSON to write (default: print only)")
-    p.add_argument("--dataset", default=None, help="UTF-8 text file to evaluate on (default: the held-out part of "
-                   "CPython's pydoc_data.topics, never used by `qsaserve calibrate`)")
-    p.add_argument("--num-tokens", type=int, default=DEFAULT_NUM_TOKENS, help=f"tokens to score (default: {DEFAULT_NUM_TOKENS})")
-    p.add_argument("--window", type=int, default=DEFAULT_WINDOW, help=f"tokens per independent context (default: {DEFAULT_WINDOW})")
+    p.add_argument("--oracle", default="", metavar="KEY=VAL,...",
+                   help="overrides of the FP64 oracle's engine (default: dtype=float64,device=cpu, one rank)")
+    p.add_argument("-o", "--output", required=True, metavar="DIR", help="directory for report.json and report.html")
+    p.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)} (default: all)")
+    p.add_argument("--rule", action="append", metavar="KEY=VALUE", help="set a pass-rule number (see docs/qualify.md)")
+    p.add_argument("--strict-provenance", action="store_true",
+                   help="fail provenance on a shadowed import, a dirty checkout or a modified wheel, not only warn")
+    p.add_argument("--dataset", default=None, help="UTF-8 text file (default: the held-out part of CPython's "
+                   "pydoc_data.topics, never used by `qsaserve calibrate`)")
+    p.add_argument("--num-tokens", type=int, default=d.num_tokens, help=f"teacher-forced tokens (default: {d.num_tokens})")
+    p.add_argument("--window", type=int, default=d.window, help=f"tokens per independent context (default: {d.window})")
+    p.add_argument("--gate-tokens", type=int, default=d.gate_tokens, help=f"greedy tokens per gate prompt (default: {d.gate_tokens})")
+    p.add_argument("--gate-long-tokens", type=int, default=d.gate_long_tokens,
+                   help=f"length of the long marked gate prompt (default: {d.gate_long_tokens})")
+    p.add_argument("--oracle-seeds", type=int, default=len(d.oracle_seeds), help="oracle samples, one seed each "
+                   f"(default: {len(d.oracle_seeds)})")
+    p.add_argument("--oracle-tokens", type=int, default=d.oracle_tokens, help=f"tokens per oracle sample (default: {d.oracle_tokens})")
+    p.add_argument("--tasks", action="append", default=[], metavar="FILE.jsonl|lmeval:NAME",
+                   help="extra task: a JSONL file or an lm-eval task name (repeatable; the generated tasks always run)")
+    p.add_argument("--arithmetic-items", type=int, default=d.arithmetic_items,
+                   help=f"generated arithmetic items (default: {d.arithmetic_items})")
+    p.add_argument("--long-items", type=int, default=d.long_items,
+                   help=f"items per length of each generated retrieval task (default: {d.long_items})")
+    p.add_argument("--task-temperature", type=float, default=0.0, help="task sampling temperature (default: 0, greedy; "
+                   "per-item seeds are the same on both sides either way)")
+    p.add_argument("--prefill-tokens", type=int, default=d.prefill_tokens, help="prompt length of the prefill timing")
+    p.add_argument("--decode-batch", type=int, default=d.decode_batch, help="sequences of the decode timing")
+    p.add_argument("--decode-tokens", type=int, default=d.decode_tokens, help="tokens each sequence decodes in the timing")
     add_engine_args(p)
     p.set_defaults(func=cmd_qualify)
     return p
+
+
+def configurations(baseline: dict, candidates: dict[str, dict], oracle: dict):
+    from qsaserve.qualify.oracle import ORACLE_ARGS
+    from qsaserve.qualify.runner import Configuration
+
+    out = [Configuration("baseline", "baseline", baseline)]
+    out += [Configuration(name, "candidate", over) for name, over in candidates.items()]
+    # the oracle keeps the baseline's model (a candidate may load another checkpoint)
+    out.append(Configuration("oracle", "oracle", {**{k: v for k, v in baseline.items() if k == "model"}, **ORACLE_ARGS,
+                                                  **oracle}))
+    return out
 
 
 def cmd_qualify(args) -> int:
     from qsaserve.engine_args import engine_config_from_args
     from qsaserve.quant.cli import resolve_model_tag
     from qsaserve.quant.dataset import pydoc_topics, text_file
+    from qsaserve.qualify.report import build_report, summary_lines, write_report
+    from qsaserve.qualify.rules import Rules
+    from qsaserve.qualify.runner import Settings, run
 
+    t0 = time.perf_counter()
     resolve_model_tag(args)
     defaults = EngineConfig()
     config = engine_config_from_args(args)
     common = {k: v for k, v in config.__dict__.items() if v != getattr(defaults, k)}
-    candidates = {}
-    for spec in args.candidate:
-        name, sep, rest = spec.partition(":")
-        if not sep or not name:
-            raise InvalidRequestError("candidate", f"expected NAME:KEY=VAL,..., got {spec!r}")
-        candidates[name] = parse_overrides(rest, "candidate")
+    candidates = dict(parse_candidate(spec) for spec in args.candidate)
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    rules = Rules.parse(args.rule)
+    settings = Settings(num_tokens=args.num_tokens, window=args.window, gate_tokens=args.gate_tokens,
+                        gate_long_tokens=args.gate_long_tokens, oracle_seeds=tuple(range(args.oracle_seeds)),
+                        oracle_tokens=args.oracle_tokens, arithmetic_items=args.arithmetic_items,
+                        long_items=args.long_items, task_temperature=args.task_temperature,
+                        task_files=[t for t in args.tasks if not t.startswith("lmeval:")],
+                        lmeval_tasks=[t.removeprefix("lmeval:") for t in args.tasks if t.startswith("lmeval:")],
+                        prefill_tokens=args.prefill_tokens, decode_batch=args.decode_batch, decode_tokens=args.decode_tokens,
+                        strict_provenance=args.strict_provenance)
     dataset = text_file(args.dataset) if args.dataset else pydoc_topics("evaluation")
-    report = run_qualify(common, parse_overrides(args.baseline, "baseline"), candidates, dataset,
-                         num_tokens=args.num_tokens, window=args.window)
-    report["command"] = shlex.join(sys.argv)
-    report["date"] = datetime.date.today().isoformat()
-    text = json.dumps(report, indent=2)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
-    print(format_table(report))
-    return 0
+    configs = configurations(parse_overrides(args.baseline, "baseline"), candidates, parse_overrides(args.oracle, "oracle"))
+    body = run(common, configs, dataset, stages, os.path.join(args.output, ".scratch"), settings=settings, rules=rules)
+    meta = {
+        # as typed: `qsaserve qualify ...` (also when started as `python -m qsaserve.cli`)
+        "command": shlex.join(["qsaserve", *sys.argv[sys.argv.index("qualify"):]]) if "qualify" in sys.argv else None,
+        "date": datetime.date.today().isoformat(),
+        "model": config.model,
+        "common_engine_args": common,
+        "stages": stages,
+        "rules": rules.as_dict(),
+        "settings": {k: v for k, v in settings.__dict__.items()},
+        "wall_time_s": round(time.perf_counter() - t0, 1),
+        "cpu_threads": _threads(),
+    }
+    report = build_report(body, meta)
+    json_path, html_path = write_report(report, args.output)
+    for line in summary_lines(report):
+        print(line)
+    print(f"report: {json_path}, {html_path} ({meta['wall_time_s']} s)")
+    verdicts = [v["verdict"] for v in report["verdicts"].values()]
+    return 1 if "FAIL" in verdicts else 2 if "INCONCLUSIVE" in verdicts else 0
 
 
-def format_table(report: dict) -> str:
-    b = report["baseline"]
-    lines = [f"{report['num_positions']} positions in {report['num_windows']} windows; baseline "
-             f"{b['kv_cache_dtype']} KV perplexity {b['perplexity']:.4f}",
-             "| candidate | KV dtype | bytes/token | perplexity | change | mean KL (nats) | top-1 agreement | "
-             "flips at baseline margin < 0.1 / >= 0.5 |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, c in report["candidates"].items():
-        hist = c.get("top1_flip_margin_histogram", {})
-        near = sum(hist.get(k, 0) for k in ("<0.01", "0.01-0.05", "0.05-0.1"))
-        wide = sum(hist.get(k, 0) for k in ("0.5-1.0", ">=1.0"))
-        lines.append(f"| {name} | {c['kv_cache_dtype']} | {c['kv_bytes_per_token']:.0f} | {c['perplexity']:.4f} | "
-                     f"{c['ppl_change_pct']:+.3f}% | {c['kl_mean']:.2e} | {100 * c['top1_agreement']:.2f}% | "
-                     f"{near} / {wide} of {c.get('top1_flips', '?')} |")
-    return "\n".join(lines)
+def _threads() -> dict:
+    import torch
+
+    return {"torch_threads": torch.get_num_threads(), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+            "cpu_count": os.cpu_count()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from qsaserve.engine.executor.process_facts import process_facts
 from qsaserve.quant.kv_scales import KVCacheQuant
 
 
@@ -77,3 +78,7 @@ class Rank0Views:
                         timeout_s: float = 120.0) -> list[dict] | None:
         """Profiles the worker ranks of this node between "start" and "stop"; None: there are none."""
         return None
+
+    def process_facts(self, timeout_s: float = 60.0) -> list[dict]:
+        """What code every rank's process runs (engine/executor/process_facts.py), in rank order."""
+        return [{"rank": 0, **process_facts(self.device)}]

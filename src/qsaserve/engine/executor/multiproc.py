@@ -35,7 +35,7 @@ from qsaserve.engine.executor.base import Rank0Views
 from qsaserve.engine.executor.processes import WorkerProcess, stop_workers, wait_any_exit
 from qsaserve.engine.executor.rank import (TEARDOWN_TIMEOUT_S, WorkerSpec, build_runner, destroy_process_group_bounded,
                                            init_rank, master_endpoint)
-from qsaserve.engine.executor.step_channel import GlooBroadcast, PipeSender, ProfileCommand
+from qsaserve.engine.executor.step_channel import FactsCommand, GlooBroadcast, PipeSender, ProfileCommand
 from qsaserve.errors import EngineDeadError
 
 logger = logging.getLogger("qsaserve")
@@ -162,20 +162,35 @@ class MultiprocExecutor(Rank0Views):
         self.check_health()
         self._steps.send(ProfileCommand(action, directory, steps, top))
         name = "started.rank{}" if action == "start" else "rank{}.json"
+        paths = self._await_worker_files(directory, name, timeout_s, "worker profiles")
+        if action == "start":
+            return None
+        return [self._read_json(p) for p in paths]
+
+    def process_facts(self, timeout_s: float = 60.0) -> list[dict]:
+        """What code every rank's process runs, rank 0's and each local worker's own report."""
+        import tempfile
+
+        self.check_health()
+        with tempfile.TemporaryDirectory(prefix="qsaserve-facts-") as directory:
+            self._steps.send(FactsCommand(directory))
+            paths = self._await_worker_files(directory, "rank{}.facts.json", timeout_s, "worker process facts")
+            return super().process_facts() + [self._read_json(p) for p in paths]
+
+    def _await_worker_files(self, directory: str, name: str, timeout_s: float, what: str) -> list[str]:
         paths = [os.path.join(directory, name.format(w.rank)) for w in self.workers]
         deadline = time.monotonic() + timeout_s
         while not all(os.path.exists(p) for p in paths):
             self.check_health()
             if time.monotonic() > deadline:
-                raise TimeoutError(f"worker profiles not written within {timeout_s} s: {paths}")
+                raise TimeoutError(f"{what} not written within {timeout_s} s: {paths}")
             time.sleep(0.01)
-        if action == "start":
-            return None
-        reports = []
-        for p in paths:
-            with open(p) as f:
-                reports.append(json.load(f))
-        return reports
+        return paths
+
+    @staticmethod
+    def _read_json(path: str) -> dict:
+        with open(path) as f:
+            return json.load(f)
 
     def _abort(self) -> None:
         self._closed = True

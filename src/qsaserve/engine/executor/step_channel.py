@@ -12,7 +12,8 @@ so rank 0 cannot mix it with pipes).
 A closed pipe ends a worker (EOF: rank 0 is gone); a dead worker makes rank 0's write fail
 (BrokenPipeError), which the executor reports as a dead engine.
 
-Messages: (BatchInput, fed by rank 0) for each step, a ProfileCommand between steps, None to stop.
+Messages: (BatchInput, fed by rank 0) for each step, a ProfileCommand or FactsCommand between
+steps, None to stop.
 """
 from __future__ import annotations
 
@@ -36,6 +37,14 @@ class ProfileCommand:
     directory: str
     steps: int = 1
     top: int = 15
+
+
+@dataclass(frozen=True)
+class FactsCommand:
+    """Rank 0 -> workers, between steps: write this rank's process facts
+    (engine/executor/process_facts.py) to `directory`/rank{r}.facts.json."""
+
+    directory: str
 
 
 class PipeSender:
@@ -106,4 +115,4 @@ class GlooBroadcast:
         pass
 
 
-__all__ = ["GlooBroadcast", "PipeReceiver", "PipeSender", "ProfileCommand"]
+__all__ = ["FactsCommand", "GlooBroadcast", "PipeReceiver", "PipeSender", "ProfileCommand"]

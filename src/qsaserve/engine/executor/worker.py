@@ -14,7 +14,8 @@ import torch
 
 from qsaserve.engine.batch import FedByRank0
 from qsaserve.engine.executor.rank import WorkerSpec, build_runner, destroy_process_group_bounded, init_rank
-from qsaserve.engine.executor.step_channel import GlooBroadcast, PipeReceiver, ProfileCommand
+from qsaserve.engine.executor.process_facts import process_facts
+from qsaserve.engine.executor.step_channel import FactsCommand, GlooBroadcast, PipeReceiver, ProfileCommand
 from qsaserve.engine.profiling import summarize_events
 
 
@@ -43,11 +44,17 @@ class WorkerProfiler:
         self.prof.__exit__(None, None, None)
         report = {"rank": self.rank, **summarize_events(self.prof.events(), cmd.steps, cmd.top)}
         self.prof = None
-        os.makedirs(cmd.directory, exist_ok=True)
-        tmp = os.path.join(cmd.directory, f".rank{self.rank}.json")
-        with open(tmp, "w") as f:
-            json.dump(report, f)
-        os.replace(tmp, os.path.join(cmd.directory, f"rank{self.rank}.json"))  # appears whole
+        write_json_whole(os.path.join(cmd.directory, f"rank{self.rank}.json"), report)
+
+
+def write_json_whole(path: str, doc: dict) -> None:
+    """Writes `path` so that it appears whole (rank 0 polls for it)."""
+    directory, name = os.path.split(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, "." + name)
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, path)
 
 
 def watch_parent() -> None:
@@ -88,6 +95,10 @@ def worker_main(spec: WorkerSpec, error_fd: int) -> None:
                 break
             if isinstance(step, ProfileCommand):
                 profiler.handle(step)
+                continue
+            if isinstance(step, FactsCommand):
+                write_json_whole(os.path.join(step.directory, f"rank{spec.rank}.facts.json"),
+                                 {"rank": spec.rank, **process_facts(device)})
                 continue
             batch, fed = step
             runner.execute(batch, FedByRank0() if fed else None)

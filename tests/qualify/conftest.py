@@ -1,0 +1,66 @@
+"""Fixtures of the qualification tests: tiny random checkpoints (a Llama with a character
+tokenizer, a Qwen4Exp without one), an FP8 scales file made worse on purpose, and a copy of the
+Llama with one layer's weights perturbed."""
+import json
+import pathlib
+import sys
+
+import pytest
+
+# The FP8 and parallel test helpers build the tiny checkpoints these tests reuse.
+_TESTS = pathlib.Path(__file__).resolve().parents[1]
+for _sub in ("quant", "parallel"):
+    if str(_TESTS / _sub) not in sys.path:
+        sys.path.insert(0, str(_TESTS / _sub))
+
+# Small enough for the suite: ~1,000 teacher-forced positions (stage 1 needs 1 / 0.001 of them to
+# bound its wide-flip rate), short gate prompts, a handful of task items.
+SMALL = ["--num-tokens", "1100", "--window", "220", "--gate-tokens", "8", "--gate-long-tokens", "160",
+         "--oracle-seeds", "2", "--oracle-tokens", "96", "--arithmetic-items", "6", "--long-items", "1",
+         "--prefill-tokens", "64", "--decode-batch", "2", "--decode-tokens", "8"]
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    from fp8_testing import save_tiny_llama
+
+    return save_tiny_llama(tmp_path_factory.mktemp("qualify_llama"))
+
+
+@pytest.fixture(scope="session")
+def scales_div50(tiny_llama, tmp_path_factory):
+    """Calibrated FP8 KV scales divided by 50: most of K and V saturate at +-448 steps."""
+    import torch
+
+    from qsaserve import LLM
+    from qsaserve.quant.calibrate import calibrate_windows
+
+    d = tmp_path_factory.mktemp("scales")
+    g = torch.Generator().manual_seed(1)
+    windows = [torch.randint(4, 99, (96,), generator=g).tolist() for _ in range(3)]
+    llm = LLM(tiny_llama, dtype="float32", device="cpu", max_model_len=128, kv_cache_memory=4 << 20, progress=False)
+    good = d / "scales.json"
+    calibrate_windows(llm, windows, str(good), {"name": "random ids"})
+    doc = json.loads(good.read_text())
+    for entry in doc["layers"].values():
+        entry["k_scale"] /= 50
+        entry["v_scale"] /= 50
+    bad = d / "scales_div50.json"
+    bad.write_text(json.dumps(doc))
+    return str(good), str(bad)
+
+
+@pytest.fixture(scope="session")
+def perturbed_llama(tiny_llama, tmp_path_factory):
+    """The tiny Llama with layer 1's attention output projection scaled by 1.5."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path_factory.mktemp("perturbed")
+    for f in pathlib.Path(tiny_llama).iterdir():
+        shutil.copy(f, d / f.name)
+    tensors = load_file(str(d / "model.safetensors"))
+    tensors["model.layers.1.self_attn.o_proj.weight"] *= 1.5
+    save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return str(d)
