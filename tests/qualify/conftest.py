@@ -13,13 +13,6 @@ for _sub in ("quant", "parallel"):
     if str(_TESTS / _sub) not in sys.path:
         sys.path.insert(0, str(_TESTS / _sub))
 
-# Small enough for the suite: ~1,000 teacher-forced positions (stage 1 needs 1 / 0.001 of them to
-# bound its wide-flip rate), short gate prompts, a handful of task items.
-SMALL = ["--num-tokens", "1100", "--window", "220", "--gate-tokens", "8", "--gate-long-tokens", "160",
-         "--oracle-seeds", "2", "--oracle-tokens", "96", "--arithmetic-items", "6", "--long-items", "1",
-         "--prefill-tokens", "64", "--decode-batch", "2", "--decode-tokens", "8"]
-
-
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     from fp8_testing import save_tiny_llama

@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import SMALL
+from qualify_settings import SMALL
 from qsaserve.cli import main
 
 ENGINE = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "512", "--kv-cache-memory", str(1 << 21),

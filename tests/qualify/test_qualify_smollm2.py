@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import SMALL
+from qualify_settings import SMALL
 from qsaserve.cli import main
 
 STAGES = "teacher_forced,token_gate,oracle,health,provenance"
