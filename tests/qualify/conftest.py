@@ -1,11 +1,11 @@
 """Fixtures of the qualification tests: tiny random checkpoints (a Llama with a character
 tokenizer, a Qwen4Exp without one), an FP8 scales file made worse on purpose, and a copy of the
 Llama with one layer's weights perturbed."""
-import json
 import pathlib
 import sys
 
 import pytest
+from qualify_settings import divided_scales_file
 
 # The FP8 and parallel test helpers build the tiny checkpoints these tests reuse.
 _TESTS = pathlib.Path(__file__).resolve().parents[1]
@@ -34,13 +34,7 @@ def scales_div50(tiny_llama, tmp_path_factory):
     llm = LLM(tiny_llama, dtype="float32", device="cpu", max_model_len=128, kv_cache_memory=4 << 20, progress=False)
     good = d / "scales.json"
     calibrate_windows(llm, windows, str(good), {"name": "random ids"})
-    doc = json.loads(good.read_text())
-    for entry in doc["layers"].values():
-        entry["k_scale"] /= 50
-        entry["v_scale"] /= 50
-    bad = d / "scales_div50.json"
-    bad.write_text(json.dumps(doc))
-    return str(good), str(bad)
+    return str(good), divided_scales_file(good, 50, d / "scales_div50.json")
 
 
 @pytest.fixture(scope="session")

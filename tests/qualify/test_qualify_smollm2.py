@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from qualify_settings import SMALL
+from qualify_settings import SMALL, divided_scales_file
 from qsaserve.cli import main
 
 STAGES = "teacher_forced,token_gate,oracle,health,provenance"
@@ -27,13 +27,7 @@ def smollm2_scales(smollm2_gguf_path, tmp_path_factory):
     windows = token_windows(llm.engine.tokenizer, pydoc_topics("calibration").texts, 255, 510)
     good = d / "scales.json"
     calibrate_windows(llm, windows, str(good), {"name": "pydoc calibration part, 512 tokens"})
-    doc = json.loads(good.read_text())
-    for entry in doc["layers"].values():
-        entry["k_scale"] /= 50
-        entry["v_scale"] /= 50
-    bad = d / "scales_div50.json"
-    bad.write_text(json.dumps(doc))
-    return str(good), str(bad)
+    return str(good), divided_scales_file(good, 50, d / "scales_div50.json")
 
 
 @pytest.mark.slow
