@@ -199,3 +199,75 @@ def _triton_checks(device):
 
 
 test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)
+
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+
+
+def _gpu_case(n, k, e, h, inter, seed):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, h, generator=gen, device="cuda").to(torch.bfloat16)
+    logits = torch.randn(n, e, generator=gen, device="cuda")
+    w, idx = torch.softmax(logits, -1).topk(k, -1)
+    w = (w / w.sum(-1, keepdim=True)).to(torch.bfloat16)
+    gu = (torch.randn(e, 2 * inter, h, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    down = (torch.randn(e, h, inter, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    return x, idx, w, gu, down
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n", [1, 5, 16, 70, 300, 2048])
+def test_dispatch_at_the_real_model_shapes_on_gpu(n):
+    """512 experts top-10, H 2048, I 512 (the released checkpoint): the dispatched experts (decode
+    kernels or grouped GEMMs) in bf16 are no further from the float32 loop than the bf16 loop is,
+    plus one bf16 step."""
+    import qsaserve.ops.moe as moe_ops
+
+    x, idx, w, gu, down = _gpu_case(n, 10, 512, 2048, 512, seed=n)
+    got = moe_ops.moe_experts(x, idx, w, gu, down)
+    want = moe_experts(x, idx, w, gu, down)  # the torch loop
+    exact = moe_experts(x.float(), idx, w.float(), gu.float(), down.float())
+    step = exact.abs().max() * 2.0 ** -8
+    assert (got.float() - exact).abs().max() <= (want.float() - exact).abs().max() + step
+    torch.testing.assert_close(moe_ops.moe_experts_sync_free(x, idx, w, gu, down), got, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("n", [3, 64, 1000])
+def test_grouped_path_replays_in_a_cuda_graph_on_gpu(n):
+    """The dispatched experts captured in a CUDA graph, then replayed on another routing written
+    into the same input tensors, give the eager result on that routing (no host readback)."""
+    import qsaserve.ops.moe as moe_ops
+
+    x, idx, w, gu, down = _gpu_case(n, 8, 64, 2048, 512, seed=1)
+    x2, idx2, w2, _, _ = _gpu_case(n, 8, 64, 2048, 512, seed=2)
+    moe_ops.moe_experts(x, idx, w, gu, down)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_ops.moe_experts_sync_free(x, idx, w, gu, down)
+    for dst, src in ((x, x2), (idx, idx2), (w, w2)):
+        dst.copy_(src)
+    graph.replay()
+    torch.testing.assert_close(out, moe_ops.moe_experts(x2, idx2, w2, gu, down), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+@gpu
+def test_warm_up_builds_every_variant_on_gpu():
+    """After ops.moe.warm_up for a 4096-token budget, steps of any size up to it build no Triton kernel."""
+    import qsaserve.ops.moe as moe_ops
+    from qsaserve.bench.common import record_triton_compiles
+
+    _, _, _, gu, down = _gpu_case(1, 8, 64, 1024, 256, seed=0)
+    assert moe_ops.warm_up(gu, down, 8, torch.bfloat16, max_tokens=4096) > 0
+    torch.cuda.synchronize()
+    with record_triton_compiles() as compiles:
+        for n in (1, 2, 3, 5, 8, 31, 128, 129, 385, 1024, 1025, 4096):
+            x, idx, w, _, _ = _gpu_case(n, 8, 64, 1024, 256, seed=n)
+            moe_ops.moe_experts(x, idx, w, gu, down)
+            moe_ops.moe_route(torch.randn(n, 64, device="cuda", dtype=torch.bfloat16), 8, True)
+        torch.cuda.synchronize()
+    assert compiles.report()["total"] == 0, compiles.report()
