@@ -126,6 +126,21 @@ def check_tp_shard(device):
     torch.testing.assert_close((parts[0] + parts[1]).cpu(), want, atol=1e-5, rtol=1e-5)
 
 
+def check_model_tiles(device):
+    """Every bf16 tile configuration qwen4exp-small (64 experts top-8, I 512 and its TP2 shard 256)
+    and the released checkpoint (512 top-10) take up to 8,192 tokens, on small data (masks cover
+    the tiles' excess): under the interpreter these launches are then compiled for sm_90 with the
+    real tiles, warps and stages, so a configuration needing more shared memory than an SM has fails."""
+    seen = set()
+    for e, k in ((64, 8), (512, 10)):
+        for inter in (512, 256):
+            for configs in configs_for(range(1, 8193), k, e, 2048, inter, 2):
+                if configs not in seen:
+                    seen.add(configs)
+                    check_grouped(device, torch.bfloat16, n=6, k=2, e=4, h=40, inter=24, configs=configs)
+    assert len(seen) >= 4
+
+
 def check_dispatch_and_warm_up(device):
     """moe_experts / moe_experts_sync_free take the decode kernels at tiny steps, the grouped GEMMs
     above, both = the reference; the warm-up for a token budget launches every kernel variant
@@ -194,6 +209,7 @@ def _triton_checks(device):
         check_grouped(device, dtype, n=70, k=4, e=16, h=48, inter=40, experts=list(range(0, 16, 3)))
         check_grouped(device, dtype, n=31, k=2, e=4, h=32, inter=16, configs=_tiers(32, 16, elem)[2])
     check_tp_shard(device)
+    check_model_tiles(device)
     if device == "cpu":
         check_dispatch_and_warm_up(device)
 

@@ -132,10 +132,10 @@ def moe_align_block_size_triton(indices: torch.Tensor, num_experts: int, block_m
     flat = indices.flatten()
     dev = flat.device
     sorted_e, order = torch.sort(flat.to(torch.int32), stable=True)
-    starts = torch.searchsorted(sorted_e, torch.arange(num_experts + 1, dtype=torch.int32, device=dev)).to(torch.int32)
+    starts = torch.searchsorted(sorted_e, torch.arange(num_experts + 1, dtype=torch.int32, device=dev), out_int32=True)
     sorted_ids = torch.empty(num_blocks * block_m, dtype=torch.int32, device=dev)
     expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=dev)
-    num_padded = torch.zeros(1, dtype=torch.int32, device=dev)
+    num_padded = torch.zeros(1, dtype=torch.int32, device=dev)  # stays 0 without blocks
     if num_blocks:
         _align_kernel[(num_blocks,)](order, starts, sorted_ids, expert_ids, num_padded, flat.numel(), num_experts,
                                      E_POW2=triton.next_power_of_2(num_experts), BLOCK_M=block_m,
