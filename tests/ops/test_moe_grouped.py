@@ -6,7 +6,7 @@ warm-up builds every variant later steps launch. Under the Triton interpreter on
 also compiled for sm_90) and on a CUDA GPU, where E=512 top-10 and CUDA-graph capture are checked."""
 import pytest
 import torch
-from triton_interpreter import triton_check_tests
+from triton_interpreter import interpreter_bf16_dot_shim, triton_check_tests
 
 from qsaserve.ops.moe.grouped_config import GroupedConfig, configs_for, max_blocks, pick_config, step_configs
 from qsaserve.ops.moe.reference import moe_align_block_size, moe_experts, moe_experts_sync_free
@@ -174,33 +174,11 @@ def check_dispatch_and_warm_up(device):
         InterpretedFunction.run, moe_ops.use_triton = run, use_triton
 
 
-def _interpreter_bf16_dot() -> None:
-    """Triton 3.6's interpreter stores bf16 as uint16 and multiplies those integers in tl.dot;
-    decode the operands to float32 first (as a GPU's bf16 MMA sees them)."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter as interp
-
-    dot = interp.InterpreterBuilder.create_dot
-    if getattr(dot, "_bf16_shim", False):
-        return
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        def f32(h):
-            if h.dtype.scalar != tl.bfloat16:
-                return h
-            return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return dot(self, f32(a), f32(b), d, input_precision, max_num_imprecise_acc)
-
-    create_dot._bf16_shim = True
-    interp.InterpreterBuilder.create_dot = create_dot
-
-
 def _triton_checks(device):
     check_align(device)
     dtypes = (torch.float32, torch.float16, torch.bfloat16)
     if device == "cpu":
-        _interpreter_bf16_dot()
+        interpreter_bf16_dot_shim()
     for dtype in dtypes:
         elem = torch.empty((), dtype=dtype).element_size()
         for configs in _tiers(40, 24, elem):  # every token-block size, non-power-of-2 H and I

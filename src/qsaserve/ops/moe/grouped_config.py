@@ -20,6 +20,7 @@ _TIERS = (
 # shared memory one launch may plan for (sm_90 allows 227 KiB per block; leave room for the epilogue)
 _SHARED_BUDGET = 192 * 1024
 PROGRAMS_PER_SM = 2
+FP8_BLOCK_K = 128
 
 
 @dataclass(frozen=True)
@@ -58,42 +59,47 @@ def tier(num_choices: int, num_experts: int) -> int:
 
 
 def pick_config(num_choices: int, num_experts: int, n: int, k: int, elem_bytes: int, operands: int = 1,
-                sms: int = 132) -> GroupedConfig:
+                sms: int = 132, fp8: bool = False) -> GroupedConfig:
     """The tiles of one grouped GEMM: out [rows, n] = a [rows, k] @ w_e[n, k]^T over `operands`
     weight tiles per step (2: gate and up). Tiles shrink to the problem (never below 16) and
     stages drop until the A and weight tiles of all stages fit the shared-memory budget. In the
     first tier, where the GEMM only streams weights, BLOCK_N narrows until the grid's likely
     blocks (one per expert hit) give PROGRAMS_PER_SM programs per SM: fewer loads in flight
-    would not read the weights at speed."""
+    would not read the weights at speed. fp8: block-FP8 weights (1 byte), BLOCK_K fixed at their
+    128-channel scale block."""
     t = tier(num_choices, num_experts)
     _, bm, bn, bk, warps, stages = _TIERS[t]
+    if fp8:
+        bk = FP8_BLOCK_K
     bn = max(16, min(bn, _pow2_at_least(n)))
     if t == 0:
         while bn > 16 and min(num_experts, num_choices) * -(-n // bn) < PROGRAMS_PER_SM * sms:
             bn //= 2
-    bk = max(16, min(bk, _pow2_at_least(k)))
+    if not fp8:
+        bk = max(16, min(bk, _pow2_at_least(k)))
     if operands == 2 and bm == 128:
         bn = min(bn, 64)  # two fp32 accumulators of 128 x 128 would take every register
-    while stages > 1 and stages * (bm + operands * bn) * bk * elem_bytes > _SHARED_BUDGET:
+    weight_bytes = 1 if fp8 else elem_bytes
+    while stages > 1 and stages * (bm * elem_bytes + operands * bn * weight_bytes) * bk > _SHARED_BUDGET:
         stages -= 1
     return GroupedConfig(bm, bn, bk, warps, stages)
 
 
 def step_configs(num_choices: int, num_experts: int, hidden: int, inter: int, elem_bytes: int,
-                 sms: int = 132) -> tuple[GroupedConfig, GroupedConfig]:
+                 sms: int = 132, fp8: bool = False) -> tuple[GroupedConfig, GroupedConfig]:
     """(gate/up GEMM, down GEMM) configurations of a step: [rows, H] -> [rows, I] with gate and up,
-    then [rows, I] -> [rows, H]."""
-    return (pick_config(num_choices, num_experts, inter, hidden, elem_bytes, operands=2, sms=sms),
-            pick_config(num_choices, num_experts, hidden, inter, elem_bytes, sms=sms))
+    then [rows, I] -> [rows, H]. elem_bytes: the activations' element size."""
+    return (pick_config(num_choices, num_experts, inter, hidden, elem_bytes, operands=2, sms=sms, fp8=fp8),
+            pick_config(num_choices, num_experts, hidden, inter, elem_bytes, sms=sms, fp8=fp8))
 
 
 def configs_for(token_counts, top_k: int, num_experts: int, hidden: int, inter: int, elem_bytes: int,
-                sms: int = 132) -> dict[tuple[GroupedConfig, GroupedConfig], int]:
+                sms: int = 132, fp8: bool = False) -> dict[tuple[GroupedConfig, GroupedConfig], int]:
     """Every (gate/up, down) configuration steps of the given token counts take, each with the
     smallest count that takes it (what the warm-up runs)."""
     out: dict[tuple[GroupedConfig, GroupedConfig], int] = {}
     for n in sorted(token_counts):
-        out.setdefault(step_configs(n * top_k, num_experts, hidden, inter, elem_bytes, sms), n)
+        out.setdefault(step_configs(n * top_k, num_experts, hidden, inter, elem_bytes, sms, fp8), n)
     return out
 
 

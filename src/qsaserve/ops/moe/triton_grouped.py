@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from qsaserve.ops.device import num_sms
-from qsaserve.ops.moe.grouped_config import GroupedConfig, max_blocks, step_configs
+from qsaserve.ops.moe.grouped_config import FP8_BLOCK_K, GroupedConfig, max_blocks, step_configs
 
 
 @triton.jit(do_not_specialize=["num_choices"])
@@ -52,10 +52,21 @@ def _align_kernel(order_ptr, starts_ptr, sorted_ids_ptr, expert_ids_ptr, num_pad
     tl.store(expert_ids_ptr + b, expert)
 
 
+@triton.jit
+def _quantize_group(a):
+    """a [BLOCK_M, 128] (one group of 128 channels per row) -> (E4M3 a / scale, float32 scale
+    [BLOCK_M]), scale = max(|a|, 1e-10) / 448 per row, as block_fp8.quantize_groups."""
+    af = a.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(af), 1), 1e-10) / 448.0
+    q = tl.clamp(af / scale[:, None], -448.0, 448.0).to(tl.float8e4nv)
+    return q, scale
+
+
 @triton.jit(do_not_specialize=["num_choices"])
-def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, expert_ids_ptr, num_choices, H, I, top_k,
-                    stride_x, stride_we, stride_wn, stride_a,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ids_ptr, expert_ids_ptr, num_choices, H, I, top_k,
+                    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_a,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                    FP8: tl.constexpr):
     b = tl.program_id(0)
     e = tl.load(expert_ids_ptr + b).to(tl.int64)
     if e < 0:
@@ -76,7 +87,14 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, expert_ids_ptr, num_c
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         wg = tl.load(g_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         wu = tl.load(u_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if IEEE:
+        if FP8:  # BLOCK_K == 128: one activation group and one weight block column per step
+            aq, a_scale = _quantize_group(a)
+            s_ptrs = ws_ptr + e * stride_se + k0 // BLOCK_K
+            sg = tl.load(s_ptrs + (n // BLOCK_K) * stride_sn, mask=n_ok, other=0.0)
+            su = tl.load(s_ptrs + ((n + I) // BLOCK_K) * stride_sn, mask=n_ok, other=0.0)
+            acc_g += tl.dot(aq, wg) * (a_scale[:, None] * sg[None, :])
+            acc_u += tl.dot(aq, wu) * (a_scale[:, None] * su[None, :])
+        elif IEEE:
             acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
             acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
         else:
@@ -93,9 +111,10 @@ def _gate_up_kernel(x_ptr, w_ptr, act_ptr, sorted_ids_ptr, expert_ids_ptr, num_c
 
 
 @triton.jit(do_not_specialize=["num_choices"])
-def _down_kernel(act_ptr, w_ptr, rw_ptr, y_ptr, sorted_ids_ptr, expert_ids_ptr, num_choices, H, I,
-                 stride_a, stride_we, stride_wn, stride_y,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _down_kernel(act_ptr, w_ptr, ws_ptr, rw_ptr, y_ptr, sorted_ids_ptr, expert_ids_ptr, num_choices, H, I,
+                 stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_y,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                 FP8: tl.constexpr):
     b = tl.program_id(0)
     e = tl.load(expert_ids_ptr + b).to(tl.int64)
     if e < 0:
@@ -113,7 +132,11 @@ def _down_kernel(act_ptr, w_ptr, rw_ptr, y_ptr, sorted_ids_ptr, expert_ids_ptr, 
         k_ok = k + k0 < I
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if IEEE:
+        if FP8:
+            aq, a_scale = _quantize_group(a)
+            ws = tl.load(ws_ptr + e * stride_se + (n // BLOCK_K) * stride_sn + k0 // BLOCK_K, mask=n_ok, other=0.0)
+            acc += tl.dot(aq, w) * (a_scale[:, None] * ws[None, :])
+        elif IEEE:
             acc = tl.dot(a, w, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, w, acc)
@@ -145,10 +168,16 @@ def moe_align_block_size_triton(indices: torch.Tensor, num_experts: int, block_m
 
 def moe_experts_grouped_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                                gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                               configs: tuple[GroupedConfig, GroupedConfig] | None = None) -> torch.Tensor:
+                               configs: tuple[GroupedConfig, GroupedConfig] | None = None, *,
+                               w13_scale: torch.Tensor | None = None,
+                               w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, H], indices / weights [N, k], gate_up_proj [E, 2I, H] (rows :I gate, I: up),
     down_proj [E, H, I] -> [N, H] (SiLU experts), as reference.moe_experts_sync_free.
-    configs: (gate/up, down) tiles with the same block_m (default: grouped_config.step_configs)."""
+    configs: (gate/up, down) tiles with the same block_m (default: grouped_config.step_configs).
+
+    Block FP8 (both scales given): E4M3 weights with w13_scale [E, ceil(2I/128), ceil(H/128)] and
+    w2_scale [E, ceil(H/128), ceil(I/128)] (float32 weight_scale_inv), the activations quantized
+    per token-group of 128 as the kernels load them, as block_fp8.moe_experts_block_fp8."""
     n, top_k = indices.shape
     num_experts, two_i, h = gate_up_proj.shape
     inter = two_i // 2
@@ -156,9 +185,12 @@ def moe_experts_grouped_triton(x: torch.Tensor, indices: torch.Tensor, weights: 
         raise ValueError("gate_up_proj, down_proj: the last dimension must be contiguous")
     if down_proj.shape != (num_experts, h, inter):
         raise ValueError(f"down_proj: expected shape {(num_experts, h, inter)}, got {tuple(down_proj.shape)}")
+    fp8 = _check_fp8(gate_up_proj, down_proj, w13_scale, w2_scale)
     choices = n * top_k
     cfg_gu, cfg_down = configs or step_configs(choices, num_experts, h, inter, x.element_size(),
-                                                     num_sms(x.device))
+                                                     num_sms(x.device), fp8=fp8)
+    if fp8 and (cfg_gu.block_k != FP8_GROUP or cfg_down.block_k != FP8_GROUP):
+        raise ValueError(f"configs: block-FP8 experts need block_k {FP8_GROUP} (the scale block)")
     if cfg_gu.block_m != cfg_down.block_m:
         raise ValueError(f"configs: both GEMMs must share block_m, got {cfg_gu.block_m} and {cfg_down.block_m}")
     out = torch.empty((n, h), dtype=x.dtype, device=x.device)
@@ -170,16 +202,39 @@ def moe_experts_grouped_triton(x: torch.Tensor, indices: torch.Tensor, weights: 
     blocks = max_blocks(choices, num_experts, bm)
     sorted_ids, expert_ids, _ = moe_align_block_size_triton(indices, num_experts, bm, blocks)
     act = torch.empty((choices, inter), dtype=x.dtype, device=x.device)
-    ieee = x.dtype == torch.float32
+    ieee = x.dtype == torch.float32 and not fp8
+    s13 = w13_scale if fp8 else gate_up_proj  # unread without FP8
+    s2 = w2_scale if fp8 else down_proj
     _gate_up_kernel[(blocks, triton.cdiv(inter, cfg_gu.block_n))](
-        x, gate_up_proj, act, sorted_ids, expert_ids, choices, h, inter, top_k,
-        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), act.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg_gu.block_n, BLOCK_K=cfg_gu.block_k, IEEE=ieee,
+        x, gate_up_proj, s13, act, sorted_ids, expert_ids, choices, h, inter, top_k,
+        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), s13.stride(0) if fp8 else 0,
+        s13.stride(1) if fp8 else 0, act.stride(0),
+        BLOCK_M=bm, BLOCK_N=cfg_gu.block_n, BLOCK_K=cfg_gu.block_k, IEEE=ieee, FP8=fp8,
         num_warps=cfg_gu.num_warps, num_stages=cfg_gu.num_stages)
     y = torch.empty((choices, h), dtype=x.dtype, device=x.device)
     _down_kernel[(blocks, triton.cdiv(h, cfg_down.block_n))](
-        act, down_proj, rw, y, sorted_ids, expert_ids, choices, h, inter,
-        act.stride(0), down_proj.stride(0), down_proj.stride(1), y.stride(0),
-        BLOCK_M=bm, BLOCK_N=cfg_down.block_n, BLOCK_K=cfg_down.block_k, IEEE=ieee,
+        act, down_proj, s2, rw, y, sorted_ids, expert_ids, choices, h, inter,
+        act.stride(0), down_proj.stride(0), down_proj.stride(1), s2.stride(0) if fp8 else 0,
+        s2.stride(1) if fp8 else 0, y.stride(0),
+        BLOCK_M=bm, BLOCK_N=cfg_down.block_n, BLOCK_K=cfg_down.block_k, IEEE=ieee, FP8=fp8,
         num_warps=cfg_down.num_warps, num_stages=cfg_down.num_stages)
     return torch.sum(y.view(n, top_k, h), dim=1, out=out)
+
+
+FP8_GROUP = FP8_BLOCK_K  # the checkpoints' weight_block_size (block_fp8.GROUP)
+
+
+def _check_fp8(gate_up_proj, down_proj, w13_scale, w2_scale) -> bool:
+    """Whether the experts are block FP8 (both scales given, E4M3 weights, scale shapes of 128-blocks)."""
+    if (w13_scale is None) != (w2_scale is None):
+        raise ValueError("w13_scale, w2_scale: give both (block-FP8 experts) or neither")
+    if w13_scale is None:
+        return False
+    for name, w, sc in (("w13_scale", gate_up_proj, w13_scale), ("w2_scale", down_proj, w2_scale)):
+        if w.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"{name}: given for weights of dtype {w.dtype}, expected torch.float8_e4m3fn")
+        want = (w.shape[0], triton.cdiv(w.shape[1], FP8_GROUP), triton.cdiv(w.shape[2], FP8_GROUP))
+        if tuple(sc.shape) != want or sc.dtype != torch.float32 or sc.stride(-1) != 1:
+            raise ValueError(f"{name}: expected float32 {list(want)} (last dim contiguous), "
+                             f"got {sc.dtype} {list(sc.shape)}")
+    return True
