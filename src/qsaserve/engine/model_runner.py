@@ -25,7 +25,8 @@ from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata
 from qsaserve.errors import InvalidRequestError
 from qsaserve.models.interfaces import (CausalLM, RowTable, side_tables_allow_cuda_graphs, supports_cuda_graph,
                                         supports_dcp_cuda_graph, supports_dummy_weights, supports_recurrent_state,
-                                        supports_side_tables, supports_state_snapshots, supports_v_offsets)
+                                        supports_side_tables, supports_state_snapshots, supports_v_offsets,
+                                        warms_up_kernels)
 from qsaserve.models.ple_table import dummy_ple_tables, is_table_tensor, open_ple_tables
 from qsaserve.models.registry import build_model, kv_block_multiple, kv_rotation_unsupported
 from qsaserve.parallel.dcp import DcpGeometry
@@ -275,11 +276,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up_kernels(self) -> None:
-        """Builds the attention kernels' variants now, so that no early request waits for Triton
-        (graph capture builds only the ones its buckets replay)."""
+        """Builds the attention kernels' variants, and those of modules whose kernels depend on
+        the step's token count (MoE), now, so that no early request waits for Triton (graph
+        capture builds only the ones its buckets replay)."""
         if self.device.type != "cuda":
             return
         launches = sum(layer.warm_up(self.dtype) for layer in self.attention_layers)
+        launches += sum(m.warm_up_kernels(self.dtype, self.config.token_budget) for m in self.model.modules() if warms_up_kernels(m))
         if launches:
             torch.cuda.synchronize(self.device)
 

@@ -243,3 +243,21 @@ class SupportsDcpCudaGraphs(Protocol):
 
 def supports_dcp_cuda_graph(model: object) -> TypeIs[SupportsDcpCudaGraphs]:
     return getattr(model, "supports_dcp_cuda_graph", False)
+
+
+@runtime_checkable
+class WarmsUpKernels(Protocol):
+    """A submodule of a model (e.g. an MoE block) whose kernels depend on the step's token count:
+    the runner calls `warm_up_kernels` on each such module of the model at startup, after the KV
+    cache is bound, so that no step waits for a Triton build."""
+
+    warms_up_kernels: ClassVar[Literal[True]] = True
+
+    def warm_up_kernels(self, dtype: torch.dtype, max_tokens: int) -> int:
+        """Builds the kernel variants steps of 1 to max_tokens tokens may take, now; returns the
+        launches made (0: nothing to build)."""
+        ...
+
+
+def warms_up_kernels(module: object) -> TypeIs[WarmsUpKernels]:
+    return getattr(module, "warms_up_kernels", False)
