@@ -132,10 +132,19 @@ def test_graphs_off_reasons_kept():
     assert _off_reason(_GraphSafeModel(), tp=2, dcp=2, enforce_eager=True) == "enforce_eager"
     assert _off_reason(_PlainModel(), tp=2) == "_PlainModel does not declare supports_cuda_graph"
     assert _off_reason(_GraphSafeModel(), tp=2, sizes=()) == "no capture size <= max_num_seqs"
-    for placement, off in (("gpu", False), ("host", True), ("disk", True)):
-        tables = {1: SimpleNamespace(placement=placement)}  # the runner's placed PLE tables
-        reason = _off_reason(_GraphSafeModel(), tp=2, dcp=2, side_tables=tables)
-        assert (reason is not None and "PLE" in reason) == off, (placement, reason)
+    from qsaserve.models.ple_table import GpuRowTable, HostRowTable
+
+    # The runner's placed PLE tables: gpu, host/disk page-locked for device gathers (graphs
+    # allowed), and host/disk the device cannot read (rows gathered on the host: graphs off).
+    cuda, w = torch.device("cuda"), torch.zeros(4, 2)
+    locked = [SimpleNamespace(nbytes=w.nbytes)]  # a PageLock stand-in: no driver on this machine
+    for placement, table, off in (("gpu", GpuRowTable(w), False),
+                                  ("host", HostRowTable("host", [(w, 0)], w.dtype, cuda, locked), False),
+                                  ("disk", HostRowTable("disk", [(w, 0)], w.dtype, cuda, locked), False),
+                                  ("disk", HostRowTable("disk", [(w, 0)], w.dtype, cuda, None, "too big"), True)):
+        reason = _off_reason(_GraphSafeModel(), tp=2, dcp=2, side_tables={1: table})
+        assert (reason is not None and "PLE" in reason and "too big" in reason) == off, (placement, reason)
+        assert table.gpu_bytes() == 0 and table.pinned_host_bytes() == (0 if off or placement == "gpu" else w.nbytes)
 
 
 def test_drop_graphs_logs_and_keeps_reason(caplog):

@@ -30,6 +30,7 @@ __all__ = [
     "ngram_rows_decode_reference_",
     "stream_gate_reference",
     "dilated_conv_decode_reference_",
+    "gather_rows_into_reference_",
 ]
 
 # Any callable mapping int64 row ids [...] to embedding rows [..., dim]; lets the (huge) table
@@ -46,6 +47,17 @@ class TensorRowTable:
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         flat = rows.reshape(-1).to(self.weight.device)
         return self.weight.index_select(0, flat).reshape(*rows.shape, -1).to(rows.device)
+
+
+def gather_rows_into_reference_(out: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                                first_row: int = 0) -> torch.Tensor:
+    """triton_gather.gather_rows_into_: out[i] = table[rows[i] - first_row] for the rows of this
+    shard, gathered where the table lives (a host table: on the host)."""
+    local = rows.to(table.device) - first_row
+    pick = ((local >= 0) & (local < table.shape[0])).nonzero().flatten()
+    values = table.index_select(0, local.index_select(0, pick))
+    out.index_copy_(0, pick.to(out.device), values.to(device=out.device, dtype=out.dtype))
+    return out
 
 
 def ple_embed(rows: torch.Tensor, table_lookup: TableLookup) -> torch.Tensor:
