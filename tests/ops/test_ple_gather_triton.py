@@ -23,10 +23,9 @@ def check_gather(device, table_on_host):
     def place(t):
         if device == "cpu" or not table_on_host:
             return t.to(device)
-        from qsaserve.models.ple_table import _host_buffer
-        from qsaserve.models.host_pinning import PageLock
+        from qsaserve.models.host_pinning import PageLock, host_buffer
 
-        host = _host_buffer(*t.shape, t.dtype)
+        host = host_buffer(*t.shape, t.dtype)
         host.copy_(t)
         locks.append(PageLock(host.data_ptr(), host.nbytes, host, torch.device(device)))
         return host

@@ -61,6 +61,13 @@ def lockable_host_bytes(reserve_fraction: float = 0.1, reserve_min: int = 8 << 3
     return max(0, available - max(reserve_min, int(available * reserve_fraction)))
 
 
+def host_buffer(rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised [rows, dim] host tensor on pages of its own (an anonymous mapping): a
+    page lock of it never overlaps another allocation's, which the driver would refuse."""
+    buf = mmap.mmap(-1, max(rows * dim * dtype.itemsize, 1))
+    return torch.frombuffer(buf, dtype=dtype, count=rows * dim).view(rows, dim)
+
+
 class PageLock:
     """[ptr, ptr + nbytes) page-locked and mapped for device reads until this object is released
     or collected. `owner` (the tensor or mapping holding the memory) is kept alive as long."""

@@ -15,7 +15,6 @@ Each table is called as lookup(rows[..., heads]) -> [..., heads, dim] on the row
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import re
 import tempfile
@@ -24,7 +23,7 @@ import warnings
 import numpy as np
 import torch
 
-from qsaserve.models.host_pinning import PageLock, lockable_host_bytes
+from qsaserve.models.host_pinning import PageLock, host_buffer, lockable_host_bytes
 from qsaserve.ops.ple import gather_rows_into_
 
 logger = logging.getLogger("qsaserve")
@@ -145,20 +144,13 @@ def is_table_tensor(name: str) -> bool:
     return ".ple_embedding." in name
 
 
-def _host_buffer(rows: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised [rows, dim] host tensor on pages of its own (an anonymous mapping): a
-    page lock never overlaps another allocation's, which the driver would refuse."""
-    buf = mmap.mmap(-1, max(rows * dim * dtype.itemsize, 1))
-    return torch.frombuffer(buf, dtype=dtype, count=rows * dim).view(rows, dim)
-
-
 def _read_into_host(source, parts: list[str], dtype: torch.dtype) -> torch.Tensor:
     """The shards concatenated in one host tensor, read shard by shard (peak: table + one shard)."""
     if hasattr(source, "tensor_location"):
         shapes = [source.tensor_location(n)[3] for n in parts]
     else:
         shapes = [list(source.read_tensor(n).shape) for n in parts]
-    weight = _host_buffer(sum(s[0] for s in shapes), shapes[0][1], dtype)
+    weight = host_buffer(sum(s[0] for s in shapes), shapes[0][1], dtype)
     start = 0
     for name, shape in zip(parts, shapes):
         weight[start : start + shape[0]] = source.read_tensor(name).to(dtype)
@@ -234,7 +226,7 @@ def dummy_ple_tables(layers: dict[int, object], placement: str, device: torch.de
             tables[layer] = GpuRowTable(torch.empty(params.table_rows, params.row_dim, dtype=dtype,
                                                     device=device).normal_())
         elif placement == "host":
-            weight = _host_buffer(params.table_rows, params.row_dim, dtype).normal_()
+            weight = host_buffer(params.table_rows, params.row_dim, dtype).normal_()
             tables[layer] = _host_table("host", [(weight, 0)], dtype, device, read_only=False, budget=None)
         else:
             if dtype not in _ST_DTYPES:
