@@ -107,10 +107,11 @@ def test_uva_gather_kernel_in_the_engine_under_interpreter(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
-@pytest.mark.parametrize("batch", [1, 4])
-def test_graph_decode_with_host_ple_equals_eager_gpu_ple(checkpoint, batch):
+@pytest.mark.parametrize("batch,extra", [(1, {}), (4, {}), (4, {"async_scheduling": True, "kv_cache_dtype": "fp8_e4m3"})],
+                         ids=["b1", "b4", "b4_async_fp8kv"])
+def test_graph_decode_with_host_ple_equals_eager_gpu_ple(checkpoint, batch, extra):
     ps = _prompts(batch, seed=3)
-    kw = dict(device="cuda", kv_cache_memory=1 << 26, block_size=8)
+    kw = dict(device="cuda", kv_cache_memory=1 << 26, block_size=8, **extra)
     llm, want = _run(checkpoint, "gpu", ps, enforce_eager=True, **kw)
     assert llm.engine.executor.cuda_graphs is False
     del llm
