@@ -134,17 +134,15 @@ def test_graphs_off_reasons_kept():
     assert _off_reason(_GraphSafeModel(), tp=2, sizes=()) == "no capture size <= max_num_seqs"
     from qsaserve.models.ple_table import GpuRowTable, HostRowTable
 
-    # The runner's placed PLE tables: gpu, host/disk page-locked for device gathers (graphs
-    # allowed), and host/disk the device cannot read (rows gathered on the host: graphs off).
-    cuda, w = torch.device("cuda"), torch.zeros(4, 2)
-    locked = [SimpleNamespace(nbytes=w.nbytes)]  # a PageLock stand-in: no driver on this machine
-    for placement, table, off in (("gpu", GpuRowTable(w), False),
-                                  ("host", HostRowTable("host", [(w, 0)], w.dtype, cuda, locked), False),
-                                  ("disk", HostRowTable("disk", [(w, 0)], w.dtype, cuda, locked), False),
-                                  ("disk", HostRowTable("disk", [(w, 0)], w.dtype, cuda, None, "too big"), True)):
+    # The runner's placed PLE tables: gpu, a host/disk table the device reads (page-locked: a
+    # stand-in, no driver here) and a disk table it cannot (rows gathered on the host: graphs off).
+    w = torch.zeros(4, 2)
+    locked = SimpleNamespace(placement="host", cuda_graph_block_reason=lambda: None)
+    unlocked = HostRowTable("disk", [w[:3], w[3:]], w.dtype, torch.device("cuda"), None, "too big")
+    assert unlocked.gpu_bytes() == unlocked.pinned_host_bytes() == 0
+    for table, off in ((GpuRowTable(w), False), (locked, False), (unlocked, True)):
         reason = _off_reason(_GraphSafeModel(), tp=2, dcp=2, side_tables={1: table})
-        assert (reason is not None and "PLE" in reason and "too big" in reason) == off, (placement, reason)
-        assert table.gpu_bytes() == 0 and table.pinned_host_bytes() == (0 if off or placement == "gpu" else w.nbytes)
+        assert (reason is not None and "PLE" in reason and "too big" in reason) == off, (table, reason)
 
 
 def test_drop_graphs_logs_and_keeps_reason(caplog):

@@ -28,6 +28,7 @@ def _cuda_driver():
         lib = ctypes.CDLL("libcuda.so.1")
         lib.cuMemHostRegister_v2.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
         lib.cuMemHostUnregister.argtypes = [ctypes.c_void_p]
+        lib.cuMemHostGetDevicePointer_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p, ctypes.c_uint]
         lib.cuGetErrorName.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         _driver = lib
     return _driver
@@ -83,7 +84,17 @@ class PageLock:
             raise RuntimeError(f"cuMemHostRegister of {size / 2**30:.2f} GiB failed: {_error_name(code)}")
         self.nbytes = size
         self._finalizer = weakref.finalize(self, _unregister, start, owner)
+        dptr = ctypes.c_uint64()
+        code = _cuda_driver().cuMemHostGetDevicePointer_v2(ctypes.byref(dptr), ctypes.c_void_p(start), 0)
+        if code != 0:
+            self.release()
+            raise RuntimeError(f"cuMemHostGetDevicePointer failed: {_error_name(code)}")
+        self._device_offset = dptr.value - start  # 0 where UVA maps host memory at its own address
         self._finalizer.atexit = False  # process exit unlocks everything anyway
+
+    def device_ptr(self, host_ptr: int) -> int:
+        """The device's address of a host address inside the locked range."""
+        return host_ptr + self._device_offset
 
     def release(self) -> None:
         self._finalizer()

@@ -3,7 +3,7 @@
 The real table is ~95 GiB: it cannot sit on a GPU. Three placements give identical rows:
   gpu:  the table in device memory; torch's index_select.
   host: the table in host RAM, page-locked and mapped for the device (models/host_pinning.py);
-        the device gathers the rows a step needs over PCIe (ops.ple.gather_rows_into_), from
+        the device gathers the rows a step needs over PCIe (ops.ple.gather_rows_), from
         row ids it computed itself: no host work per step, so decode runs in CUDA graphs.
   disk: the checkpoint shards memory-mapped. On a GPU, when the table fits in the host RAM that
         may be locked, the mapping is registered read-only with the driver (its page-cache pages
@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from qsaserve.models.host_pinning import PageLock, host_buffer, lockable_host_bytes
-from qsaserve.ops.ple import gather_rows_into_
+from qsaserve.ops.ple import RowShards, gather_rows_
 
 logger = logging.getLogger("qsaserve")
 
@@ -56,18 +56,20 @@ class GpuRowTable:
 
 
 class HostRowTable:
-    """A table in host memory, as one or more row shards [R_i, dim] (first rows first_i). With
-    `locks` (page-locked for the device) the device gathers the rows itself; without, on a CUDA
-    run, the row ids come to the host and the rows go back (eager steps only)."""
+    """A table in host memory, as one or more row shards [R_i, dim] in row order. With `locks`
+    (one per shard: page-locked for the device) the device gathers the rows itself, one launch
+    for all shards; without, on a CUDA run, the row ids come to the host and the rows go back
+    (eager steps only)."""
 
-    def __init__(self, placement: str, shards: list[tuple[torch.Tensor, int]], dtype: torch.dtype,
-                 device: torch.device, locks: list[PageLock] | None = None, unlocked_reason: str | None = None):
-        self.placement, self.shards, self.dtype = placement, shards, dtype
-        self.dim = shards[0][0].shape[1]
-        self.rows = shards[-1][1] + shards[-1][0].shape[0]
+    def __init__(self, placement: str, shards: list[torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 locks: list[PageLock] | None = None, unlocked_reason: str | None = None):
+        self.placement, self.dtype = placement, dtype
         self.locks = locks or []
         # The device reads the shards: they are locked, or this is a CPU run.
         self.device_reads = device.type != "cuda" or bool(self.locks)
+        ptrs = [lock.device_ptr(s.data_ptr()) for lock, s in zip(self.locks, shards)] if self.locks else None
+        self.table = RowShards.build(shards, device if self.device_reads else torch.device("cpu"), ptrs)
+        self.rows, self.dim = self.table.rows, self.table.dim
         self._block_reason = None if self.device_reads else (
             f"PLE rows ({placement} placement) are gathered on the host each step: {unlocked_reason}")
 
@@ -85,8 +87,7 @@ class HostRowTable:
         if not self.device_reads:
             flat = flat.cpu()
         out = torch.empty(flat.shape[0], self.dim, dtype=self.dtype, device=flat.device)
-        for shard, first in self.shards:
-            gather_rows_into_(out, shard, flat, first)
+        gather_rows_(out, self.table, flat)
         return out.to(rows.device, non_blocking=True).reshape(*rows.shape, self.dim)
 
 
@@ -122,15 +123,10 @@ def _lock_tensors(tensors: list[torch.Tensor], device: torch.device, read_only: 
 
 
 def _host_table(placement, shards, dtype, device, read_only, budget) -> HostRowTable:
-    locks, why = _lock_tensors([t for t, _ in shards], device, read_only, budget)
+    locks, why = _lock_tensors(shards, device, read_only, budget)
     if why:
         logger.warning("PLE table (%s placement) not page-locked: %s; CUDA graphs will be off", placement, why)
     return HostRowTable(placement, shards, dtype, device, locks, why)
-
-
-def _first_rows(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
-    starts = np.cumsum([0] + [t.shape[0] for t in tensors[:-1]])
-    return [(t, int(s)) for t, s in zip(tensors, starts)]
 
 
 def table_tensor_names(names: list[str], layer: int) -> list[str]:
@@ -174,14 +170,14 @@ def open_ple_tables(checkpoint, layers: dict[int, object], placement: str, devic
         if placement == "disk":
             if not hasattr(source, "tensor_location"):
                 raise ValueError("ple_placement: disk needs a safetensors checkpoint")
-            shards = _first_rows([_memmap_shard(*source.tensor_location(n)) for n in parts])
+            shards = [_memmap_shard(*source.tensor_location(n)) for n in parts]
             table = _host_table("disk", shards, dtype, device, read_only=True, budget=budget)
             if budget is not None:
                 budget -= table.pinned_host_bytes()
             rows = table.rows
         elif placement == "host":
             weight = _read_into_host(source, parts, dtype)
-            table = _host_table("host", [(weight, 0)], dtype, device, read_only=False, budget=None)
+            table = _host_table("host", [weight], dtype, device, read_only=False, budget=None)
             rows = table.rows
         else:
             weight = torch.cat([source.read_tensor(n).to(dtype) for n in parts]).to(device)
@@ -227,7 +223,7 @@ def dummy_ple_tables(layers: dict[int, object], placement: str, device: torch.de
                                                     device=device).normal_())
         elif placement == "host":
             weight = host_buffer(params.table_rows, params.row_dim, dtype).normal_()
-            tables[layer] = _host_table("host", [(weight, 0)], dtype, device, read_only=False, budget=None)
+            tables[layer] = _host_table("host", [weight], dtype, device, read_only=False, budget=None)
         else:
             if dtype not in _ST_DTYPES:
                 raise ValueError(f"ple_placement: disk tables are stored as F32, F16 or BF16, not {dtype}")
@@ -236,7 +232,7 @@ def dummy_ple_tables(layers: dict[int, object], placement: str, device: torch.de
                 shard = _memmap_shard(path, 0, _ST_DTYPES[dtype], [params.table_rows, params.row_dim])
             finally:
                 os.unlink(path)
-            tables[layer] = _host_table("disk", [(shard, 0)], dtype, device, read_only=True, budget=budget)
+            tables[layer] = _host_table("disk", [shard], dtype, device, read_only=True, budget=budget)
             if budget is not None:
                 budget -= tables[layer].pinned_host_bytes()
         logger.info("PLE table layer %d: %.2f GiB (%s, random)", layer + 1,

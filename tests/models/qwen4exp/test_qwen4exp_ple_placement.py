@@ -1,8 +1,9 @@
 """PLE placements give the gpu placement's outputs exactly: float32 tiny Qwen4Exp, greedy tokens
 equal, prompt and decode logprobs within 1e-5 (they are in fact equal: a gather copies rows).
 
-* host and disk (the saved safetensors checkpoint, memory-mapped) against gpu, on CPU: the host
-  and disk tables gather through ops.ple.gather_rows_into_, gpu through index_select;
+* host and disk (the saved safetensors checkpoint, its tables in row shards, memory-mapped where
+  they lie) against gpu, on CPU: host and disk gather through ops.ple.gather_rows_, gpu through
+  index_select;
 * the same with the Triton UVA gather kernel forced on under the interpreter, in prefill and
   decode (the GPU path of host/disk placements; on CPU every tensor is a host tensor);
 * load_format="dummy": the disk placement writes its random table to a file and maps it, and
@@ -30,8 +31,18 @@ def _prompts(n, seed=0):
 
 
 def _save_checkpoint(path) -> str:
-    # Two PLE layers, so a step gathers from two tables.
+    """Two PLE layers (a step gathers from two tables), each table stored as three uneven row
+    shards the way a real checkpoint stores 512 (`ngram_embedding.shard_{j}.weight`)."""
+    from safetensors.torch import load_file, save_file
+
     build_random_model(make_config(budget=12, ple_layer_ids=(1, 4)), seed=7).save_pretrained(path)
+    tensors = load_file(f"{path}/model.safetensors")
+    for name in [n for n in tensors if n.endswith("ngram_embedding.weight")]:
+        table = tensors.pop(name)
+        cuts = [table.shape[0] // 5, table.shape[0] // 2]
+        for j, part in enumerate(torch.tensor_split(table, cuts)):
+            tensors[name.replace(".weight", f".shard_{j}.weight")] = part.contiguous()
+    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
     return str(path)
 
 
@@ -67,6 +78,8 @@ def test_host_and_disk_equal_gpu(checkpoint):
         llm, got = _run(checkpoint, placement, ps)
         memory = llm.engine.executor.side_table_memory()
         assert memory["placement"] == placement and memory["tables"] == 2 and memory["gpu_bytes"] == 0
+        shards = [len(t.table.shards) for t in llm.engine.executor.runner.side_tables.values()]
+        assert shards == ([3, 3] if placement == "disk" else [1, 1])  # host joins the shards, disk maps them
         _assert_same(got, want, placement)
 
 
@@ -89,9 +102,9 @@ def _interpreted_engine_check(path):
     ps = _prompts(2, seed=2)
     _, want = _run(path, "gpu", ps)
     launches = []
-    kernel = ple_ops.triton_gather.gather_rows_into_
+    kernel = ple_ops.triton_gather.gather_rows_
     ple_ops.triton_runs = lambda x: True  # the branch a CUDA run takes
-    ple_ops.triton_gather.gather_rows_into_ = lambda *a: launches.append(a[2].shape[0]) or kernel(*a)
+    ple_ops.triton_gather.gather_rows_ = lambda *a: launches.append(a[2].shape[0]) or kernel(*a)
     for placement in ("host", "disk"):
         launches.clear()
         _, got = _run(path, placement, ps)
@@ -133,7 +146,7 @@ def test_table_beyond_lockable_ram_gathers_on_the_host_and_blocks_graphs():
     from qsaserve.ops.ple.reference import TensorRowTable
 
     weight = torch.randn(40, 6)
-    table = _host_table("disk", [(weight[:25], 0), (weight[25:], 25)], torch.float32, torch.device("cuda"),
+    table = _host_table("disk", [weight[:25], weight[25:]], torch.float32, torch.device("cuda"),
                         read_only=True, budget=weight.nbytes - 1)
     reason = table.cuda_graph_block_reason()
     assert reason is not None and "exceeds the host RAM that may be page-locked" in reason and "disk" in reason
