@@ -124,6 +124,13 @@ def _lock_tensors(tensors: list[torch.Tensor], device: torch.device, read_only: 
 
 def _host_table(placement, shards, dtype, device, read_only, budget) -> HostRowTable:
     locks, why = _lock_tensors(shards, device, read_only, budget)
+    if locks:
+        try:
+            return HostRowTable(placement, shards, dtype, device, locks)
+        except ValueError as exc:  # shards one kernel cannot address together (RowShards.build)
+            for lock in locks:
+                lock.release()
+            locks, why = [], str(exc)
     if why:
         logger.warning("PLE table (%s placement) not page-locked: %s; CUDA graphs will be off", placement, why)
     return HostRowTable(placement, shards, dtype, device, locks, why)
