@@ -75,7 +75,7 @@ def test_host_and_disk_equal_gpu(checkpoint):
         _assert_same(got, want, placement)
 
 
-def test_dummy_disk_table_is_written_mapped_and_equal(caplog):
+def test_dummy_disk_table_is_written_mapped_and_equal():
     ps = _prompts(2, seed=1)
     kw = dict(load_format="dummy", seed=5)
     _, want = _run("qwen4exp-tiny", "gpu", ps, **kw)
