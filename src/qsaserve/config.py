@@ -46,7 +46,8 @@ class EngineConfig:
         None, "KV cache size in bytes (overrides gpu_memory_utilization; default 1 GiB on CPU)")
     seed: int = _option(0, "seed of the engine's random generator (requests may carry their own seed)")
     ple_placement: str = _option(
-        "disk", "where Qwen4Exp PLE tables live: disk (mmap, rows read on demand), host (RAM) or gpu")
+        "disk", "where Qwen4Exp PLE tables live: disk (the checkpoint memory-mapped), host (RAM) or gpu; on a GPU "
+                "disk and host tables are page-locked and read by the device (disk: when it fits in RAM)")
     load_format: str = _option(
         "auto", "auto (read the weights) or dummy (random weights; --model may then be a preset: llama-1b, llama-8b, "
                 "smollm2-135m, qwen4exp-tiny, qwen4exp-small)")

@@ -100,6 +100,7 @@ def run_latency(config: EngineConfig, batch_sizes: list[int], prompt_lens: list[
         weight_bytes = engine.executor.decode_weight_bytes()
         kv_bytes = int(engine.executor.kv_spec.bytes_per_token * (context + warmup_steps + decode_steps / 2))
         cuda_graphs = engine.executor.cuda_graphs
+        graphs_off_reason, side_tables = engine.executor.cuda_graphs_off_reason, engine.executor.side_table_memory()
         hf_config, vocab_size = engine.checkpoint.hf_config, engine.vocab_size
     finally:
         engine.shutdown()
@@ -108,7 +109,8 @@ def run_latency(config: EngineConfig, batch_sizes: list[int], prompt_lens: list[
 
     report["params"] = {"batch_sizes": sorted(set(batch_sizes)), "prompt_lens": lens, "decode_context": context,
                         "decode_steps": decode_steps, "warmup_steps": warmup_steps, "ttft_trials": ttft_trials,
-                        "seed": seed, "cuda_graphs": cuda_graphs, "profile_steps": profile_steps}
+                        "seed": seed, "cuda_graphs": cuda_graphs, "profile_steps": profile_steps,
+                        "cuda_graphs_off_reason": graphs_off_reason, "ple": side_tables}
     report["decode"] = decode
     report["ttft"] = ttft
     step_bytes = weight_bytes + kv_bytes

@@ -77,6 +77,7 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
         breakdown_elapsed = _run_engine(engine, work, temperature, breakdown)
         graph_replays = engine.executor.graph_replays() - replays_before
         cuda_graphs = engine.executor.cuda_graphs
+        graphs_off_reason, side_tables = engine.executor.cuda_graphs_off_reason, engine.executor.side_table_memory()
         hf_config = engine.checkpoint.hf_config
     finally:
         engine.shutdown()
@@ -85,7 +86,7 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
     output_tokens = sum(n for _, n in work)
     report["params"] = {"num_prompts": num_prompts, "min_len": min_len, "max_input_len": max_input_len,
                         "max_output_len": max_output_len, "temperature": temperature, "ignore_eos": True, "seed": seed,
-                        "cuda_graphs": cuda_graphs}
+                        "cuda_graphs": cuda_graphs, "cuda_graphs_off_reason": graphs_off_reason, "ple": side_tables}
     report["results"] = {"total_time_s": round(elapsed, 3), "prompt_tokens": sum(len(p) for p, _ in work),
                          "output_tokens": output_tokens, "output_tok_s": round(output_tokens / elapsed, 1),
                          "repeat_total_time_s": round(repeat_elapsed, 3),

@@ -23,7 +23,7 @@ from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, StateSnapshotPlan, TokenFeed
 from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata
 from qsaserve.errors import InvalidRequestError
-from qsaserve.models.interfaces import (CausalLM, RowTable, side_tables_allow_cuda_graphs, supports_cuda_graph,
+from qsaserve.models.interfaces import (CausalLM, RowTable, side_tables_cuda_graph_block_reason, supports_cuda_graph,
                                         supports_dcp_cuda_graph, supports_dummy_weights, supports_recurrent_state,
                                         supports_side_tables, supports_state_snapshots, supports_v_offsets,
                                         warms_up_kernels)
@@ -142,8 +142,8 @@ class ModelRunner:
         if self.parallel.dcp.enabled and not supports_dcp_cuda_graph(self.model):
             return (f"decode context parallelism: {name} builds its DCP step plan on the host each step "
                     f"(only models declaring supports_dcp_cuda_graph derive it on the device)")
-        if not side_tables_allow_cuda_graphs(self.side_tables):
-            return "PLE rows are gathered from host RAM or disk each step (--ple-placement gpu allows graphs)"
+        if reason := side_tables_cuda_graph_block_reason(self.side_tables):
+            return reason
         if not supports_cuda_graph(self.model):
             return f"{name} does not declare supports_cuda_graph"
         if not self.config.cuda_graph_capture_sizes:
@@ -185,6 +185,14 @@ class ModelRunner:
         if embed is not None and head is not None and head.data_ptr() != embed.data_ptr():
             total -= embed.numel() * embed.element_size()
         return total
+
+    def side_table_memory(self) -> dict:
+        """Where the side tables (PLE) live on this rank: their placement, GPU bytes and host
+        bytes page-locked for device gathers."""
+        tables = self.side_tables.values()
+        return {"placement": ",".join(sorted({t.placement for t in tables})) or None, "tables": len(tables),
+                "gpu_bytes": sum(t.gpu_bytes() for t in tables),
+                "pinned_host_bytes": sum(t.pinned_host_bytes() for t in tables)}
 
     def observe_kv_writes(self, observers: list | None) -> None:
         """Hooks one observer per attention layer (in attention_layers() order) into its cache

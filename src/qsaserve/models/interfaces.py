@@ -150,6 +150,19 @@ class RowTable(Protocol):
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor: ...
 
+    def gpu_bytes(self) -> int:
+        """Bytes of the table held in GPU memory (0 for host and disk placements)."""
+        ...
+
+    def pinned_host_bytes(self) -> int:
+        """Bytes of host RAM page-locked so that the device gathers rows itself."""
+        ...
+
+    def cuda_graph_block_reason(self) -> str | None:
+        """Why a step gathering from this table cannot be captured in a CUDA graph (its rows are
+        read on the host each step), or None."""
+        ...
+
 
 @runtime_checkable
 class HasSideTables(Protocol):
@@ -172,10 +185,10 @@ def supports_side_tables(model: object) -> TypeIs[HasSideTables]:
     return getattr(model, "has_side_tables", False)
 
 
-def side_tables_allow_cuda_graphs(tables: Mapping[int, RowTable]) -> bool:
-    """Whether decode steps that gather from these tables can be captured: rows gathered from
-    host RAM or disk run host code every step, which a graph replay would skip."""
-    return all(t.placement == "gpu" for t in tables.values())
+def side_tables_cuda_graph_block_reason(tables: Mapping[int, RowTable]) -> str | None:
+    """Why decode steps that gather from these tables cannot be captured, or None: a table whose
+    rows are read on the host each step runs host code that a graph replay would skip."""
+    return next((reason for t in tables.values() if (reason := t.cuda_graph_block_reason())), None)
 
 
 @runtime_checkable

@@ -50,6 +50,11 @@ class Rank0Views:
         """Whether decode steps replay CUDA graphs."""
         return self.runner.graphs is not None
 
+    @property
+    def cuda_graphs_off_reason(self) -> str | None:
+        """Why decode steps run eagerly (None when they replay graphs)."""
+        return self.runner.graphs_off_reason
+
     def graph_replays(self) -> int:
         """Decode graph replays so far (0 without graphs)."""
         graphs = self.runner.graphs
@@ -65,6 +70,10 @@ class Rank0Views:
     def decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads on rank 0 (ModelRunner.decode_weight_bytes)."""
         return self.runner.decode_weight_bytes()
+
+    def side_table_memory(self) -> dict:
+        """Rank 0's side-table (PLE) placement and bytes (ModelRunner.side_table_memory)."""
+        return self.runner.side_table_memory()
 
     def observe_kv_writes(self, observers: list | None) -> None:
         """Calibration's hooks on rank 0's cache writes (ModelRunner.observe_kv_writes)."""
