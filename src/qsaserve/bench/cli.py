@@ -35,7 +35,12 @@ def add_bench_parser(sub) -> None:
     lat.add_argument("--warmup-steps", type=int, default=8)
     lat.add_argument("--ttft-trials", type=int, default=3)
     lat.add_argument("--profile-steps", type=int, default=16,
-                     help="batch 1: profile this many more steps (wall / executor / CUDA kernels); 0: off")
+                     help="profiled batch sizes: this many more steps each for the kernel profile and as many "
+                          "eager ones for the per-layer profile; 0: off")
+    lat.add_argument("--profile-batch-sizes", type=_int_list("profile_batch_sizes"), default=None,
+                     help="batch sizes (of --batch-sizes) that get the step and per-layer profile (default: 1)")
+    lat.add_argument("--project-to-layers", type=int, default=48,
+                     help="project the profiled decode step to a model of this many layers, same kinds in proportion")
     lat.set_defaults(func=cmd_latency)
 
     thr = kinds.add_parser("throughput", help="nano-vllm workload: output tok/s and total time")
@@ -73,7 +78,8 @@ def cmd_latency(args) -> int:
 
     report = run_latency(_config(args), args.batch_sizes, args.prompt_lens, decode_context=args.decode_context,
                          decode_steps=args.decode_steps, warmup_steps=args.warmup_steps, ttft_trials=args.ttft_trials,
-                         peer=args.peer, seed=args.bench_seed, profile_steps=args.profile_steps)
+                         peer=args.peer, seed=args.bench_seed, profile_steps=args.profile_steps,
+                         profile_batch_sizes=args.profile_batch_sizes, project_to_layers=args.project_to_layers)
     print(json.dumps(report, indent=2))
     return 0
 

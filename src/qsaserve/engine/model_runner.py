@@ -23,10 +23,11 @@ from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, StateSnapshotPlan, TokenFeed
 from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata
 from qsaserve.errors import InvalidRequestError
-from qsaserve.models.interfaces import (CausalLM, RowTable, side_tables_cuda_graph_block_reason, supports_cuda_graph,
-                                        supports_dcp_cuda_graph, supports_dummy_weights, supports_recurrent_state,
-                                        supports_side_tables, supports_state_snapshots, supports_v_offsets,
-                                        warms_up_kernels)
+from qsaserve.engine.profiling import layer_ranges
+from qsaserve.models.interfaces import (CausalLM, RowTable, has_routed_experts, side_tables_cuda_graph_block_reason,
+                                        supports_cuda_graph, supports_dcp_cuda_graph, supports_dummy_weights,
+                                        supports_layer_profile, supports_recurrent_state, supports_side_tables,
+                                        supports_state_snapshots, supports_v_offsets, warms_up_kernels)
 from qsaserve.models.ple_table import dummy_ple_tables, is_table_tensor, open_ple_tables
 from qsaserve.models.registry import build_model, kv_block_multiple, kv_rotation_unsupported
 from qsaserve.parallel.dcp import DcpGeometry
@@ -59,6 +60,7 @@ class ModelRunner:
         self.device = device or config.torch_device
         self.dtype = config.torch_dtype
         self.max_model_len = max_model_len
+        self._layer_profiling = False  # layer_profile(): steps run eagerly inside per-layer ranges
         torch.manual_seed(config.seed)
         ckpt_scales = CheckpointScales()  # *.k_scale / *.v_scale tensors are taken out of the weight stream
         with torch.device(self.device), _default_dtype(self.dtype):
@@ -194,6 +196,41 @@ class ModelRunner:
                 "gpu_bytes": sum(t.gpu_bytes() for t in tables),
                 "pinned_host_bytes": sum(t.pinned_host_bytes() for t in tables)}
 
+    def expert_weight_bytes(self) -> dict | None:
+        """The routed experts' share of decode_weight_bytes: {"routed_bytes": all experts of every
+        layer, "top_k", "num_experts"}; None for a model without routed experts."""
+        if not has_routed_experts(self.model):
+            return None
+        top_k, num_experts = self.model.experts_per_token()
+        routed = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in self.model.routed_expert_tensors()}.values())
+        return {"routed_bytes": routed, "top_k": top_k, "num_experts": num_experts}
+
+    def state_bytes_per_sequence(self) -> int:
+        """Recurrent-state bytes of one sequence's slot, which its decode step reads and writes (0:
+        no recurrent state)."""
+        return self.model.state_snapshot_bytes() if supports_state_snapshots(self.model) else 0
+
+    def layer_kinds(self) -> list[str] | None:
+        """Each decoder layer's kind in order (models.interfaces.SupportsLayerProfile), or None."""
+        return [kind for kind, _ in self.model.decoder_layers()] if supports_layer_profile(self.model) else None
+
+    @contextlib.contextmanager
+    def layer_profile(self):
+        """While active, steps run eagerly with each decoder layer inside a profiler range
+        (engine.profiling.layer_ranges); yields the layer kinds in order, or None when the model
+        does not name its layers or other ranks run beside this one (their graph replays would
+        issue collectives shaped unlike this rank's eager steps): nothing changes then."""
+        if not supports_layer_profile(self.model) or self.parallel.tp_size > 1 or self.parallel.dcp.enabled:
+            yield None
+            return
+        layers = self.model.decoder_layers()
+        self._layer_profiling = True
+        try:
+            with layer_ranges(layers):
+                yield [kind for kind, _ in layers]
+        finally:
+            self._layer_profiling = False
+
     def observe_kv_writes(self, observers: list | None) -> None:
         """Hooks one observer per attention layer (in attention_layers() order) into its cache
         writes (LayerCache.observer); None removes them. Observed steps run eagerly."""
@@ -312,7 +349,7 @@ class ModelRunner:
             feed = FeedAcrossRanks(feed, self.parallel)
         snapshots = self._stage_snapshot_plan(batch.state_snapshots)
         logits = None
-        if self.graphs is not None and not self._observing():
+        if self.graphs is not None and not self._observing() and not self._layer_profiling:
             bucket = self.graphs.bucket_for(batch)
             if bucket is not None:
                 logits = self.graphs.replay(batch, bucket, feed)

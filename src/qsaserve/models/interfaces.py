@@ -274,3 +274,40 @@ class WarmsUpKernels(Protocol):
 
 def warms_up_kernels(module: object) -> TypeIs[WarmsUpKernels]:
     return getattr(module, "warms_up_kernels", False)
+
+
+@runtime_checkable
+class SupportsLayerProfile(Protocol):
+    """The decoder layers can be named for a profile: the benchmarks time each layer by kind and
+    project the step of a deeper model of the same kinds from it."""
+
+    supports_layer_profile: ClassVar[Literal[True]] = True
+
+    def decoder_layers(self) -> list[tuple[str, torch.nn.Module]]:
+        """(kind, module) of every decoder layer in order; kind names the layer's token mixer
+        (e.g. "gdn", "qsa", "attention"). Forward hooks on these modules bracket each layer."""
+        ...
+
+
+def supports_layer_profile(model: object) -> TypeIs[SupportsLayerProfile]:
+    return getattr(model, "supports_layer_profile", False)
+
+
+@runtime_checkable
+class HasRoutedExperts(Protocol):
+    """A mixture-of-experts model: a decode row reads only its top-k routed experts' weights, which
+    the active-weight roofline counts (the shared experts are ordinary dense weights)."""
+
+    has_routed_experts: ClassVar[Literal[True]] = True
+
+    def routed_expert_tensors(self) -> list[torch.Tensor]:
+        """This rank's routed-expert weight tensors, each [E, ...] over all E experts of a layer."""
+        ...
+
+    def experts_per_token(self) -> tuple[int, int]:
+        """(top_k, E): experts each token is routed to, of E per layer."""
+        ...
+
+
+def has_routed_experts(model: object) -> TypeIs[HasRoutedExperts]:
+    return getattr(model, "has_routed_experts", False)

@@ -75,6 +75,23 @@ class Rank0Views:
         """Rank 0's side-table (PLE) placement and bytes (ModelRunner.side_table_memory)."""
         return self.runner.side_table_memory()
 
+    def expert_weight_bytes(self) -> dict | None:
+        """The routed experts' share of decode_weight_bytes on rank 0 (ModelRunner.expert_weight_bytes)."""
+        return self.runner.expert_weight_bytes()
+
+    def state_bytes_per_sequence(self) -> int:
+        """One sequence's recurrent-state bytes on rank 0 (ModelRunner.state_bytes_per_sequence)."""
+        return self.runner.state_bytes_per_sequence()
+
+    def layer_kinds(self) -> list[str] | None:
+        """Rank 0's decoder layer kinds in order (ModelRunner.layer_kinds)."""
+        return self.runner.layer_kinds()
+
+    def layer_profile(self):
+        """Context: rank 0's steps run eagerly inside per-layer profiler ranges; yields the layer
+        kinds or None (ModelRunner.layer_profile). Other ranks keep their graphs: profile one rank."""
+        return self.runner.layer_profile()
+
     def observe_kv_writes(self, observers: list | None) -> None:
         """Calibration's hooks on rank 0's cache writes (ModelRunner.observe_kv_writes)."""
         self.runner.observe_kv_writes(observers)
