@@ -231,13 +231,20 @@ def test_dispatch_at_the_real_model_shapes_on_gpu(n):
 @gpu
 @pytest.mark.parametrize("n", [3, 64, 1000])
 def test_grouped_path_replays_in_a_cuda_graph_on_gpu(n):
-    """The dispatched experts captured in a CUDA graph, then replayed on another routing written
-    into the same input tensors, give the eager result on that routing (no host readback)."""
+    """The dispatched experts run under torch's sync debug mode "error" (no host sync), and
+    captured in a CUDA graph, then replayed on another routing written into the same input
+    tensors, give the eager result on that routing (no host readback)."""
     import qsaserve.ops.moe as moe_ops
 
     x, idx, w, gu, down = _gpu_case(n, 8, 64, 2048, 512, seed=1)
     x2, idx2, w2, _, _ = _gpu_case(n, 8, 64, 2048, 512, seed=2)
-    moe_ops.moe_experts(x, idx, w, gu, down)
+    moe_ops.moe_experts(x, idx, w, gu, down)  # builds the kernels (outside the sync check)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe_ops.moe_experts(x, idx, w, gu, down)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
