@@ -152,7 +152,8 @@ def check_dispatch_and_warm_up(device):
     run = InterpretedFunction.run
 
     def recording(self, *args, grid, warmup, **kwargs):
-        launched.add((self.fn.__name__, tuple(sorted((k, v) for k, v in kwargs.items() if not isinstance(v, torch.Tensor)))))
+        options = tuple(sorted((k, v) for k, v in kwargs.items() if not isinstance(v, torch.Tensor)))
+        launched.add((self.fn.__name__, options))
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording
@@ -168,7 +169,8 @@ def check_dispatch_and_warm_up(device):
             for fn in (moe_ops.moe_experts, moe_ops.moe_experts_sync_free):
                 torch.testing.assert_close(fn(x, idx, w, gu, down), want, atol=1e-5, rtol=1e-5)
         names = {name for name, _ in launched}
-        assert {"_grouped_gate_up_kernel", "_grouped_down_kernel", "_align_kernel", "_gate_up_kernel"} <= names  # both kernel families ran
+        # both kernel families ran
+        assert {"_grouped_gate_up_kernel", "_grouped_down_kernel", "_align_kernel", "_gate_up_kernel"} <= names
         assert launched <= warmed, launched - warmed
     finally:
         InterpretedFunction.run, moe_ops.use_triton = run, use_triton
