@@ -5,11 +5,13 @@ host sync per layer) and the decode kernels (triton_moe.py), at qwen4exp-small's
 
 Rows: `variant` is "dispatch" (ops.moe.moe_experts as the model calls it: the decode kernels up
 to DECODE_KERNEL_MAX_TOKENS, else the grouped GEMMs), "grouped", "decode" (forced; up to 256
-tokens) or "torch_loop". `us` is a CUDA-graph replay per call cycling over LAYERS weight sets
-(more than the L2 holds); `us_eager` the same calls launched eagerly (what a prefill step pays,
-host launch cost included; the torch loop has only this). TB/s counts the weight bytes of the
-experts the step chose, TFLOP/s 2 x choices x 3 x I x H. Set DECODE_KERNEL_MAX_TOKENS to the
-largest token count where "decode" beats "grouped". Prints JSON (one line per row, then the document).
+tokens), "grouped_fp8" (the same weights in block FP8, activations quantized per token-group of
+128) or "torch_loop". `us` is a CUDA-graph replay per call cycling over several weight sets (more
+than the L2 holds); `us_eager` the same calls launched eagerly (what a prefill step pays, host
+launch cost included; the torch loop has only this). TB/s counts the weight bytes of the experts
+the step chose (1 byte per weight in FP8; its 128 x 128 scales are negligible), TFLOP/s
+2 x choices x 3 x I x H. DECODE_KERNEL_MAX_TOKENS should be the largest token count where
+"decode" beats "grouped". Prints JSON (one line per row, then the document).
 
     PYTHONPATH=src python benchmarks/bench_moe_grouped.py [--out f.json]
 """
@@ -22,7 +24,7 @@ import torch
 from qsaserve.bench.common import kernel_bench_main
 from qsaserve.bench.gpu_timing import event_ms, graph_ms
 from qsaserve.ops.device import num_sms
-from qsaserve.ops.moe import moe_experts, reference
+from qsaserve.ops.moe import block_fp8, moe_experts, reference, uses_decode_kernels
 from qsaserve.ops.moe.grouped_config import step_configs
 from qsaserve.ops.moe.triton_grouped import moe_experts_grouped_triton
 from qsaserve.ops.moe.triton_moe import moe_experts_decode_triton
@@ -47,26 +49,39 @@ def case(experts: int, top_k: int, layers: int, tokens: int, dev) -> list[dict]:
     variants = {"dispatch": moe_experts, "grouped": moe_experts_grouped_triton, "torch_loop": reference.moe_experts}
     if tokens <= DECODE_MAX_TOKENS:
         variants["decode"] = moe_experts_decode_triton
+    variants["grouped_fp8"] = "fp8"
+    fp8_sets = []
+    for gu, down in sets:  # block-FP8 copies of the same weights (half the bytes)
+        (gq, gs), (dq, ds) = block_fp8.quantize_blocks(gu), block_fp8.quantize_blocks(down)
+        fp8_sets.append((gq, dq, dict(w13_scale=gs, w2_scale=ds)))
     cfg = step_configs(tokens * top_k, experts, HIDDEN, INTER, 2, num_sms(dev))
     rows = []
     for name, fn in variants.items():
-        def run(fn=fn):
-            for gu, down in sets:
-                fn(x, idx, w, gu, down)
-        got = fn(x, idx, w, *sets[0])
+        if fn == "fp8":
+            def run():
+                for gq, dq, scales in fp8_sets:
+                    moe_experts_grouped_triton(x, idx, w, gq, dq, **scales)
+            gq, dq, scales = fp8_sets[0]
+            got = moe_experts_grouped_triton(x, idx, w, gq, dq, **scales)
+        else:
+            def run(fn=fn):
+                for gu, down in sets:
+                    fn(x, idx, w, gu, down)
+            got = fn(x, idx, w, *sets[0])
         slow = name == "torch_loop" or tokens >= 1024
         eager = event_ms(run, iters=3 if slow else 20, repeats=3) * 1e3 / layers
         graphed = None if name == "torch_loop" else graph_ms(run) * 1e3 / layers
         us = graphed if graphed is not None else eager
+        weight_bytes = read // 2 if name == "grouped_fp8" else read
         row = {"experts": experts, "top_k": top_k, "tokens": tokens, "variant": name,
-               "us": round(us, 2), "us_eager": round(eager, 2), "tb_s": round(read / us / 1e6, 3),
+               "us": round(us, 2), "us_eager": round(eager, 2), "tb_s": round(weight_bytes / us / 1e6, 3),
                "tflop_s": round(flops / us / 1e6, 2),
                "max_diff_vs_torch_loop": float((got.float() - want.float()).abs().max()),
                "grouped_tiles": [[c.block_m, c.block_n, c.block_k, c.num_warps, c.num_stages] for c in cfg]
-               if name in ("grouped", "dispatch") else None}
+               if name == "grouped" or name == "dispatch" and not uses_decode_kernels(tokens, top_k, experts) else None}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    del sets
+    del sets, fp8_sets
     torch.cuda.empty_cache()
     return rows
 

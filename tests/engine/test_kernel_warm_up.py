@@ -45,3 +45,27 @@ def test_dcp_layer_warms_the_partial_form_over_the_group_heads(monkeypatch, dcp_
     assert layer.warm_up(torch.bfloat16) == 17
     (args, kw), = calls
     assert args[1:] == (3 * dcp_size, torch.bfloat16) and kw["shard_geometry"] == (dcp_size, rank, 2)
+
+
+MOE_KERNELS = {"_route_kernel", "_gate_up_kernel", "_down_kernel", "_align_kernel", "_grouped_gate_up_kernel",
+               "_grouped_down_kernel"}
+
+
+@pytest.mark.gpu
+def test_no_moe_kernel_built_after_startup():
+    """Startup builds the MoE kernels' variants for every step size up to the token budget
+    (SparseMoE.warm_up_kernels -> ops.moe.warm_up): decode batches, chunked prefills of every
+    length and mixed steps then build no router, decode-kernel, sort or grouped-GEMM variant."""
+    llm = LLM("qwen4exp-tiny", load_format="dummy", device="cuda", max_model_len=2048, kv_cache_memory=256 << 20,
+              max_num_seqs=32, cuda_graph_sizes="1,2,4", progress=False)
+    gen = torch.Generator().manual_seed(1)
+    lengths = [int(n) for n in torch.randint(1, 1500, (24,), generator=gen)]
+    prompts = [{"prompt_token_ids": [int(t) for t in torch.randint(5, 250, (n,), generator=gen)]} for n in lengths]
+    params = [SamplingParams(max_tokens=int(m), ignore_eos=True, temperature=0)
+              for m in torch.randint(1, 40, (24,), generator=gen)]
+    with record_triton_compiles() as compiles:
+        llm.generate(prompts[:1], params[:1], use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False)
+    report = compiles.report()
+    built = {name: n for name, n in report["by_kernel"].items() if name in MOE_KERNELS}
+    assert not built, report

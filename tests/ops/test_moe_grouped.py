@@ -152,7 +152,8 @@ def check_dispatch_and_warm_up(device):
     run = InterpretedFunction.run
 
     def recording(self, *args, grid, warmup, **kwargs):
-        launched.add((self.fn.__name__, tuple(sorted((k, v) for k, v in kwargs.items() if not isinstance(v, torch.Tensor)))))
+        options = tuple(sorted((k, v) for k, v in kwargs.items() if not isinstance(v, torch.Tensor)))
+        launched.add((self.fn.__name__, options))
         return run(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = recording
@@ -168,7 +169,8 @@ def check_dispatch_and_warm_up(device):
             for fn in (moe_ops.moe_experts, moe_ops.moe_experts_sync_free):
                 torch.testing.assert_close(fn(x, idx, w, gu, down), want, atol=1e-5, rtol=1e-5)
         names = {name for name, _ in launched}
-        assert {"_gate_up_kernel", "_down_kernel", "_align_kernel"} <= names  # both kernel families ran
+        # both kernel families ran
+        assert {"_grouped_gate_up_kernel", "_grouped_down_kernel", "_align_kernel", "_gate_up_kernel"} <= names
         assert launched <= warmed, launched - warmed
     finally:
         InterpretedFunction.run, moe_ops.use_triton = run, use_triton
@@ -231,13 +233,20 @@ def test_dispatch_at_the_real_model_shapes_on_gpu(n):
 @gpu
 @pytest.mark.parametrize("n", [3, 64, 1000])
 def test_grouped_path_replays_in_a_cuda_graph_on_gpu(n):
-    """The dispatched experts captured in a CUDA graph, then replayed on another routing written
-    into the same input tensors, give the eager result on that routing (no host readback)."""
+    """The dispatched experts run under torch's sync debug mode "error" (no host sync), and
+    captured in a CUDA graph, then replayed on another routing written into the same input
+    tensors, give the eager result on that routing (no host readback)."""
     import qsaserve.ops.moe as moe_ops
 
     x, idx, w, gu, down = _gpu_case(n, 8, 64, 2048, 512, seed=1)
     x2, idx2, w2, _, _ = _gpu_case(n, 8, 64, 2048, 512, seed=2)
-    moe_ops.moe_experts(x, idx, w, gu, down)
+    moe_ops.moe_experts(x, idx, w, gu, down)  # builds the kernels (outside the sync check)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe_ops.moe_experts(x, idx, w, gu, down)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

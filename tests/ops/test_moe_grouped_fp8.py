@@ -7,20 +7,9 @@ import pytest
 import torch
 from triton_interpreter import interpreter_bf16_dot_shim, interpreter_fp8_cast_shim, triton_check_tests
 
-from qsaserve.ops.moe.block_fp8 import (GROUP, dequantize_blocks, fake_quantize_groups, moe_experts_block_fp8,
-                                        quantize_groups)
+from qsaserve.ops.moe.block_fp8 import (dequantize_blocks, fake_quantize_groups, moe_experts_block_fp8,
+                                        quantize_blocks, quantize_groups)
 from qsaserve.ops.moe.grouped_config import configs_for, step_configs
-
-
-def _quantize_blocks(w: torch.Tensor):
-    """float32 [E, N, K] -> (E4M3 [E, N, K], float32 scales [E, ceil(N/128), ceil(K/128)]), as the
-    checkpoints store them (largest magnitude of each 128 x 128 block at 448)."""
-    e, n, k = w.shape
-    gn, gk = -(-n // GROUP), -(-k // GROUP)
-    padded = torch.nn.functional.pad(w, (0, gk * GROUP - k, 0, gn * GROUP - n)).view(e, gn, GROUP, gk, GROUP)
-    scale = padded.abs().amax((2, 4)).clamp(min=1e-12) / 448.0
-    q = (padded / scale[:, :, None, :, None]).view(e, gn * GROUP, gk * GROUP)[:, :n, :k]
-    return q.to(torch.float8_e4m3fn), scale
 
 
 def _case(n, k, e, h, inter, dtype, seed=0):
@@ -28,20 +17,34 @@ def _case(n, k, e, h, inter, dtype, seed=0):
     x = torch.randn(n, h, generator=g).to(dtype)
     idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
     w = torch.softmax(torch.randn(n, k, generator=g), -1).to(dtype)
-    gu, s13 = _quantize_blocks(torch.randn(e, 2 * inter, h, generator=g) * 0.1)
-    down, s2 = _quantize_blocks(torch.randn(e, h, inter, generator=g) * 0.1)
+    gu, s13 = quantize_blocks(torch.randn(e, 2 * inter, h, generator=g) * 0.1)
+    down, s2 = quantize_blocks(torch.randn(e, h, inter, generator=g) * 0.1)
     return x, idx, w, gu, down, s13, s2
 
 
 def test_quantize_groups_round_trip():
     """Per token and group of 128 (the last shorter): E4M3 values within 448, the largest at 448,
-    dequantized within E4M3's relative step of the input; zero rows stay zero."""
-    x = torch.randn(3, 300) * torch.tensor([[1.0], [1e-3], [0.0]])
+    dequantized within E4M3's relative step of the input (half its subnormal step near 0); zero
+    rows stay zero."""
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(0)) * torch.tensor([[1.0], [1e-3], [0.0]])
     q, scale = quantize_groups(x)
     assert q.dtype == torch.float8_e4m3fn and scale.shape == (3, 3)
     assert q.float().abs().max() <= 448 and (q.float()[:2, :128].abs().amax(-1) == 448).all()
     back = fake_quantize_groups(x)
-    assert ((back - x).abs() <= x.abs() * 2.0 ** -4 + 1e-30).all() and (back[2] == 0).all()
+    near_zero = scale.repeat_interleave(128, -1)[:, :300] * 2.0 ** -10  # half E4M3's subnormal step
+    assert ((back - x).abs() <= x.abs() * 2.0 ** -4 + near_zero).all() and (back[2] == 0).all()
+
+
+def test_quantize_blocks_round_trip():
+    """Weights [E, N, K] (N, K not multiples of 128): one scale per 128 x 128 block, each block's
+    largest magnitude at 448, dequantized within E4M3's relative step (half its subnormal step
+    near 0)."""
+    w = torch.randn(2, 300, 130, generator=torch.Generator().manual_seed(0))
+    q, scale = quantize_blocks(w)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (2, 3, 2)
+    assert q.float()[0, :128, :128].abs().max() == 448 and q.float()[1, 256:, 128:].abs().max() == 448
+    near_zero = scale.max() * 2.0 ** -10  # half E4M3's subnormal step
+    assert ((dequantize_blocks(q, scale) - w).abs() <= w.abs() * 2.0 ** -4 + near_zero).all()
 
 
 def test_reference_is_dequantize_then_matmul():

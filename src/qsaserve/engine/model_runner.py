@@ -327,7 +327,8 @@ class ModelRunner:
         if self.device.type != "cuda":
             return
         launches = sum(layer.warm_up(self.dtype) for layer in self.attention_layers)
-        launches += sum(m.warm_up_kernels(self.dtype, self.config.token_budget) for m in self.model.modules() if warms_up_kernels(m))
+        launches += sum(m.warm_up_kernels(self.dtype, self.config.token_budget)
+                        for m in self.model.modules() if warms_up_kernels(m))
         if launches:
             torch.cuda.synchronize(self.device)
 

@@ -11,6 +11,8 @@
 * `warm_up`: builds every kernel variant the dispatch can pick for steps up to a token budget."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from qsaserve.ops.dispatch import use_triton
@@ -84,7 +86,6 @@ def warm_up(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, dty
     if not use_triton(gate_up_proj) or max_tokens < 1:
         return 0
     from qsaserve.ops.device import num_sms
-    from qsaserve.ops.moe.grouped_config import configs_for
 
     num_experts, two_i, h = gate_up_proj.shape
     dev = gate_up_proj.device
@@ -97,19 +98,30 @@ def warm_up(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, dty
     moe_route(torch.zeros((1, num_experts), dtype=dtype, device=dev), top_k, True)
     moe_route(torch.zeros((1, num_experts), dtype=dtype, device=dev), top_k, False)
     launches = 2
-    fp8 = w13_scale is not None
-    decode = [n for n in range(1, max_tokens + 1) if not fp8 and uses_decode_kernels(n, top_k, num_experts)]
-    for block_n in dict.fromkeys((triton_moe.pick_block_n(n * top_k, two_i // 2, sms), triton_moe.pick_block_n(n, h, sms))
-                                 for n in decode):
+    decode_blocks, grouped = _warm_up_plan(max_tokens, top_k, num_experts, h, two_i // 2,
+                                           torch.empty((), dtype=dtype).element_size(), sms, w13_scale is not None)
+    for block_n in decode_blocks:
         triton_moe.moe_experts_decode_triton(*inputs(1), gate_up_proj, down_proj, block_n=block_n)
         launches += 1
-    grouped = [n for n in range(1, max_tokens + 1) if fp8 or not uses_decode_kernels(n, top_k, num_experts)]
-    for configs, n in configs_for(grouped, top_k, num_experts, h, two_i // 2, torch.empty((), dtype=dtype).element_size(),
-                                  sms, fp8).items():
+    for configs, n in grouped:
         triton_grouped.moe_experts_grouped_triton(*inputs(n), gate_up_proj, down_proj, configs=configs,
                                                   w13_scale=w13_scale, w2_scale=w2_scale)
         launches += 1
     return launches
+
+
+@functools.lru_cache(maxsize=None)
+def _warm_up_plan(max_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, elem_bytes: int, sms: int,
+                  fp8: bool):
+    """(decode-kernel row blocks, [(grouped configs, tokens)]) of steps of 1..max_tokens tokens;
+    computed once per shape (every MoE layer of a model asks for the same)."""
+    from qsaserve.ops.moe.grouped_config import configs_for
+
+    decode = [n for n in range(1, max_tokens + 1) if not fp8 and uses_decode_kernels(n, top_k, num_experts)]
+    blocks = dict.fromkeys((triton_moe.pick_block_n(n * top_k, inter, sms), triton_moe.pick_block_n(n, hidden, sms))
+                           for n in decode)
+    grouped = [n for n in range(1, max_tokens + 1) if fp8 or not uses_decode_kernels(n, top_k, num_experts)]
+    return tuple(blocks), tuple(configs_for(grouped, top_k, num_experts, hidden, inter, elem_bytes, sms, fp8).items())
 
 
 __all__ = ["DECODE_KERNEL_MAX_TOKENS", "moe_align_block_size", "moe_experts", "moe_experts_sync_free", "moe_route",

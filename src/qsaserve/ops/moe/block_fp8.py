@@ -12,7 +12,8 @@ GROUP = 128  # the checkpoint's weight_block_size and the activations' group
 E4M3_MAX = 448.0
 SCALE_EPS = 1e-10  # an all-zero group gets a tiny scale, not 0/0
 
-__all__ = ["GROUP", "dequantize_blocks", "fake_quantize_groups", "moe_experts_block_fp8", "quantize_groups"]
+__all__ = ["GROUP", "dequantize_blocks", "fake_quantize_groups", "moe_experts_block_fp8", "quantize_blocks",
+           "quantize_groups"]
 
 
 def quantize_groups(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,6 +31,19 @@ def fake_quantize_groups(x: torch.Tensor) -> torch.Tensor:
     """x [..., K] -> float32 [..., K]: quantize_groups then dequantize (what an FP8 GEMM sees)."""
     q, scale = quantize_groups(x)
     return q.float() * scale.repeat_interleave(GROUP, -1)[..., : x.shape[-1]]
+
+
+def quantize_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., N, K] -> (E4M3 [..., N, K], float32 weight_scale_inv [..., ceil(N/128), ceil(K/128)]):
+    each 128 x 128 block scaled so that its largest magnitude is 448, as block-FP8 checkpoints
+    store weights (dequantize_blocks inverts it up to E4M3 rounding)."""
+    n, k = w.shape[-2:]
+    gn, gk = -(-n // GROUP), -(-k // GROUP)
+    padded = torch.nn.functional.pad(w.float(), (0, gk * GROUP - k, 0, gn * GROUP - n))
+    blocks = padded.unflatten(-1, (gk, GROUP)).unflatten(-3, (gn, GROUP))  # [..., gn, 128, gk, 128]
+    scale = blocks.abs().amax((-3, -1)).clamp(min=SCALE_EPS) / E4M3_MAX
+    q = (blocks / scale[..., :, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX).flatten(-4, -3).flatten(-2)
+    return q[..., :n, :k].to(torch.float8_e4m3fn), scale
 
 
 def dequantize_blocks(w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

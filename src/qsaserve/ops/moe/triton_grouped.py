@@ -7,9 +7,9 @@ per expert present (E nonzero + synchronize per layer). Here, for any number of 
              first row, then _align_kernel: one program per BLOCK_M block of the padded order
              writes the block's expert and its token-choice ids (moe_align_block_size's idea;
              the grid is a static bound, grouped_config.max_blocks, so nothing is read back);
-  gate/up:   _gate_up_kernel, one program per (block, I tile): x rows of the block's token-choices
+  gate/up:   _grouped_gate_up_kernel, one program per (block, I tile): x rows of the block's token-choices
              against the expert's gate and up tiles, SiLU(gate) * up in the epilogue -> [N*k, I];
-  down:      _down_kernel, one program per (block, H tile): act rows against the expert's down
+  down:      _grouped_down_kernel, one program per (block, H tile): act rows against the expert's down
              tile, times the routing weight in the epilogue -> [N, k, H];
   top-k sum: one torch sum over k. Each output row is written once, by the one program owning its
              token-choice, and summed in a fixed order: the result is the same on every run,
@@ -63,7 +63,7 @@ def _quantize_group(a):
 
 
 @triton.jit(do_not_specialize=["num_choices"])
-def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ids_ptr, expert_ids_ptr, num_choices, H, I, top_k,
+def _grouped_gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ids_ptr, expert_ids_ptr, num_choices, H, I, top_k,
                     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_a,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
                     FP8: tl.constexpr):
@@ -111,7 +111,7 @@ def _gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ids_ptr, expert_ids_pt
 
 
 @triton.jit(do_not_specialize=["num_choices"])
-def _down_kernel(act_ptr, w_ptr, ws_ptr, rw_ptr, y_ptr, sorted_ids_ptr, expert_ids_ptr, num_choices, H, I,
+def _grouped_down_kernel(act_ptr, w_ptr, ws_ptr, rw_ptr, y_ptr, sorted_ids_ptr, expert_ids_ptr, num_choices, H, I,
                  stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_y,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
                  FP8: tl.constexpr):
@@ -205,14 +205,14 @@ def moe_experts_grouped_triton(x: torch.Tensor, indices: torch.Tensor, weights: 
     ieee = x.dtype == torch.float32 and not fp8
     s13 = w13_scale if fp8 else gate_up_proj  # unread without FP8
     s2 = w2_scale if fp8 else down_proj
-    _gate_up_kernel[(blocks, triton.cdiv(inter, cfg_gu.block_n))](
+    _grouped_gate_up_kernel[(blocks, triton.cdiv(inter, cfg_gu.block_n))](
         x, gate_up_proj, s13, act, sorted_ids, expert_ids, choices, h, inter, top_k,
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), s13.stride(0) if fp8 else 0,
         s13.stride(1) if fp8 else 0, act.stride(0),
         BLOCK_M=bm, BLOCK_N=cfg_gu.block_n, BLOCK_K=cfg_gu.block_k, IEEE=ieee, FP8=fp8,
         num_warps=cfg_gu.num_warps, num_stages=cfg_gu.num_stages)
     y = torch.empty((choices, h), dtype=x.dtype, device=x.device)
-    _down_kernel[(blocks, triton.cdiv(h, cfg_down.block_n))](
+    _grouped_down_kernel[(blocks, triton.cdiv(h, cfg_down.block_n))](
         act, down_proj, s2, rw, y, sorted_ids, expert_ids, choices, h, inter,
         act.stride(0), down_proj.stride(0), down_proj.stride(1), s2.stride(0) if fp8 else 0,
         s2.stride(1) if fp8 else 0, y.stride(0),
