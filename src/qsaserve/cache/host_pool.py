@@ -1,0 +1,108 @@
+"""Host-memory mirror of device rows: the copies behind the host KV tier (engine/host_kv_tier.py).
+
+A "row" is one index along a chosen dimension of a set of device tensors: a KV block (dim 1 of
+every layer's K/V tensor [2, blocks, page, Hkv, D], dim 0 of a QSA layer's index page [blocks,
+page / r, Di]) or a recurrent-state snapshot row (dim 1 of each state group's pool). The host
+keeps rows as flat bytes, [host_rows, row_bytes] uint8, one contiguous run per row, so a row of
+any dtype (FP8 pages included: their scales are per layer, not per page) round-trips bit for bit.
+
+On CUDA the copies run on one side stream, pinned host memory, no host sync:
+  * the side stream first waits for everything the compute stream has launched (the rows' KV or
+    state is complete), the compute stream then waits for the side stream (a slot whose content
+    goes to the host is not overwritten before the copy, a restored row is in place before the
+    forward that reads it);
+  * copies out (device -> host) are issued before copies in (host -> device): a device row can be
+    both evicted and refilled by one step, and a host row filled by an offload may be the source of
+    a restore in the same step; one stream keeps every use of a host row in issue order.
+On the CPU the same copies run in place.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+# Rows moved per staging buffer: bounds the device scratch of one big restore (32K tokens).
+CHUNK_ROWS = 256
+
+
+def row_bytes(tensors: list[tuple[torch.Tensor, int]]) -> int:
+    """Bytes of one row of `tensors` ((tensor, row dim) pairs)."""
+    return sum(t.nbytes // t.shape[d] for t, d in tensors)
+
+
+def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of the runs where both indices advance by one."""
+    runs = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+class TransferStream:
+    """The side stream every host copy of a rank runs on (None on the CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def ordered(self):
+        """Runs the enclosed copies on the side stream, after what the compute stream has launched
+        and before what it launches next."""
+        if self.stream is None:
+            yield
+            return
+        main = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            yield
+        main.wait_stream(self.stream)
+
+
+class HostPool:
+    """num_rows host rows of nbytes_per_row bytes each (pinned on CUDA)."""
+
+    def __init__(self, num_rows: int, nbytes_per_row: int, device: torch.device):
+        self.num_rows, self.row_bytes, self.device = num_rows, nbytes_per_row, device
+        self.async_copies = device.type == "cuda"
+        self.host = torch.zeros((num_rows, nbytes_per_row), dtype=torch.uint8, pin_memory=self.async_copies)
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.nbytes
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        idx = torch.tensor(rows, dtype=torch.long)
+        if not self.async_copies:
+            return idx
+        return idx.pin_memory().to(self.device, non_blocking=True)
+
+    def offload(self, tensors: list[tuple[torch.Tensor, int]], rows: list[int], host_rows: list[int]) -> None:
+        """Device row rows[i] of every tensor -> host row host_rows[i] (inside TransferStream.ordered())."""
+        for c in range(0, len(rows), CHUNK_ROWS):
+            r, h = rows[c : c + CHUNK_ROWS], host_rows[c : c + CHUNK_ROWS]
+            idx = self._index(r)
+            parts = [t.index_select(d, idx).movedim(d, 0).reshape(len(r), -1).view(torch.uint8) for t, d in tensors]
+            staging = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].contiguous()
+            for s, dst, n in _runs(list(range(len(r))), h):
+                self.host[dst : dst + n].copy_(staging[s : s + n], non_blocking=self.async_copies)
+
+    def load(self, tensors: list[tuple[torch.Tensor, int]], host_rows: list[int], rows: list[int]) -> None:
+        """Host row host_rows[i] -> device row rows[i] of every tensor (inside TransferStream.ordered())."""
+        for c in range(0, len(rows), CHUNK_ROWS):
+            h, r = host_rows[c : c + CHUNK_ROWS], rows[c : c + CHUNK_ROWS]
+            staging = torch.empty((len(r), self.row_bytes), dtype=torch.uint8, device=self.device)
+            for src, s, n in _runs(h, list(range(len(r)))):
+                staging[s : s + n].copy_(self.host[src : src + n], non_blocking=self.async_copies)
+            idx = self._index(r)
+            offset = 0
+            for t, d in tensors:
+                shape = t.movedim(d, 0).shape[1:]
+                width = t.nbytes // t.shape[d]
+                piece = staging[:, offset : offset + width].contiguous().view(t.dtype).reshape(len(r), *shape)
+                t.index_copy_(d, idx, piece.movedim(0, d))
+                offset += width
