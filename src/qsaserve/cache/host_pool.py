@@ -31,6 +31,12 @@ def row_bytes(tensors: list[tuple[torch.Tensor, int]]) -> int:
     return sum(t.nbytes // t.shape[d] for t, d in tensors)
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """t's memory as uint8 (its last dim times its itemsize): gathers and scatters by row then work
+    for every dtype, FP8 included, and move exact bits."""
+    return t.view(torch.uint8)
+
+
 def _runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     """(src start, dst start, length) of the runs where both indices advance by one."""
     runs = []
@@ -86,7 +92,7 @@ class HostPool:
         for c in range(0, len(rows), CHUNK_ROWS):
             r, h = rows[c : c + CHUNK_ROWS], host_rows[c : c + CHUNK_ROWS]
             idx = self._index(r)
-            parts = [t.index_select(d, idx).movedim(d, 0).reshape(len(r), -1).view(torch.uint8) for t, d in tensors]
+            parts = [_bytes(t).index_select(d, idx).movedim(d, 0).reshape(len(r), -1) for t, d in tensors]
             staging = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].contiguous()
             for s, dst, n in _runs(list(range(len(r))), h):
                 self.host[dst : dst + n].copy_(staging[s : s + n], non_blocking=self.async_copies)
@@ -101,8 +107,8 @@ class HostPool:
             idx = self._index(r)
             offset = 0
             for t, d in tensors:
-                shape = t.movedim(d, 0).shape[1:]
+                b = _bytes(t)
                 width = t.nbytes // t.shape[d]
-                piece = staging[:, offset : offset + width].contiguous().view(t.dtype).reshape(len(r), *shape)
-                t.index_copy_(d, idx, piece.movedim(0, d))
+                piece = staging[:, offset : offset + width].reshape(len(r), *b.movedim(d, 0).shape[1:])
+                b.index_copy_(d, idx, piece.movedim(0, d))
                 offset += width
