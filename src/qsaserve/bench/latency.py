@@ -14,7 +14,7 @@ from qsaserve.errors import InvalidRequestError
 from qsaserve.sampling_params import SamplingParams
 
 
-def _decode(engine: LLMEngine, batch: int, context: int, steps: int, warmup: int, rng: random.Random,
+def decode_run(engine: LLMEngine, batch: int, context: int, steps: int, warmup: int, rng: random.Random,
             profile_steps: int = 0) -> dict:
     """B requests prefilled, then `warmup` untimed and `steps` timed decode steps (each step ends
     with the sampled tokens on the host, so wall time is device time plus host overhead); then,
@@ -94,7 +94,7 @@ def run_latency(config: EngineConfig, batch_sizes: list[int], prompt_lens: list[
             raise InvalidRequestError("max_model_len", f"{max_len} leaves no room for {decode_steps} decode steps")
         lens = sorted({min(n, max_len - 1) for n in prompt_lens})
         # Batch 1 also gets a step breakdown (bench.step_profile): what keeps it from the roofline.
-        decode = [_decode(engine, b, context, decode_steps, warmup_steps, rng, profile_steps if b == 1 else 0)
+        decode = [decode_run(engine, b, context, decode_steps, warmup_steps, rng, profile_steps if b == 1 else 0)
                   for b in sorted(set(batch_sizes))]
         ttft = [_ttft(engine, n, ttft_trials, rng) for n in lens]
         weight_bytes = engine.executor.decode_weight_bytes()
