@@ -75,7 +75,8 @@ class HostPool:
     def __init__(self, num_rows: int, nbytes_per_row: int, device: torch.device):
         self.num_rows, self.row_bytes, self.device = num_rows, nbytes_per_row, device
         self.async_copies = device.type == "cuda"
-        self.host = torch.zeros((num_rows, nbytes_per_row), dtype=torch.uint8, pin_memory=self.async_copies)
+        # Never read before a copy out fills the row: no need to touch N GiB at startup.
+        self.host = torch.empty((num_rows, nbytes_per_row), dtype=torch.uint8, pin_memory=self.async_copies)
 
     @property
     def nbytes(self) -> int:
