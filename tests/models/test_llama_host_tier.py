@@ -99,3 +99,28 @@ def test_startup_log_names_the_host_tier(path, caplog):
     tier = llm.engine.block_manager.host_tier
     assert tier.kv.num_slots == int(0.01 * 2**30) // llm.engine.executor.kv_spec.bytes_per_block
     assert any(r.getMessage().startswith(f"host KV tier: {tier.kv.num_slots} blocks") for r in caplog.records)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8_e4m3"])
+def test_on_cuda_a_host_hit_reads_the_same_bits_as_a_gpu_hit(path, kv_dtype):
+    """On the GPU (side-stream copies into pinned memory, async scheduling, CUDA-graph decode) a
+    host hit restores what the GPU tier held: its tokens and logprobs equal a GPU hit's on the
+    same prompt, and its greedy tokens equal caching off."""
+    system = tokens(90, seed=1)
+    prompt = system + tokens(21, seed=2)
+    kw = dict(device="cuda", kv_cache_dtype=kv_dtype, async_scheduling=True, kv_cache_memory=64 << 20)
+    ref = one_by_one(engine(path, enable_prefix_caching=False, **kw), [prompt])[0]
+    llm = engine(path, kv_offload_gib=0.01, **kw)
+    bm = llm.engine.block_manager
+    one_by_one(llm, [system])
+    gpu_hit = one_by_one(llm, [prompt])[0]
+    bm.reset_gpu_tier()
+    one_by_one(llm, [system])  # cached again on the GPU tier, then moved to the host
+    bm.offload_prefix_cache()
+    host_hit = one_by_one(llm, [prompt])[0]
+    assert gpu_hit.num_cached_tokens == host_hit.num_cached_tokens == 80
+    assert bm.host_tier.stats.blocks_restored >= 5
+    assert host_hit.outputs[0].token_ids == gpu_hit.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert_same([gpu_hit], [host_hit])
+    assert_no_leaks(llm)
