@@ -39,6 +39,13 @@ def test_host_rows_round_trip_fp8_pages_and_index_pages_bit_for_bit():
     round_trip(torch.device("cpu"))
 
 
+def test_host_rows_round_trip_through_a_staging_buffer_of_one_row(monkeypatch):
+    import qsaserve.cache.host_pool as host_pool
+
+    monkeypatch.setattr(host_pool, "STAGING_BYTES", 1)
+    round_trip(torch.device("cpu"))
+
+
 @pytest.mark.gpu
 def test_host_rows_round_trip_on_cuda_through_the_side_stream():
     round_trip(torch.device("cuda"))

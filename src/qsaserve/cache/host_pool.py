@@ -22,8 +22,9 @@ import contextlib
 
 import torch
 
-# Rows moved per staging buffer: bounds the device scratch of one big restore (32K tokens).
-CHUNK_ROWS = 256
+# Device scratch of one batch of copies: a 32K-token restore or a few large state snapshots go
+# through it in pieces instead of one buffer as large as what they move.
+STAGING_BYTES = 64 << 20
 
 
 def row_bytes(tensors: list[tuple[torch.Tensor, int]]) -> int:
@@ -82,6 +83,11 @@ class HostPool:
     def nbytes(self) -> int:
         return self.host.nbytes
 
+    @property
+    def chunk_rows(self) -> int:
+        """Rows per staging buffer (at least one)."""
+        return max(1, STAGING_BYTES // max(self.row_bytes, 1))
+
     def _index(self, rows: list[int]) -> torch.Tensor:
         idx = torch.tensor(rows, dtype=torch.long)
         if not self.async_copies:
@@ -90,8 +96,9 @@ class HostPool:
 
     def offload(self, tensors: list[tuple[torch.Tensor, int]], rows: list[int], host_rows: list[int]) -> None:
         """Device row rows[i] of every tensor -> host row host_rows[i] (inside TransferStream.ordered())."""
-        for c in range(0, len(rows), CHUNK_ROWS):
-            r, h = rows[c : c + CHUNK_ROWS], host_rows[c : c + CHUNK_ROWS]
+        step = self.chunk_rows
+        for c in range(0, len(rows), step):
+            r, h = rows[c : c + step], host_rows[c : c + step]
             idx = self._index(r)
             parts = [_bytes(t).index_select(d, idx).movedim(d, 0).reshape(len(r), -1) for t, d in tensors]
             staging = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].contiguous()
@@ -100,8 +107,9 @@ class HostPool:
 
     def load(self, tensors: list[tuple[torch.Tensor, int]], host_rows: list[int], rows: list[int]) -> None:
         """Host row host_rows[i] -> device row rows[i] of every tensor (inside TransferStream.ordered())."""
-        for c in range(0, len(rows), CHUNK_ROWS):
-            h, r = host_rows[c : c + CHUNK_ROWS], rows[c : c + CHUNK_ROWS]
+        step = self.chunk_rows
+        for c in range(0, len(rows), step):
+            h, r = host_rows[c : c + step], rows[c : c + step]
             staging = torch.empty((len(r), self.row_bytes), dtype=torch.uint8, device=self.device)
             for src, s, n in _runs(h, list(range(len(r)))):
                 staging[s : s + n].copy_(self.host[src : src + n], non_blocking=self.async_copies)
