@@ -76,13 +76,16 @@ def test_host_hit_after_the_gpu_tier_is_dropped(path, kv_dtype):
 
 
 def test_eviction_pressure_equals_recompute_and_leaks_nothing(path):
+    """Eight distinct 70-token prefixes through a 24-block GPU pool and a 20-block host tier, twice
+    (newest first the second time), concurrently, with async scheduling and preemptions."""
     prefixes = [tokens(70, seed=30 + i) for i in range(8)]
     rounds = [[p + tokens(6, seed=40 + i) for i, p in enumerate(prefixes)],
               [p + tokens(9, seed=50 + i) for i, p in enumerate(prefixes)][::-1]]
     ref_llm = engine(path, enable_prefix_caching=False)
     ref = [ref_llm.generate([{"prompt_token_ids": p} for p in batch], PARAMS, use_tqdm=False) for batch in rounds]
     per_block = engine(path).engine.executor.kv_spec.bytes_per_block
-    llm = engine(path, kv_cache_memory=per_block * 25, kv_offload_gib=(per_block * 20 + 64) / 2**30)
+    llm = engine(path, kv_cache_memory=per_block * 25, kv_offload_gib=(per_block * 20 + 64) / 2**30,
+                 async_scheduling=True)
     bm = llm.engine.block_manager
     assert bm.num_blocks == 24 and bm.host_tier.kv.num_slots == 20
     got = [llm.generate([{"prompt_token_ids": p} for p in batch], PARAMS, use_tqdm=False) for batch in rounds]
@@ -90,6 +93,7 @@ def test_eviction_pressure_equals_recompute_and_leaks_nothing(path):
         assert_same(r, g)
     stats = bm.host_tier.stats
     assert stats.hits > 0 and stats.blocks_restored > 0 and stats.blocks_offloaded > 20
+    assert llm.engine.scheduler.num_preemptions > 0
     assert_no_leaks(llm)
 
 

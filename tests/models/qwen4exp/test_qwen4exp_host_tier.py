@@ -103,8 +103,9 @@ def test_host_hit_after_the_gpu_tier_is_dropped(checkpoint):
 
 def test_eviction_pressure_equals_recompute_and_leaks_nothing(checkpoint):
     """Six distinct 100-token prefixes through a GPU pool of two requests' worth of blocks, twice
-    (the second round with new suffixes, newest prefix first, concurrently): the GPU tier evicts
-    to the host tier, the host tier evicts its least recently used entries, hits come from both."""
+    (the second round with new suffixes, newest prefix first, concurrently, with preemptions):
+    the GPU tier evicts to the host tier, the host tier evicts its least recently used entries,
+    hits come from both."""
     ratio, path = checkpoint
     prefixes = [tokens(100, seed=30 + i) for i in range(6)]
     first = [p + tokens(7, seed=40 + i) for i, p in enumerate(prefixes)]
@@ -126,7 +127,48 @@ def test_eviction_pressure_equals_recompute_and_leaks_nothing(checkpoint):
     stats = bm.host_tier.stats
     assert stats.hits > 0 and stats.blocks_restored > 0 and stats.snapshots_restored > 0
     assert stats.blocks_offloaded > host_blocks  # the host tier itself evicted
-    assert sum(o.num_cached_tokens for o in got[1]) > 0
+    assert sum(o.num_cached_tokens for o in got[1]) > 0 and llm.engine.scheduler.num_preemptions > 0
+    assert_no_leaks(llm)
+
+
+def test_a_host_hit_is_bit_identical_to_a_gpu_hit_with_async_scheduling(checkpoint):
+    """The same request after the same first request, once hitting the GPU tier and once after
+    the GPU tier was moved to the host: same tokens, same logprobs to the last bit (the blocks and
+    the snapshot come back exactly; the schedules are the same, so nothing else differs)."""
+    ratio, path = checkpoint
+    system = tokens(100, seed=11)
+    first, second = system + tokens(7, seed=12), system + tokens(12, seed=13)
+    outs = []
+    for via_host in (False, True):
+        llm = cached_engine(ratio, path, kv_offload_gib=0.01, async_scheduling=True)
+        run_one_by_one(llm, [first])
+        if via_host:
+            llm.engine.block_manager.offload_prefix_cache()
+        outs.append(run_one_by_one(llm, [second])[0])
+        assert_no_leaks(llm)
+    gpu, host = outs
+    assert host.num_cached_tokens == gpu.num_cached_tokens == 100 // llm.engine.block_manager.block_size * \
+        llm.engine.block_manager.block_size
+    assert llm.engine.block_manager.host_tier.stats.snapshots_restored == 1
+    assert host.outputs[0].token_ids == gpu.outputs[0].token_ids
+    assert [{k: v.logprob for k, v in d.items()} for d in host.outputs[0].logprobs] == \
+        [{k: v.logprob for k, v in d.items()} for d in gpu.outputs[0].logprobs]
+
+
+def test_fp8_pages_restored_from_the_host_like_recompute(tmp_path):
+    """FP8 K/V pages (and the QSA index pages beside them) come back from the host bit for bit."""
+    model = build_random_model(make_config(budget=12, compress_ratio=4, ple_layer_ids=(1, 4)), seed=4)
+    model.save_pretrained(tmp_path)
+    path = str(tmp_path)
+    system = tokens(70, seed=7)
+    prompt = system + tokens(20, seed=8)
+    ref = run_one_by_one(engine(path, kv_cache_dtype="fp8_e4m3"), [prompt])
+    llm = cached_engine(4, path, kv_cache_dtype="fp8_e4m3", kv_offload_gib=0.05)
+    run_one_by_one(llm, [system])
+    llm.engine.block_manager.offload_prefix_cache()
+    got = run_one_by_one(llm, [prompt])
+    assert_same(ref, got)
+    assert got[0].num_cached_tokens == 64 and llm.engine.block_manager.host_tier.stats.blocks_restored == 4
     assert_no_leaks(llm)
 
 
