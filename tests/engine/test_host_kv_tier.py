@@ -7,7 +7,7 @@ tests/models/test_llama_host_tier.py and tests/models/qwen4exp/test_qwen4exp_hos
 import pytest
 import torch
 
-from qsaserve.cache.host_pool import HostPool, TransferStream, row_bytes
+from qsaserve.cache.host_pool import HostPool, TransferStream, row_bytes, slab_rows
 from qsaserve.engine.block_manager import ON_HOST, BlockManager
 from qsaserve.engine.host_kv_tier import HostKVTier, HostStore
 from qsaserve.engine.sequence import Sequence
@@ -39,11 +39,28 @@ def test_host_rows_round_trip_fp8_pages_and_index_pages_bit_for_bit():
     round_trip(torch.device("cpu"))
 
 
-def test_host_rows_round_trip_through_a_staging_buffer_of_one_row(monkeypatch):
+def test_host_rows_round_trip_through_a_staging_buffer_of_one_row_and_small_slabs(monkeypatch):
     import qsaserve.cache.host_pool as host_pool
 
     monkeypatch.setattr(host_pool, "STAGING_BYTES", 1)
     round_trip(torch.device("cpu"))
+    row = row_bytes(pages(torch.device("cpu")))  # 176 bytes
+    monkeypatch.setattr(host_pool, "SLAB_BYTES", row)  # one row per slab: the run (3, 4 -> 0, 1) spans two
+    monkeypatch.setattr(host_pool, "STAGING_BYTES", 64 << 20)
+    round_trip(torch.device("cpu"))
+
+
+def test_slabs_stay_just_under_powers_of_two():
+    """torch's pinned allocator rounds each allocation up to a power of two: every slab but a
+    one-row slab wastes less than one row."""
+    for rows, nbytes in ((10_000, 135_168), (3, 25_899_008), (1, 5 << 30), (70_000, 16_896)):
+        sizes = slab_rows(rows, nbytes)
+        assert sum(sizes) == rows
+        for n in sizes:
+            size = n * nbytes
+            pow2 = 1 << (size - 1).bit_length()
+            assert n == 1 or pow2 - size < nbytes, (rows, nbytes, n)
+            assert size <= 1 << 30 or n == 1
 
 
 @pytest.mark.gpu

@@ -14,10 +14,11 @@ On CUDA the copies run on one side stream, pinned host memory, no host sync:
   * copies out (device -> host) are issued before copies in (host -> device): a device row can be
     both evicted and refilled by one step, and a host row filled by an offload may be the source of
     a restore in the same step; one stream keeps every use of a host row in issue order.
-On the CPU the same copies run in place.
+On the CPU the same copies run in place. The host rows sit in slabs of at most 1 GiB (slab_rows).
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 
 import torch
@@ -25,6 +26,7 @@ import torch
 # Device scratch of one batch of copies: a 32K-token restore or a few large state snapshots go
 # through it in pieces instead of one buffer as large as what they move.
 STAGING_BYTES = 64 << 20
+SLAB_BYTES = 1 << 30
 
 
 def row_bytes(tensors: list[tuple[torch.Tensor, int]]) -> int:
@@ -70,18 +72,46 @@ class TransferStream:
         main.wait_stream(self.stream)
 
 
+def slab_rows(num_rows: int, nbytes_per_row: int) -> list[int]:
+    """Rows of each host slab: torch's pinned allocator rounds every allocation up to a power of
+    two, so the pool is cut into slabs of at most SLAB_BYTES, each just under a power of two (at most
+    one row's bytes lost per slab instead of up to half the pool)."""
+    sizes, left = [], num_rows
+    while left:
+        cap = min(SLAB_BYTES, 1 << ((left * nbytes_per_row).bit_length() - 1))
+        rows = max(1, min(left, cap // nbytes_per_row))
+        sizes.append(rows)
+        left -= rows
+    return sizes
+
+
 class HostPool:
-    """num_rows host rows of nbytes_per_row bytes each (pinned on CUDA)."""
+    """num_rows host rows of nbytes_per_row bytes each (pinned on CUDA), in slabs."""
 
     def __init__(self, num_rows: int, nbytes_per_row: int, device: torch.device):
         self.num_rows, self.row_bytes, self.device = num_rows, nbytes_per_row, device
         self.async_copies = device.type == "cuda"
         # Never read before a copy out fills the row: no need to touch N GiB at startup.
-        self.host = torch.empty((num_rows, nbytes_per_row), dtype=torch.uint8, pin_memory=self.async_copies)
+        self.slabs = [torch.empty((n, nbytes_per_row), dtype=torch.uint8, pin_memory=self.async_copies)
+                      for n in slab_rows(num_rows, nbytes_per_row)]
+        self._starts = [0]
+        for slab in self.slabs:
+            self._starts.append(self._starts[-1] + slab.shape[0])
 
     @property
     def nbytes(self) -> int:
-        return self.host.nbytes
+        return sum(slab.nbytes for slab in self.slabs)
+
+    def _host_runs(self, start: int, n: int):
+        """(offset in the run, host view) pieces of host rows [start, start + n), one per slab."""
+        i = bisect.bisect_right(self._starts, start) - 1
+        done = 0
+        while done < n:
+            local = start + done - self._starts[i]
+            take = min(n - done, self.slabs[i].shape[0] - local)
+            yield done, self.slabs[i][local : local + take]
+            done += take
+            i += 1
 
     @property
     def chunk_rows(self) -> int:
@@ -103,7 +133,8 @@ class HostPool:
             parts = [_bytes(t).index_select(d, idx).movedim(d, 0).reshape(len(r), -1) for t, d in tensors]
             staging = torch.cat(parts, dim=1) if len(parts) > 1 else parts[0].contiguous()
             for s, dst, n in _runs(list(range(len(r))), h):
-                self.host[dst : dst + n].copy_(staging[s : s + n], non_blocking=self.async_copies)
+                for off, view in self._host_runs(dst, n):
+                    view.copy_(staging[s + off : s + off + view.shape[0]], non_blocking=self.async_copies)
 
     def load(self, tensors: list[tuple[torch.Tensor, int]], host_rows: list[int], rows: list[int]) -> None:
         """Host row host_rows[i] -> device row rows[i] of every tensor (inside TransferStream.ordered())."""
@@ -112,7 +143,8 @@ class HostPool:
             h, r = host_rows[c : c + step], rows[c : c + step]
             staging = torch.empty((len(r), self.row_bytes), dtype=torch.uint8, device=self.device)
             for src, s, n in _runs(h, list(range(len(r)))):
-                staging[s : s + n].copy_(self.host[src : src + n], non_blocking=self.async_copies)
+                for off, view in self._host_runs(src, n):
+                    staging[s + off : s + off + view.shape[0]].copy_(view, non_blocking=self.async_copies)
             idx = self._index(r)
             offset = 0
             for t, d in tensors:
