@@ -12,6 +12,10 @@ the deepest such boundary inside the cached KV chain, and its snapshot is restor
 sequence's state slot before its first step. Snapshots are planned per step
 (plan_state_snapshots) and published with the blocks they end.
 
+With a host tier (host_kv_tier.py, --kv-offload-gib) an evicted cached block or snapshot is copied
+to host memory, and a prefix may continue on the host: such blocks (ON_HOST in a CachedPrefix) get
+fresh GPU blocks that the step's plan fills before the forward.
+
 Besides each sequence's own list, the block tables are mirrored into one persistent int32 array
 (BlockTables), written only when a block is appended or freed, so a step's tables are one gather
 instead of a nested list rebuilt every step.
