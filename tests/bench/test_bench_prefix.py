@@ -52,3 +52,10 @@ def test_bench_prefix_without_a_host_tier_reports_no_host_hits(tiny, capsys):
     r = _run(capsys, ["bench", "prefix", tiny, *ENGINE, "--prompt-lens", "64", *BENCH])
     (row,) = r["repeated_prefix"]
     assert row["host_hit_ttft_ms"] is None and row["gpu_hit_cached_tokens"] == 48 and r["host_tier"] is None
+
+
+def test_bench_prefix_refuses_a_peer_and_caching_off(tiny, capsys):
+    assert main(["bench", "prefix", tiny, *ENGINE, "--peer", "hf"]) == 2
+    assert "peer" in capsys.readouterr().err
+    assert main(["bench", "prefix", tiny, *ENGINE, "--no-enable-prefix-caching", *BENCH]) == 2
+    assert "enable_prefix_caching" in capsys.readouterr().err

@@ -110,6 +110,8 @@ def cmd_prefix(args) -> int:
     from qsaserve.bench.common import emit_report
     from qsaserve.bench.prefix import run_prefix
 
+    if args.peer is not None:
+        raise InvalidRequestError("peer", "bench prefix measures qsaserve's own prefix cache; it has no peer run")
     report = run_prefix(_config(args), args.prompt_lens, trials=args.trials, chat_turns=args.chat_turns,
                         chat_system_tokens=args.chat_system_tokens, chat_turn_tokens=args.chat_turn_tokens,
                         chat_answer_tokens=args.chat_answer_tokens, decode_batch=args.decode_batch,
