@@ -38,6 +38,10 @@ class EngineConfig:
         None, "hybrid models with prefix caching: tokens between two recurrent-state snapshots, a multiple of the "
               "engine block (default: every block while a snapshot costs no more than one block of KV, else the "
               "fewest blocks whose KV costs one snapshot)")
+    kv_offload_gib: float = _option(
+        0.0, "host-memory tier of the prefix cache, GiB of pinned RAM per rank: KV blocks (and recurrent-state "
+             "snapshots) evicted from the GPU are copied there and copied back on a later hit instead of recomputed; "
+             "needs prefix caching (0: off)")
     max_num_batched_tokens: int | None = _option(
         None, "per-step token budget shared by prefill chunks and decodes (default 2048 CPU / 8192 GPU)")
     max_num_seqs: int = _option(256, "most sequences running at once")
@@ -103,6 +107,9 @@ class EngineConfig:
             _check_int("block_size", self.block_size, 1)
         if self.prefix_state_interval is not None:
             _check_int("prefix_state_interval", self.prefix_state_interval, 1)
+        if isinstance(self.kv_offload_gib, bool) or not isinstance(self.kv_offload_gib, (int, float)) \
+                or not 0 <= self.kv_offload_gib < float("inf"):
+            raise InvalidRequestError("kv_offload_gib", f"must be a number >= 0 (GiB), got {self.kv_offload_gib!r}")
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 1)
         if self.max_num_batched_tokens is not None:

@@ -366,6 +366,7 @@ def test_metrics(server, client):
     assert value("qsaserve:num_preemptions", "_total") >= 0
     # A Llama model keeps no recurrent-state snapshots (hybrid models fill these).
     assert value("qsaserve:prefix_state_hits", "_total") == 0 == value("qsaserve:prefix_state_snapshot_bytes")
+    assert value("qsaserve:host_tier_hits", "_total") == 0 == value("qsaserve:host_tier_bytes")  # no --kv-offload-gib
     assert value("qsaserve:prompt_tokens", "_total") > 0 and value("qsaserve:generation_tokens", "_total") > 0
     assert value("qsaserve:engine_healthy") == 1.0
     finished = value("qsaserve:request_success", "_total", finished_reason="length")

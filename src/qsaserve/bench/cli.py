@@ -1,4 +1,4 @@
-"""`qsaserve bench latency|throughput MODEL [engine flags] [bench flags]`: prints one JSON document."""
+"""`qsaserve bench latency|throughput|prefix MODEL [engine flags] [bench flags]`: prints one JSON document."""
 from __future__ import annotations
 
 import argparse
@@ -53,7 +53,24 @@ def add_bench_parser(sub) -> None:
     thr.add_argument("--peer-num-prompts", type=int, default=32, help="prompts the HF peer runs (the first ones)")
     thr.add_argument("--peer-batch-size", type=int, default=32)
     thr.set_defaults(func=cmd_throughput)
-    for p in (lat, thr):
+
+    pre = kinds.add_parser("prefix", help="prefix-cache TTFT (cold, GPU hit, host hit), multi-turn replay, decode "
+                                          "with caching on vs off")
+    _common(pre)
+    pre.add_argument("--prompt-lens", type=_int_list("prompt_lens"), default=[2048, 8192, 32768],
+                     help="repeated-prefix prompt lengths (capped at max_model_len - 1)")
+    pre.add_argument("--trials", type=int, default=3, help="timed trials per length (after one warm-up)")
+    pre.add_argument("--chat-turns", type=int, default=8)
+    pre.add_argument("--chat-system-tokens", type=int, default=2048, help="the replay's first prompt, before turn 1's text")
+    pre.add_argument("--chat-turn-tokens", type=int, default=256, help="new text each turn adds")
+    pre.add_argument("--chat-answer-tokens", type=int, default=128, help="tokens generated each turn")
+    pre.add_argument("--decode-batch", type=int, default=32)
+    pre.add_argument("--decode-context", type=int, default=1024)
+    pre.add_argument("--decode-steps", type=int, default=64)
+    pre.add_argument("--warmup-steps", type=int, default=8)
+    pre.add_argument("--out", default=None, help="also write the JSON document to this file")
+    pre.set_defaults(func=cmd_prefix)
+    for p in (lat, thr, pre):
         add_engine_args(p)
 
 
@@ -92,4 +109,19 @@ def cmd_throughput(args) -> int:
                             temperature=args.temperature, peer=args.peer, peer_num_prompts=args.peer_num_prompts,
                             peer_batch_size=args.peer_batch_size, seed=args.bench_seed)
     print(json.dumps(report, indent=2))
+    return 0
+
+
+def cmd_prefix(args) -> int:
+    from qsaserve.bench.common import emit_report
+    from qsaserve.bench.prefix import run_prefix
+
+    if args.peer is not None:
+        raise InvalidRequestError("peer", "bench prefix measures qsaserve's own prefix cache; it has no peer run")
+    report = run_prefix(_config(args), args.prompt_lens, trials=args.trials, chat_turns=args.chat_turns,
+                        chat_system_tokens=args.chat_system_tokens, chat_turn_tokens=args.chat_turn_tokens,
+                        chat_answer_tokens=args.chat_answer_tokens, decode_batch=args.decode_batch,
+                        decode_context=args.decode_context, decode_steps=args.decode_steps,
+                        warmup_steps=args.warmup_steps, seed=args.bench_seed)
+    emit_report(report, args.out)
     return 0

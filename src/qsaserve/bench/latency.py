@@ -17,7 +17,7 @@ from qsaserve.errors import InvalidRequestError
 from qsaserve.sampling_params import SamplingParams
 
 
-def _decode(engine: LLMEngine, batch: int, context: int, steps: int, warmup: int, rng: random.Random,
+def decode_run(engine: LLMEngine, batch: int, context: int, steps: int, warmup: int, rng: random.Random,
             profile_steps: int = 0) -> dict:
     """B requests prefilled, then `warmup` untimed and `steps` timed decode steps (each step ends
     with the sampled tokens on the host, so wall time is device time plus host overhead); then,
@@ -135,7 +135,7 @@ def run_latency(config: EngineConfig, batch_sizes: list[int], prompt_lens: list[
         lens = sorted({min(n, max_len - 1) for n in prompt_lens})
         # Profiled batch sizes (default 1) also get a step breakdown (bench.step_profile): what
         # keeps them from the roofline, and the time per layer.
-        decode = [_decode(engine, b, context, decode_steps, warmup_steps, rng,
+        decode = [decode_run(engine, b, context, decode_steps, warmup_steps, rng,
                           profile_steps if b in profile_batch_sizes else 0) for b in sorted(set(batch_sizes))]
         ttft = [_ttft(engine, n, ttft_trials, rng) for n in lens]
         weight_bytes = engine.executor.decode_weight_bytes()

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from qsaserve.engine.block_manager import BlockTables, StateSnapshotPlan
+from qsaserve.engine.host_kv_tier import HostTransferPlan
 from qsaserve.engine.sampler import to_device
 from qsaserve.engine.scheduler import ScheduledChunk
 from qsaserve.engine.sequence import Sequence
@@ -28,6 +29,7 @@ class BatchInput:
     state_slots: list[int]  # recurrent-state slot per sequence (hybrid models); a sequence whose
     # chunk starts at position 0 begins from a fresh state
     state_snapshots: StateSnapshotPlan | None = None  # the hybrid prefix cache's copies this step
+    host_transfers: HostTransferPlan | None = None  # the host KV tier's copies, before everything else
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_tables, np.ndarray):

@@ -18,6 +18,7 @@ from qsaserve.engine.batch import PLACEHOLDER_TOKEN, LogitsPlan, TokenFeed, buil
 from qsaserve.engine.block_manager import BlockManager
 from qsaserve.engine.detokenizer import detokenize_incrementally
 from qsaserve.engine.executor import make_executor
+from qsaserve.engine.host_kv_tier import HostKVTier
 from qsaserve.engine.model_runner import resolve_block_size
 from qsaserve.engine.sampler import DeferredTokens, SampledToken, prompt_logprobs_for, sample, sample_deferred
 from qsaserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -69,12 +70,15 @@ class LLMEngine:
         check_model_parallel(hf, config.tensor_parallel_size, config.decode_context_parallel_size)
         self.config = config = resolve_block_size(config, hf)
         prefix_caching = self._prefix_caching(config, hf)
+        if config.kv_offload_gib and not prefix_caching:
+            raise InvalidRequestError("kv_offload_gib", "the host tier holds what the prefix cache evicts: it needs "
+                                      "prefix caching (--enable-prefix-caching)")
 
         self.executor = make_executor(config, checkpoint, self.max_model_len, progress=progress)
         try:
             block_size = self._check_kv_capacity()
             self.block_manager = BlockManager(self.executor.num_kv_blocks, block_size, prefix_caching, config.num_state_slots,
-                                              self._state_cache(prefix_caching))
+                                              self._state_cache(prefix_caching), self._host_tier())
         except BaseException:
             self.executor.shutdown()
             raise
@@ -126,6 +130,22 @@ class LLMEngine:
                     "tokens of KV the cache holds)", cache.interval, cache.num_rows, cache.row_bytes / 1024,
                     cache.nbytes / 2**20, per_rank, cache.interval)
         return cache
+
+    def _host_tier(self) -> HostKVTier | None:
+        """The host-memory tier of the prefix cache (--kv-offload-gib), logged with its memory."""
+        ex = self.executor
+        if not self.config.kv_offload_gib:
+            return None
+        tier = HostKVTier(ex.num_host_kv_blocks, ex.kv_spec.bytes_per_block, ex.num_host_snapshots,
+                          ex.state_snapshot_bytes)
+        if not tier.kv.num_slots:
+            raise InvalidRequestError("kv_offload_gib", f"{self.config.kv_offload_gib} GiB holds no KV block "
+                                      f"({ex.kv_spec.bytes_per_block} bytes per block)")
+        per_rank = " per rank" if self.config.tensor_parallel_size > 1 else ""
+        snapshots = f" + {ex.num_host_snapshots} state snapshots" if ex.num_host_snapshots else ""
+        logger.info("host KV tier: %d blocks (%d tokens)%s = %.1f MiB of pinned host memory%s", tier.kv.num_slots,
+                    tier.kv.num_slots * ex.block_size, snapshots, tier.nbytes / 2**20, per_rank)
+        return tier
 
     def check_health(self) -> None:
         """Raises EngineDeadError when a worker rank has died (the server reports it)."""
@@ -247,9 +267,12 @@ class LLMEngine:
                                   sched.all_decode)
         if self.block_manager.state_cache is not None:
             batch.state_snapshots = self.block_manager.plan_state_snapshots(sched.chunks)
+        batch.host_transfers = self.block_manager.take_host_transfers()
         logits = self.executor.execute(batch, feed) if feed is not None else self.executor.execute(batch)
         if self.block_manager.state_cache is not None:
             self.block_manager.release_launched_restores()
+        if batch.host_transfers is not None:
+            self.block_manager.release_launched_host_transfers()
         num_sampled = len(plan.sample_seqs)
         if (self.config.async_scheduling and num_sampled and not plan.prompt_logprob_spans
                 and not any(s.uses_penalties for s in plan.sample_seqs)):

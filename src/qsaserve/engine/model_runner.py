@@ -22,6 +22,7 @@ from qsaserve.cache.kv_cache import LayerCache, allocate_kv_cache
 from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, StateSnapshotPlan, TokenFeed
 from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata
+from qsaserve.engine.host_copies import RankHostTier, host_split
 from qsaserve.errors import InvalidRequestError
 from qsaserve.engine.profiling import layer_ranges
 from qsaserve.models.interfaces import (CausalLM, RowTable, has_routed_experts, side_tables_cuda_graph_block_reason,
@@ -99,6 +100,7 @@ class ModelRunner:
             self.state_interval = config.prefix_state_interval or default_state_interval(
                 self.kv_spec.block_size, self.state_snapshot_bytes, self.kv_spec.bytes_per_block)
             check_state_interval(self.state_interval, self.kv_spec.block_size)
+        self.host_tier: RankHostTier | None = None  # the host KV tier's rows on this rank (--kv-offload-gib)
         self._stage64 = PinnedStaging(torch.long, 4096, self.device)
         self._stage_snapshots = PinnedStaging(torch.long, 256, self.device)
         self._stage32 = PinnedStaging(torch.int32, 4096, self.device)
@@ -319,6 +321,22 @@ class ModelRunner:
                 return
             self.graphs = graphs
 
+    def host_tier_split(self) -> CacheSplit:
+        """KV blocks and state snapshots --kv-offload-gib of host memory holds on this rank."""
+        spec = self.kv_spec
+        return host_split(self.config.kv_offload_gib, spec.bytes_per_block, spec.block_size, self.state_snapshot_bytes,
+                          self.state_interval)
+
+    def init_host_tier(self, num_blocks: int, num_snapshots: int) -> None:
+        """Allocates the pinned host rows (after init_kv_cache)."""
+        self.host_tier = RankHostTier(self.device, num_blocks, self.kv_spec.bytes_per_block,
+                                      num_snapshots if self.state_interval else 0, self.state_snapshot_bytes)
+
+    def _snapshot_pools(self) -> list[tuple[torch.Tensor, int]]:
+        if not self.state_interval:
+            return []
+        return [(pool, 1) for pool in self.model.state_snapshot_pools()]
+
     @torch.inference_mode()
     def _warm_up_kernels(self) -> None:
         """Builds the attention kernels' variants, and those of modules whose kernels depend on
@@ -348,6 +366,8 @@ class ModelRunner:
         observers, which force eager steps, run only with one rank)."""
         if feed is not None and self.parallel.tp_size > 1:
             feed = FeedAcrossRanks(feed, self.parallel)
+        if batch.host_transfers is not None:  # before the snapshot restores, which may read restored rows
+            self.host_tier.apply(batch.host_transfers, self.kv_caches, self._snapshot_pools())
         snapshots = self._stage_snapshot_plan(batch.state_snapshots)
         logits = None
         if self.graphs is not None and not self._observing() and not self._layer_profiling:

@@ -129,6 +129,11 @@ class SupportsStateSnapshots(Protocol):
         """Snapshot row rows[i] -> state slot slots[i], in stream order."""
         ...
 
+    def state_snapshot_pools(self) -> list[torch.Tensor]:
+        """The pool tensors, each [members, rows, ...]: a snapshot row is index `row` of dim 1 of
+        every one (the host KV tier copies rows out and back)."""
+        ...
+
 
 def supports_state_snapshots(model: object) -> TypeIs[SupportsStateSnapshots]:
     return getattr(model, "supports_state_snapshots", False)

@@ -31,6 +31,17 @@ class Rank0Views:
         """Bytes of one recurrent-state snapshot on each rank (0: no snapshots)."""
         return self.runner.state_snapshot_bytes
 
+    @property
+    def num_host_kv_blocks(self) -> int:
+        """KV blocks the host tier holds on each rank (0: no host tier)."""
+        return self.runner.host_tier.kv.num_rows if self.runner.host_tier is not None else 0
+
+    @property
+    def num_host_snapshots(self) -> int:
+        """State snapshots the host tier holds on each rank (0: none)."""
+        tier = self.runner.host_tier
+        return tier.snapshots.num_rows if tier is not None and tier.snapshots is not None else 0
+
     def capacity(self, max_model_len: int):
         """(this layout, DCP1) KV capacity at the same per-rank memory (parallel.dcp.KVCapacity)."""
         return self.runner.parallel.dcp.capacity(self.runner.kv_spec_dcp1, self.kv_budget_bytes, max_model_len)

@@ -147,6 +147,9 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasRoutedExperts, HasSid
     def restore_state_snapshots(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         self._snapshots.restore(rows, slots)
 
+    def state_snapshot_pools(self) -> list[torch.Tensor]:
+        return list(self._snapshots.pools)
+
     # ---- forward ----
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         self.inv_freq = self.inv_freq.to(input_ids.device)
