@@ -25,7 +25,7 @@ from qsaserve.engine.state_cache import StateSnapshotCache
 from qsaserve.engine.structured_output import StructuredOutputs
 from qsaserve.engine.sequence import Sequence
 from qsaserve.errors import InvalidRequestError
-from qsaserve.loader.resolve import dummy_checkpoint, load_checkpoint, resolve_model
+from qsaserve.loader.resolve import dummy_checkpoint, load_checkpoint, load_tokenizer, resolve_model
 from qsaserve.models.registry import check_model_parallel, is_hybrid, text_config
 from qsaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from qsaserve.quant.kv_scales import capacity_report
@@ -62,7 +62,7 @@ class LLMEngine:
         else:
             checkpoint = load_checkpoint(resolve_model(config.model, progress=progress), progress=progress)
         self.checkpoint = checkpoint
-        self.tokenizer = checkpoint.tokenizer
+        self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else checkpoint.tokenizer
         hf = text_config(checkpoint.hf_config)
         self.vocab_size = hf["vocab_size"]
         self.max_model_len = resolve_max_model_len(config, hf)

@@ -94,14 +94,16 @@ class LLM:
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                        chat_template: str | None = None) -> list[int]:
+                        chat_template: str | None = None, tools: list[dict] | None = None) -> list[int]:
     """Prompt token ids of a conversation, rendered with the model's chat template (shared by
-    LLM.chat and the server so both send the model identical tokens)."""
+    LLM.chat and the server so both send the model identical tokens); `tools` (OpenAI tool
+    objects) go to the template, which decides how to write them."""
     validate_messages(messages)
     if tokenizer is None or (chat_template is None and not getattr(tokenizer, "chat_template", None)):
         raise InvalidRequestError("messages", "this model has no chat template; use generate() with a plain prompt")
     text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+        **({"tools": tools} if tools else {}),
     )
     # The template already wrote any BOS it wants.
     return tokenizer.encode(text, add_special_tokens=False)
