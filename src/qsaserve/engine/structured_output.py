@@ -27,6 +27,9 @@ logger = logging.getLogger("qsaserve")
 # few schemas many times.
 MAX_CACHED_GRAMMARS = 256
 COMPILE_THREADS = 2
+# Free whitespace allowed between two JSON tokens: enough for indented output, and a small model
+# given unbounded whitespace can emit newlines until max_tokens.
+MAX_JSON_WHITESPACE = 16
 
 
 class GrammarCompileError(InvalidRequestError):
@@ -84,12 +87,11 @@ class StructuredOutputs:
         compiler = self._compiler_for_thread()
         kind, text, no_ws = spec.key
         try:
+            ws = {"any_whitespace": False} if no_ws else {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
             if kind == "json":
-                return compiler.compile_json_schema(text, any_whitespace=not no_ws)
-            if kind == "json_object":
-                if no_ws:  # any object, without free whitespace: the schema {"type": "object"}
-                    return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
-                return compiler.compile_builtin_json_grammar()
+                return compiler.compile_json_schema(text, **ws)
+            if kind == "json_object":  # any object: {"type": "object"} with additional properties allowed
+                return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **ws)
             if kind == "regex":
                 return compiler.compile_regex(text)
             if kind == "choice":

@@ -46,6 +46,9 @@ class LLM:
                 raise InvalidRequestError(
                     "sampling_params", f"got {len(params_list)} for {len(prompts)} prompts; pass one or one per prompt"
                 )
+        for params in params_list:  # every grammar compiles on the pool at once; add_request waits for its own
+            if params.structured_outputs is not None:
+                self.engine.structured_outputs.compile(params.structured_outputs)
         added: list[str] = []
         try:
             for prompt, params in zip(prompts, params_list):
@@ -65,13 +68,18 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
+        """tools: OpenAI tool objects handed to the chat template (the output is text: parse it, or
+        constrain it with SamplingParams(structured_outputs=...))."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template)} for c in conversations]
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template, tools)}
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None) -> list[int]:
-        return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt, chat_template)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
+                            tools: list[dict] | None = None) -> list[int]:
+        return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt, chat_template, tools)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)

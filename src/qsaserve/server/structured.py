@@ -57,7 +57,7 @@ def _from_response_format(rf: Any) -> StructuredOutputsParams | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return _build("response_format", json_object=True)
+        return _build("response_format", json_object=True, disable_any_whitespace=True)
     if kind == "json_schema":
         js = rf.get("json_schema")
         if not isinstance(js, dict):
@@ -72,7 +72,9 @@ def _from_response_format(rf: Any) -> StructuredOutputsParams | None:
             raise bad_request("response_format.json_schema.strict", "response_format.json_schema.strict: must be a boolean")
         # The output always follows the schema exactly (xgrammar's strict mode: no properties the
         # schema does not list), so strict=true is honoured and strict=false is stricter than asked.
-        return _build("response_format.json_schema.schema", json=schema)
+        # No free whitespace between JSON tokens: small models given it emit newlines until
+        # max_tokens (structured_outputs.json keeps vLLM's default, whitespace allowed).
+        return _build("response_format.json_schema.schema", json=schema, disable_any_whitespace=True)
     raise bad_request("response_format.type", f"response_format.type: must be text, json_object or json_schema, got {kind!r}")
 
 
