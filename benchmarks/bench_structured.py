@@ -61,7 +61,8 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def run_case(engine: LLMEngine, constrained: bool, prompts: list[list[int]]) -> dict:
+def run_case(engine: LLMEngine, constrained: bool, prompts: list[list[int]]) -> tuple[dict, dict]:
+    """The case's figures, and the last repeat's output tokens by prompt index."""
     spec = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True) if constrained else None
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, structured_outputs=spec)
     so = engine.structured_outputs
@@ -98,7 +99,7 @@ def run_case(engine: LLMEngine, constrained: bool, prompts: list[list[int]]) -> 
     return {"tokens_per_s": round(BATCH * MAX_TOKENS / wall, 1), "ms_per_step": round(wall / MAX_TOKENS * 1e3, 3),
             "wall_s": [round(w, 3) for w in walls],
             "mask_ms_per_step": round(fill["s"] / max(fill["steps"], 1) * 1e3, 3) if constrained else None,
-            "sample_text": outs[0].outputs[0].text[:120]}
+            "sample_text": outs[0].outputs[0].text[:120]}, {o.request_id.split("-", 1)[1]: o.outputs[0].token_ids for o in outs}
 
 
 def main() -> None:
@@ -114,15 +115,16 @@ def main() -> None:
     start = time.perf_counter()
     path = model_dir(args.tokenizer)
     rng = random.Random(0)
-    rows = []
+    rows, outputs = [], {}
+    prompts = None
     for async_scheduling in (False, True):
         engine = LLMEngine(EngineConfig(model=path, load_format="dummy", max_num_seqs=BATCH, max_model_len=1024,
                                         async_scheduling=async_scheduling, seed=0), progress=False)
-        prompts = [[rng.randrange(100, engine.vocab_size) for _ in range(PROMPT_LEN)] for _ in range(BATCH)]
+        prompts = prompts or [[rng.randrange(100, engine.vocab_size) for _ in range(PROMPT_LEN)] for _ in range(BATCH)]
         base = None
         for constrained in (False, True):
-            row = {"async_scheduling": async_scheduling, "structured": "json_schema" if constrained else "none",
-                   **run_case(engine, constrained, prompts)}
+            figures, outputs[async_scheduling, constrained] = run_case(engine, constrained, prompts)
+            row = {"async_scheduling": async_scheduling, "structured": "json_schema" if constrained else "none", **figures}
             if constrained:
                 row["throughput_vs_none"] = round(row["tokens_per_s"] / base, 3)
             else:
@@ -132,7 +134,10 @@ def main() -> None:
         engine.shutdown()
         del engine
         torch.cuda.empty_cache()
+    # Same random weights (seed 0) and greedy decoding: async scheduling must change no token.
+    same = {kind: outputs[False, c] == outputs[True, c] for kind, c in (("none", False), ("json_schema", True))}
     emit_report(kernel_report("structured_outputs", model="llama-1b shapes, vocab 49152 (SmolLM2 tokenizer)",
+                              tokens_equal_sync_vs_async=same,
                               batch=BATCH, prompt_len=PROMPT_LEN, max_tokens=MAX_TOKENS, repeats=REPEATS, schema=SCHEMA,
                               rows=rows, wall_s=round(time.perf_counter() - start, 1)), args.out)
 
