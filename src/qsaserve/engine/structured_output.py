@@ -52,6 +52,7 @@ class StructuredOutputs:
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._copied: list[torch.cuda.Event | None] = [None, None]
         self._turn = 0
+        self._batch = None  # xgrammar's BatchGrammarMatcher, made on first use
 
     # ---- compilation (any thread) ----
     def compile(self, spec: StructuredOutputsParams) -> Future:
@@ -136,12 +137,13 @@ class StructuredOutputs:
             buf = xgr.allocate_token_bitmask(max(len(seqs), 8), self.vocab_size)
             self._buffers[turn] = buf.pin_memory() if torch.cuda.is_available() else buf
         bitmask = self._buffers[turn][: len(seqs)]
-        live = []
-        for i in rows:
-            matcher = self.matcher_for(seqs[i])
-            if not matcher.is_terminated():
-                matcher.fill_next_token_bitmask(bitmask, i)
-                live.append(i)
+        live = [i for i in rows if not self.matcher_for(seqs[i]).is_terminated()]
+        if len(live) == 1:
+            seqs[live[0]].grammar.fill_next_token_bitmask(bitmask, live[0])
+        elif live:  # one call: xgrammar fills the rows on its own threads
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher("auto")
+            self._batch.batch_fill_next_token_bitmask([seqs[i].grammar for i in live], bitmask, live)
         if not live:
             return None
         return TokenMask(bitmask, live, self.vocab_size, lambda event: self._copied.__setitem__(turn, event))
