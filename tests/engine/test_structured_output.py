@@ -147,3 +147,51 @@ def test_async_scheduling_and_batching_change_no_token(llm, async_llm):
     # each request alone: the same tokens as in the batch
     for prompt, p, batched in zip(prompts, params, sync_out):
         assert tokens(llm.generate(prompt, p, use_tqdm=False)) == tokens([batched])
+
+
+TINY = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 256,
+        "eos_token_id": 0, "tie_word_embeddings": True}
+
+
+def test_preemption_and_async_scheduling_keep_the_grammar(tmp_path):
+    """Random weights, a tiny KV pool: constrained sequences are preempted and recomputed, and
+    their matchers carry on; outputs equal a pool that never preempts, sync or async."""
+    from qsaserve.config import EngineConfig
+    from qsaserve.engine.llm_engine import LLMEngine
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY))
+    tiny_tokenizer().save_pretrained(str(tmp_path))
+    pattern = r"(yes|no|maybe)( (yes|no|maybe)){6,}"
+    so = StructuredOutputsParams
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_outputs=so(regex=pattern)),
+              SamplingParams(temperature=0.9, seed=2, max_tokens=40, structured_outputs=so(json=SCHEMA, disable_any_whitespace=True)),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)] * 3
+    prompts = [[(7 * i + 3 * j) % 280 + 5 for j in range(5 + 3 * i)] for i in range(len(params))]
+
+    def run(async_scheduling, kv_cache_memory):
+        engine = LLMEngine(EngineConfig(model=str(tmp_path), load_format="dummy", device="cpu", dtype="float32",
+                                        max_model_len=128, kv_cache_memory=kv_cache_memory, max_num_batched_tokens=16,
+                                        async_scheduling=async_scheduling), progress=False)
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.outputs[0] for o in engine.step(outputs="finished") if o.finished})
+        engine.shutdown()
+        return [done[str(i)] for i in range(len(params))], engine.scheduler.num_preemptions
+
+    roomy, none = run(False, 1 << 22)
+    tight, preempted = run(False, 12 * 16 * 2 * 2 * 2 * 16 * 4)
+    overlapped, _ = run(True, 12 * 16 * 2 * 2 * 2 * 16 * 4)
+    assert none == 0 and preempted > 0
+    assert [c.token_ids for c in tight] == [c.token_ids for c in roomy] == [c.token_ids for c in overlapped]
+    words = ("yes", "no", "maybe")
+    for c in roomy[0::3]:  # a match, or (cut by max_tokens) the start of one
+        *done, last = c.text.split(" ")
+        assert re.fullmatch(pattern, c.text) if c.finish_reason == "stop" else (
+            all(w in words for w in done) and any(w.startswith(last) for w in words))
+    for c in roomy[1::3]:  # random weights write odd strings: json.loads must still take them
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+    assert any(c.finish_reason == "stop" for c in roomy[1::3])

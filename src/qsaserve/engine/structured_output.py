@@ -30,6 +30,10 @@ COMPILE_THREADS = 2
 # Free whitespace allowed between two JSON tokens: enough for indented output, and a small model
 # given unbounded whitespace can emit newlines until max_tokens.
 MAX_JSON_WHITESPACE = 16
+# xgrammar 0.2.9 writes a string with minLength/maxLength as `[^"\\\r\n]{m,n}`, which lets control
+# characters through (invalid JSON: json.loads refuses them); its unbounded strings exclude them.
+_LOOSE_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHAR = '[^\\0-\\x1f\\"\\\\\\r\\n]'
 
 
 class GrammarCompileError(InvalidRequestError):
@@ -90,7 +94,12 @@ class StructuredOutputs:
         try:
             ws = {"any_whitespace": False} if no_ws else {"any_whitespace": True, "max_whitespace_cnt": MAX_JSON_WHITESPACE}
             if kind == "json":
-                return compiler.compile_json_schema(text, **ws)
+                import xgrammar as xgr
+
+                ebnf = str(xgr.Grammar.from_json_schema(text, **ws))
+                if _LOOSE_STRING_CHAR not in ebnf:
+                    return compiler.compile_json_schema(text, **ws)
+                return compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf.replace(_LOOSE_STRING_CHAR, _JSON_STRING_CHAR)))
             if kind == "json_object":  # any object: {"type": "object"} with additional properties allowed
                 return compiler.compile_json_schema('{"type": "object"}', strict_mode=False, **ws)
             if kind == "regex":
