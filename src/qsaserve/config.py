@@ -24,6 +24,9 @@ def _option(default, help: str):
 class EngineConfig:
     model: str | None = _option(None, "GGUF file or Hugging Face directory; default: SmolLM2-135M-Instruct (GGUF), "
                                       "fetched on first use")
+    tokenizer: str | None = _option(
+        None, "HF directory or GGUF file whose tokenizer and chat template replace the model's (default: the model's "
+              "own; with --load-format dummy, the one that lets a preset take text prompts and grammars)")
     dtype: str = _option("auto", "weights/activation dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, "
                                  "float16, float64 (a CPU reference)")
     device: str = _option("auto", "auto, cpu, cuda or cuda:N")
@@ -97,6 +100,10 @@ class EngineConfig:
                "device")
 
     def __post_init__(self) -> None:
+        if isinstance(self.tokenizer, os.PathLike):
+            self.tokenizer = os.fspath(self.tokenizer)
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise InvalidRequestError("tokenizer", f"must be a path to an HF directory or a GGUF file, got {self.tokenizer!r}")
         if self.dtype not in ("auto", *_DTYPES):
             raise InvalidRequestError("dtype", f"must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):

@@ -445,8 +445,17 @@ BAD_CHAT = [
     ({"messages": GOOD_CHAT, "max_tokens": 300}, "max_tokens"),
     ({"messages": GOOD_CHAT, "temperature": -1}, "temperature"),
     ({"messages": GOOD_CHAT, "n": 0}, "n"),
-    ({"messages": GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"messages": GOOD_CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    # tool_choice defaults to "auto", which this server (no --enable-auto-tool-choice) refuses
+    ({"messages": GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"messages": GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"messages": GOOD_CHAT, "tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0]"),
+    ({"messages": GOOD_CHAT, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": GOOD_CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"messages": GOOD_CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"messages": GOOD_CHAT, "guided_regex": "("}, "guided_regex"),
+    ({"messages": GOOD_CHAT, "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"messages": GOOD_CHAT, "guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice"),
 ]
 
 BAD_OTHER = [

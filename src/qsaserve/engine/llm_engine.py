@@ -23,9 +23,10 @@ from qsaserve.engine.model_runner import resolve_block_size
 from qsaserve.engine.sampler import DeferredTokens, SampledToken, prompt_logprobs_for, sample, sample_deferred
 from qsaserve.engine.scheduler import Scheduler, SchedulerOutput
 from qsaserve.engine.state_cache import StateSnapshotCache
+from qsaserve.engine.structured_output import StructuredOutputs
 from qsaserve.engine.sequence import Sequence
 from qsaserve.errors import InvalidRequestError
-from qsaserve.loader.resolve import dummy_checkpoint, load_checkpoint, resolve_model
+from qsaserve.loader.resolve import dummy_checkpoint, load_checkpoint, load_tokenizer, resolve_model
 from qsaserve.models.registry import check_model_parallel, is_hybrid, text_config
 from qsaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from qsaserve.quant.kv_scales import capacity_report
@@ -62,7 +63,7 @@ class LLMEngine:
         else:
             checkpoint = load_checkpoint(resolve_model(config.model, progress=progress), progress=progress)
         self.checkpoint = checkpoint
-        self.tokenizer = checkpoint.tokenizer
+        self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else checkpoint.tokenizer
         hf = text_config(checkpoint.hf_config)
         self.vocab_size = hf["vocab_size"]
         self.max_model_len = resolve_max_model_len(config, hf)
@@ -88,6 +89,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "errors": 0}
         self._in_flight: _InFlight | None = None  # async scheduling: the step whose tokens are on their way
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     def _check_kv_capacity(self) -> int:
         """Refuses a cache that cannot hold one max-length request, logs the capacity (per rank under
@@ -168,6 +170,10 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._validate(token_ids, params)
+        if params.structured_outputs is not None:
+            # The server and LLM.generate compile before adding (off this thread), so this wait
+            # is a cache hit for them; a grammar that cannot compile is refused here.
+            self.structured_outputs.compile(params.structured_outputs).result()
         seqs = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
@@ -274,9 +280,15 @@ class LLMEngine:
         if batch.host_transfers is not None:
             self.block_manager.release_launched_host_transfers()
         num_sampled = len(plan.sample_seqs)
+        if prev is not None and any(s.params.structured_outputs is not None for s in plan.sample_seqs):
+            # A grammar's mask needs its matcher past the in-flight token: that step's host work
+            # comes first (this step's forward is already queued on the device meanwhile).
+            results += self._complete_in_flight(prev, outputs)
+            prev = None
+        mask = self.structured_outputs.batch_mask(plan.sample_seqs) if num_sampled else None
         if (self.config.async_scheduling and num_sampled and not plan.prompt_logprob_spans
                 and not any(s.uses_penalties for s in plan.sample_seqs)):
-            tokens = sample_deferred(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator)
+            tokens = sample_deferred(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator, mask)
             if prev is not None:
                 results += self._complete_in_flight(prev, outputs)
             filled = self._advance(sched)
@@ -287,7 +299,7 @@ class LLMEngine:
                 self._in_flight = _InFlight(sched, plan, tokens, filled)
             return results
         errored = self._record_prompt_logprobs(logits, plan)
-        sampled = sample(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator) if num_sampled else []
+        sampled = sample(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator, mask) if num_sampled else []
         if prev is not None:
             results += self._complete_in_flight(prev, outputs)
         return results + self._complete(_InFlight(sched, plan, None, self._advance(sched)), sampled, errored, outputs)
@@ -395,6 +407,13 @@ class LLMEngine:
         seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
+        if seq.grammar is not None and not self.structured_outputs.accept(seq, token):
+            # Only possible when another mask (min_tokens) removed every token the grammar allowed.
+            logger.error("request %s: token %d breaks its grammar; ended with finish_reason=error", seq.request_id, token)
+            seq.finish_reason = "error"
+            self.scheduler.finish(seq, cacheable=False)
+            self.stats["errors"] += 1
+            return
         if tok.logprob is not None:
             seq.cumulative_logprob += tok.logprob
             seq.logprobs.append(self._logprob_dict(token, tok.logprob, tok.rank, tok.top))
@@ -463,6 +482,7 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
+        self.structured_outputs.shutdown()
         self.executor.shutdown()
 
 

@@ -67,6 +67,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.stop_state = 0  # the stop strings' automaton state after output_text
+        self.grammar = None  # structured outputs: its xgrammar matcher (engine/structured_output.py)
         self.detok_prefix_offset = 0
         self.detok_read_offset = 0
 
