@@ -61,7 +61,7 @@ class ModelRunner:
         torch.manual_seed(config.seed)
         ckpt_scales = CheckpointScales()  # *.k_scale / *.v_scale tensors are taken out of the weight stream
         with torch.device(self.device), _default_dtype(self.dtype):
-            model: CausalLM = build_model(checkpoint.hf_config, max_model_len, self.parallel)
+            model: CausalLM = build_model(checkpoint.hf_config, max_model_len, self.parallel, config.quantization)
         self.side_tables = self._load(model, checkpoint, ckpt_scales, progress)
         self.model = model.eval()
         self.attention_layers = model.attention_layers()
