@@ -23,6 +23,7 @@ from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, StateSnapshotPlan, TokenFeed
 from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata
 from qsaserve.errors import InvalidRequestError
+from qsaserve.layers.quantization.fp8 import warm_up_fp8_layers
 from qsaserve.models.interfaces import (CausalLM, RowTable, side_tables_allow_cuda_graphs, supports_cuda_graph,
                                         supports_dcp_cuda_graph, supports_dummy_weights, supports_recurrent_state,
                                         supports_side_tables, supports_state_snapshots, supports_v_offsets)
@@ -275,11 +276,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up_kernels(self) -> None:
-        """Builds the attention kernels' variants now, so that no early request waits for Triton
-        (graph capture builds only the ones its buckets replay)."""
+        """Builds the attention and FP8-weight GEMM kernels' variants now, so that no early request
+        waits for Triton (graph capture builds only the ones its buckets replay)."""
         if self.device.type != "cuda":
             return
         launches = sum(layer.warm_up(self.dtype) for layer in self.attention_layers)
+        launches += warm_up_fp8_layers(self.model, self.dtype)
         if launches:
             torch.cuda.synchronize(self.device)
 

@@ -56,6 +56,18 @@ class Fp8Linear(nn.Module):
         """x [T, K] -> [T, N] in x's dtype."""
         return fp8_linear(x, self.weight, self.weight_scale, self.block_n, self.bias)
 
+    # Row counts whose kernel variants a step may build: the W8A16 row blocks (16, 32, 64) with and
+    # without Triton's divisible-by-16 specialization, 1, and the W8A8 GEMM on both sides of it.
+    WARM_UP_ROWS = (1, 2, 16, 17, 32, 33, 64, 65, 128)
+
+    @torch.no_grad()
+    def warm_up(self, dtype: torch.dtype) -> int:
+        """Builds this layer's FP8 kernels at every row count class a step may bring (launches made)."""
+        x = torch.zeros(max(self.WARM_UP_ROWS), self.in_features, dtype=dtype, device=self.weight.device)
+        for rows in self.WARM_UP_ROWS:
+            self(x[:rows])
+        return len(self.WARM_UP_ROWS)
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}, block_n={self.block_n}"
 
@@ -121,6 +133,19 @@ class Fp8Linear(nn.Module):
         return s.repeat_interleave(BLOCK // self.block_n, 0)[: rows // self.block_n]
 
 
+def warm_up_fp8_layers(model: nn.Module, dtype: torch.dtype) -> int:
+    """Warms one Fp8Linear of each distinct shape and scale layout (the kernels specialize on
+    these, not on the layer); returns the launches made."""
+    seen, launches = set(), 0
+    for m in model.modules():
+        if isinstance(m, Fp8Linear):
+            key = (m.out_features, m.in_features, m.block_n, tuple(m.weight_scale.shape), m.bias is not None)
+            if key not in seen:
+                seen.add(key)
+                launches += m.warm_up(dtype)
+    return launches
+
+
 def _take(tensor: torch.Tensor, shard: TensorShard | None) -> torch.Tensor:
     if shard is None:
         return tensor
@@ -135,4 +160,4 @@ def make_linear(in_features: int, parts: list[int], bias: bool, quant: WeightQua
     return nn.Linear(in_features, sum(parts), bias=bias)
 
 
-__all__ = ["Fp8Linear", "TensorShard", "make_linear"]
+__all__ = ["Fp8Linear", "TensorShard", "make_linear", "warm_up_fp8_layers"]
