@@ -209,3 +209,16 @@ def test_a_tp_size_that_splits_a_weight_block_is_refused():
     with pytest.raises(InvalidRequestError, match="128") as e:
         _dummy({**HF_TP, "num_key_value_heads": 2}, tp=2, rank=0)  # each rank: 64 of k_proj's 128 rows
     assert e.value.param == "tensor_parallel_size"
+
+
+def test_memory_plan_counts_the_fp8_weights(tmp_path):
+    from qsaserve import LLM
+
+    _save_llama(tmp_path)
+    llm = LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory=1 << 22, progress=False, quantization="fp8")
+    plan = llm.engine.executor.memory_plan()
+    fp8 = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, Fp8Linear)]
+    assert len(fp8) == 8  # qkv, o, gate_up, down in each of 2 layers
+    assert plan["weights_fp8"] == sum(m.weight.numel() for m in fp8)
+    assert plan["weights"] == sum(p.numel() * p.element_size() for p in llm.engine.executor.runner.model.parameters())
+    assert plan["kv"] == llm.engine.executor.num_kv_blocks * llm.engine.executor.kv_spec.bytes_per_block

@@ -98,6 +98,7 @@ def run_latency(config: EngineConfig, batch_sizes: list[int], prompt_lens: list[
                   for b in sorted(set(batch_sizes))]
         ttft = [_ttft(engine, n, ttft_trials, rng) for n in lens]
         weight_bytes = engine.executor.decode_weight_bytes()
+        memory_plan = engine.executor.memory_plan()
         kv_bytes = int(engine.executor.kv_spec.bytes_per_token * (context + warmup_steps + decode_steps / 2))
         cuda_graphs = engine.executor.cuda_graphs
         hf_config, vocab_size = engine.checkpoint.hf_config, engine.vocab_size
@@ -110,6 +111,7 @@ def run_latency(config: EngineConfig, batch_sizes: list[int], prompt_lens: list[
                         "decode_steps": decode_steps, "warmup_steps": warmup_steps, "ttft_trials": ttft_trials,
                         "seed": seed, "cuda_graphs": cuda_graphs, "profile_steps": profile_steps}
     report["decode"] = decode
+    report["memory_per_gpu"] = memory_plan  # bytes on rank 0: weights (FP8 part), PLE, KV (+ tokens), state, activations
     report["ttft"] = ttft
     step_bytes = weight_bytes + kv_bytes
     roofline_tok_s = bandwidth["used_gb_s"] * 1e9 / step_bytes

@@ -66,6 +66,10 @@ class Rank0Views:
         """Weight bytes one decode step reads on rank 0 (ModelRunner.decode_weight_bytes)."""
         return self.runner.decode_weight_bytes()
 
+    def memory_plan(self) -> dict[str, int]:
+        """Rank 0's bytes per kind: weights, PLE, KV, state, activations (ModelRunner.memory_plan)."""
+        return self.runner.memory_plan()
+
     def observe_kv_writes(self, observers: list | None) -> None:
         """Calibration's hooks on rank 0's cache writes (ModelRunner.observe_kv_writes)."""
         self.runner.observe_kv_writes(observers)
