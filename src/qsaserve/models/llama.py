@@ -350,7 +350,7 @@ class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, Supp
         if name in ("embed_tokens.weight", "lm_head.weight"):
             return shard_vocab(tensor, c.vocab_size, ctx.tp_size, ctx.tp_rank)
         spec = self._shard_spec(name, tensor)
-        return tensor if spec is None else take(tensor, spec.dim, [(spec.start, spec.end)])
+        return tensor if spec is None else take(tensor, spec.dim, list(spec.ranges))
 
     def _shard_spec(self, name: str, tensor: torch.Tensor) -> TensorShard | None:
         """This rank's range of a full checkpoint projection tensor (HF name; None: replicated),
@@ -376,4 +376,4 @@ class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, Supp
             (a, b), dim, full = even_range(c.intermediate_size, t, r), 1, c.intermediate_size
         else:
             return None  # norms: replicated
-        return TensorShard(0 if tensor.dim() == 1 else dim, a, b, full)
+        return TensorShard(0 if tensor.dim() == 1 else dim, ((a, b),), full)

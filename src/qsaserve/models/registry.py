@@ -73,11 +73,8 @@ def build_model(hf_config: dict, max_positions: int, parallel=None, quantization
     quant = weight_quant_config(hf_config, quantization)
     if cls is LlamaForCausalLM:
         return LlamaForCausalLM(LlamaConfig.from_hf(hf_config), max_positions, parallel, quant)
-    if quant is not None:
-        raise InvalidRequestError("quantization", f"FP8 weights are served for Llama-family models; {model_type!r} "
-                                  "checkpoints must be unquantized (and --quantization unset)")
     if cls is not None:
-        return cls(hf_config, max_positions, parallel)
+        return cls(hf_config, max_positions, parallel, quant)
     raise InvalidRequestError("model", f"unsupported model_type {model_type!r}; supported: {', '.join(_LLAMA_FAMILY + _HYBRID)}")
 
 

@@ -23,17 +23,16 @@ from torch import nn
 
 from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization.config import BLOCK, WeightQuantConfig
-from qsaserve.ops.fp8_gemm import FP8, fp8_linear, quantize_weight_block, quantize_weight_rows
+from qsaserve.ops.fp8_gemm import FP8, dequantize_weight, fp8_linear, quantize_weight_block, quantize_weight_rows
 
 
 @dataclass(frozen=True)
 class TensorShard:
-    """This rank keeps [start, end) of dimension `dim` (0: output rows, 1: input columns) of a
-    checkpoint tensor whose size along dim is `full`."""
+    """This rank keeps the index ranges `ranges` ([start, end) each, concatenated) of dimension
+    `dim` (0: output rows, 1: input columns) of a checkpoint tensor whose size along dim is `full`."""
 
     dim: int
-    start: int
-    end: int
+    ranges: tuple[tuple[int, int], ...]
     full: int
 
 
@@ -67,6 +66,20 @@ class Fp8Linear(nn.Module):
         for rows in self.WARM_UP_ROWS:
             self(x[:rows])
         return len(self.WARM_UP_ROWS)
+
+    def linear_part(self, x: torch.Tensor, part: int) -> torch.Tensor:
+        """x [T, K] -> x @ W_part^T [T, rows of the part]: one part's rows, alone."""
+        a, rows = self.offsets[part], self.parts[part]
+        bias = None if self.bias is None else self.bias[a:a + rows]
+        return fp8_linear(x, self.weight[a:a + rows], self.weight_scale[a // self.block_n:(a + rows) // self.block_n],
+                          self.block_n, bias)
+
+    def dequantized(self, part: int, dtype: torch.dtype) -> torch.Tensor:
+        """One part's weight rows dequantized [rows, K] (for code that takes a weight tensor)."""
+        a, rows = self.offsets[part], self.parts[part]
+        w = dequantize_weight(self.weight[a:a + rows], self.weight_scale[a // self.block_n:(a + rows) // self.block_n],
+                              self.block_n)
+        return w.to(dtype)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}, block_n={self.block_n}"
@@ -110,12 +123,12 @@ class Fp8Linear(nn.Module):
     def _check_blocks(self, shard: TensorShard | None) -> None:
         if self.scheme != "block" or shard is None:
             return
-        for edge in (shard.start, shard.end):
-            if edge % BLOCK and edge != shard.full:
+        for a, b in shard.ranges:
+            if any(edge % BLOCK and edge != shard.full for edge in (a, b)):
                 axis = "rows" if shard.dim == 0 else "columns"
-                raise InvalidRequestError("tensor_parallel_size", f"{self.name}: this rank's {axis} [{shard.start}, "
-                                          f"{shard.end}) of {shard.full} split a {BLOCK}x{BLOCK} FP8 weight block; "
-                                          f"block-FP8 weights shard on multiples of {BLOCK}")
+                raise InvalidRequestError("tensor_parallel_size", f"{self.name}: this rank's {axis} [{a}, {b}) of "
+                                          f"{shard.full} split a {BLOCK}x{BLOCK} FP8 weight block; block-FP8 weights "
+                                          f"shard on multiples of {BLOCK}")
 
     def _scale_rows(self, s: torch.Tensor, rows: int, shard: TensorShard | None) -> torch.Tensor:
         """A checkpoint scale -> this rank's rows of weight_scale for one part ([rows / block_n, Sk])."""
@@ -124,13 +137,18 @@ class Fp8Linear(nn.Module):
             return s.reshape(1, 1).expand(rows // self.block_n, 1)
         if self.scheme == "channel":
             s = s.reshape(-1, 1)
-            return s[shard.start:shard.end] if shard is not None and shard.dim == 0 else s
+            return _take(s, shard) if shard is not None and shard.dim == 0 else s
         s = s.reshape(-1, s.shape[-1]) if s.dim() == 2 else s.reshape(1, -1)
-        if shard is not None:
-            self._check_blocks(shard)
-            cut = slice(shard.start // BLOCK, -(-shard.end // BLOCK))
-            s = s[cut] if shard.dim == 0 else s[:, cut]
-        return s.repeat_interleave(BLOCK // self.block_n, 0)[: rows // self.block_n]
+        expand = BLOCK // self.block_n
+        if shard is None:
+            return s.repeat_interleave(expand, 0)[: rows // self.block_n]
+        self._check_blocks(shard)
+        blocks = [(a // BLOCK, -(-b // BLOCK)) for a, b in shard.ranges]
+        if shard.dim == 1:
+            return torch.cat([s[:, a:b] for a, b in blocks], 1).repeat_interleave(expand, 0)[: rows // self.block_n]
+        # each range's blocks, repeated to block_n rows, cut to the range's own rows
+        return torch.cat([s[a:b].repeat_interleave(expand, 0)[: (e - d) // self.block_n]
+                          for (a, b), (d, e) in zip(blocks, shard.ranges)])
 
 
 def warm_up_fp8_layers(model: nn.Module, dtype: torch.dtype) -> int:
@@ -149,7 +167,8 @@ def warm_up_fp8_layers(model: nn.Module, dtype: torch.dtype) -> int:
 def _take(tensor: torch.Tensor, shard: TensorShard | None) -> torch.Tensor:
     if shard is None:
         return tensor
-    return tensor.narrow(shard.dim, shard.start, shard.end - shard.start)
+    parts = [tensor.narrow(shard.dim, a, b - a) for a, b in shard.ranges]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, shard.dim)
 
 
 def make_linear(in_features: int, parts: list[int], bias: bool, quant: WeightQuantConfig | None,

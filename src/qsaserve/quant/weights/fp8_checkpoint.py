@@ -16,8 +16,12 @@ import torch
 from qsaserve.loader.checkpoint import Checkpoint
 from qsaserve.ops.fp8_gemm import quantize_weight_block
 
-# Decoder projections of the Llama family (the layers layers/quantization serves in FP8).
-_LLAMA_PROJ = re.compile(r"^(model\.)?layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)\.weight$")
+# Decoder projections: the Llama family's, and Qwen4Exp's token-mixer and shared-expert projections
+# (its routed experts, fused [E, N, K], stay in `dtype`: the standard layout has per-expert tensors).
+_PROJ = re.compile(r"^(model\.(language_model\.)?)?layers\.\d+\.("
+                   r"self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj|self_attn\.indexer\.index_qk_proj|"
+                   r"linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)|"
+                   r"mlp\.shared_expert\.(gate|up|down)_proj)\.weight$")
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                        "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
 SHARD_BYTES = 4 << 30
@@ -25,7 +29,7 @@ SHARD_BYTES = 4 << 30
 
 def quantizable(name: str) -> bool:
     """Whether checkpoint tensor `name` is written as block FP8."""
-    return bool(_LLAMA_PROJ.match(name))
+    return bool(_PROJ.match(name))
 
 
 def fp8_config(hf_config: dict) -> dict:
@@ -63,7 +67,7 @@ def write_fp8_checkpoint(checkpoint: Checkpoint, out_dir: str, dtype: torch.dtyp
         shards[-1].update(out)
         size += nbytes
     if summary["quantized_tensors"] == 0:
-        raise ValueError(f"model: {checkpoint.path} has no Llama-family decoder projections to quantize")
+        raise ValueError(f"model: {checkpoint.path} has no decoder projections to quantize")
     if len(shards) == 1:
         save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     else:
