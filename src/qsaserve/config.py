@@ -52,8 +52,9 @@ class EngineConfig:
         "auto", "auto (read the weights) or dummy (random weights; --model may then be a preset: llama-1b, llama-8b, "
                 "smollm2-135m, qwen4exp-tiny, qwen4exp-small)")
     quantization: str | None = _option(
-        None, "quantize the weights at load: fp8 (block-128 FP8 E4M3 weights of every decoder linear layer, "
-              "layers/quantization; a checkpoint's own quantization_config is applied without it)")
+        None, "quantize the weights at load: fp8 (block-128 FP8 E4M3 weights of the decoder's linear layers) or nvfp4 "
+              "(ModelOpt NVFP4 run as W4A16, Llama family); a checkpoint's own quantization_config is applied without "
+              "it (layers/quantization)")
     # KV pages: quant/kv_scales.py
     kv_cache_dtype: str = _option(
         "auto", "KV cache pages: auto (the model dtype, or fp8_e4m3 when calibrated KV scales are present), bfloat16, "

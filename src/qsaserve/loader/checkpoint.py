@@ -54,7 +54,7 @@ class Checkpoint:
         return self._source.weight_names()
 
 
-QUANT_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".input_scale")
+QUANT_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_scale_2", ".input_scale")
 
 
 def keeps_stored_dtype(name: str, tensor: torch.Tensor) -> bool:

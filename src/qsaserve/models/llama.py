@@ -25,7 +25,7 @@ from qsaserve.layers.activation import SiluAndMul
 from qsaserve.layers.attention import Attention, AttentionMetadata
 from qsaserve.layers.dcp_attention import DcpAttention
 from qsaserve.layers.linear import linear
-from qsaserve.layers.quantization import Fp8Linear, WeightQuantConfig, make_linear
+from qsaserve.layers.quantization import QUANTIZED_LINEARS, WeightQuantConfig, make_linear
 from qsaserve.layers.quantization.fp8 import TensorShard
 from qsaserve.layers.rmsnorm import RMSNorm
 from qsaserve.layers.rotary import RotaryEmbedding
@@ -224,9 +224,9 @@ class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, Supp
             a.o_proj.bias = nn.Parameter((a.o_proj.weight.float() @ c_q).to(a.o_proj.weight.dtype), requires_grad=False)
 
     def _refuse_fold_with_fp8(self, param: str) -> None:
-        if any(isinstance(m, Fp8Linear) for m in self.modules()):
+        if any(isinstance(m, QUANTIZED_LINEARS) for m in self.modules()):
             raise InvalidRequestError(param, "folding the KV head rotation / V offsets into the weights needs "
-                                      "unquantized q/k/v and o projections; this model's weights are FP8 (quantization)")
+                                      "unquantized q/k/v and o projections; this model's weights are quantized (FP8 / NVFP4)")
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """This rank's pages at DCP1 (B tokens each); the runner scales it for DCP."""
@@ -276,7 +276,8 @@ class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, Supp
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     _QUANT_LEAVES = {"weight": "weight", "bias": "bias", "weight_scale_inv": "scale", "weight_scale": "scale",
-                     "input_scale": None}  # input_scale: activations are quantized per token group instead
+                     "weight_scale_2": "global",  # NVFP4's per-tensor scale
+                     "input_scale": None}  # input_scale: activations are quantized per token group, or not at all
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
@@ -291,12 +292,13 @@ class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, Supp
             parts = name.split(".")
             fused = self._FUSED.get(parts[-2]) if len(parts) >= 2 else None
             module = modules.get(".".join(parts[:-2] + [fused[0] if fused else parts[-2]])) if len(parts) >= 2 else None
-            if isinstance(module, Fp8Linear) and parts[-1] in self._QUANT_LEAVES:
+            if isinstance(module, QUANTIZED_LINEARS) and parts[-1] in self._QUANT_LEAVES:
                 kind = self._QUANT_LEAVES[parts[-1]]
                 if kind is not None:
                     module.load(kind, tensor, fused[1] if fused else 0, self._shard_spec(name, tensor))
                 continue
-            if parts[-1] in ("weight_scale_inv", "weight_scale", "input_scale") or tensor.dtype == torch.float8_e4m3fn:
+            if parts[-1] in ("weight_scale_inv", "weight_scale", "weight_scale_2", "input_scale") or \
+                    tensor.dtype in (torch.float8_e4m3fn, torch.uint8):
                 raise ValueError(f"model: checkpoint tensor {name!r} is FP8-quantized, but its layer is not (the "
                                  "quantization_config lists it as unquantized, or it is the LM head / embedding, "
                                  "which qsaserve keeps in the model dtype)")
@@ -317,7 +319,7 @@ class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, Supp
             params[name].data.copy_(tensor)
             loaded.add(name)
         expected, missing = set(), []
-        quantized = {n for n, m in modules.items() if isinstance(m, Fp8Linear)}
+        quantized = {n for n, m in modules.items() if isinstance(m, QUANTIZED_LINEARS)}
         for mname in quantized:
             missing += modules[mname].missing()
         for pname in params:

@@ -8,8 +8,11 @@ Served:
 * compressed-tensors `float-quantized` FP8 (8-bit float weights, strategy `channel`
   (`weight_scale` [N, 1]), `tensor` or `block` [128, 128]); its `ignore` list (names or `re:`
   patterns) stays in the model dtype.
-* `--quantization fp8` on an unquantized checkpoint: every linear layer of the decoder is
-  quantized at load to block-128 FP8 (the LM head and embeddings stay in the model dtype).
+* ModelOpt NVFP4 (`quant_method: "modelopt"`, `quant_algo: "NVFP4"`, group_size 16): packed
+  E2M1 `weight`, E4M3 `weight_scale` per 16 columns, float32 `weight_scale_2`; `exclude_modules`
+  stay in the model dtype. Run as W4A16 (layers/quantization/nvfp4.py), Llama-family models only.
+* `--quantization fp8` (`nvfp4`) on an unquantized checkpoint: every linear layer of the decoder
+  is quantized at load to block-128 FP8 (NVFP4; the LM head and embeddings stay in the model dtype).
 Activations are always quantized dynamically per token and 128-column group (ops/fp8_gemm): a
 checkpoint's static `input_scale` is not needed and is skipped."""
 from __future__ import annotations
@@ -19,8 +22,8 @@ from dataclasses import dataclass
 
 from qsaserve.errors import InvalidRequestError
 
-QUANTIZATIONS = ("fp8",)  # values of --quantization
-SCHEMES = ("block", "channel", "tensor")
+QUANTIZATIONS = ("fp8", "nvfp4")  # values of --quantization
+SCHEMES = ("block", "channel", "tensor", "nvfp4")
 BLOCK = 128
 _NEVER_ONLINE = ("lm_head", "embed_tokens")
 
@@ -61,16 +64,20 @@ def weight_quant_config(hf_config: dict, quantization: str | None = None) -> Wei
         raise InvalidRequestError("quantization", f"must be one of {', '.join(QUANTIZATIONS)} or unset; got {quantization!r}")
     qc = hf_config.get("quantization_config") or (hf_config.get("text_config") or {}).get("quantization_config")
     if not qc:
+        if quantization == "nvfp4":
+            return WeightQuantConfig(method="nvfp4", scheme="nvfp4", source="online")
         return WeightQuantConfig(source="online") if quantization else None
     method = qc.get("quant_method")
     if method == "fp8":
         parsed = _hf_fp8(qc)
     elif method == "compressed-tensors":
         parsed = _compressed_tensors(qc)
+    elif method == "modelopt":
+        parsed = _modelopt(qc)
     else:
         raise InvalidRequestError("model", f"the checkpoint's quantization_config has quant_method {method!r}, which "
                                   "qsaserve does not serve (served: fp8 (block-128 or per-tensor), compressed-tensors "
-                                  "FP8)")
+                                  "FP8, modelopt NVFP4)")
     if quantization is not None and quantization != parsed.method:
         raise InvalidRequestError("quantization", f"{quantization!r} asked for, but the checkpoint is already "
                                   f"quantized ({method})")
@@ -87,6 +94,15 @@ def _hf_fp8(qc: dict) -> WeightQuantConfig:
                                   "is served")
     ignore = tuple(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ())
     return WeightQuantConfig(scheme="block" if block else "tensor", source="checkpoint", ignore=ignore)
+
+
+def _modelopt(qc: dict) -> WeightQuantConfig:
+    algo, group = qc.get("quant_algo"), qc.get("group_size", 16)
+    if algo != "NVFP4" or group != 16:
+        raise InvalidRequestError("model", f"modelopt quant_algo {algo!r} (group_size {group}): only NVFP4 with groups "
+                                  "of 16 is served")
+    return WeightQuantConfig(method="nvfp4", scheme="nvfp4", source="checkpoint",
+                             ignore=tuple(qc.get("exclude_modules") or ()))
 
 
 def _compressed_tensors(qc: dict) -> WeightQuantConfig:

@@ -16,24 +16,14 @@ tensor first, then shards it, so every layout holds the same quantized model."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization.config import BLOCK, WeightQuantConfig
+from qsaserve.layers.quantization.shard import TensorShard, take_shard
 from qsaserve.ops.fp8_gemm import FP8, dequantize_weight, fp8_linear, quantize_weight_block, quantize_weight_rows
-
-
-@dataclass(frozen=True)
-class TensorShard:
-    """This rank keeps the index ranges `ranges` ([start, end) each, concatenated) of dimension
-    `dim` (0: output rows, 1: input columns) of a checkpoint tensor whose size along dim is `full`."""
-
-    dim: int
-    ranges: tuple[tuple[int, int], ...]
-    full: int
 
 
 class Fp8Linear(nn.Module):
@@ -100,10 +90,10 @@ class Fp8Linear(nn.Module):
             return
         a, rows = self.offsets[part], self.parts[part]
         if kind == "bias":
-            target, value = self.bias.data[a:a + rows], _take(tensor, shard)
+            target, value = self.bias.data[a:a + rows], take_shard(tensor, shard)
         elif kind == "weight":
             self._check_blocks(shard)
-            target, value = self.weight.data[a:a + rows], _take(tensor, shard)
+            target, value = self.weight.data[a:a + rows], take_shard(tensor, shard)
         elif kind == "scale":
             target, value = self.weight_scale.data[a // self.block_n:(a + rows) // self.block_n], self._scale_rows(tensor, rows, shard)
         else:
@@ -137,7 +127,7 @@ class Fp8Linear(nn.Module):
             return s.reshape(1, 1).expand(rows // self.block_n, 1)
         if self.scheme == "channel":
             s = s.reshape(-1, 1)
-            return _take(s, shard) if shard is not None and shard.dim == 0 else s
+            return take_shard(s, shard) if shard is not None and shard.dim == 0 else s
         s = s.reshape(-1, s.shape[-1]) if s.dim() == 2 else s.reshape(1, -1)
         expand = BLOCK // self.block_n
         if shard is None:
@@ -152,29 +142,30 @@ class Fp8Linear(nn.Module):
 
 
 def warm_up_fp8_layers(model: nn.Module, dtype: torch.dtype) -> int:
-    """Warms one Fp8Linear of each distinct shape and scale layout (the kernels specialize on
-    these, not on the layer); returns the launches made."""
+    """Warms one quantized linear layer (FP8 or NVFP4) of each distinct shape and scale layout (the
+    kernels specialize on these, not on the layer); returns the launches made."""
+    from qsaserve.layers.quantization.nvfp4 import Nvfp4Linear
+
     seen, launches = set(), 0
     for m in model.modules():
-        if isinstance(m, Fp8Linear):
-            key = (m.out_features, m.in_features, m.block_n, tuple(m.weight_scale.shape), m.bias is not None)
+        if isinstance(m, (Fp8Linear, Nvfp4Linear)):
+            key = (type(m), m.out_features, m.in_features, getattr(m, "block_n", 0), tuple(m.weight_scale.shape),
+                   m.bias is not None)
             if key not in seen:
                 seen.add(key)
                 launches += m.warm_up(dtype)
     return launches
 
 
-def _take(tensor: torch.Tensor, shard: TensorShard | None) -> torch.Tensor:
-    if shard is None:
-        return tensor
-    parts = [tensor.narrow(shard.dim, a, b - a) for a, b in shard.ranges]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, shard.dim)
-
-
 def make_linear(in_features: int, parts: list[int], bias: bool, quant: WeightQuantConfig | None,
                 name: str) -> nn.Module:
-    """nn.Linear, or an Fp8Linear when `quant` quantizes module `name` (HF name of its first part)."""
+    """nn.Linear, or an Fp8Linear / Nvfp4Linear when `quant` quantizes module `name` (HF name of its
+    first part)."""
     if quant is not None and quant.is_quantized(name):
+        if quant.method == "nvfp4":
+            from qsaserve.layers.quantization.nvfp4 import Nvfp4Linear
+
+            return Nvfp4Linear(in_features, parts, bias, name)
         return Fp8Linear(in_features, parts, bias, quant, name)
     return nn.Linear(in_features, sum(parts), bias=bias)
 
