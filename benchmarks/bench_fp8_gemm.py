@@ -5,8 +5,9 @@
   activation quantization) at a few tiles, against torch._scaled_mm per-tensor FP8 (the peer) and
   bf16 cuBLAS (F.linear), in the same run; TFLOP/s and the ratios the issue asks for (>= 0.9x
   _scaled_mm, >= 1.6x bf16).
-* decode (M = 1 ... 64): the W8A16 kernel (bf16 activations, E4M3 weights) against bf16 cuBLAS;
-  TB/s counts the weight and scale bytes read, and pct_roofline is that over the H200's 4.8 TB/s.
+* decode (M = 1 ... 64): the W8A16 kernel (bf16 activations, E4M3 weights) and the NVFP4 W4A16
+  kernel (ops/nvfp4_gemm) against bf16 cuBLAS; TB/s counts the weight and scale bytes read, and
+  pct_roofline is that over the H200's 4.8 TB/s.
 Times are CUDA-graph replays cycling over enough weight copies to exceed the L2. Prints JSON (one
 line per case, then the document).
 
@@ -24,6 +25,8 @@ from qsaserve.bench.gpu_timing import graph_ms
 from qsaserve.ops.fp8_gemm import quantize_weight_block
 from qsaserve.ops.fp8_gemm.triton_gemm import fp8_w8a16_gemm_triton, fp8_w8a8_gemm_triton
 from qsaserve.ops.fp8_gemm.triton_quant import per_token_group_quant_triton
+from qsaserve.ops.nvfp4_gemm import quantize_nvfp4
+from qsaserve.ops.nvfp4_gemm.triton_gemm import nvfp4_w4a16_gemm_triton
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 PREFILL_M = (512, 2048, 8192)
@@ -96,16 +99,23 @@ def decode(name, n, k, m, dev) -> list[dict]:
     ws = _weights(n, k, dev, copies)
     x = torch.randn(m, k, device=dev).to(torch.bfloat16)
     fp8_bytes = n * k + ws[0][2].numel() * 4
+    fp4 = []
+    for w, _, _ in ws:
+        packed, scale, glob = quantize_nvfp4(w)
+        fp4.append((packed, scale, glob.expand(n).contiguous()))
+    fp4_bytes = n * k // 2 + n * k // 16 + 4 * n
     rows = []
     for variant, fn, nbytes in (
             ("bf16_cublas", lambda: [F.linear(x, w) for w, _, _ in ws], 2 * n * k),
-            ("fp8_w8a16", lambda: [fp8_w8a16_gemm_triton(x, q, s, 128) for _, q, s in ws], fp8_bytes)):
+            ("fp8_w8a16", lambda: [fp8_w8a16_gemm_triton(x, q, s, 128) for _, q, s in ws], fp8_bytes),
+            ("nvfp4_w4a16", lambda: [nvfp4_w4a16_gemm_triton(x, *f) for f in fp4], fp4_bytes)):
         t = graph_ms(fn) * 1e3 / copies
         row = {"phase": "decode", "shape": name, "n": n, "k": k, "m": m, "variant": variant, "us": round(t, 2),
                "tb_s": round(nbytes / t / 1e6, 3), "pct_roofline": round(100 * nbytes / t / 1e6 / HBM_TB_S, 1)}
         print(json.dumps(row), flush=True)
         rows.append(row)
-    rows[-1]["x_vs_bf16"] = round(rows[0]["us"] / rows[-1]["us"], 3)
+    for row in rows[1:]:
+        row["x_vs_bf16"] = round(rows[0]["us"] / row["us"], 3)
     return rows
 
 
