@@ -248,3 +248,17 @@ def test_fp8_kernels_on_gpu_match_the_cpu_reference_and_cuda_graphs_match_eager(
     greedy = SamplingParams(temperature=0, max_tokens=8)
     eager = [o.outputs[0].token_ids for o in run(greedy, device="cuda", enforce_eager=True)]
     assert [o.outputs[0].token_ids for o in run(greedy, device="cuda")] == eager
+
+
+def test_quantize_command_writes_the_checkpoint_and_prints_its_quality(tmp_path, capsys):
+    from qsaserve.cli import main
+
+    _save_llama(tmp_path / "src")
+    assert main(["quantize", str(tmp_path / "src"), "-o", str(tmp_path / "fp8"), "--quality-tokens", "300",
+                 "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    written = json.loads(out.splitlines()[0])
+    assert written["quantized_tensors"] == 14 and (tmp_path / "fp8" / "model.safetensors").exists()
+    quality = json.loads(out[out.index("\n") + 1:])
+    assert quality["positions"] > 0 and 0 <= quality["top1_agreement"] <= 1 and quality["kl_mean"] >= 0
+    assert quality["candidate"] == {"model": str(tmp_path / "fp8")}

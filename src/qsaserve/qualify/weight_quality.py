@@ -16,7 +16,7 @@ def compare_weights(source: str | None, candidate: dict | str, tokens: int = 409
     from qsaserve.qualify.rules import Rules
     from qsaserve.qualify.runner import Configuration, Settings, run
 
-    common = {"dtype": "float32", "device": "cpu", "kv_cache_memory": 1 << 28, "max_model_len": 1024, **engine}
+    common = {"dtype": "float32", "device": "cpu", "kv_cache_memory": 1 << 29, **engine}
     if source is not None:
         common["model"] = source
     overrides = {"model": candidate} if isinstance(candidate, str) else dict(candidate)
@@ -25,7 +25,7 @@ def compare_weights(source: str | None, candidate: dict | str, tokens: int = 409
         body = run(common, configs, pydoc_topics("evaluation"), ["teacher_forced"], os.path.join(scratch, "tf"),
                    settings=Settings(num_tokens=tokens), rules=Rules())
     stage = body["results"]["candidates"]["quantized"]["teacher_forced"]
-    m = stage["metrics"]
+    m = {k: v for k, v in stage["metrics"].items() if not hasattr(v, "dtype")}  # the per-position arrays stay out
     keep = ("positions", "baseline_perplexity", "perplexity", "ppl_change_pct", "top1_agreement", "top1_flips", "kl_mean")
     return {"verdict": stage["status"], "reasons": stage.get("reasons", []),
             **{k: m[k] for k in keep if k in m}, "metrics": m, "engine": common, "candidate": overrides}

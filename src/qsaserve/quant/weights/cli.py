@@ -35,7 +35,8 @@ def cmd_quantize(args) -> int:
     if not args.no_quality_check:
         from qsaserve.qualify.weight_quality import compare_weights
 
-        print(json.dumps(compare_weights(args.model, args.output, tokens=args.quality_tokens), indent=1))
+        quality = compare_weights(args.model, args.output, tokens=args.quality_tokens)
+        print(json.dumps({k: v for k, v in quality.items() if k != "metrics"}, indent=1, default=str))
     return 0
 
 
