@@ -93,8 +93,11 @@ def build_parser() -> argparse.ArgumentParser:
     from qsaserve.qualify.cli import add_qualify_parser
     from qsaserve.quant.cli import add_calibrate_parser
 
+    from qsaserve.quant.weights.cli import add_quantize_parser
+
     add_calibrate_parser(sub)
     add_qualify_parser(sub)
+    add_quantize_parser(sub)
     from qsaserve.bench.cli import add_bench_parser
 
     add_bench_parser(sub)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from qsaserve.errors import InvalidRequestError
+from qsaserve.layers.quantization.config import QUANTIZATIONS
 from qsaserve.quant.kv_rotation import KV_ROTATIONS
 from qsaserve.quant.kv_scales import KV_CACHE_DTYPES
 
@@ -58,6 +59,10 @@ class EngineConfig:
     load_format: str = _option(
         "auto", "auto (read the weights) or dummy (random weights; --model may then be a preset: llama-1b, llama-8b, "
                 "smollm2-135m, qwen4exp-tiny, qwen4exp-small)")
+    quantization: str | None = _option(
+        None, "quantize the weights at load: fp8 (block-128 FP8 E4M3 weights of the decoder's linear layers) or nvfp4 "
+              "(ModelOpt NVFP4 run as W4A16, Llama family); a checkpoint's own quantization_config is applied without "
+              "it (layers/quantization)")
     # KV pages: quant/kv_scales.py
     kv_cache_dtype: str = _option(
         "auto", "KV cache pages: auto (the model dtype, or fp8_e4m3 when calibrated KV scales are present), bfloat16, "
@@ -131,6 +136,9 @@ class EngineConfig:
         _check_int("seed", self.seed, None)
         if self.load_format not in ("auto", "dummy"):
             raise InvalidRequestError("load_format", f"must be auto or dummy; got {self.load_format!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise InvalidRequestError("quantization", f"must be one of {', '.join(QUANTIZATIONS)} or unset; got "
+                                      f"{self.quantization!r}")
         if self.ple_placement not in ("disk", "host", "gpu"):
             raise InvalidRequestError("ple_placement", f"must be disk, host or gpu; got {self.ple_placement!r}")
         self._check_kv_cache()

@@ -47,6 +47,9 @@ def test_bench_latency(tiny, capsys):
     roof = r["roofline"]
     assert roof["weight_bytes_per_step"] == sum(4 * n for n in (512 * 64, 2 * (64 + 64 * 128 + 64 * 64 + 64 * 256 + 128 * 64 + 64), 64))
     assert roof["bandwidth"]["used_gb_s"] > 0 and 0 < roof["fraction_batch1"]
+    mem = r["memory_per_gpu"]  # on CPU: weights and KV only (the device counts are CUDA allocation deltas)
+    assert mem["weights"] >= roof["weight_bytes_per_step"] and mem["weights_fp8"] == 0
+    assert mem["kv"] > 0 and mem["kv_tokens"] > 0 and "activations_peak" not in mem
     assert r["peer"]["decode_batch1"]["tok_s"] > 0
     assert r["ratios"]["decode_batch1_tok_s_vs_hf"] == pytest.approx(r["decode"][0]["tok_s"] / r["peer"]["decode_batch1"]["tok_s"], rel=1e-2)
 

@@ -141,6 +141,7 @@ def run_latency(config: EngineConfig, batch_sizes: list[int], prompt_lens: list[
         weight_bytes = engine.executor.decode_weight_bytes()
         experts = engine.executor.expert_weight_bytes()
         state_bytes = engine.executor.state_bytes_per_sequence()
+        memory_plan = engine.executor.memory_plan()
         kv_bytes = int(engine.executor.kv_spec.bytes_per_token * (context + warmup_steps + decode_steps / 2))
         cuda_graphs = engine.executor.cuda_graphs
         graphs_off_reason, side_tables = engine.executor.cuda_graphs_off_reason, engine.executor.side_table_memory()
@@ -161,6 +162,7 @@ def run_latency(config: EngineConfig, batch_sizes: list[int], prompt_lens: list[
         if projected:
             row["projected"] = projected
     report["decode"] = decode
+    report["memory_per_gpu"] = memory_plan  # bytes on rank 0: weights (FP8 part), PLE, KV (+ tokens), state, activations
     report["ttft"] = ttft
     step_bytes = weight_bytes + kv_bytes
     roofline_tok_s = bandwidth["used_gb_s"] * 1e9 / step_bytes

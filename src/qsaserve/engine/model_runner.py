@@ -18,12 +18,13 @@ from tqdm.auto import tqdm
 
 from qsaserve.cache.geometry import (CacheSplit, check_state_interval, choose_block_size, default_state_interval,
                                      split_cache_budget)
-from qsaserve.cache.kv_cache import LayerCache, allocate_kv_cache
+from qsaserve.cache.kv_cache import LayerCache, allocate_kv_cache, usable_blocks
 from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, StateSnapshotPlan, TokenFeed
 from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata
 from qsaserve.engine.host_copies import RankHostTier, host_split
 from qsaserve.errors import InvalidRequestError
+from qsaserve.layers.quantization.fp8 import warm_up_fp8_layers
 from qsaserve.engine.profiling import layer_ranges
 from qsaserve.models.interfaces import (CausalLM, RowTable, has_routed_experts, side_tables_cuda_graph_block_reason,
                                         supports_cuda_graph, supports_dcp_cuda_graph, supports_dummy_weights,
@@ -63,9 +64,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self._layer_profiling = False  # layer_profile(): steps run eagerly inside per-layer ranges
         torch.manual_seed(config.seed)
+        self.memory: dict[str, int] = {}  # bytes per kind on this rank's device (memory_plan)
         ckpt_scales = CheckpointScales()  # *.k_scale / *.v_scale tensors are taken out of the weight stream
         with torch.device(self.device), _default_dtype(self.dtype):
-            model: CausalLM = build_model(checkpoint.hf_config, max_model_len, self.parallel)
+            model: CausalLM = build_model(checkpoint.hf_config, max_model_len, self.parallel, config.quantization)
         self.side_tables = self._load(model, checkpoint, ckpt_scales, progress)
         self.model = model.eval()
         self.attention_layers = model.attention_layers()
@@ -92,7 +94,9 @@ class ModelRunner:
         if supports_recurrent_state(model):
             # Recurrent per-request state (GDN, PLE): one slot per sequence that can run at once,
             # plus slot 0, the scratch slot of padding rows.
+            before = _allocated(self.device)
             model.allocate_state(config.num_state_slots, self.device)
+            self._measured("state", before)
         # The hybrid prefix cache keeps state snapshots every state_interval tokens (0: none).
         self.state_snapshot_bytes = self.state_interval = 0
         if config.enable_prefix_caching and supports_state_snapshots(model):
@@ -119,11 +123,15 @@ class ModelRunner:
                 raise InvalidRequestError("load_format", f"dummy: {type(model).__name__} cannot make random weights")
             model.init_dummy_weights(config.seed)
             if side:
+                before = _allocated(self.device)
                 tables = dummy_ple_tables(model.side_table_layers(), config.ple_placement, self.device, self.dtype)
+                self._measured("ple_device", before)
         elif side:
             weights = ckpt_scales.filter(checkpoint.weights(self.dtype, skip=is_table_tensor))
             model.load_weights(_progress(weights, checkpoint, progress))
+            before = _allocated(self.device)
             tables = open_ple_tables(checkpoint, model.side_table_layers(), config.ple_placement, self.device, self.dtype)
+            self._measured("ple_device", before)
         else:
             model.load_weights(_progress(ckpt_scales.filter(checkpoint.weights(self.dtype)), checkpoint, progress))
         if side:
@@ -233,6 +241,21 @@ class ModelRunner:
         finally:
             self._layer_profiling = False
 
+    def _measured(self, key: str, before: int) -> None:
+        """Records the device allocation since `before` as self.memory[key] (CUDA only: the CPU
+        allocator keeps no count)."""
+        if self.device.type == "cuda":
+            self.memory[key] = _allocated(self.device) - before
+
+    def memory_plan(self) -> dict[str, int]:
+        """Bytes this rank holds per kind: weights (FP8 E4M3 tensors and their scales counted apart),
+        PLE rows on the device, KV pages (and the tokens they hold), recurrent state slots and
+        snapshots, the profiled step's activation peak (CUDA only; measured as allocation deltas)."""
+        unique = {t.data_ptr(): t for t in self.model.weight_tensors().values()}
+        fp8 = sum(t.numel() for t in unique.values() if t.dtype == torch.float8_e4m3fn)
+        plan = {"weights": sum(t.numel() * t.element_size() for t in unique.values()), "weights_fp8": fp8}
+        return {**plan, **self.memory}
+
     def observe_kv_writes(self, observers: list | None) -> None:
         """Hooks one observer per attention layer (in attention_layers() order) into its cache
         writes (LayerCache.observer); None removes them. Observed steps run eagerly."""
@@ -263,9 +286,11 @@ class ModelRunner:
             return CPU_KV_CACHE_BYTES
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
+        resident = torch.cuda.memory_allocated(self.device)
         self._profile_run()
         free, total = torch.cuda.mem_get_info(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
+        self.memory["activations_peak"] = peak - resident  # the largest step's transient tensors (and its scratch KV)
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
         budget = int(total * self.config.gpu_memory_utilization) - peak - max(non_torch, 0)
         if budget <= 0:
@@ -304,10 +329,17 @@ class ModelRunner:
 
     def init_kv_cache(self, num_blocks: int, num_state_snapshots: int = 0) -> None:
         if num_state_snapshots:  # before graph capture: the pool regroups the state tensors the graphs read
+            before = _allocated(self.device)
             self.model.allocate_state_snapshots(num_state_snapshots)
+            self._measured("state_snapshots", before)
             if self.device.type == "cuda":  # the state's old tensors, freed by the regrouping, go back before the KV
                 torch.cuda.empty_cache()
+        before = _allocated(self.device)
         self.bind_kv_cache(self.kv_quant.attach(allocate_kv_cache(self.kv_spec, num_blocks, self.device)))
+        self.memory["kv"] = _allocated(self.device) - before if self.device.type == "cuda" else \
+            num_blocks * self.kv_spec.bytes_per_block
+        self.memory["kv_tokens"] = usable_blocks(num_blocks) * self.kv_spec.block_size
+        logger.info("memory on %s: %s", self.device, format_memory_plan(self.memory_plan()))
         self._warm_up_kernels()
         if self.graphs_off_reason is None:
             graphs = DecodeGraphs(self.model, self.config.cuda_graph_capture_sizes, self.max_model_len, self.kv_spec,
@@ -339,14 +371,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_up_kernels(self) -> None:
-        """Builds the attention kernels' variants, and those of modules whose kernels depend on
-        the step's token count (MoE), now, so that no early request waits for Triton (graph
-        capture builds only the ones its buckets replay)."""
+        """Builds the attention kernels' variants, those of modules whose kernels depend on the
+        step's token count (MoE) and the FP8-weight GEMMs', now, so that no early request waits for
+        Triton (graph capture builds only the ones its buckets replay)."""
         if self.device.type != "cuda":
             return
         launches = sum(layer.warm_up(self.dtype) for layer in self.attention_layers)
         launches += sum(m.warm_up_kernels(self.dtype, self.config.token_budget)
                         for m in self.model.modules() if warms_up_kernels(m))
+        launches += warm_up_fp8_layers(self.model, self.dtype)
         if launches:
             torch.cuda.synchronize(self.device)
 
@@ -433,6 +466,21 @@ class ModelRunner:
         if n_rows == t and batch.logits_indices == list(range(t)):
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[rows])
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def format_memory_plan(plan: dict[str, int]) -> str:
+    gib = lambda n: f"{n / 2**30:.2f} GiB"  # noqa: E731
+    parts = [f"weights {gib(plan['weights'])} ({gib(plan['weights_fp8'])} of it FP8)"]
+    parts += [f"{name.replace('_', ' ')} {gib(plan[key])}" for key, name in
+              (("ple_device", "PLE"), ("kv", "KV"), ("state", "state"), ("state_snapshots", "state_snapshots"),
+               ("activations_peak", "activation_peak")) if key in plan]
+    if "kv_tokens" in plan:
+        parts.append(f"{plan['kv_tokens']} KV tokens")
+    return ", ".join(parts)
 
 
 def _progress(weights, checkpoint, enabled: bool):

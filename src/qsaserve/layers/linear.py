@@ -3,7 +3,8 @@ F.linear (cuBLAS), or for 1-4 rows on CUDA, without bias, the Triton GEMV of ops
 QSASERVE_TRITON_GEMV=1 (read at import) and the Triton kernels are on (ops.dispatch). cuBLAS
 reads the small q/k/v and o projections of a batch-1 decode step well below HBM bandwidth
 (docs/benchmarks.md); the GEMV stays opt-in until benchmarks/bench_gemv.py and `qsaserve bench
-latency` measure it faster."""
+latency` measure it faster. Layers with FP8 / NVFP4 weights (layers/quantization) run their own
+ops.fp8_gemm / ops.nvfp4_gemm path."""
 from __future__ import annotations
 
 import os
@@ -12,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qsaserve.layers.quantization.fp8 import Fp8Linear
+from qsaserve.layers.quantization.nvfp4 import Nvfp4Linear
 from qsaserve.ops.dispatch import use_triton
 
 try:  # CPU-only installs: F.linear only
@@ -35,7 +38,9 @@ def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(x, weight, bias)
 
 
-def linear(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+def linear(x: torch.Tensor, layer: nn.Linear | Fp8Linear | Nvfp4Linear) -> torch.Tensor:
+    if isinstance(layer, (Fp8Linear, Nvfp4Linear)):
+        return layer(x)
     return linear_weight(x, layer.weight, layer.bias)
 
 

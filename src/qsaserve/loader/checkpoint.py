@@ -54,6 +54,15 @@ class Checkpoint:
         return self._source.weight_names()
 
 
+QUANT_SCALE_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_scale_2", ".input_scale")
+
+
+def keeps_stored_dtype(name: str, tensor: torch.Tensor) -> bool:
+    """Quantized weights (FP8) and their scales are read as stored, not cast to the model dtype
+    (a bf16 cast of a float32 scale would lose its low bits)."""
+    return tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or name.endswith(QUANT_SCALE_SUFFIXES)
+
+
 def compute_identity(hf_config: dict, parts: list[tuple[str, Any]]) -> str:
     """sha256 over the canonical config JSON, then each (label, bytes-or-jsonable) part, length-prefixed.
 

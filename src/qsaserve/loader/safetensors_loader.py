@@ -13,7 +13,7 @@ from typing import Iterator
 
 import torch
 
-from .checkpoint import Checkpoint, ModelLoadError, compute_identity, sample_digest
+from .checkpoint import Checkpoint, ModelLoadError, compute_identity, keeps_stored_dtype, sample_digest
 
 logger = logging.getLogger("qsaserve")
 
@@ -130,8 +130,9 @@ class SafetensorsWeights:
                     if skip is not None and skip(name):
                         continue
                     tensor = handle.get_tensor(name)
-                    # Integer/bool tensors (indices, masks) would be corrupted by a float cast.
-                    if tensor.is_floating_point() and tensor.dtype != dtype:
+                    # Integer/bool tensors (indices, masks) would be corrupted by a float cast; FP8
+                    # weights and their float32 scales go to their quantized layer as stored.
+                    if tensor.is_floating_point() and tensor.dtype != dtype and not keeps_stored_dtype(name, tensor):
                         tensor = tensor.to(dtype)
                     yield name, tensor
 

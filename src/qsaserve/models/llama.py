@@ -25,6 +25,8 @@ from qsaserve.layers.activation import SiluAndMul
 from qsaserve.layers.attention import Attention, AttentionMetadata
 from qsaserve.layers.dcp_attention import DcpAttention
 from qsaserve.layers.linear import linear
+from qsaserve.layers.quantization import QUANTIZED_LINEARS, WeightQuantConfig, make_linear
+from qsaserve.layers.quantization.fp8 import TensorShard
 from qsaserve.layers.rmsnorm import RMSNorm
 from qsaserve.layers.rotary import RotaryEmbedding
 from qsaserve.layers.vocab_parallel import vocab_parallel_embedding, vocab_parallel_logits
@@ -77,15 +79,17 @@ class LlamaConfig:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, c: LlamaConfig, rotary: RotaryEmbedding, ctx: ParallelContext):
+    def __init__(self, c: LlamaConfig, rotary: RotaryEmbedding, ctx: ParallelContext,
+                 quant: WeightQuantConfig | None = None, prefix: str = "model.layers.0."):
         super().__init__()
         self.ctx = ctx
         self.num_heads = c.num_attention_heads // ctx.tp_size
         self.num_kv_heads = kv_heads_per_rank(c.num_key_value_heads, ctx.tp_size)
         self.head_dim = c.head_dim
         self.q_size, self.kv_size = self.num_heads * c.head_dim, self.num_kv_heads * c.head_dim
-        self.qkv_proj = nn.Linear(c.hidden_size, self.q_size + 2 * self.kv_size, bias=c.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, c.hidden_size, bias=False)
+        self.qkv_proj = make_linear(c.hidden_size, [self.q_size, self.kv_size, self.kv_size], c.attention_bias, quant,
+                                    prefix + "self_attn.q_proj")
+        self.o_proj = make_linear(self.q_size, [c.hidden_size], False, quant, prefix + "self_attn.o_proj")
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps) if c.qk_norm else None
         self.rotary = rotary
@@ -106,12 +110,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, c: LlamaConfig, ctx: ParallelContext):
+    def __init__(self, c: LlamaConfig, ctx: ParallelContext, quant: WeightQuantConfig | None = None,
+                 prefix: str = "model.layers.0."):
         super().__init__()
         self.ctx = ctx
         inter = c.intermediate_size // ctx.tp_size
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, c.hidden_size, bias=False)
+        self.gate_up_proj = make_linear(c.hidden_size, [inter, inter], False, quant, prefix + "mlp.gate_proj")
+        self.down_proj = make_linear(inter, [c.hidden_size], False, quant, prefix + "mlp.down_proj")
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,12 +124,13 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, c: LlamaConfig, rotary: RotaryEmbedding, ctx: ParallelContext):
+    def __init__(self, c: LlamaConfig, rotary: RotaryEmbedding, ctx: ParallelContext,
+                 quant: WeightQuantConfig | None = None, prefix: str = "model.layers.0."):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = LlamaAttention(c, rotary, ctx)
+        self.self_attn = LlamaAttention(c, rotary, ctx, quant, prefix)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = LlamaMLP(c, ctx)
+        self.mlp = LlamaMLP(c, ctx, quant, prefix)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,14 +171,17 @@ class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, Supp
     """Capabilities (models/interfaces.py): CUDA graphs for decode steps (not under DCP, whose step
     plan is built on the host), dummy weights, and V's rotation and offsets folded into the weights."""
 
-    def __init__(self, c: LlamaConfig, max_positions: int, ctx: ParallelContext | None = None):
+    def __init__(self, c: LlamaConfig, max_positions: int, ctx: ParallelContext | None = None,
+                 quant: WeightQuantConfig | None = None):
         super().__init__()
         self.config = c
+        self.quant = quant  # FP8 weights of the decoder's linear layers (layers/quantization); None: unquantized
         self.ctx = ctx = ctx or ParallelContext()
         rotary = RotaryEmbedding(c.head_dim, max_positions, c.rope_theta, c.rope_scaling)
         vocab_rows = vocab_shard_rows(c.vocab_size, ctx.tp_size)
         self.embed_tokens = nn.Embedding(vocab_rows, c.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(c, rotary, ctx) for _ in range(c.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, rotary, ctx, quant, f"model.layers.{i}.")
+                                    for i in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = None if c.tie_word_embeddings else nn.Linear(c.hidden_size, vocab_rows, bias=False)
 
@@ -181,6 +190,7 @@ class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, Supp
         """Folds the head rotation of V and of the attention output into the weights (V's rows of
         qkv_proj, o_proj's columns), so each layer rotates only q and k at run time. Once, after
         the weights are loaded (quant/kv_rotation.py)."""
+        self._refuse_fold_with_fp8("kv_rotation")
         for layer in self.layers:
             a = layer.self_attn
             rows = slice(a.q_size + a.kv_size, a.q_size + 2 * a.kv_size)
@@ -195,6 +205,7 @@ class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, Supp
         query's weights sum to one. Both go into the weights: qkv_proj's V bias takes -c, and o_proj
         gets the bias W_o c_q (c_q: c for each query head's KV head); under tensor parallelism that
         is this rank's share of W_o c, summed by the all-reduce. Once, after fold_kv_rotation."""
+        self._refuse_fold_with_fp8("kv_scales")
         for n, (layer, c) in enumerate(zip(self.layers, offsets, strict=True)):
             if c is None:
                 continue
@@ -213,6 +224,11 @@ class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, Supp
             a.qkv_proj.bias = nn.Parameter(bias, requires_grad=False)
             c_q = subtracted.repeat_interleave(a.num_heads // a.num_kv_heads, 0).reshape(-1)
             a.o_proj.bias = nn.Parameter((a.o_proj.weight.float() @ c_q).to(a.o_proj.weight.dtype), requires_grad=False)
+
+    def _refuse_fold_with_fp8(self, param: str) -> None:
+        if any(isinstance(m, QUANTIZED_LINEARS) for m in self.modules()):
+            raise InvalidRequestError(param, "folding the KV head rotation / V offsets into the weights needs "
+                                      "unquantized q/k/v and o projections; this model's weights are quantized (FP8 / NVFP4)")
 
     def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """This rank's pages at DCP1 (B tokens each); the runner scales it for DCP."""
@@ -264,8 +280,13 @@ class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, Supp
 
     _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2), "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
+    _QUANT_LEAVES = {"weight": "weight", "bias": "bias", "weight_scale_inv": "scale", "weight_scale": "scale",
+                     "weight_scale_2": "global",  # NVFP4's per-tensor scale
+                     "input_scale": None}  # input_scale: activations are quantized per token group, or not at all
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -273,9 +294,20 @@ class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, Supp
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
-            tensor = self._shard(name, tensor)
             parts = name.split(".")
             fused = self._FUSED.get(parts[-2]) if len(parts) >= 2 else None
+            module = modules.get(".".join(parts[:-2] + [fused[0] if fused else parts[-2]])) if len(parts) >= 2 else None
+            if isinstance(module, QUANTIZED_LINEARS) and parts[-1] in self._QUANT_LEAVES:
+                kind = self._QUANT_LEAVES[parts[-1]]
+                if kind is not None:
+                    module.load(kind, tensor, fused[1] if fused else 0, self._shard_spec(name, tensor))
+                continue
+            if parts[-1] in ("weight_scale_inv", "weight_scale", "weight_scale_2", "input_scale") or \
+                    tensor.dtype in (torch.float8_e4m3fn, torch.uint8):
+                raise ValueError(f"model: checkpoint tensor {name!r} is FP8-quantized, but its layer is not (the "
+                                 "quantization_config lists it as unquantized, or it is the LM head / embedding, "
+                                 "which qsaserve keeps in the model dtype)")
+            tensor = self._shard(name, tensor)
             if fused is not None:
                 parts[-2] = fused[0]
                 target = ".".join(parts)
@@ -291,8 +323,13 @@ class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, Supp
                 raise ValueError(f"model: tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
             params[name].data.copy_(tensor)
             loaded.add(name)
-        expected = set()
+        expected, missing = set(), []
+        quantized = {n for n, m in modules.items() if isinstance(m, QUANTIZED_LINEARS)}
+        for mname in quantized:
+            missing += modules[mname].missing()
         for pname in params:
+            if pname.rsplit(".", 1)[0] in quantized:
+                continue
             base = pname.split(".")[-2] if "." in pname else ""
             if base in ("qkv_proj", "gate_up_proj") and pname.endswith("weight"):
                 n = 3 if base == "qkv_proj" else 2
@@ -301,7 +338,7 @@ class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, Supp
                 expected.update(f"{pname}#{i}" for i in range(3))
             else:
                 expected.add(pname)
-        missing = sorted(expected - loaded)
+        missing = sorted(missing + list(expected - loaded))
         if missing:
             raise ValueError(f"model: checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
@@ -317,22 +354,33 @@ class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, Supp
         ctx, c = self.ctx, self.config
         if ctx.tp_size == 1:
             return tensor
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            return shard_vocab(tensor, c.vocab_size, ctx.tp_size, ctx.tp_rank)
+        spec = self._shard_spec(name, tensor)
+        return tensor if spec is None else take(tensor, spec.dim, list(spec.ranges))
+
+    def _shard_spec(self, name: str, tensor: torch.Tensor) -> TensorShard | None:
+        """This rank's range of a full checkpoint projection tensor (HF name; None: replicated),
+        in rows or columns of the weight, equally of its bias (rows only)."""
+        ctx, c = self.ctx, self.config
+        if ctx.tp_size == 1:
+            return None
         t, r = ctx.tp_size, ctx.tp_rank
         proj = name.split(".")[-2] if "." in name else ""
         d = c.head_dim
-        if name in ("embed_tokens.weight", "lm_head.weight"):
-            return shard_vocab(tensor, c.vocab_size, t, r)
         if proj == "q_proj":
-            a, b = even_range(c.num_attention_heads, t, r)
-            return take(tensor, 0, [(a * d, b * d)])
-        if proj in ("k_proj", "v_proj"):
-            a, b = kv_head_range(c.num_key_value_heads, t, r)
-            return take(tensor, 0, [(a * d, b * d)])
-        if proj == "o_proj":
-            a, b = even_range(c.num_attention_heads, t, r)
-            return take(tensor, 1, [(a * d, b * d)])
-        if proj in ("gate_proj", "up_proj"):
-            return take(tensor, 0, [even_range(c.intermediate_size, t, r)])
-        if proj == "down_proj":
-            return take(tensor, 1, [even_range(c.intermediate_size, t, r)])
-        return tensor  # norms: replicated
+            (a, b), dim, full = even_range(c.num_attention_heads, t, r), 0, c.num_attention_heads * d
+            a, b = a * d, b * d
+        elif proj in ("k_proj", "v_proj"):
+            (a, b), dim, full = kv_head_range(c.num_key_value_heads, t, r), 0, c.num_key_value_heads * d
+            a, b = a * d, b * d
+        elif proj == "o_proj":
+            (a, b), dim, full = even_range(c.num_attention_heads, t, r), 1, c.num_attention_heads * d
+            a, b = a * d, b * d
+        elif proj in ("gate_proj", "up_proj"):
+            (a, b), dim, full = even_range(c.intermediate_size, t, r), 0, c.intermediate_size
+        elif proj == "down_proj":
+            (a, b), dim, full = even_range(c.intermediate_size, t, r), 1, c.intermediate_size
+        else:
+            return None  # norms: replicated
+        return TensorShard(0 if tensor.dim() == 1 else dim, ((a, b),), full)

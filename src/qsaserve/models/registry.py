@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from qsaserve.errors import InvalidRequestError
+from qsaserve.layers.quantization import weight_quant_config
 from qsaserve.models.interfaces import CausalLM, supports_kv_rotation
 from qsaserve.models.llama import LlamaConfig, LlamaForCausalLM
 from qsaserve.parallel.dcp import check_dcp_config
@@ -64,14 +65,18 @@ def model_class(hf_config: dict) -> type[nn.Module] | None:
     return None
 
 
-def build_model(hf_config: dict, max_positions: int, parallel=None) -> CausalLM:
-    """parallel: this rank's ParallelContext (None: a single rank)."""
+def build_model(hf_config: dict, max_positions: int, parallel=None, quantization: str | None = None) -> CausalLM:
+    """parallel: this rank's ParallelContext (None: a single rank). quantization: --quantization
+    (the checkpoint's own quantization_config is read either way; layers/quantization)."""
     model_type = hf_config.get("model_type", "")
     cls = model_class(hf_config)
+    quant = weight_quant_config(hf_config, quantization)
     if cls is LlamaForCausalLM:
-        return LlamaForCausalLM(LlamaConfig.from_hf(hf_config), max_positions, parallel)
+        return LlamaForCausalLM(LlamaConfig.from_hf(hf_config), max_positions, parallel, quant)
+    if quant is not None and quant.method == "nvfp4":
+        raise InvalidRequestError("quantization", f"NVFP4 weights are served for Llama-family models, not {model_type!r}")
     if cls is not None:
-        return cls(hf_config, max_positions, parallel)
+        return cls(hf_config, max_positions, parallel, quant)
     raise InvalidRequestError("model", f"unsupported model_type {model_type!r}; supported: {', '.join(_LLAMA_FAMILY + _HYBRID)}")
 
 

@@ -103,6 +103,10 @@ class Rank0Views:
         kinds or None (ModelRunner.layer_profile). Other ranks keep their graphs: profile one rank."""
         return self.runner.layer_profile()
 
+    def memory_plan(self) -> dict[str, int]:
+        """Rank 0's bytes per kind: weights, PLE, KV, state, activations (ModelRunner.memory_plan)."""
+        return self.runner.memory_plan()
+
     def observe_kv_writes(self, observers: list | None) -> None:
         """Calibration's hooks on rank 0's cache writes (ModelRunner.observe_kv_writes)."""
         self.runner.observe_kv_writes(observers)

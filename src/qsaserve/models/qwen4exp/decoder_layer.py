@@ -23,15 +23,15 @@ Pending = tuple[torch.Tensor, torch.Tensor] | None  # (block output, injection w
 
 
 class Qwen4ExpDecoderLayer(nn.Module):
-    def __init__(self, cfg, layer_idx: int, layout: RankLayout):
+    def __init__(self, cfg, layer_idx: int, layout: RankLayout, quant=None):
         super().__init__()
         self.is_gdn = cfg.layer_types[layer_idx] == GDN
         self.ple = PLE(cfg, layer_idx) if layer_idx + 1 in cfg.ple_layer_ids else None
         self.attn_hyper_connection = HyperConnection(cfg)
         if self.is_gdn:
-            self.linear_attn = GatedDeltaNet(cfg, layout)
+            self.linear_attn = GatedDeltaNet(cfg, layout, quant, f"model.layers.{layer_idx}.linear_attn.")
         else:
-            self.self_attn = QSAAttention(cfg, layout)
+            self.self_attn = QSAAttention(cfg, layout, quant, f"model.layers.{layer_idx}.self_attn.")
         self.mlp_hyper_connection = HyperConnection(cfg)
         self.mlp = SparseMoE(cfg, layout)
 

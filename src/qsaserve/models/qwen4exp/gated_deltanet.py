@@ -4,12 +4,12 @@ projection. This rank holds its key / value heads (outputs summed over the TP ra
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qsaserve.models.qwen4exp.sharding import RankLayout
 from qsaserve.models.qwen4exp.snapshots import state_windows
 from qsaserve.models.qwen4exp.state import GDNState, Step
+from qsaserve.models.qwen4exp.quantized import packed, project
 from qsaserve.models.qwen4exp.weights import PackedWeight, ShardLoader, Weight, parameter
 from qsaserve.ops.gdn import (causal_conv1d, conv1d_decode_, delta_rule_decode_, gated_delta_rule,
                               gated_delta_rule_with_states, gated_norm, gdn_gates)
@@ -24,7 +24,7 @@ class GatedDeltaNet(nn.Module):
     packed_names = {"in_proj_qkv.weight": ("in_proj.weight", "qkv"), "in_proj_z.weight": ("in_proj.weight", "z"),
                     "in_proj_b.weight": ("in_proj.weight", "b"), "in_proj_a.weight": ("in_proj.weight", "a")}
 
-    def __init__(self, cfg, layout: RankLayout):
+    def __init__(self, cfg, layout: RankLayout, quant=None, prefix: str = ""):
         super().__init__()
         self.ctx = layout.ctx
         self.key_heads = layout.gdn_key_heads[1] - layout.gdn_key_heads[0]
@@ -36,14 +36,16 @@ class GatedDeltaNet(nn.Module):
         hv, dv = self.value_heads, self.value_dim
         self.conv_dim = 2 * self.key_heads * self.key_dim + hv * dv
         qkv, per_head = layout.gdn_qkv_channels(), layout.gdn_per_head()
-        self.in_proj = PackedWeight(cfg.hidden_size, [("qkv", self.conv_dim, qkv),
-                                                      ("z", hv * dv, layout.gdn_value_rows()),
-                                                      ("b", hv, per_head), ("a", hv, per_head)])
+        in_parts = [("qkv", self.conv_dim, qkv), ("z", hv * dv, layout.gdn_value_rows()), ("b", hv, per_head),
+                    ("a", hv, per_head)]
+        self.in_proj = packed(cfg.hidden_size, in_parts, quant, prefix + "in_proj_qkv",
+                              lambda: PackedWeight(cfg.hidden_size, in_parts))
         self.conv1d = Weight((self.conv_dim, 1, self.conv_kernel), qkv)
         self.dt_bias = parameter((hv,), ShardLoader(per_head))
         self.A_log = parameter((hv,), ShardLoader(per_head))
         self.norm = Weight((dv,))
-        self.out_proj = Weight((cfg.hidden_size, hv * dv), layout.gdn_out_proj())
+        self.out_proj = packed(hv * dv, [(None, cfg.hidden_size, layout.gdn_out_proj())], quant, prefix + "out_proj",
+                               lambda: Weight((cfg.hidden_size, hv * dv), layout.gdn_out_proj()))
         self.state: GDNState | None = None
 
     def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> GDNState:
@@ -54,7 +56,7 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         hk, hv, dk, dv = self.key_heads, self.value_heads, self.key_dim, self.value_dim
         t, st, slot_idx = x.shape[0], self.state, step.slot_idx
-        mixed, z, b, a = torch.split(F.linear(x, self.in_proj.weight), self.in_proj.sizes(), dim=-1)
+        mixed, z, b, a = torch.split(project(x, self.in_proj), self.in_proj.sizes(), dim=-1)
         z = z.reshape(t, hv, dv)
         # beta = sigmoid(b); decay g in fp32 (exp(A_log) may overflow half precision).
         beta, g = gdn_gates(b, a, self.A_log, self.dt_bias)
@@ -82,7 +84,7 @@ class GatedDeltaNet(nn.Module):
             o = o[0]
             st.recurrent[slot_idx] = final.float()
         o = gated_norm(o, z, self.norm.weight, self.eps, self.output_activation)
-        return self.ctx.all_reduce(F.linear(o.reshape(t, hv * dv), self.out_proj.weight))
+        return self.ctx.all_reduce(project(o.reshape(t, hv * dv), self.out_proj))
 
     def _snapshot_prefill(self, mixed: torch.Tensor, old_conv: torch.Tensor, recurrent: torch.Tensor,
                           step: Step) -> None:

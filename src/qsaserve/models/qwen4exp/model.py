@@ -37,12 +37,12 @@ from qsaserve.parallel.tp import vocab_shard_rows
 class Qwen4ExpModel(nn.Module):
     """Embedding -> decoder layers -> residual streams (the final mixer is applied by the LM head)."""
 
-    def __init__(self, cfg, layout: RankLayout):
+    def __init__(self, cfg, layout: RankLayout, quant=None):
         super().__init__()
         self.config, self.ctx = cfg, layout.ctx
         self.embed_tokens = Weight((vocab_shard_rows(cfg.vocab_size, layout.ctx.tp_size), cfg.hidden_size),
                                    layout.vocab())
-        self.layers = nn.ModuleList(Qwen4ExpDecoderLayer(cfg, i, layout) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(Qwen4ExpDecoderLayer(cfg, i, layout, quant) for i in range(cfg.num_hidden_layers))
         self.hyper_connection_mixer = HyperConnection(cfg, inject=False)
 
     def forward(self, input_ids: torch.Tensor, step: slot_state.Step, meta: AttentionMetadata) -> torch.Tensor:
@@ -60,13 +60,15 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasRoutedExperts, HasSid
     # CUDA graphs: steps where every sequence decodes one token take a path free of host syncs and
     # of data-dependent shapes (state.build_step), DCP slots included (derived on the device).
 
-    def __init__(self, hf_config: dict, max_positions: int, parallel: ParallelContext | None = None):
+    def __init__(self, hf_config: dict, max_positions: int, parallel: ParallelContext | None = None, quant=None):
+        """quant: FP8 weights of the token mixers' projections (WeightQuantConfig; quantized.py)."""
         super().__init__()
         self.ctx = parallel or ParallelContext()
+        self.quant = quant
         self.config = cfg = parse_config(hf_config)
         validate_config(cfg)
         layout = RankLayout(cfg, self.ctx)
-        self.model = Qwen4ExpModel(cfg, layout)
+        self.model = Qwen4ExpModel(cfg, layout, quant)
         vocab_rows = vocab_shard_rows(cfg.vocab_size, self.ctx.tp_size)
         self.lm_head = None if cfg.tie_word_embeddings else Weight((vocab_rows, cfg.hidden_size), layout.vocab())
         self.num_kv_heads = layout.num_kv_heads
@@ -168,7 +170,7 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasRoutedExperts, HasSid
 
     def load_weights(self, weights) -> None:
         """HF-named checkpoint tensors (weights.load_checkpoint); mtp.* go to mtp_weights."""
-        self.mtp_weights = load_checkpoint(self, self.config, weights, self.model.embed_tokens.weight.device)
+        self.mtp_weights = load_checkpoint(self, self.config, weights, self.model.embed_tokens.weight.device, self.quant)
 
 
 def _plain_attribute_reads(root: nn.Module) -> None:

@@ -14,7 +14,6 @@ are merged, and the output gate is applied after the merge.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qsaserve.cache.kv_cache import LayerCache
@@ -22,6 +21,7 @@ from qsaserve.layers.attention import AttentionMetadata
 from qsaserve.models.qwen4exp.reference import qsa_attention_output, qsa_norm_rope_qk
 from qsaserve.models.qwen4exp.sharding import REPLICATED, RankLayout
 from qsaserve.models.qwen4exp.state import IndexTailState, Step
+from qsaserve.models.qwen4exp.quantized import Fp8PackedWeight, packed, project
 from qsaserve.models.qwen4exp.weights import PackedWeight, Weight
 from qsaserve.ops.attention import write_kv
 from qsaserve.ops.dispatch import use_triton
@@ -63,7 +63,7 @@ class QSAAttention(nn.Module):
                     "v_proj.weight": ("qkv_index_proj.weight", "v"),
                     "indexer.index_qk_proj.weight": ("qkv_index_proj.weight", "index_qk")}
 
-    def __init__(self, cfg, layout: RankLayout):
+    def __init__(self, cfg, layout: RankLayout, quant=None, prefix: str = ""):
         super().__init__()
         self.ctx = layout.ctx
         d = self.head_dim = cfg.head_dim
@@ -74,11 +74,13 @@ class QSAAttention(nn.Module):
         self.num_kv_heads = layout.kv_heads[1] - layout.kv_heads[0]
         self.indexer = QSAIndexer(cfg)
         q_rows = sum(b - a for a, b in layout.query_gate_rows())
-        self.qkv_index_proj = PackedWeight(cfg.hidden_size, [
-            ("q", q_rows, layout.q_proj()), ("k", self.num_kv_heads * d, layout.kv_proj()),
-            ("v", self.num_kv_heads * d, layout.kv_proj()),
-            ("index_qk", (self.indexer.num_heads + 1) * self.indexer.head_dim, REPLICATED)])
-        self.o_proj = Weight((cfg.hidden_size, own * d), layout.o_proj())
+        parts = [("q", q_rows, layout.q_proj()), ("k", self.num_kv_heads * d, layout.kv_proj()),
+                 ("v", self.num_kv_heads * d, layout.kv_proj()),
+                 ("index_qk", (self.indexer.num_heads + 1) * self.indexer.head_dim, REPLICATED)]
+        self.qkv_index_proj = packed(cfg.hidden_size, parts, quant, prefix + "q_proj",
+                                     lambda: PackedWeight(cfg.hidden_size, parts))
+        self.o_proj = packed(own * d, [(None, cfg.hidden_size, layout.o_proj())], quant, prefix + "o_proj",
+                             lambda: Weight((cfg.hidden_size, own * d), layout.o_proj()))
         self.q_norm = Weight((d,))
         self.k_norm = Weight((d,))
         self.attn = QSACacheLayer(layout.num_kv_heads, d)
@@ -111,7 +113,7 @@ class QSAAttention(nn.Module):
         # CUDA: the packed GEMM, each head's 1-centred RMSNorm + partial RoPE in one kernel
         # (ops.fused.norm_rope_heads; _inputs_reference is its reference).
         t, d, hi, di = x.shape[0], self.head_dim, self.indexer.num_heads, self.indexer.head_dim
-        qg, k, v, qk = torch.split(F.linear(x, self.qkv_index_proj.weight), self.qkv_index_proj.sizes(), dim=-1)
+        qg, k, v, qk = torch.split(project(x, self.qkv_index_proj), self.qkv_index_proj.sizes(), dim=-1)
         q, gate = self._split_query_gate(qg)
         q = norm_rope_heads(q, self.q_norm.weight, cos, sin, self.eps)
         k = norm_rope_heads(k.view(t, -1, d), self.k_norm.weight, cos, sin, self.eps)
@@ -121,10 +123,10 @@ class QSAAttention(nn.Module):
 
     def _inputs_reference(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """qsa_attention_qkv and indexer_project, with this rank's q_proj layout."""
-        t, d, part = x.shape[0], self.head_dim, self.qkv_index_proj.part
-        q, gate = self._split_query_gate(F.linear(x, part("q")))
-        k = F.linear(x, part("k")).view(t, -1, d)
-        v = F.linear(x, part("v")).view(t, -1, d)
+        t, d, proj, part = x.shape[0], self.head_dim, self.qkv_index_proj, self.qkv_index_proj.part
+        q, gate = self._split_query_gate(project(x, proj, "q"))
+        k = project(x, proj, "k").view(t, -1, d)
+        v = project(x, proj, "v").view(t, -1, d)
         q, k = qsa_norm_rope_qk(q, k, self.q_norm.weight, self.k_norm.weight, cos, sin, self.eps)
         iq, raw = indexer_project(x, part("index_qk"), self.indexer.q_layernorm.weight, self.indexer.num_heads,
                                   self.indexer.head_dim, cos, sin, self.eps)
@@ -132,6 +134,9 @@ class QSAAttention(nn.Module):
 
     def _output(self, attn: torch.Tensor, lse: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         attn = self.ctx.dcp_merge(attn, lse)
+        if isinstance(self.o_proj, Fp8PackedWeight):  # qsa_attention_output's gating, then the FP8 o_proj
+            return self.ctx.all_reduce(project(attn.reshape(attn.shape[0], -1).to(gate.dtype) * torch.sigmoid(gate),
+                                               self.o_proj))
         return self.ctx.all_reduce(qsa_attention_output(attn, gate, self.o_proj.weight))
 
     def _run(self, cache: LayerCache) -> int:

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from qsaserve.models.qwen4exp.config import GDN
+from qsaserve.models.qwen4exp.quantized import (DequantizeAtLoad, add_scale_targets, is_fp8_target,
+                                                 missing_fp8_parts)
 from qsaserve.models.qwen4exp.sharding import REPLICATED, RankLayout, Shard
 
 logger = logging.getLogger("qsaserve")
@@ -236,6 +238,7 @@ def checkpoint_targets(model: nn.Module, tied: bool) -> dict[str, tuple[nn.Param
             targets[_checkpoint_name(f"{prefix}.{ck_name}")] = (params[f"{prefix}.{param_name}"], shard_id)
     if tied:
         targets["lm_head.weight"] = targets["embed_tokens.weight"]
+    add_scale_targets(model, targets)
     return targets
 
 
@@ -265,19 +268,37 @@ def _per_expert(name: str) -> tuple[str, int, str] | None:
 
 
 # ---- loading ----
-def load_checkpoint(model: nn.Module, cfg, weights, device: torch.device) -> dict[str, torch.Tensor]:
+def load_checkpoint(model: nn.Module, cfg, weights, device: torch.device, quant=None) -> dict[str, torch.Tensor]:
     """Accepts HF names with `model.`, `model.language_model.` or no prefix. Per-expert tensors
-    are fused; PLE table shards are left to their own loader. Returns the mtp.* tensors (the MTP
-    draft head, for speculative decoding), by name after `mtp.`."""
+    are fused; PLE table shards are left to their own loader; FP8 tensors of layers kept in the
+    model dtype are dequantized (quantized.py). Returns the mtp.* tensors (the MTP draft head, for
+    speculative decoding), by name after `mtp.`."""
     targets = checkpoint_targets(model, cfg.tie_word_embeddings)
+    dequantize = DequantizeAtLoad(quant, targets["embed_tokens.weight"][0].dtype)
+
+    def stream():
+        for raw, tensor in weights:
+            name = strip_prefix(raw)
+            if name is None or raw.startswith(("mtp.", "model.mtp.")) or name.endswith(".input_scale"):
+                if name is None or not name.endswith(".input_scale"):  # activations: dynamic scales
+                    yield raw, name, tensor
+                continue
+            for n, t in dequantize(name, tensor, is_fp8_target(targets, name)):
+                yield raw, n, t
+        dequantize.finish()
+
+    return _load(model, cfg, targets, stream(), device)
+
+
+def _load(model: nn.Module, cfg, targets: dict, weights, device: torch.device) -> dict[str, torch.Tensor]:
+    """load_checkpoint's loop over (raw name, name, tensor)."""
     loaded: set[str] = set()
     skipped_vision = 0
     mtp: dict[str, torch.Tensor] = {}
-    for name, tensor in weights:
-        if name.startswith(("mtp.", "model.mtp.")):
-            mtp[name.split("mtp.", 1)[1]] = tensor.to(device)
+    for raw, name, tensor in weights:
+        if raw.startswith(("mtp.", "model.mtp.")):
+            mtp[raw.split("mtp.", 1)[1]] = tensor.to(device)
             continue
-        name = strip_prefix(name)
         if name is None:
             skipped_vision += 1
             continue
@@ -309,6 +330,7 @@ def load_checkpoint(model: nn.Module, cfg, weights, device: torch.device) -> dic
                 missing.append(name)
         elif name not in loaded and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
             missing.append(name)
+    missing += missing_fp8_parts(model)
     if missing:
         raise ValueError(f"model: checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
     if skipped_vision:
@@ -330,6 +352,8 @@ def init_dummy_weights(model: nn.Module, cfg, seed: int, device: torch.device) -
             continue
         param, shard_id = targets[name]
         w = checkpoint_tensor(targets, name)
+        # an FP8 layer's tensor is drawn in the model dtype and quantized by its loader
+        dtype = w.dtype if w.dtype != torch.float8_e4m3fn else targets["embed_tokens.weight"][0].dtype
         if name.endswith("linear_attn.norm.weight"):
             w.fill_(1.0)
             continue
@@ -340,11 +364,11 @@ def init_dummy_weights(model: nn.Module, cfg, seed: int, device: torch.device) -
             # [E, ...]: one expert at a time, so the peak is one expert's full tensor, not the layer's.
             for e in range(shape[0]):
                 gen.manual_seed(zlib.crc32(f"{seed}:{name}:{e}".encode()))
-                full = torch.empty((1, *shape[1:]), dtype=w.dtype, device=device).normal_(0.0, 0.02, generator=gen)
+                full = torch.empty((1, *shape[1:]), dtype=dtype, device=device).normal_(0.0, 0.02, generator=gen)
                 param.weight_loader(param, full, e)
             continue
         gen.manual_seed(zlib.crc32(f"{seed}:{name}".encode()))
-        full = torch.empty(shape, dtype=w.dtype, device=device)
+        full = torch.empty(shape, dtype=dtype, device=device)
         if name.endswith("A_log"):
             full.uniform_(0.0, 1.0, generator=gen)
         else:

@@ -1,0 +1,173 @@
+"""A linear layer with FP8 E4M3 weights (vLLM's `Fp8LinearMethod` idea): the layer owns its
+parameters and their loaders, so a model hands it checkpoint tensors (FP8 weights and their
+scales, or float weights to quantize at load) and this rank's range of each, and never sees the
+scale layout.
+
+Parameters: `weight` [N, K] E4M3 and `weight_scale` [ceil(N/block_n), Sk] float32, the layout of
+ops/fp8_gemm/reference.py (Sk = ceil(K/128) for block scales, 1 for channel / tensor scales).
+A layer packing several checkpoint tensors by rows (q | k | v) has `parts` rows each; block_n is
+128, or the largest divisor of 128 that divides every part (SmolLM2's k/v have 192 rows), each
+checkpoint block scale then repeated 128 / block_n times, so every part keeps its own blocks.
+
+Tensor parallel: a rank's range of a block-scaled tensor must start and end on a 128 boundary
+(or at the tensor's end), else the rank would hold part of a block whose scale it shares; such a
+layout is refused naming tensor_parallel_size. Online quantization quantizes the full checkpoint
+tensor first, then shards it, so every layout holds the same quantized model."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from qsaserve.errors import InvalidRequestError
+from qsaserve.layers.quantization.config import BLOCK, WeightQuantConfig
+from qsaserve.layers.quantization.shard import TensorShard, take_shard
+from qsaserve.ops.fp8_gemm import FP8, dequantize_weight, fp8_linear, quantize_weight_block, quantize_weight_rows
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, in_features: int, parts: list[int], bias: bool, quant: WeightQuantConfig, name: str = ""):
+        super().__init__()
+        self.name, self.scheme = name, quant.scheme
+        self.in_features, self.parts = in_features, list(parts)
+        self.out_features = sum(parts)
+        self.offsets = [sum(parts[:i]) for i in range(len(parts))]
+        self.block_n = 1 if self.scheme == "channel" else math.gcd(BLOCK, *parts)
+        scale_cols = math.ceil(in_features / BLOCK) if self.scheme == "block" else 1
+        self.weight = nn.Parameter(torch.empty(self.out_features, in_features, dtype=FP8), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(self.out_features // self.block_n, scale_cols,
+                                                     dtype=torch.float32), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
+        self.loaded: set[tuple[str, int]] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> [T, N] in x's dtype."""
+        return fp8_linear(x, self.weight, self.weight_scale, self.block_n, self.bias)
+
+    # Row counts whose kernel variants a step may build: the W8A16 row blocks (16, 32, 64) with and
+    # without Triton's divisible-by-16 specialization, 1, and the W8A8 GEMM on both sides of it.
+    WARM_UP_ROWS = (1, 2, 16, 17, 32, 33, 64, 65, 128)
+
+    @torch.no_grad()
+    def warm_up(self, dtype: torch.dtype) -> int:
+        """Builds this layer's FP8 kernels at every row count class a step may bring (launches made)."""
+        x = torch.zeros(max(self.WARM_UP_ROWS), self.in_features, dtype=dtype, device=self.weight.device)
+        for rows in self.WARM_UP_ROWS:
+            self(x[:rows])
+        return len(self.WARM_UP_ROWS)
+
+    def linear_part(self, x: torch.Tensor, part: int) -> torch.Tensor:
+        """x [T, K] -> x @ W_part^T [T, rows of the part]: one part's rows, alone."""
+        a, rows = self.offsets[part], self.parts[part]
+        bias = None if self.bias is None else self.bias[a:a + rows]
+        return fp8_linear(x, self.weight[a:a + rows], self.weight_scale[a // self.block_n:(a + rows) // self.block_n],
+                          self.block_n, bias)
+
+    def dequantized(self, part: int, dtype: torch.dtype) -> torch.Tensor:
+        """One part's weight rows dequantized [rows, K] (for code that takes a weight tensor)."""
+        a, rows = self.offsets[part], self.parts[part]
+        w = dequantize_weight(self.weight[a:a + rows], self.weight_scale[a // self.block_n:(a + rows) // self.block_n],
+                              self.block_n)
+        return w.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme}, block_n={self.block_n}"
+
+    # ---- loading ----
+    def missing(self) -> list[str]:
+        kinds = ("weight", "scale") + (("bias",) if self.bias is not None else ())
+        return [f"{self.name}.{k}#{p}" for k in kinds for p in range(len(self.parts)) if (k, p) not in self.loaded]
+
+    def load(self, kind: str, tensor: torch.Tensor, part: int = 0, shard: TensorShard | None = None) -> None:
+        """kind: weight (E4M3, or a float weight quantized here), scale (the checkpoint's
+        weight_scale_inv / weight_scale) or bias; tensor: the full checkpoint tensor; part: its
+        row range of this layer; shard: this rank's range of it (None: all of it)."""
+        if kind == "weight" and tensor.dtype != FP8:
+            q, s = self.quantize(tensor)
+            self.load("weight", q, part, shard)
+            self.load("scale", s, part, shard)
+            return
+        a, rows = self.offsets[part], self.parts[part]
+        if kind == "bias":
+            target, value = self.bias.data[a:a + rows], take_shard(tensor, shard)
+        elif kind == "weight":
+            self._check_blocks(shard)
+            target, value = self.weight.data[a:a + rows], take_shard(tensor, shard)
+        elif kind == "scale":
+            target, value = self.weight_scale.data[a // self.block_n:(a + rows) // self.block_n], self._scale_rows(tensor, rows, shard)
+        else:
+            raise ValueError(f"model: {self.name}: unknown tensor kind {kind!r}")
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"model: {self.name} {kind} (part {part}) has shape {tuple(value.shape)} for this rank, "
+                             f"expected {tuple(target.shape)}")
+        target.copy_(value.to(target.device))
+        self.loaded.add((kind, part))
+
+    def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A full float checkpoint weight -> (E4M3, its checkpoint-layout scale) in this layer's scheme."""
+        if self.scheme == "block":
+            return quantize_weight_block(w)
+        return quantize_weight_rows(w, per_tensor=self.scheme == "tensor")
+
+    def _check_blocks(self, shard: TensorShard | None) -> None:
+        if self.scheme != "block" or shard is None:
+            return
+        for a, b in shard.ranges:
+            if any(edge % BLOCK and edge != shard.full for edge in (a, b)):
+                axis = "rows" if shard.dim == 0 else "columns"
+                raise InvalidRequestError("tensor_parallel_size", f"{self.name}: this rank's {axis} [{a}, {b}) of "
+                                          f"{shard.full} split a {BLOCK}x{BLOCK} FP8 weight block; block-FP8 weights "
+                                          f"shard on multiples of {BLOCK}")
+
+    def _scale_rows(self, s: torch.Tensor, rows: int, shard: TensorShard | None) -> torch.Tensor:
+        """A checkpoint scale -> this rank's rows of weight_scale for one part ([rows / block_n, Sk])."""
+        s = s.float()
+        if self.scheme == "tensor":
+            return s.reshape(1, 1).expand(rows // self.block_n, 1)
+        if self.scheme == "channel":
+            s = s.reshape(-1, 1)
+            return take_shard(s, shard) if shard is not None and shard.dim == 0 else s
+        s = s.reshape(-1, s.shape[-1]) if s.dim() == 2 else s.reshape(1, -1)
+        expand = BLOCK // self.block_n
+        if shard is None:
+            return s.repeat_interleave(expand, 0)[: rows // self.block_n]
+        self._check_blocks(shard)
+        blocks = [(a // BLOCK, -(-b // BLOCK)) for a, b in shard.ranges]
+        if shard.dim == 1:
+            return torch.cat([s[:, a:b] for a, b in blocks], 1).repeat_interleave(expand, 0)[: rows // self.block_n]
+        # each range's blocks, repeated to block_n rows, cut to the range's own rows
+        return torch.cat([s[a:b].repeat_interleave(expand, 0)[: (e - d) // self.block_n]
+                          for (a, b), (d, e) in zip(blocks, shard.ranges)])
+
+
+def warm_up_fp8_layers(model: nn.Module, dtype: torch.dtype) -> int:
+    """Warms one quantized linear layer (FP8 or NVFP4) of each distinct shape and scale layout (the
+    kernels specialize on these, not on the layer); returns the launches made."""
+    from qsaserve.layers.quantization.nvfp4 import Nvfp4Linear
+
+    seen, launches = set(), 0
+    for m in model.modules():
+        if isinstance(m, (Fp8Linear, Nvfp4Linear)):
+            key = (type(m), m.out_features, m.in_features, getattr(m, "block_n", 0), tuple(m.weight_scale.shape),
+                   m.bias is not None)
+            if key not in seen:
+                seen.add(key)
+                launches += m.warm_up(dtype)
+    return launches
+
+
+def make_linear(in_features: int, parts: list[int], bias: bool, quant: WeightQuantConfig | None,
+                name: str) -> nn.Module:
+    """nn.Linear, or an Fp8Linear / Nvfp4Linear when `quant` quantizes module `name` (HF name of its
+    first part)."""
+    if quant is not None and quant.is_quantized(name):
+        if quant.method == "nvfp4":
+            from qsaserve.layers.quantization.nvfp4 import Nvfp4Linear
+
+            return Nvfp4Linear(in_features, parts, bias, name)
+        return Fp8Linear(in_features, parts, bias, quant, name)
+    return nn.Linear(in_features, sum(parts), bias=bias)
+
+
+__all__ = ["Fp8Linear", "TensorShard", "make_linear", "warm_up_fp8_layers"]

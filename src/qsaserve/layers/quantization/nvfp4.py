@@ -1,0 +1,83 @@
+"""A linear layer with NVFP4 weights (ModelOpt's layout; ops/nvfp4_gemm), run as W4A16: `weight`
+uint8 [N, K/2] (packed E2M1), `weight_scale` E4M3 [N, K/16], `row_scale` float32 [N] (each
+checkpoint tensor's `weight_scale_2`, repeated over its rows, so a fused q | k | v keeps three).
+Loaders as fp8.Fp8Linear's: kinds weight (packed, or a float weight quantized here with
+ModelOpt's recipe), scale, global (weight_scale_2) and bias; a rank's column range must start and
+end on a 16-column group."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from qsaserve.errors import InvalidRequestError
+from qsaserve.layers.quantization.shard import TensorShard, take_shard
+from qsaserve.ops.nvfp4_gemm import GROUP, nvfp4_linear, quantize_nvfp4
+
+
+class Nvfp4Linear(nn.Module):
+    WARM_UP_ROWS = (1, 2, 16, 17, 32, 33, 64, 65, 128)
+
+    def __init__(self, in_features: int, parts: list[int], bias: bool, name: str = ""):
+        super().__init__()
+        if in_features % GROUP:
+            raise InvalidRequestError("quantization", f"{name}: NVFP4 needs in_features a multiple of {GROUP}, got "
+                                      f"{in_features}")
+        self.name, self.scheme = name, "nvfp4"
+        self.in_features, self.parts = in_features, list(parts)
+        self.out_features = n = sum(parts)
+        self.offsets = [sum(parts[:i]) for i in range(len(parts))]
+        self.weight = nn.Parameter(torch.empty(n, in_features // 2, dtype=torch.uint8), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(n, in_features // GROUP, dtype=torch.float8_e4m3fn),
+                                         requires_grad=False)
+        self.row_scale = nn.Parameter(torch.empty(n, dtype=torch.float32), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(n), requires_grad=False) if bias else None
+        self.loaded: set[tuple[str, int]] = set()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] -> [T, N] in x's dtype."""
+        return nvfp4_linear(x, self.weight, self.weight_scale, self.row_scale, self.bias)
+
+    @torch.no_grad()
+    def warm_up(self, dtype: torch.dtype) -> int:
+        x = torch.zeros(max(self.WARM_UP_ROWS), self.in_features, dtype=dtype, device=self.weight.device)
+        for rows in self.WARM_UP_ROWS:
+            self(x[:rows])
+        return len(self.WARM_UP_ROWS)
+
+    def missing(self) -> list[str]:
+        kinds = ("weight", "scale", "global") + (("bias",) if self.bias is not None else ())
+        return [f"{self.name}.{k}#{p}" for k in kinds for p in range(len(self.parts)) if (k, p) not in self.loaded]
+
+    def load(self, kind: str, tensor: torch.Tensor, part: int = 0, shard: TensorShard | None = None) -> None:
+        """As Fp8Linear.load; kind global is the checkpoint's weight_scale_2."""
+        if kind == "weight" and tensor.dtype != torch.uint8:
+            packed, scale, glob = quantize_nvfp4(tensor)
+            for k, t in (("weight", packed), ("scale", scale), ("global", glob)):
+                self.load(k, t, part, shard)
+            return
+        a, rows = self.offsets[part], self.parts[part]
+        if kind == "global":
+            self.row_scale.data[a:a + rows] = tensor.float().reshape(()).to(self.row_scale.device)
+            self.loaded.add((kind, part))
+            return
+        if kind == "bias":
+            target, value = self.bias.data[a:a + rows], take_shard(tensor, shard)
+        elif kind in ("weight", "scale"):
+            per_col = 2 if kind == "weight" else GROUP  # checkpoint columns per stored column
+            if shard is not None and shard.dim == 1:
+                if any(e % GROUP for r in shard.ranges for e in r):
+                    raise InvalidRequestError("tensor_parallel_size", f"{self.name}: this rank's columns "
+                                              f"{shard.ranges} split a {GROUP}-column NVFP4 group")
+                shard = TensorShard(1, tuple((s // per_col, e // per_col) for s, e in shard.ranges), shard.full // per_col)
+            target = (self.weight if kind == "weight" else self.weight_scale).data[a:a + rows]
+            value = take_shard(tensor, shard)
+        else:
+            raise ValueError(f"model: {self.name}: unknown tensor kind {kind!r}")
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"model: {self.name} {kind} (part {part}) has shape {tuple(value.shape)} for this rank, "
+                             f"expected {tuple(target.shape)}")
+        target.copy_(value.to(target.device))
+        self.loaded.add((kind, part))
+
+
+__all__ = ["Nvfp4Linear"]

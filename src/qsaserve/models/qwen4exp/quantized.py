@@ -1,0 +1,150 @@
+"""Qwen4Exp with FP8 weights (layers/quantization): the projections of the token mixers (QSA's packed
+q | k | v | index_qk and o_proj, GDN's packed in_proj and out_proj) as Fp8Linear layers with the
+PackedWeight / Weight interface and weight loaders, and the FP8 tensors of every other layer
+(routed and shared experts, router, PLE projections) dequantized to the model dtype as they load.
+
+The routed experts stay in the model dtype until ops/moe's `moe_experts` takes FP8 experts (its
+optional w13_scale / w2_scale, another branch): they will then be held as [E, N, K] E4M3 with
+[E, ceil(N/128), ceil(K/128)] float32 scales. The MoE block's forward is not changed here, so its
+shared expert and router (packed with the shared gate/up projections) stay unquantized too."""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qsaserve.layers.quantization import Fp8Linear, WeightQuantConfig
+from qsaserve.layers.quantization.fp8 import TensorShard
+from qsaserve.ops.fp8_gemm import FP8, dequantize_weight
+
+logger = logging.getLogger("qsaserve")
+
+SCALE_SUFFIXES = ("_scale_inv", "_scale")  # <name>.weight_scale_inv (block) / <name>.weight_scale (tensor, channel)
+
+
+class _Fp8Loader:
+    """weight_loader(param, loaded, shard_id) of an Fp8PackedWeight's weight or weight_scale."""
+
+    def __init__(self, module: "Fp8PackedWeight", kind: str):
+        self.module, self.kind = module, kind
+
+    def shard(self, shard_id=None):
+        return self.module.rules[self.module.ids.index(shard_id)]
+
+    def view(self, param: torch.Tensor, shard_id=None) -> torch.Tensor:
+        m = self.module
+        i = m.ids.index(shard_id)
+        a, rows = m.offsets[i], m.parts[i]
+        if self.kind == "scale":
+            return param[a // m.block_n:(a + rows) // m.block_n]
+        return param[a:a + rows]
+
+    def __call__(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        m = self.module
+        rule = self.shard(shard_id)
+        shard = None
+        if rule.ranges is not None:
+            # a weight knows its full size; a block scale does not, so its last range may end anywhere
+            full = loaded.shape[rule.dim] if self.kind == "weight" else max(b for _, b in rule.ranges)
+            shard = TensorShard(rule.dim, tuple(rule.ranges), full)
+        m.load(self.kind, loaded, m.ids.index(shard_id), shard)
+
+
+class Fp8PackedWeight(Fp8Linear):
+    """PackedWeight (and, with one part of shard id None, Weight) with FP8 weights: `weight`
+    [sum of rows, in_features] E4M3, `weight_scale`, sizes(), part(shard id) (dequantized rows, for
+    code that takes a weight tensor) and linear_part."""
+
+    def __init__(self, in_features: int, parts: list[tuple[object, int, object]], quant: WeightQuantConfig, name: str):
+        super().__init__(in_features, [rows for _, rows, _ in parts], False, quant, name)
+        self.ids = [pid for pid, _, _ in parts]
+        self.rules = [rule for _, _, rule in parts]
+        self.dtype = torch.get_default_dtype()  # the model dtype (models are built under it)
+        self.weight.weight_loader = _Fp8Loader(self, "weight")
+        self.weight_scale.weight_loader = _Fp8Loader(self, "scale")
+
+    def sizes(self) -> list[int]:
+        return list(self.parts)
+
+    def part(self, shard_id) -> torch.Tensor:
+        return self.dequantized(self.ids.index(shard_id), self.dtype)
+
+
+def packed(in_features: int, parts: list, quant: WeightQuantConfig | None, name: str, plain):
+    """Fp8PackedWeight when `quant` quantizes module `name` (the HF name of the first part), else plain()."""
+    if quant is not None and quant.is_quantized(name):
+        return Fp8PackedWeight(in_features, parts, quant, name)
+    return plain()
+
+
+def project(x: torch.Tensor, module: nn.Module, part=None) -> torch.Tensor:
+    """x @ W^T of a Weight / PackedWeight (or one part of it), FP8 or not."""
+    if isinstance(module, Fp8PackedWeight):
+        return module(x) if part is None else module.linear_part(x, module.ids.index(part))
+    return F.linear(x, module.weight if part is None else module.part(part))
+
+
+def add_scale_targets(model: nn.Module, targets: dict) -> None:
+    """targets (checkpoint name -> (parameter, shard id)) gain each FP8 weight's scale names."""
+    scales = {id(m.weight): m.weight_scale for m in model.modules() if isinstance(m, Fp8PackedWeight)}
+    for name, (param, shard_id) in list(targets.items()):
+        if id(param) in scales and name.endswith(".weight"):
+            for suffix in SCALE_SUFFIXES:
+                targets[name + suffix] = (scales[id(param)], shard_id)
+
+
+def is_fp8_target(targets: dict, name: str) -> bool:
+    """Whether checkpoint tensor `name` goes to an FP8 layer (its weight or its scale)."""
+    return name in targets and isinstance(getattr(targets[name][0], "weight_loader", None), _Fp8Loader)
+
+
+def missing_fp8_parts(model: nn.Module) -> list[str]:
+    return [m for mod in model.modules() if isinstance(mod, Fp8PackedWeight) for m in mod.missing()]
+
+
+class DequantizeAtLoad:
+    """Pairs each FP8 checkpoint tensor whose layer is not FP8 with its scale, and hands the
+    dequantized tensor (model dtype) on in its place; everything else passes through."""
+
+    def __init__(self, quant: WeightQuantConfig | None, dtype: torch.dtype):
+        self.quant, self.dtype = quant, dtype
+        self.weights: dict[str, torch.Tensor] = {}
+        self.scales: dict[str, torch.Tensor] = {}
+        self.count = 0
+
+    def __call__(self, name: str, tensor: torch.Tensor, fp8_target: bool) -> list[tuple[str, torch.Tensor]]:
+        base = next((name[: -len(s)] for s in SCALE_SUFFIXES if name.endswith(".weight" + s) or
+                     name.endswith("_proj" + s)), None)
+        if base is not None and not fp8_target:
+            self.scales[base] = tensor
+        elif tensor.dtype == FP8 and not fp8_target:
+            self.weights[name] = tensor
+            base = name
+        else:
+            return [(name, tensor)]
+        if base in self.weights and base in self.scales:
+            self.count += 1
+            return [(base, self._dequantize(self.weights.pop(base), self.scales.pop(base)))]
+        return []
+
+    def _dequantize(self, w: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        if w.dim() == 3:  # fused experts [E, N, K] with per-expert scales [E, ...]
+            return torch.stack([self._dequantize(w[e], s[e] if s.dim() == 3 else s) for e in range(w.shape[0])])
+        if self.quant is not None and self.quant.scheme == "block":
+            return dequantize_weight(w, s.reshape(-1, s.shape[-1]), 128).to(self.dtype)
+        return (w.float() * s.float().reshape(-1, 1)).to(self.dtype)
+
+    def finish(self) -> None:
+        left = sorted(self.weights) + sorted(self.scales)
+        if left:
+            raise ValueError(f"model: FP8 checkpoint tensors without their weight / scale: {left[:5]}")
+        if self.count:
+            logger.warning("Qwen4Exp: %d FP8 checkpoint tensors of the MoE blocks (routed and shared experts) and other "
+                           "unquantized layers were dequantized to %s at load: ops/moe does not take FP8 experts yet",
+                           self.count, self.dtype)
+
+
+__all__ = ["DequantizeAtLoad", "Fp8PackedWeight", "add_scale_targets", "is_fp8_target", "missing_fp8_parts", "packed",
+           "project"]

@@ -1,0 +1,55 @@
+"""Linear layers with FP8 E4M3 weights and float32 block / channel / tensor scales (layout in
+reference.py), dispatched (`ops.dispatch.use_triton`): on CUDA the Triton kernels (triton_gemm.py,
+triton_quant.py), else the torch references. `fp8_linear` is what layers call: up to DECODE_ROWS
+rows W8A16 (bf16 activations), more rows W8A8 with per-token-group activation scales, on every
+device, so the CPU reference computes what the GPU does."""
+from __future__ import annotations
+
+import torch
+
+from qsaserve.ops.dispatch import use_triton
+from qsaserve.ops.fp8_gemm import reference
+from qsaserve.ops.fp8_gemm.reference import (DECODE_ROWS, FP8, GROUP, dequantize_weight, expand_scale,
+                                             quantize_weight_block, quantize_weight_rows)
+
+try:  # CPU-only installs keep the references
+    from qsaserve.ops.fp8_gemm import triton_gemm, triton_quant
+except ImportError:
+    triton_gemm = triton_quant = None
+
+
+def per_token_group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (E4M3 [M, K], scale [M, ceil(K/128)] float32)."""
+    if use_triton(x):
+        return triton_quant.per_token_group_quant_triton(x)
+    return reference.per_token_group_quant_reference(x)
+
+
+def fp8_w8a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """xq [M, K] E4M3, x_scale [M, ceil(K/128)], w [N, K] E4M3, w_scale [Sn, Sk] -> [M, N] out_dtype."""
+    if use_triton(xq):
+        return triton_gemm.fp8_w8a8_gemm_triton(xq, x_scale, w, w_scale, block_n, out_dtype)
+    return reference.fp8_w8a8_gemm_reference(xq, x_scale, w, w_scale, block_n, out_dtype)
+
+
+def fp8_w8a16_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int) -> torch.Tensor:
+    """x [M, K], w [N, K] E4M3, w_scale [Sn, Sk] -> [M, N] in x's dtype."""
+    if use_triton(x):
+        return triton_gemm.fp8_w8a16_gemm_triton(x, w, w_scale, block_n)
+    return reference.fp8_w8a16_gemm_reference(x, w, w_scale, block_n)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, K] -> x @ W^T (+ bias) [T, N] in x's dtype (reference.fp8_linear_reference)."""
+    if x.shape[0] <= DECODE_ROWS:
+        y = fp8_w8a16_gemm(x, w, w_scale, block_n)
+    else:
+        xq, xs = per_token_group_quant(x)
+        y = fp8_w8a8_gemm(xq, xs, w, w_scale, block_n, x.dtype)
+    return y if bias is None else y + bias
+
+
+__all__ = ["DECODE_ROWS", "FP8", "GROUP", "dequantize_weight", "expand_scale", "fp8_linear", "fp8_w8a16_gemm",
+           "fp8_w8a8_gemm", "per_token_group_quant", "quantize_weight_block", "quantize_weight_rows"]

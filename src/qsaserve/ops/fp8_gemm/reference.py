@@ -1,0 +1,88 @@
+"""Torch references of the FP8-weight linear ops (the contract of the Triton kernels beside them):
+dequantize, then one float32 matmul, rounded once to the output dtype.
+
+A weight is E4M3 `w` [N, K] with float32 dequantization multipliers `scale` [Sn, Sk]: row n, column
+k reads scale[n // block_n, k // GROUP] (Sk > 1) or scale[n // block_n, 0] (Sk == 1: per-channel or
+per-tensor). This one layout covers block-128 (block_n 128), per-channel (block_n 1) and per-tensor
+(one value per block_n rows) weights, and fused projections whose parts are not 128-row multiples
+(block_n a common divisor of the parts, layers/quantization/fp8.py)."""
+from __future__ import annotations
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+GROUP = 128  # columns per K block of weight scales, and per activation quantization group
+DECODE_ROWS = 64  # up to this many rows take the W8A16 decode path, more the W8A8 GEMM
+_EPS = 1e-10  # an all-zero group gets a tiny scale, not a division by zero
+
+
+def expand_scale(scale: torch.Tensor, block_n: int, n: int, k: int) -> torch.Tensor:
+    """scale [Sn, Sk] -> the per-element multiplier [n, k] (float32)."""
+    s = scale.float().repeat_interleave(block_n, 0)[:n]
+    if s.shape[1] == 1:
+        return s.expand(n, k)
+    return s.repeat_interleave(GROUP, 1)[:, :k]
+
+
+def dequantize_weight(w: torch.Tensor, scale: torch.Tensor, block_n: int) -> torch.Tensor:
+    """w [N, K] E4M3, scale [Sn, Sk] -> float32 [N, K]."""
+    return w.float() * expand_scale(scale, block_n, *w.shape)
+
+
+def quantize_weight_block(w: torch.Tensor, block: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (E4M3 [N, K], scale [ceil(N/block), ceil(K/block)] float32), the
+    DeepSeek / HF `weight_block_size: [128, 128]` layout (scale is `weight_scale_inv`)."""
+    n, k = w.shape
+    sn, sk = -(-n // block), -(-k // block)
+    padded = torch.zeros(sn * block, sk * block, dtype=torch.float32, device=w.device)
+    padded[:n, :k] = w.float()
+    tiles = padded.view(sn, block, sk, block)
+    scale = (tiles.abs().amax(dim=(1, 3)) / FP8_MAX).clamp_min(_EPS)
+    q = (tiles / scale[:, None, :, None]).clamp_(-FP8_MAX, FP8_MAX).view(sn * block, sk * block)[:n, :k]
+    return q.to(FP8).contiguous(), scale
+
+
+def quantize_weight_rows(w: torch.Tensor, per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (E4M3 [N, K], scale [N, 1]) per output channel, or [1, 1] per tensor."""
+    amax = w.float().abs().amax().reshape(1, 1) if per_tensor else w.float().abs().amax(dim=1, keepdim=True)
+    scale = (amax / FP8_MAX).clamp_min(_EPS)
+    return (w.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def per_token_group_quant_reference(x: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (E4M3 [M, K], scale [M, ceil(K/group)] float32): dynamic activation scales,
+    one per token and group of `group` columns (x = q * scale)."""
+    m, k = x.shape
+    g = -(-k // group)
+    padded = torch.zeros(m, g * group, dtype=torch.float32, device=x.device)
+    padded[:, :k] = x.float()
+    groups = padded.view(m, g, group)
+    scale = (groups.abs().amax(dim=2) / FP8_MAX).clamp_min(_EPS)
+    q = (groups / scale[:, :, None]).clamp_(-FP8_MAX, FP8_MAX).view(m, g * group)[:, :k]
+    return q.to(FP8).contiguous(), scale
+
+
+def fp8_w8a8_gemm_reference(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                            block_n: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """xq [M, K] E4M3 with per-token-group x_scale [M, ceil(K/128)], w [N, K] E4M3 with w_scale
+    [Sn, Sk] -> [M, N] in out_dtype."""
+    x = xq.float() * x_scale.float().repeat_interleave(GROUP, 1)[:, : xq.shape[1]]
+    return (x @ dequantize_weight(w, w_scale, block_n).t()).to(out_dtype)
+
+
+def fp8_w8a16_gemm_reference(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32, not quantized), w [N, K] E4M3 with w_scale [Sn, Sk] -> [M, N] in x's dtype."""
+    return (x.float() @ dequantize_weight(w, w_scale, block_n).t()).to(x.dtype)
+
+
+def fp8_linear_reference(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] -> x @ W^T (+ bias) [M, N] in x's dtype: W8A16 for up to DECODE_ROWS rows, else the
+    activations are quantized per token and 128-group (W8A8), as on the GPU."""
+    if x.shape[0] <= DECODE_ROWS:
+        y = fp8_w8a16_gemm_reference(x, w, w_scale, block_n)
+    else:
+        xq, xs = per_token_group_quant_reference(x)
+        y = fp8_w8a8_gemm_reference(xq, xs, w, w_scale, block_n, x.dtype)
+    return y if bias is None else y + bias

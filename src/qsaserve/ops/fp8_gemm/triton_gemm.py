@@ -1,0 +1,149 @@
+"""FP8-weight GEMMs: y [M, N] = x [M, K] @ W^T with W E4M3 [N, K] and float32 scales
+[Sn, Sk] (reference.py's layout; K blocks of 128 = GROUP).
+
+* `fp8_w8a8_gemm_triton` (prefill, > DECODE_ROWS rows): the activations come quantized per token
+  and 128-group (triton_quant.py); each K step is one FP8 tensor-core dot of a 128-deep tile,
+  scaled by the activation's group scale per row and the weight's block scale per column, summed
+  in float32 (vLLM's `w8a8_block_fp8_matmul` scheme).
+* `fp8_w8a16_gemm_triton` (decode, 1-64 rows): activations stay bf16 (no quantization kernel, no
+  extra error on the path a token's latency waits on); each program streams BLOCK_N weight rows
+  once as E4M3 (1 byte a weight: the step's whole cost) and widens them to the activation dtype
+  in registers. The grid has one program per BLOCK_N rows, BLOCK_N chosen so every SM gets >= 2.
+
+Scales with Sk == 1 (per-channel, per-tensor) are read with a zero K stride."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qsaserve.ops.device import num_sms
+from qsaserve.ops.fp8_gemm.reference import GROUP
+
+
+@triton.jit
+def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, block_n,
+                 stride_am, stride_asm, stride_bn, stride_bsn, stride_bsk, stride_cm,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    # grouped ordering: GROUP_M row blocks share each weight column block while it sits in L2
+    width = GROUP_M * grid_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * stride_am + offs_k[None, :]
+    b_ptrs = b_ptr + offs_n[None, :].to(tl.int64) * stride_bn + offs_k[:, None]
+    as_ptrs = as_ptr + offs_m.to(tl.int64) * stride_asm
+    bs_ptrs = bs_ptr + (offs_n // block_n) * stride_bsn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - kb * BLOCK_K
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        a_s = tl.load(as_ptrs + kb, mask=m_ok, other=0.0)
+        b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
+                  stride_xm, stride_wn, stride_sn, stride_sk, stride_ym,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    pid_n, pid_m = tl.program_id(0), tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = offs_m < M, offs_n < N
+    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    s_ptrs = s_ptr + (offs_n // block_n) * stride_sn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - kb * BLOCK_K
+        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(x.dtype)  # exact: E4M3 fits bf16
+        s = tl.load(s_ptrs + kb * stride_sk, mask=n_ok, other=0.0)
+        acc += tl.dot(x, w, input_precision=PRECISION) * s[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int, what: str) -> None:
+    m, k = x.shape
+    n = w.shape[0]
+    sk = w_scale.shape[1]
+    if (w.shape[1] != k or w.stride(-1) != 1 or w_scale.dim() != 2 or block_n < 1
+            or w_scale.shape[0] != triton.cdiv(n, block_n) or sk not in (1, triton.cdiv(k, GROUP))):
+        raise ValueError(f"{what}: x [M, K], w [N, K] (unit last stride), w_scale [ceil(N/block_n), 1 or "
+                         f"ceil(K/{GROUP})]; got {tuple(x.shape)}, {tuple(w.shape)}, {tuple(w_scale.shape)}, "
+                         f"block_n {block_n}")
+
+
+def _scale_k_stride(w_scale: torch.Tensor) -> int:
+    return 0 if w_scale.shape[1] == 1 else w_scale.stride(1)
+
+
+def fp8_w8a8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                         block_n: int, out_dtype: torch.dtype, block_m: int = 64, block_n_tile: int = 128,
+                         num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+    """xq [M, K] E4M3, x_scale [M, ceil(K/128)] float32, w [N, K] E4M3, w_scale [Sn, Sk] ->
+    [M, N] in out_dtype, as reference.fp8_w8a8_gemm_reference. block_m / block_n_tile: the tile
+    (the benchmark sweeps them)."""
+    _check(xq, w, w_scale, block_n, "fp8_w8a8_gemm")
+    m, k = xq.shape
+    n = w.shape[0]
+    if xq.stride(-1) != 1:
+        xq = xq.contiguous()
+    y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
+    if m == 0 or n == 0:
+        return y
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n_tile),)
+    _w8a8_kernel[grid](xq, x_scale, w, w_scale, y, m, n, k, block_n, xq.stride(0), x_scale.stride(0), w.stride(0),
+                       w_scale.stride(0), _scale_k_stride(w_scale), y.stride(0), BLOCK_M=block_m,
+                       BLOCK_N=block_n_tile, BLOCK_K=GROUP, GROUP_M=8, num_warps=num_warps, num_stages=num_stages)
+    return y
+
+
+def pick_decode_block_n(n: int, sms: int) -> int:
+    """The widest weight-row block (up to 128) that still gives >= 2 programs per SM."""
+    for bn in (128, 64, 32):
+        if triton.cdiv(n, bn) >= 2 * sms:
+            return bn
+    return 16
+
+
+def fp8_w8a16_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
+                          block_n_tile: int | None = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+    """x [M, K] bf16/fp16/fp32, w [N, K] E4M3, w_scale [Sn, Sk] -> [M, N] in x's dtype, as
+    reference.fp8_w8a16_gemm_reference. Meant for M <= 64 (one row block); larger M runs, as more
+    row blocks re-reading the weights."""
+    _check(x, w, w_scale, block_n, "fp8_w8a16_gemm")
+    m, k = x.shape
+    n = w.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    block_m = max(16, min(64, triton.next_power_of_2(m)))  # tl.dot needs 16 rows; padding rows are masked
+    bn = block_n_tile or pick_decode_block_n(n, num_sms(x.device))
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, block_m))
+    _w8a16_kernel[grid](x, w, w_scale, y, m, n, k, block_n, x.stride(0), w.stride(0), w_scale.stride(0),
+                        _scale_k_stride(w_scale), y.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=GROUP,
+                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages)
+    return y
+
+
+__all__ = ["fp8_w8a16_gemm_triton", "fp8_w8a8_gemm_triton", "pick_decode_block_n"]

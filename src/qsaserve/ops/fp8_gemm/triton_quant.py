@@ -1,0 +1,55 @@
+"""Dynamic per-token-group FP8 quantization of activations (the A operand of the W8A8 GEMM): one
+program per (token, group of 128 columns) reads the group once, writes its E4M3 values and its
+float32 scale amax / 448 (reference.per_token_group_quant_reference).
+
+The value is rounded to the E4M3 grid (nearest, ties to even) in float32 before the cast, so the
+cast itself is exact: Triton 3.6's interpreter drops the carry when a cast rounds up into the next
+power of two (127.4 -> 64), and the kernel must agree with its reference there too."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qsaserve.ops.fp8_gemm.reference import _EPS, FP8, FP8_MAX, GROUP
+
+
+@triton.jit
+def _round_to_e4m3(y):
+    """y float32, |y| <= 448 -> y rounded to the nearest E4M3 value (ties to even), as float32."""
+    bits = y.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # subnormals share the step of 2^-6
+    step = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    magic = 12582912.0  # 1.5 * 2^23: adding and subtracting it rounds |v| < 2^22 to an integer, ties to even
+    return ((y / step + magic) - magic) * step
+
+
+@triton.jit
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, G, stride_xm, stride_qm, stride_sm,
+                        FP8_MAX_: tl.constexpr, EPS: tl.constexpr, GROUP_: tl.constexpr):
+    m = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1)
+    k = g * GROUP_ + tl.arange(0, GROUP_)
+    ok = k < K
+    x = tl.load(x_ptr + m * stride_xm + k, mask=ok, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX_, EPS)
+    q = _round_to_e4m3(tl.clamp(x / scale, -FP8_MAX_, FP8_MAX_))
+    tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + m * stride_sm + g, scale)
+
+
+def per_token_group_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (unit last stride) -> (E4M3 [M, K], scale [M, ceil(K/128)] float32)."""
+    m, k = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    g = triton.cdiv(k, GROUP)
+    q = torch.empty((m, k), dtype=FP8, device=x.device)
+    s = torch.empty((m, g), dtype=torch.float32, device=x.device)
+    if m and k:
+        _group_quant_kernel[(m, g)](x, q, s, k, g, x.stride(0), q.stride(0), s.stride(0),
+                                    FP8_MAX_=FP8_MAX, EPS=_EPS, GROUP_=GROUP, num_warps=1)
+    return q, s
+
+
+__all__ = ["per_token_group_quant_triton"]

@@ -1,0 +1,79 @@
+"""Qwen4Exp with FP8 weights: the token mixers' projections (QSA q/k/v/index and o, GDN in/out) as
+FP8 layers, the shared expert's FP8 tensors dequantized at load. Oracle: transformers' qwen4_exp
+with each quantized tensor replaced by its block-FP8 dequantization (float32, CPU; prompts within
+ops.fp8_gemm.DECODE_ROWS, whose W8A16 path is exactly that arithmetic)."""
+import json
+
+import torch
+
+from qsaserve import LLM, SamplingParams
+from qsaserve.errors import InvalidRequestError
+from qsaserve.loader import load_checkpoint
+from qsaserve.models.qwen4exp.quantized import Fp8PackedWeight
+from qsaserve.ops.fp8_gemm import dequantize_weight, quantize_weight_block
+from qsaserve.quant.weights.fp8_checkpoint import quantizable, write_fp8_checkpoint
+
+from qwen4exp_testing import build_random_model, make_config
+
+PROMPT = [5, 17, 42, 99, 8, 64, 23, 7, 11, 100, 31, 12]
+
+
+def _hf_greedy(model, ids, n):
+    ids = list(ids)
+    for _ in range(n):
+        with torch.no_grad():
+            ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[-n:]
+
+
+def _ours(path, n, **engine):
+    llm = LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=1 << 24, progress=False, max_model_len=256,
+              **engine)
+    out = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=n), use_tqdm=False)
+    return out[0].outputs[0].token_ids, llm
+
+
+def _dequantized(model, online: bool):
+    """The HF model with each tensor our FP8 model quantizes replaced by its dequantization
+    (online: the token mixers only; a written checkpoint also holds the shared expert in FP8)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if quantizable(name) and not (online and "shared_expert" in name):
+                p.copy_(dequantize_weight(*quantize_weight_block(p), 128))
+    return model
+
+
+def test_online_fp8_mixers_match_transformers_with_dequantized_weights(tmp_path):
+    hf = build_random_model(make_config(), seed=4)
+    hf.save_pretrained(tmp_path)
+    got, llm = _ours(tmp_path, 6, quantization="fp8")
+    fp8 = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, Fp8PackedWeight)]
+    assert len(fp8) == 2 * 5  # in/out (GDN) or q|k|v|index and o (QSA), 5 layers
+    assert all(m.weight.dtype == torch.float8_e4m3fn for m in fp8)
+    assert got == _hf_greedy(_dequantized(hf, online=True), PROMPT, 6)
+
+
+def test_block_fp8_checkpoint_loads_with_the_shared_expert_dequantized(tmp_path, caplog):
+    src, out = tmp_path / "src", tmp_path / "fp8"
+    hf = build_random_model(make_config(), seed=5)
+    hf.save_pretrained(src)
+    summary = write_fp8_checkpoint(load_checkpoint(str(src)), str(out), dtype=torch.float32)
+    assert summary["quantized_tensors"] == 3 * 5 + 2 * 5 + 3 * 5  # shared expert, QSA (q k v o index), GDN (qkv z b a out)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    with caplog.at_level("WARNING", logger="qsaserve"):
+        got, _ = _ours(out, 6)
+    assert "dequantized" in caplog.text
+    assert got == _hf_greedy(_dequantized(hf, online=False), PROMPT, 6)
+
+
+def test_unserved_quantization_refused_for_qwen4exp(tmp_path):
+    hf = build_random_model(make_config(), seed=6)
+    hf.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "gptq"}}))
+    try:
+        LLM(str(tmp_path), dtype="float32", device="cpu", kv_cache_memory=1 << 24, progress=False, max_model_len=256)
+    except InvalidRequestError as e:
+        assert "'gptq'" in str(e)
+    else:
+        raise AssertionError("a gptq checkpoint was served")
