@@ -202,3 +202,34 @@ def test_mtp_on_a_model_without_an_mtp_head_is_refused(hf_llama):
     with pytest.raises(InvalidRequestError) as err:
         engine(hf_llama[1], {"method": "mtp", "num_speculative_tokens": 2})
     assert err.value.param == "speculative_config.method" and "MTP" in str(err.value)
+
+
+def test_metrics_report_the_spec_counters(hf_llama):
+    """The /metrics collector's spec families carry the engine's counters."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from qsaserve.engine.async_engine import EngineSnapshot, _spec_counters
+    from qsaserve.server.metrics import _EngineCollector
+
+    llm = engine(hf_llama[1], {"method": "ngram", "num_speculative_tokens": 3})
+    generate(llm, repetitive_prompts(), SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
+    st = llm.engine.spec.stats
+
+    class Stub:
+        snapshot = EngineSnapshot(**_spec_counters(llm.engine.spec))
+
+        @staticmethod
+        def is_healthy():
+            return True
+
+    registry = CollectorRegistry()
+    registry.register(_EngineCollector(Stub(), "m"))
+    samples = {(s.name, s.labels.get("position")): s.value
+               for f in text_string_to_metric_families(generate_latest(registry).decode()) for s in f.samples}
+    assert samples[("qsaserve:spec_decode_num_draft_tokens_total", None)] == st.drafted > 0
+    assert samples[("qsaserve:spec_decode_num_accepted_tokens_total", None)] == st.accepted > 0
+    assert samples[("qsaserve:spec_decode_num_drafts_total", None)] == st.verifies
+    assert samples[("qsaserve:spec_decode_mean_acceptance_length", None)] == pytest.approx(st.acceptance_length)
+    for pos in range(3):
+        assert samples[("qsaserve:spec_decode_num_accepted_tokens_per_pos_total", str(pos))] == st.accepted_per_position[pos]
