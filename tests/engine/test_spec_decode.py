@@ -233,3 +233,53 @@ def test_metrics_report_the_spec_counters(hf_llama):
     assert samples[("qsaserve:spec_decode_mean_acceptance_length", None)] == pytest.approx(st.acceptance_length)
     for pos in range(3):
         assert samples[("qsaserve:spec_decode_num_accepted_tokens_per_pos_total", str(pos))] == st.accepted_per_position[pos]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["smollm2-135m", "qwen4exp-tiny"])
+def test_planted_drafts_equal_plain_decoding_on_gpu(model):
+    """On a GPU (float32, CUDA graphs for the plain decode steps): drafts correct up to a random
+    position, planted from the run without drafts, give its tokens; the plain decode steps between
+them still replay their graphs."""
+    import random
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (none on this machine)")
+    kw = dict(model=model, load_format="dummy", device="cuda", dtype="float32", max_model_len=256,
+              kv_cache_memory=64 << 20, ple_placement="gpu", max_num_seqs=8)
+    ps = [p[:40] for p in repetitive_prompts()]
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    from qsaserve.engine.llm_engine import LLMEngine
+
+    def run(spec):
+        eng = LLMEngine(EngineConfig(speculative_config=spec, **kw), progress=False)
+        for i, p in enumerate(ps):
+            eng.add_request(str(i), {"prompt_token_ids": p}, params)
+        return eng
+
+    def drain(eng):
+        done = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step(outputs="finished"):
+                done[o.request_id] = o.outputs[0].token_ids
+        return [done[str(i)] for i in range(len(ps))]
+
+    plain = run(None)
+    want = drain(plain)
+    eng = run({"method": "ngram", "num_speculative_tokens": 3})
+    ref, rng, propose = {tuple(p): w for p, w in zip(ps, want)}, random.Random(0), eng.spec.propose
+
+    def planted(seq):
+        propose(seq)
+        room = max(0, min(3, NEW - seq.num_output_tokens - 1))
+        good = ref[tuple(seq.token_ids[: seq.num_prompt_tokens])][seq.num_output_tokens:][:room]
+        cut = rng.randint(0, len(good))
+        seq.draft_token_ids = good[:cut] + [(t + 1) % 100 for t in good[cut:]]
+
+    eng.spec.propose = planted
+    assert drain(eng) == want
+    st = eng.spec.stats
+    assert 0 < st.accepted < st.drafted
+    assert sum(eng.executor.runner.graphs.replays.values()) > 0
+    eng.shutdown()
+    plain.shutdown()
