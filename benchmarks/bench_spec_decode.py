@@ -53,11 +53,11 @@ def timed_steps(engine: LLMEngine, k: int, steps: int, rng: random.Random) -> li
     spec, vocab = engine.spec, engine.vocab_size
     propose = type(spec).propose
 
-    def exactly_k(seq):
+    def exactly_k(seq, *running):
         propose(spec, seq)
         seq.draft_token_ids = (seq.draft_token_ids + [rng.randrange(vocab) for _ in range(k)])[:k]
 
-    spec.propose = exactly_k if k else (lambda seq: setattr(seq, "draft_token_ids", []))
+    spec.propose = exactly_k if k else (lambda seq, *running: setattr(seq, "draft_token_ids", []))
     for seq in engine.scheduler.running:
         spec.propose(seq)
     times = []

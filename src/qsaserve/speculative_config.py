@@ -20,11 +20,16 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_max: int | None = None  # ngram: longest suffix looked up in the sequence (default 4)
     prompt_lookup_min: int | None = None  # ngram: shortest suffix that may match (default 1)
+    # No drafts in a step while more sequences than this run (verifying costs more than it saves
+    # in large batches; benchmarks/bench_spec_decode.py measures where). None: always draft.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
             raise InvalidRequestError(f"{_PREFIX}.method", f"must be one of {', '.join(METHODS)}; got {self.method!r}")
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        if self.disable_by_batch_size is not None:
+            _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, None)
         if self.method != "ngram":
             for name in ("prompt_lookup_max", "prompt_lookup_min"):
                 if getattr(self, name) is not None:

@@ -108,6 +108,18 @@ def test_sampled_requests_draft_and_seeded_ones_repeat(hf_llama):
     assert a == b and all(len(t) == NEW and all(0 <= x < VOCAB for x in t) for t in a)
 
 
+def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size(hf_llama):
+    """disable_by_batch_size=1: drafts only once a single request is left (the longest one)."""
+    model, path = hf_llama
+    ps = repetitive_prompts()
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (6, 8, 10, NEW)]
+    want = [hf_greedy(model, p, q.max_tokens) for p, q in zip(ps, params)]
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    free, limited = engine(path, spec), engine(path, {**spec, "disable_by_batch_size": 1})
+    assert generate(free, ps, params) == want == generate(limited, ps, params)
+    assert 0 < limited.engine.spec.stats.verifies < free.engine.spec.stats.verifies
+
+
 # ---- the rejection sampler ----
 
 def _seqs(n, temperature):
@@ -174,6 +186,7 @@ def test_ngram_proposer():
     ({"method": "mtp", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "speculative_config.prompt_lookup_max"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, "speculative_config.draft_model"),
     ({"method": "ngram"}, "speculative_config.num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "speculative_config.disable_by_batch_size"),
     ("{not json", "speculative_config"),
     ([1, 2], "speculative_config"),
 ])
@@ -269,8 +282,8 @@ them still replay their graphs."""
     eng = run({"method": "ngram", "num_speculative_tokens": 3})
     ref, rng, propose = {tuple(p): w for p, w in zip(ps, want)}, random.Random(0), eng.spec.propose
 
-    def planted(seq):
-        propose(seq)
+    def planted(seq, *running):
+        propose(seq, *running)
         room = max(0, min(3, NEW - seq.num_output_tokens - 1))
         good = ref[tuple(seq.token_ids[: seq.num_prompt_tokens])][seq.num_output_tokens:][:room]
         cut = rng.randint(0, len(good))

@@ -25,8 +25,8 @@ def run(path, ps, plant_from=None, **kw):
         if plant_from is not None:
             spec, rng, propose = llm.engine.spec, random.Random(0), llm.engine.spec.propose
 
-            def planted(seq):  # the reference's next tokens, wrong from a random position on
-                propose(seq)
+            def planted(seq, *running):  # the reference's next tokens, wrong from a random position on
+                propose(seq, *running)
                 ref = plant_from[tuple(seq.token_ids[: seq.num_prompt_tokens])]
                 done = seq.num_output_tokens
                 room = min(spec.k, len(ref) - done - 1)

@@ -362,7 +362,7 @@ class LLMEngine:
                 self._append_token(seq, tok, now)
                 appended += 1
             if self.spec is not None and not seq.is_finished:
-                self.spec.propose(seq)
+                self.spec.propose(seq, len(self.scheduler.running))
             req = requests[seq.request_id]
             touched[seq.request_id] = req
             if seq.is_finished:

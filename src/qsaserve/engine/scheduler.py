@@ -78,6 +78,10 @@ class Scheduler:
                 remaining += num_drafts
             num_new = min(remaining, budget)
             while not self.block_manager.allocate(seq, num_new):
+                if num_drafts:  # drafts never cost a sequence its blocks: drop them first
+                    seq.draft_token_ids = []
+                    num_new, num_drafts = num_new - num_drafts, 0
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)

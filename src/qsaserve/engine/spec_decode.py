@@ -69,10 +69,12 @@ class SpecDecoder:
         return seq.simple_sampling
 
     # ---- drafting ----
-    def propose(self, seq: Sequence) -> None:
+    def propose(self, seq: Sequence, num_running: int = 1) -> None:
         """Sets seq.draft_token_ids for its next step; never more than the request may still emit
-        (one token is always the target's) nor past max_model_len."""
-        if seq.is_finished or not self.eligible(seq):
+        (one token is always the target's) nor past max_model_len; none while more than
+        disable_by_batch_size sequences run."""
+        limit = self.config.disable_by_batch_size
+        if seq.is_finished or not self.eligible(seq) or (limit is not None and num_running > limit):
             seq.draft_token_ids = []
             return
         room = self.max_model_len - seq.num_tokens - 1

@@ -69,8 +69,8 @@ def plant(llm, reference, mode, seed=0):
     spec, rng = llm.engine.spec, random.Random(seed)
     propose = spec.propose
 
-    def planted(seq):
-        propose(seq)  # the room left (max_tokens, max_model_len)
+    def planted(seq, *running):
+        propose(seq, *running)  # the room left (max_tokens, max_model_len)
         ref = reference[tuple(seq.token_ids[: seq.num_prompt_tokens])]
         done = seq.num_output_tokens
         room = min(spec.k, len(ref) - done - 1)
