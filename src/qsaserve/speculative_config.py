@@ -33,7 +33,8 @@ class SpeculativeConfig:
         if self.method != "ngram":
             for name in ("prompt_lookup_max", "prompt_lookup_min"):
                 if getattr(self, name) is not None:
-                    raise InvalidRequestError(f"{_PREFIX}.{name}", f"applies to method 'ngram' only, not {self.method!r}")
+                    raise InvalidRequestError(f"{_PREFIX}.{name}",
+                                              f"applies to method 'ngram' only, not {self.method!r}")
             return
         if self.prompt_lookup_max is None:
             object.__setattr__(self, "prompt_lookup_max", 4)

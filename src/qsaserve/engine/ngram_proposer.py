@@ -1,7 +1,8 @@
 """N-gram (prompt lookup) drafting on the host, for every model: the sequence's last n tokens
 (n from prompt_lookup_max down to prompt_lookup_min) are looked up earlier in the sequence, prompt
-and output alike, and the tokens that followed their most recent earlier occurrence are the
-draft (the most recent occurrence that k tokens follow, else the earliest). No model runs; a sequence without a match drafts nothing that step."""
+and output alike, and the tokens that followed an earlier occurrence are the draft: the most
+recent occurrence that k tokens follow, else the earliest (the most tokens follow it). No model
+runs; a sequence without a match drafts nothing that step."""
 from __future__ import annotations
 
 import numpy as np
