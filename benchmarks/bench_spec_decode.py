@@ -11,7 +11,7 @@ figure random weights cannot measure. --force-accept makes every verify accept a
 the all-accepted path, no rollback). Prints one JSON line per row, then the document.
 
     PYTHONPATH=src python benchmarks/bench_spec_decode.py --model qwen4exp-small --batches 1,8,64 \
-        --context 8192 [--force-accept] [--out f.json]
+        --context 8192 [--force-accept] [--repeat-unit 64] [--out f.json]
 """
 from __future__ import annotations
 
@@ -32,8 +32,14 @@ PUBLISHED_ACCEPTANCE_LENGTH = 2.98
 KS = (1, 2, 3)
 
 
+def max_new_tokens(steps: int) -> int:
+    """Every request's output budget: the modes' steps (two warm-up each) at up to k + 1 tokens a
+    step, plus room, so no request finishes (and the batch shrinks) before the last timed step."""
+    return (steps + 2) * sum(k + 1 for k in (0, *KS)) + 2 * (max(KS) + 1)
+
+
 def build(model: str, batch: int, context: int, steps: int, force_accept: bool, enforce_eager: bool) -> LLMEngine:
-    config = EngineConfig(model=model, load_format="dummy", max_num_seqs=batch, max_model_len=context + 8 * steps + 64,
+    config = EngineConfig(model=model, load_format="dummy", max_num_seqs=batch, max_model_len=context + max_new_tokens(steps) + 1,
                           enforce_eager=enforce_eager, ple_placement="gpu",
                           speculative_config={"method": "ngram", "num_speculative_tokens": max(KS)})
     engine = LLMEngine(config, progress=False)
@@ -71,15 +77,26 @@ def timed_steps(engine: LLMEngine, k: int, steps: int, rng: random.Random) -> li
     return times
 
 
-def run(model: str, batch: int, context: int, steps: int, force_accept: bool, enforce_eager: bool) -> list[dict]:
+def prompt(rng: random.Random, vocab: int, context: int, repeat_unit: int) -> list[int]:
+    """Random ids, or (repeat_unit > 0) one random unit of that many ids repeated: text n-gram
+    drafts can copy from."""
+    if not repeat_unit:
+        return [rng.randrange(vocab) for _ in range(context)]
+    unit = [rng.randrange(vocab) for _ in range(repeat_unit)]
+    return (unit * (context // repeat_unit + 1))[:context]
+
+
+def run(model: str, batch: int, context: int, steps: int, force_accept: bool, enforce_eager: bool,
+        repeat_unit: int = 0) -> list[dict]:
     engine = build(model, batch, context, steps, force_accept, enforce_eager)
     rng = random.Random(batch)
     for i in range(batch):
-        ids = [rng.randrange(engine.vocab_size) for _ in range(context)]
-        engine.add_request(str(i), {"prompt_token_ids": ids}, SamplingParams(temperature=0, ignore_eos=True,
-                                                                            max_tokens=8 * steps + 32))
+        ids = prompt(rng, engine.vocab_size, context, repeat_unit)
+        engine.add_request(str(i), {"prompt_token_ids": ids},
+                           SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_new_tokens(steps)))
     while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step(outputs="finished")
+    seqs = list(engine.scheduler.running)
     rows, plain_ms = [], None
     for k in (0, *KS):
         before = engine.spec.stats.as_dict()
@@ -90,7 +107,8 @@ def run(model: str, batch: int, context: int, steps: int, force_accept: bool, en
         length = 1 + accepted / verifies if verifies else 1.0
         if force_accept and k:  # every verify emitted its k drafts and the target's token
             length = k + 1.0
-        row = {"model": model, "batch": batch, "context": context, "mode": "plain" if k == 0 else f"verify{k}",
+        row = {"model": model, "batch": batch, "context": context, "repeat_unit": repeat_unit,
+               "mode": "plain" if k == 0 else f"verify{k}",
                "k": k, "step_ms": round(ms, 3), "force_accept": force_accept}
         if k == 0:
             plain_ms = ms
@@ -103,6 +121,8 @@ def run(model: str, batch: int, context: int, steps: int, force_accept: bool, en
                        drafted=after["drafted"] - before["drafted"], accepted=accepted)
         print(json.dumps(row), flush=True)
         rows.append(row)
+    if any(s.is_finished for s in seqs):
+        raise RuntimeError("a request finished before the last timed step: max_new_tokens is too small")
     config = engine.config
     engine.shutdown()
     return rows, config
@@ -116,12 +136,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--force-accept", action="store_true")
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--repeat-unit", type=int, default=0, help="prompts repeat a random unit of this many ids")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     start = time.perf_counter()
     rows, config = [], None
     for b in (int(x) for x in args.batches.split(",")):
-        got, config = run(args.model, b, args.context, args.steps, args.force_accept, args.enforce_eager)
+        got, config = run(args.model, b, args.context, args.steps, args.force_accept, args.enforce_eager,
+                          args.repeat_unit)
         rows += got
     doc = {"bench": "spec_decode", **provenance(config), "rows": rows, "wall_s": round(time.perf_counter() - start, 1)}
     emit_report(doc, args.out)
