@@ -177,6 +177,29 @@ def test_ngram_proposer():
     assert propose_ngram([5, 6, 7, 5], 2, 4, 1) == [6, 7]
 
 
+def test_ngram_proposer_against_its_definition():
+    """Random short sequences over small vocabularies against a brute-force reading of the rule:
+    for n from max down to min, every earlier window equal to the last n tokens; the most recent
+    one that k tokens follow, else the earliest."""
+    import random
+
+    def brute(ids, k, hi, lo):
+        for n in range(min(hi, len(ids) - 1), lo - 1, -1):
+            starts = [i for i in range(len(ids) - n) if ids[i : i + n] == ids[-n:]]
+            if starts:
+                full = [i for i in starts if i + n + k <= len(ids)]
+                s = (full[-1] if full else starts[0]) + n
+                return ids[s : s + k]
+        return []
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        ids = [rng.randrange(rng.randint(1, 5)) for _ in range(rng.randint(1, 30))]
+        hi = rng.randint(1, 6)
+        lo, k = rng.randint(1, hi), rng.randint(1, 5)
+        assert propose_ngram(ids, k, hi, lo) == brute(ids, k, hi, lo), (ids, k, hi, lo)
+
+
 @pytest.mark.parametrize("value, param", [
     ({"method": "eagle", "num_speculative_tokens": 2}, "speculative_config.method"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "speculative_config.num_speculative_tokens"),

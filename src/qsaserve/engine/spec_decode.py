@@ -15,8 +15,10 @@ is that of a run that never saw the rejected drafts, without recomputing anythin
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from qsaserve.engine.block_manager import BlockManager, StateSnapshotPlan
@@ -62,6 +64,9 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.state_rows_base = state_rows_base
         self.stats = SpecDecodeStats(self.k)
+        # Each drafting sequence's token ids as an int64 array, extended by the tokens appended
+        # since (converting the whole list would cost its length, every sequence, every step).
+        self._ids: weakref.WeakKeyDictionary[Sequence, tuple[np.ndarray, int]] = weakref.WeakKeyDictionary()
 
     @staticmethod
     def eligible(seq: Sequence) -> bool:
@@ -82,7 +87,21 @@ class SpecDecoder:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
         k = min(self.k, room)
         c = self.config
-        seq.draft_token_ids = propose_ngram(seq.token_ids, k, c.prompt_lookup_max, c.prompt_lookup_min) if k > 0 else []
+        seq.draft_token_ids = propose_ngram(self._token_array(seq), k, c.prompt_lookup_max, c.prompt_lookup_min) \
+            if k > 0 else []
+
+    def _token_array(self, seq: Sequence) -> np.ndarray:
+        """seq.token_ids as an int64 array view (token ids are only ever appended to a drafting
+        sequence: it never holds an async placeholder)."""
+        buf, n = self._ids.get(seq, (np.empty(0, dtype=np.int64), 0))
+        total = seq.num_tokens
+        if total > buf.size:
+            grown = np.empty(max(2 * buf.size, total + 64), dtype=np.int64)
+            grown[:n] = buf[:n]
+            buf = grown
+        buf[n:total] = seq.token_ids[n:total]
+        self._ids[seq] = (buf, total)
+        return buf[:total]
 
     # ---- the verify step's state rows ----
     def plan_states(self, chunks: list[ScheduledChunk], plan: StateSnapshotPlan | None) -> StateSnapshotPlan | None:
