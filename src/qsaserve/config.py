@@ -11,6 +11,7 @@ from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization.config import QUANTIZATIONS
 from qsaserve.quant.kv_rotation import KV_ROTATIONS
 from qsaserve.quant.kv_scales import KV_CACHE_DTYPES
+from qsaserve.speculative_config import SpeculativeConfig, parse_speculative_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}  # float64: the CPU reference of `qsaserve qualify`'s oracle
@@ -103,6 +104,11 @@ class EngineConfig:
     async_scheduling: bool = _option(
         False, "launch each decode step before the previous step's tokens are read back, so host work overlaps the "
                "device")
+    # Speculative decoding (engine/spec_decode.py, docs/speculative.md).
+    speculative_config: SpeculativeConfig | dict | str | None = _option(
+        None, 'speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3, '
+              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}; methods: ngram (every model), mtp (models with an '
+              'MTP head); num_speculative_tokens 1..8')
 
     def __post_init__(self) -> None:
         if isinstance(self.tokenizer, os.PathLike):
@@ -148,6 +154,7 @@ class EngineConfig:
         if not isinstance(self.async_scheduling, bool):
             raise InvalidRequestError("async_scheduling", f"must be true or false, got {self.async_scheduling!r}")
         self.cuda_graph_sizes = _normalize_sizes(self.cuda_graph_sizes)
+        self.speculative_config = parse_speculative_config(self.speculative_config)
 
     def _check_kv_cache(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

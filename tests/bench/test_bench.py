@@ -189,3 +189,21 @@ def test_bench_profile_batch_sizes_must_be_benchmarked(tiny, capsys):
     assert main(["--log-level", "WARNING", "bench", "latency", tiny, *ENGINE, "--batch-sizes", "1",
                  "--profile-batch-sizes", "4"]) != 0
     assert "profile_batch_sizes" in capsys.readouterr().err
+
+
+def test_bench_with_speculative_config(tiny, capsys):
+    """--speculative-config: decode rows count every emitted token and carry the drafts' counters
+    (timed steps only); throughput reports the engine's."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    r = _run(capsys, ["bench", "latency", tiny, *ENGINE, "--speculative-config", spec, "--batch-sizes", "2",
+                      "--prompt-lens", "16", "--decode-context", "24", "--decode-steps", "6", "--warmup-steps", "1",
+                      "--ttft-trials", "1", "--profile-steps", "0"])
+    assert r["config"]["speculative_config"]["num_speculative_tokens"] == 3
+    (row,) = r["decode"]
+    s = row["speculative"]
+    assert set(s) == {"drafted", "accepted", "verifies", "acceptance_length", "acceptance_rate_per_position"}
+    assert 0 <= s["accepted"] <= s["drafted"] and row["tok_s"] > 0
+    assert len(s["acceptance_rate_per_position"]) == 3
+    r = _run(capsys, ["bench", "throughput", tiny, *ENGINE, "--speculative-config", spec, "--num-prompts", "3",
+                      "--min-len", "4", "--max-input-len", "20", "--max-output-len", "8"])
+    assert {"drafted", "accepted", "acceptance_length", "accepted_per_position"} <= set(r["speculative"])

@@ -36,6 +36,7 @@ def decode_run(engine: LLMEngine, batch: int, context: int, steps: int, warmup: 
     # Counted over the timed steps only: with chunked prefill a sequence whose prompt finished early
     # has decoded a few tokens by the time the last one starts.
     before = sum(s.num_output_tokens for s in seqs)
+    spec_before = engine.spec.stats.as_dict() if engine.spec is not None else None
     start = time.perf_counter()
     for _ in range(steps):
         engine.step(outputs="finished")
@@ -44,11 +45,14 @@ def decode_run(engine: LLMEngine, batch: int, context: int, steps: int, warmup: 
     profile = profile_decode_steps(engine, profile_steps) if profile_steps else None
     for rid in ids:
         engine.abort_request(rid)
-    if produced != batch * steps:
+    # With speculative decoding a step emits one token per sequence or more (accepted drafts).
+    if produced < batch * steps or (engine.spec is None and produced != batch * steps):
         raise RuntimeError(f"batch_sizes: batch {batch} did not decode every sequence each step "
                            f"({produced} tokens in {steps} steps)")
     row = {"batch_size": batch, "context": context, "steps": steps, "ms_per_step": round(elapsed / steps * 1e3, 3),
-           "tok_s": round(batch * steps / elapsed, 1)}
+           "tok_s": round(produced / elapsed, 1)}
+    if spec_before is not None:
+        row["speculative"] = _spec_delta(spec_before, engine.spec.stats.as_dict())
     if profile:
         row.update(step_figures(profile))
         row["profile"] = profile
@@ -83,6 +87,17 @@ def project_layers(row: dict, num_layers: int, target_layers: int) -> dict | Non
     ms = row["ms_per_step"] + extra
     return {"layers": target_layers, "basis": basis, "kinds": kinds, "ms_per_step": round(ms, 3),
             "tok_s": round(row["batch_size"] * 1e3 / ms, 1)}
+
+
+def _spec_delta(before: dict, after: dict) -> dict:
+    """Speculative decoding over the timed steps: drafted, accepted, acceptance length (mean and
+    per position)."""
+    verifies = after["verifies"] - before["verifies"]
+    accepted = after["accepted"] - before["accepted"]
+    per_pos = [a - b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"])]
+    return {"drafted": after["drafted"] - before["drafted"], "accepted": accepted, "verifies": verifies,
+            "acceptance_length": round(1 + accepted / verifies, 4) if verifies else None,
+            "acceptance_rate_per_position": [round(a / verifies, 4) if verifies else None for a in per_pos]}
 
 
 def _ttft(engine: LLMEngine, length: int, trials: int, rng: random.Random) -> dict:

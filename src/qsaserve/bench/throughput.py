@@ -79,6 +79,7 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
         cuda_graphs = engine.executor.cuda_graphs
         graphs_off_reason, side_tables = engine.executor.cuda_graphs_off_reason, engine.executor.side_table_memory()
         hf_config = engine.checkpoint.hf_config
+        speculative = engine.spec.stats.as_dict() if engine.spec is not None else None  # all three passes
     finally:
         engine.shutdown()
         del engine
@@ -96,6 +97,8 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
                          "repeat_triton_compiles": repeat_compiles.report()}
     report["step_breakdown"] = {"total_time_s": round(breakdown_elapsed, 3), **breakdown.report(),
                                 "graph_replays": graph_replays}
+    if speculative is not None:
+        report["speculative"] = speculative
     if peer == "hf":
         report["peer"] = _hf_peer(hf_config, device, config, work[:peer_num_prompts], peer_batch_size, temperature)
         report["ratios"] = {"output_tok_s_vs_hf": round(report["results"]["output_tok_s"] / report["peer"]["output_tok_s"], 3)}

@@ -72,6 +72,20 @@ class EngineSnapshot:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_unfinished_requests: int = 0
+    # Speculative decoding (engine/spec_decode.py): draft tokens verified / accepted, verifies (one
+    # sequence's drafts in one step), and per draft position the verifies that accepted it.
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_verifies: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
+
+
+def _spec_counters(spec) -> dict:
+    if spec is None:
+        return {}
+    st = spec.stats
+    return dict(spec_drafted=st.drafted, spec_accepted=st.accepted, spec_verifies=st.verifies,
+                spec_accepted_per_position=tuple(st.accepted_per_position))
 
 
 def _state_cache_counters(cache) -> dict:
@@ -412,6 +426,7 @@ class AsyncLLMEngine:
             prefix_cache_hits=bm.stats.hits,
             **_state_cache_counters(bm.state_cache),
             **_host_tier_counters(bm.host_tier),
+            **_spec_counters(e.spec),
             num_preemptions=e.scheduler.num_preemptions,
             prompt_tokens=e.stats["prompt_tokens"],
             generation_tokens=e.stats["generation_tokens"],

@@ -98,6 +98,10 @@ class LogitsPlan:
     sample_seqs: list[Sequence] = field(default_factory=list)  # rows 0..len-1: one per sampled sequence
     # (sequence, first prompt position whose next-token logprob these rows give, number of rows)
     prompt_logprob_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    # Speculative decoding: (index in sample_seqs, its drafts); the sequence's sample row predicts the
+    # first draft's position, the drafts' own rows (one per draft, sequence after sequence) follow
+    # the prompt-logprob rows.
+    verify: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 def build_batch(chunks: list[ScheduledChunk], tables: BlockTables, block_size: int,
@@ -142,6 +146,7 @@ def _build_general(chunks: list[ScheduledChunk], tables: BlockTables, block_size
     logits_indices: list[int] = []
     plan = LogitsPlan()
     prompt_rows: list[int] = []
+    draft_rows: list[int] = []
     width = 0
     row = 0
     for chunk in chunks:
@@ -151,6 +156,22 @@ def _build_general(chunks: list[ScheduledChunk], tables: BlockTables, block_size
         if n == 1:  # a decode row
             input_ids.append(seq.token_ids[start])
             positions.append(start)
+        elif chunk.num_drafts:  # the last token and its drafts
+            drafts = list(seq.draft_token_ids)
+            input_ids.append(seq.token_ids[start])
+            input_ids.extend(drafts)
+            positions.extend(range(start, end))
+            query_lens.append(n)
+            seq_lens.append(end)
+            rows.append(seq.table_row)
+            state_slots.append(seq.state_slot)
+            width = max(width, len(seq.block_table))
+            logits_indices.append(row)
+            plan.verify.append((len(plan.sample_seqs), drafts))
+            plan.sample_seqs.append(seq)
+            draft_rows.extend(range(row + 1, row + n))
+            row += n
+            continue
         else:
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
@@ -172,6 +193,7 @@ def _build_general(chunks: list[ScheduledChunk], tables: BlockTables, block_size
                 plan.prompt_logprob_spans.append((seq, first, last - first))
         row += n
     logits_indices.extend(prompt_rows)
+    logits_indices.extend(draft_rows)
     block_tables = tables.gather(rows, width)
     batch = BatchInput(input_ids, positions, kv_slots(block_tables, query_lens, positions, block_size), query_lens,
                        seq_lens, block_tables, logits_indices, state_slots)

@@ -314,6 +314,23 @@ class BlockManager:
             for b, row in done:
                 self.state_cache.publish(row, hashes[b // self.block_size - 1])
 
+    def rollback(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Speculative decoding: seq's computed length goes back to num_computed_tokens (its
+        rejected drafts), and the blocks past the one its next token goes into are freed. They hold
+        no hash: only full blocks of computed tokens get one (cache_computed_blocks)."""
+        seq.num_computed_tokens = num_computed_tokens
+        keep = self.blocks_needed(num_computed_tokens + 1)
+        dropped = seq.block_table[keep:]
+        if not dropped:
+            return
+        for block_id in dropped:
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        del seq.block_table[keep:]
+        self.tables.write(seq.table_row, keep, [NULL_BLOCK] * len(dropped))
+
     def free_seq(self, seq: Sequence, cacheable: bool = True) -> None:
         """Release seq's blocks. Tail blocks are queued for eviction before head blocks, since
         a shared prefix is worth more than one request's tail. cacheable=False (e.g. a request
@@ -361,6 +378,9 @@ class BlockManager:
                 plan.restore_slots.append(seq.state_slot)
                 self._launched_restores.append(seq.restore_state_row)
                 seq.restore_state_row = None
+            if chunk.num_drafts:  # a verify chunk: no boundary of it is known to be kept (spec_decode.py)
+                plan.interior_offsets.append([])
+                continue
             start = seq.num_computed_tokens
             end = start + chunk.num_new_tokens
             inside = []

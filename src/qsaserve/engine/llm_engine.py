@@ -22,6 +22,7 @@ from qsaserve.engine.host_kv_tier import HostKVTier
 from qsaserve.engine.model_runner import resolve_block_size
 from qsaserve.engine.sampler import DeferredTokens, SampledToken, prompt_logprobs_for, sample, sample_deferred
 from qsaserve.engine.scheduler import Scheduler, SchedulerOutput
+from qsaserve.engine.spec_decode import SpecDecoder
 from qsaserve.engine.state_cache import StateSnapshotCache
 from qsaserve.engine.structured_output import StructuredOutputs
 from qsaserve.engine.sequence import Sequence
@@ -90,6 +91,11 @@ class LLMEngine:
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "errors": 0}
         self._in_flight: _InFlight | None = None  # async scheduling: the step whose tokens are on their way
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.spec: SpecDecoder | None = None
+        if config.speculative_config is not None:
+            # Hybrid models keep k per-position state rows per slot after the prefix cache's rows.
+            base = self.executor.num_state_snapshots if is_hybrid(hf) else None
+            self.spec = SpecDecoder(config.speculative_config, self.max_model_len, base)
 
     def _check_kv_capacity(self) -> int:
         """Refuses a cache that cannot hold one max-length request, logs the capacity (per rank under
@@ -274,6 +280,8 @@ class LLMEngine:
         if self.block_manager.state_cache is not None:
             batch.state_snapshots = self.block_manager.plan_state_snapshots(sched.chunks)
         batch.host_transfers = self.block_manager.take_host_transfers()
+        if self.spec is not None:
+            batch.state_snapshots = self.spec.plan_states(sched.chunks, batch.state_snapshots)
         logits = self.executor.execute(batch, feed) if feed is not None else self.executor.execute(batch)
         if self.block_manager.state_cache is not None:
             self.block_manager.release_launched_restores()
@@ -287,7 +295,10 @@ class LLMEngine:
             prev = None
         mask = self.structured_outputs.batch_mask(plan.sample_seqs) if num_sampled else None
         if (self.config.async_scheduling and num_sampled and not plan.prompt_logprob_spans
-                and not any(s.uses_penalties for s in plan.sample_seqs)):
+                and not any(s.uses_penalties for s in plan.sample_seqs)
+                # A sequence that drafts needs its tokens on the host before the next step (the
+                # drafter reads them), so such steps run synchronously under async scheduling.
+                and not (self.spec is not None and any(self.spec.eligible(s) for s in plan.sample_seqs))):
             tokens = sample_deferred(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator, mask)
             if prev is not None:
                 results += self._complete_in_flight(prev, outputs)
@@ -299,10 +310,21 @@ class LLMEngine:
                 self._in_flight = _InFlight(sched, plan, tokens, filled)
             return results
         errored = self._record_prompt_logprobs(logits, plan)
+        verified = self.spec.verify(logits, plan, self.generator) if plan.verify else None
         sampled = sample(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator, mask) if num_sampled else []
         if prev is not None:
             results += self._complete_in_flight(prev, outputs)
-        return results + self._complete(_InFlight(sched, plan, None, self._advance(sched)), sampled, errored, outputs)
+        filled = self._advance(sched)
+        if verified:
+            self._roll_back(sched, verified)
+        return results + self._complete(_InFlight(sched, plan, None, filled), sampled, errored, outputs, verified)
+
+    def _roll_back(self, sched: SchedulerOutput, verified: dict[int, tuple[list[int], bool]]) -> None:
+        """The rejected drafts of the step's verify chunks (spec_decode.py)."""
+        for chunk in sched.chunks:
+            if chunk.num_drafts and not chunk.seq.is_finished:
+                tokens, _ = verified[chunk.seq.seq_id]
+                self.spec.roll_back(chunk.seq, chunk.num_drafts, len(tokens) - 1, self.block_manager)
 
     def _feed_from(self, prev: "_InFlight", sched: SchedulerOutput) -> TokenFeed | None:
         """The in-flight step's device tokens as this step's input ids, row by row."""
@@ -337,14 +359,16 @@ class LLMEngine:
         return self._complete(step, step.tokens.result(), set(), outputs)
 
     def _complete(self, step: "_InFlight", sampled: list[SampledToken], errored: set[int],
-                  outputs: str) -> list[RequestOutput]:
-        """The host work on a step's results: stop conditions, tokens, outputs."""
+                  outputs: str, verified: dict[int, tuple[list[int], bool]] | None = None) -> list[RequestOutput]:
+        """The host work on a step's results: stop conditions, tokens, outputs. verified: the
+        tokens each verify chunk emits (speculative decoding), in place of its sampled token."""
         plan = step.plan
+        verified = verified or {}
         for seq, tok in zip(plan.sample_seqs, sampled):
-            if not tok.finite:
+            if not tok.finite or not verified.get(seq.seq_id, ((), True))[1]:
                 errored.add(seq.seq_id)
-        for seq in step.filled:
-            if seq.seq_id not in errored and not seq.is_finished:
+        for seq in step.filled:  # a verify chunk's accepted drafts join token_ids below: hashed after them
+            if seq.seq_id not in errored and not seq.is_finished and seq.seq_id not in verified:
                 self.block_manager.cache_computed_blocks(seq)
         now = time.monotonic()
         requests = self.requests
@@ -361,9 +385,19 @@ class LLMEngine:
                 self.scheduler.finish(seq, cacheable=False)
                 self.stats["errors"] += 1
                 logger.error("request %s: non-finite logits; ended with finish_reason=error", seq.request_id)
+            elif seq.seq_id in verified:
+                for token in verified[seq.seq_id][0]:
+                    self._append_token(seq, SampledToken(token, None, None, None, True), now)
+                    appended += 1
+                    if seq.is_finished:
+                        break
+                else:
+                    self.block_manager.cache_computed_blocks(seq)
             else:
                 self._append_token(seq, tok, now)
                 appended += 1
+            if self.spec is not None and not seq.is_finished:
+                self.spec.propose(seq, len(self.scheduler.running))
             req = requests[seq.request_id]
             touched[seq.request_id] = req
             if seq.is_finished:

@@ -105,6 +105,14 @@ class ModelRunner:
                 self.kv_spec.block_size, self.state_snapshot_bytes, self.kv_spec.bytes_per_block)
             check_state_interval(self.state_interval, self.kv_spec.block_size)
         self.host_tier: RankHostTier | None = None  # the host KV tier's rows on this rank (--kv-offload-gib)
+        # Speculative decoding on a model with recurrent state: k per-position state rows per slot,
+        # after the prefix cache's snapshot rows (engine/spec_decode.py).
+        self.spec_state_rows = 0
+        spec = config.speculative_config
+        if spec is not None:
+            _check_draft_method(model, spec.method)
+            if supports_state_snapshots(model):
+                self.spec_state_rows = config.num_state_slots * spec.num_speculative_tokens
         self._stage64 = PinnedStaging(torch.long, 4096, self.device)
         self._stage_snapshots = PinnedStaging(torch.long, 256, self.device)
         self._stage32 = PinnedStaging(torch.int32, 4096, self.device)
@@ -324,13 +332,16 @@ class ModelRunner:
     def split_cache_budget(self, budget_bytes: int) -> CacheSplit:
         """KV blocks and state-snapshot rows a budget holds (cache/geometry.py)."""
         spec = self.kv_spec
+        if self.spec_state_rows:
+            budget_bytes -= self.spec_state_rows * self.model.state_snapshot_bytes()
         return split_cache_budget(budget_bytes, spec.bytes_per_block, spec.block_size, self.state_snapshot_bytes,
                                   self.state_interval)
 
     def init_kv_cache(self, num_blocks: int, num_state_snapshots: int = 0) -> None:
-        if num_state_snapshots:  # before graph capture: the pool regroups the state tensors the graphs read
+        rows = num_state_snapshots + self.spec_state_rows
+        if rows:  # before graph capture: the pool regroups the state tensors the graphs read
             before = _allocated(self.device)
-            self.model.allocate_state_snapshots(num_state_snapshots)
+            self.model.allocate_state_snapshots(rows)
             self._measured("state_snapshots", before)
             if self.device.type == "cuda":  # the state's old tensors, freed by the regrouping, go back before the KV
                 torch.cuda.empty_cache()
@@ -481,6 +492,15 @@ def format_memory_plan(plan: dict[str, int]) -> str:
     if "kv_tokens" in plan:
         parts.append(f"{plan['kv_tokens']} KV tokens")
     return ", ".join(parts)
+
+
+def _check_draft_method(model: CausalLM, method: str) -> None:
+    """Every model drafts with n-grams (the host looks them up); "mtp" needs a model's own
+    multi-token-prediction head, which no model of this engine runs yet."""
+    if method == "mtp":
+        raise InvalidRequestError("speculative_config.method",
+                                  f"mtp: {type(model).__name__} has no MTP draft head this engine can run; "
+                                  "use method 'ngram'")
 
 
 def _progress(weights, checkpoint, enabled: bool):

@@ -60,6 +60,16 @@ class _EngineCollector:
         yield counter("qsaserve:num_preemptions", "Sequences preempted (recomputed) for lack of KV blocks.", s.num_preemptions)
         yield counter("qsaserve:prompt_tokens", "Prompt tokens of accepted requests.", s.prompt_tokens)
         yield counter("qsaserve:generation_tokens", "Generated tokens.", s.generation_tokens)
+        yield counter("qsaserve:spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).", s.spec_drafted)
+        yield counter("qsaserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_accepted)
+        yield counter("qsaserve:spec_decode_num_drafts", "Verifies: one sequence's drafts checked in one step.", s.spec_verifies)
+        mean = 1.0 + s.spec_accepted / s.spec_verifies if s.spec_verifies else 0.0
+        yield gauge("qsaserve:spec_decode_mean_acceptance_length", "Tokens a verify emits on average (accepted drafts + 1).", mean)
+        per_pos = CounterMetricFamily("qsaserve:spec_decode_num_accepted_tokens_per_pos",
+                                      "Verifies that accepted the draft at this position.", labels=["model_name", "position"])
+        for pos, n in enumerate(s.spec_accepted_per_position):
+            per_pos.add_metric([self.model_name, str(pos)], n)
+        yield per_pos
         yield gauge("qsaserve:engine_healthy", "1 while the engine loop runs, 0 once it died.", 1.0 if self.engine.is_healthy() else 0.0)
 
 

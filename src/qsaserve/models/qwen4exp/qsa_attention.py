@@ -173,7 +173,8 @@ class QSAAttention(nn.Module):
         for s, (a, b) in enumerate(step.spans):
             length, table = meta.seq_lens_list[s], meta.block_tables[s]
             if snaps is not None and snaps.offsets[s]:
-                tails_at += [_tail_at(tails[step.slots[s]], raw[a:b], o, r) for o in snaps.offsets[s]]
+                start = length - (b - a)
+                tails_at += [_tail_at(tails[step.slots[s]], raw[a:b], start, o, r) for o in snaps.offsets[s]]
             pool_chunk_groups(tails[step.slots[s]], raw[a:b], length - (b - a), cache.block_keys, table,
                               idx.k_layernorm.weight, step.inv_freq, r, self.eps)
             selected[a:b] = select_prefill(iq[a:b], cache.block_keys, table, positions[a:b], r, budget, length // r)
@@ -208,13 +209,16 @@ class QSAAttention(nn.Module):
         return self._output(attn, lse, gate)
 
 
-def _tail_at(tail: torch.Tensor, raw: torch.Tensor, offset: int, r: int) -> torch.Tensor:
-    """The index tail after a chunk's first `offset` raw keys (raw [T, Di]), where that point is a
-    group boundary: row j holds position = j (mod r), so the last r keys in order, the older ones
-    from the tail (rows 0..r-offset-1) while the chunk has fewer than r."""
-    if offset >= r:
-        return raw[offset - r : offset].to(tail.dtype)
-    return torch.cat([tail[: r - offset], raw[:offset].to(tail.dtype)])
+def _tail_at(tail: torch.Tensor, raw: torch.Tensor, start: int, offset: int, r: int) -> torch.Tensor:
+    """The index tail after the first `offset` raw keys (raw [T, Di]) of a chunk starting at
+    position `start`: row j holds the latest position = j (mod r), the chunk's for its last
+    min(offset, r) positions, the slot's before them. Any offset: the prefix cache's are group
+    boundaries, speculative decoding's per-position states are not."""
+    n = min(offset, r)
+    rows = torch.arange(start + offset - n, start + offset, device=tail.device) % r
+    out = tail.clone()
+    out[rows] = raw[offset - n : offset].to(tail.dtype)
+    return out
 
 
 def _write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
