@@ -4,7 +4,6 @@ kind of grammar, and async scheduling / batching changing no token."""
 import json
 import re
 
-import jsonschema
 import pytest
 import torch
 
@@ -97,6 +96,8 @@ def test_bitmask_applied_on_cuda():
 
 
 def test_offline_generate_follows_every_kind_of_grammar(llm):
+    import jsonschema  # here, not at the top: the CUDA test runs where the test extras may be missing
+
     so = StructuredOutputsParams
     outs = llm.generate(["A person as JSON:", "Call me at", "Is water wet?", "A JSON object:"], [
         SamplingParams(temperature=0, max_tokens=64, structured_outputs=so(json=SCHEMA, disable_any_whitespace=True)),
@@ -159,6 +160,8 @@ def test_preemption_and_async_scheduling_keep_the_grammar(tmp_path):
     their matchers carry on; outputs equal a pool that never preempts, sync or async."""
     from qsaserve.config import EngineConfig
     from qsaserve.engine.llm_engine import LLMEngine
+
+    import jsonschema
 
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     tiny_tokenizer().save_pretrained(str(tmp_path))

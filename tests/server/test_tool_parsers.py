@@ -65,6 +65,8 @@ def test_json_array_streamed_equals_one_shot(step):
     assert calls == [("a", '{"s": "}{\\"]"}'), ("b", '{"x": [1, {"y": 2}]}')]
     # an element cut off by max_tokens is not a call
     assert run(JsonArrayParser(TOOLS), text[:60], step)[1] == [("a", '{"s": "}{\\"]"}')]
+    # none complete: the text is content, as the non-streamed message has it
+    assert run(JsonArrayParser(TOOLS), text[:30], step) == (text[:30], [])
 
 
 def test_named_streams_the_arguments():

@@ -17,6 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from qsaserve.engine.sampler import to_device
 from qsaserve.engine.sequence import Sequence
 from qsaserve.errors import InvalidRequestError
 from qsaserve.sampling_params import StructuredOutputsParams
@@ -182,14 +183,17 @@ class TokenMask:
         (xgrammar's CUDA/Triton kernel on a GPU, its CPU kernel on the host)."""
         import xgrammar as xgr
 
-        mask = self.bitmask
+        mask, rows = self.bitmask, self.rows
         if logits.device.type == "cuda":
+            # Both copies from pinned memory, so the host does not wait for the device here (xgrammar
+            # would copy a list of rows from pageable memory).
             mask = mask.to(logits.device, non_blocking=True)
+            rows = to_device(self.rows, torch.int32, logits.device)
             if self._on_copy is not None:
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(logits.device))
                 self._on_copy(event)
-        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=min(self.vocab_size, logits.shape[-1]), indices=self.rows)
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=min(self.vocab_size, logits.shape[-1]), indices=rows)
 
 
 def _strip_location(message: str) -> str:

@@ -162,6 +162,8 @@ class JsonArrayParser:
                     self.num_calls += 1
                     self.item_start = -1
         self.pos = len(text)
+        if final and not self.num_calls:  # cut by max_tokens before one call was complete: the text
+            out.content = text
         return out
 
 
