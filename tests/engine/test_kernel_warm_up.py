@@ -28,6 +28,28 @@ def test_no_attention_kernel_built_after_startup(kv_cache_dtype):
     assert not built, report
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+@pytest.mark.parametrize("preset", ["qwen4exp-tiny", "qwen4exp-small"])
+def test_no_kernel_built_after_startup_qwen4exp(preset):
+    """The QSA layers' warm-up (every split count, every power-of-two selection width) and the
+    runner's startup steps leave nothing to build for prompts of many lengths, mixed steps, eager
+    decode batches past every graph bucket and long contexts (bench throughput's zero-build figure)."""
+    llm = LLM(preset, load_format="dummy", device="cuda", max_model_len=2048, max_num_seqs=48,
+              cuda_graph_sizes="1,2,4", ple_placement="gpu", progress=False)
+    gen = torch.Generator().manual_seed(0)
+    lengths = [int(n) for n in torch.randint(2, 1500, (40,), generator=gen)]
+    vocab = 200 if preset == "qwen4exp-tiny" else 40000
+    prompts = [{"prompt_token_ids": [int(t) for t in torch.randint(5, vocab, (n,), generator=gen)]} for n in lengths]
+    params = [SamplingParams(max_tokens=int(m), ignore_eos=True, temperature=0)
+              for m in torch.randint(1, 64, (40,), generator=gen)]
+    with record_triton_compiles() as compiles:
+        llm.generate(prompts[:1], params[:1], use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False)
+    report = compiles.report()
+    assert report["total"] == 0, report
+
+
 @pytest.mark.parametrize("dcp_size, rank", [(2, 1), (4, 3)])
 def test_dcp_layer_warms_the_partial_form_over_the_group_heads(monkeypatch, dcp_size, rank):
     """DcpAttention attends the DCP group's query heads over this rank's shard and takes the
