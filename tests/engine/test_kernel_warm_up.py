@@ -67,3 +67,27 @@ def test_dcp_layer_warms_the_partial_form_over_the_group_heads(monkeypatch, dcp_
     assert layer.warm_up(torch.bfloat16) == 17
     (args, kw), = calls
     assert args[1:] == (3 * dcp_size, torch.bfloat16) and kw["shard_geometry"] == (dcp_size, rank, 2)
+
+
+def test_startup_steps_leave_serving_unchanged():
+    """The runner's startup steps (engine.model_runner.warm_up_batches; run at startup on CUDA only)
+    go through the model on CPU too, and what they write (the scratch state slot 0, pages no
+    request owns) changes no later output: greedy tokens before and after are identical."""
+    from qsaserve.engine.model_runner import warm_up_batches
+
+    llm = LLM("qwen4exp-tiny", load_format="dummy", dtype="float32", device="cpu", max_model_len=256, max_num_seqs=20,
+              progress=False)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [{"prompt_token_ids": [int(t) for t in torch.randint(5, 200, (n,), generator=gen)]} for n in (40, 7, 90)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0)
+    before = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    executor = llm.engine.executor
+    runner = executor.runner
+    batches = warm_up_batches(runner.max_model_len, executor.num_kv_blocks, runner.kv_spec.block_size,
+                              runner.config.token_budget, runner.config.max_num_seqs)
+    assert [len(b.query_lens) for b in batches] == [1, 1, 4, 1, 19, 20, 20]
+    for batch in batches:
+        assert torch.isfinite(runner._execute_eager(batch)).all()
+    assert all(layer.warm_up(torch.float32) == 0 for layer in runner.attention_layers)  # CPU: no kernels to build
+    after = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert after == before

@@ -334,18 +334,9 @@ class ModelRunner:
         have to issue the same collectives."""
         if self.device.type != "cuda" or self.parallel.tp_size > 1 or self.parallel.dcp.enabled:
             return
-        bs = self.kv_spec.block_size
-        longest = max(2, min(self.max_model_len, (num_blocks - 1) * bs, self.config.token_budget))
-        decodes = min(self.config.max_num_seqs, self.config.token_budget)
-        # Decode batches: 1 and both sides of a multiple of 16 (Triton specializes integer
-        # arguments on it), at a short context, and the largest at the longest.
-        steps = [[(64, 64)], [(37, 37)], [(longest, 17), (max(1, longest // 2), 1), (bs + 1, 1), (5, 1)]]
-        steps += [[(min(longest, 64), 1)] * n for n in sorted({1, max(1, decodes - 1), decodes})]
-        steps.append([(longest, 1)] * decodes)
-        for step in steps:
-            batch = _warm_up_batch(step, bs)
-            if batch.input_ids:
-                self._execute_eager(batch)
+        for batch in warm_up_batches(self.max_model_len, num_blocks, self.kv_spec.block_size, self.config.token_budget,
+                                     self.config.max_num_seqs):
+            self._execute_eager(batch)
         torch.cuda.synchronize(self.device)
 
     def bind_kv_cache(self, caches: list[LayerCache]) -> None:
@@ -439,6 +430,23 @@ class ModelRunner:
         if n_rows == t and batch.logits_indices == list(range(t)):
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[rows])
+
+
+def warm_up_batches(max_model_len: int, num_blocks: int, block_size: int, token_budget: int,
+                    max_num_seqs: int) -> list[BatchInput]:
+    """The startup steps of ModelRunner._warm_up_steps: fresh prompts of 64 and 37 tokens, a
+    17-token chunk at the longest context the cache and the step hold beside decode rows at short
+    and long contexts, decode batches of 1 and both sides of a multiple of 16 (Triton
+    specializes integer arguments on it) up to max_num_seqs at a short context, and the largest
+    at the longest."""
+    longest = max(2, min(max_model_len, (num_blocks - 1) * block_size, token_budget))
+    decodes = min(max_num_seqs, token_budget)
+    steps = [[(min(longest, 64), min(longest, 64))], [(min(longest, 37), min(longest, 37))],
+             [(longest, min(17, longest)), (max(1, longest // 2), 1), (min(longest, block_size + 1), 1),
+              (min(longest, 5), 1)]]
+    steps += [[(min(longest, 64), 1)] * n for n in sorted({1, max(1, decodes - 1), decodes})]
+    steps.append([(longest, 1)] * decodes)
+    return [_warm_up_batch(step, block_size) for step in steps]
 
 
 def _warm_up_batch(seqs: list[tuple[int, int]], block_size: int) -> BatchInput:
