@@ -19,10 +19,13 @@ FLA_AVAILABLE = chunk_gated_delta_rule is not None
 # fla-core versions that take the varlen chunk list: given, the kernels skip building it from
 # cu_seqlens, which reads the lengths back to the host (a device sync per call).
 try:
-    _TAKES_CHUNK_INDICES = FLA_AVAILABLE and "chunk_indices" in inspect.signature(chunk_gated_delta_rule).parameters
+    _FLA_PARAMS = inspect.signature(chunk_gated_delta_rule).parameters if FLA_AVAILABLE else {}
 except (TypeError, ValueError):
-    _TAKES_CHUNK_INDICES = False
-FLA_CHUNK = 64  # fla-core's chunk size of the gated delta rule
+    _FLA_PARAMS = {}
+_TAKES_CHUNK_INDICES = "chunk_indices" in _FLA_PARAMS
+# fla-core's chunk size of the gated delta rule (its chunk_size default, where it has one)
+_chunk_default = _FLA_PARAMS["chunk_size"].default if "chunk_size" in _FLA_PARAMS else None
+FLA_CHUNK = _chunk_default if isinstance(_chunk_default, int) else 64
 
 
 def chunk_indices(cu_seqlens: torch.Tensor, lengths: list[int], chunk: int = FLA_CHUNK) -> torch.Tensor:
