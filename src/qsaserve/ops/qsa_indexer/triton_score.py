@@ -350,18 +350,25 @@ def select_prefill_step_triton(
     for s0, s1 in _sequence_groups(spans, seq_lens, ratio, max_bytes):
         a, b = spans[s0][0], spans[s1 - 1][1]
         groups = max(seq_lens[s] // ratio for s in range(s0, s1))
+        q, pos, tables = _aligned(index_q[a:b]), _aligned(positions[a:b]), _aligned(block_tables[s0:s1])
         if s1 - s0 == 1 and (b - a) * groups * _KEY_BYTES > max_bytes:
-            out[a:b] = paged.select_prefill_tokens(index_q[a:b], block_key_cache, block_tables[s0], positions[a:b],
-                                                   ratio, budget, groups, select_fn=select_prefill_rows_triton)
+            out[a:b] = paged.select_prefill_tokens(q, block_key_cache, tables[0], pos, ratio, budget, groups,
+                                                   select_fn=select_prefill_rows_triton)
             continue
         if groups == 0:  # no complete group anywhere yet: every row keeps its own open group only
             chosen = torch.empty((b - a, 0), dtype=torch.long, device=index_q.device)
         else:
-            keys = prefill_step_keys_triton(index_q[a:b], block_key_cache, block_tables[s0:s1], positions[a:b],
-                                            cu_seqlens[s0:s1 + 1] - a, [e - f for f, e in spans[s0:s1]], groups, ratio)
+            keys = prefill_step_keys_triton(q, block_key_cache, tables, pos, cu_seqlens[s0:s1 + 1] - a,
+                                            [e - f for f, e in spans[s0:s1]], groups, ratio)
             chosen = _topk(keys, min(budget // ratio, groups))
-        out[a:b] = build_selection_triton(chosen, positions[a:b], ratio, budget)
+        out[a:b] = build_selection_triton(chosen, pos, ratio, budget)
     return out
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy where its start is not 16-byte aligned: Triton specializes kernels on their
+    pointers' alignment, and slices at the step's offsets would build variants while serving."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 _KEY_BYTES = 40  # per (row, group): the int64 key and the top-k's working copies (paged.prefill_rows_per_block)
