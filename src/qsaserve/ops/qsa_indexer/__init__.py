@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from qsaserve.ops.device import aligned16
 from qsaserve.ops.dispatch import use_triton
 from qsaserve.ops.qsa_indexer import paged
 from qsaserve.ops.qsa_indexer.paged import pool_chunk_groups
@@ -45,9 +46,13 @@ def pool_completed_groups(tails: torch.Tensor, slots: torch.Tensor, raw: torch.T
     [num_slots, r, Di] (row slots [B]); a `valid` [B] row completing a group pools it into its
     block key (block_key_cache [num_blocks, page // r, Di], through block_tables [B, max_blocks]).
     In place; shapes never depend on the data (CUDA-graph safe)."""
-    kernel = use_triton(raw) and not ratio & (ratio - 1)
-    fn = triton_pool.pool_completed_groups_triton if kernel else paged.pool_completed_groups
-    fn(tails, slots, raw, block_key_cache, block_tables, positions, valid, k_layernorm_weight, inv_freq, ratio, eps)
+    if use_triton(raw) and not ratio & (ratio - 1):  # a mixed step passes row slices: aligned for the kernel
+        triton_pool.pool_completed_groups_triton(tails, aligned16(slots), aligned16(raw), block_key_cache,
+                                                 aligned16(block_tables), aligned16(positions), aligned16(valid),
+                                                 k_layernorm_weight, inv_freq, ratio, eps)
+        return
+    paged.pool_completed_groups(tails, slots, raw, block_key_cache, block_tables, positions, valid, k_layernorm_weight,
+                                inv_freq, ratio, eps)
 
 
 def select_decode(index_q: torch.Tensor, block_key_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from qsaserve.ops import dispatch
-from qsaserve.ops.device import num_sms
+from qsaserve.ops.device import aligned16, num_sms
 from qsaserve.ops.qsa_indexer import paged
 from qsaserve.ops.qsa_indexer.triton_topk import RADIX_MAX_GROUPS, RADIX_MIN_ROWS, topk_indices
 
@@ -350,7 +350,7 @@ def select_prefill_step_triton(
     for s0, s1 in _sequence_groups(spans, seq_lens, ratio, max_bytes):
         a, b = spans[s0][0], spans[s1 - 1][1]
         groups = max(seq_lens[s] // ratio for s in range(s0, s1))
-        q, pos, tables = _aligned(index_q[a:b]), _aligned(positions[a:b]), _aligned(block_tables[s0:s1])
+        q, pos, tables = aligned16(index_q[a:b]), aligned16(positions[a:b]), aligned16(block_tables[s0:s1])
         if s1 - s0 == 1 and (b - a) * groups * _KEY_BYTES > max_bytes:
             out[a:b] = paged.select_prefill_tokens(q, block_key_cache, tables[0], pos, ratio, budget, groups,
                                                    select_fn=select_prefill_rows_triton)
@@ -364,11 +364,6 @@ def select_prefill_step_triton(
         out[a:b] = build_selection_triton(chosen, pos, ratio, budget)
     return out
 
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """t, or a copy where its start is not 16-byte aligned: Triton specializes kernels on their
-    pointers' alignment, and slices at the step's offsets would build variants while serving."""
-    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 _KEY_BYTES = 40  # per (row, group): the int64 key and the top-k's working copies (paged.prefill_rows_per_block)
