@@ -352,6 +352,7 @@ class ModelRunner:
         self.memory["kv_tokens"] = usable_blocks(num_blocks) * self.kv_spec.block_size
         logger.info("memory on %s: %s", self.device, format_memory_plan(self.memory_plan()))
         self._warm_up_kernels()
+        self._warm_up_steps(num_blocks)
         if self.graphs_off_reason is None:
             graphs = DecodeGraphs(self.model, self.config.cuda_graph_capture_sizes, self.max_model_len, self.kv_spec,
                                   self.device)
@@ -393,6 +394,23 @@ class ModelRunner:
         launches += warm_up_fp8_layers(self.model, self.dtype)
         if launches:
             torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def _warm_up_steps(self, num_blocks: int) -> None:
+        """A few eager steps of the shapes serving meets, so that every kernel they launch (the
+        model's Triton kernels in their data-dependent variants, fla-core's autotuning) is built
+        before the first request rather than inside it: fresh prompts of aligned and unaligned
+        length, a chunk continuing the longest context beside decode rows at short and long
+        contexts, and decode batches up to max_num_seqs rows (past any captured graph, so served
+        eagerly). Every sequence uses the scratch state slot 0, which no request owns, and
+        pages no request owns yet; nothing is sampled. One rank only: other ranks' steps would
+        have to issue the same collectives."""
+        if self.device.type != "cuda" or self.parallel.tp_size > 1 or self.parallel.dcp.enabled:
+            return
+        for batch in warm_up_batches(self.max_model_len, num_blocks, self.kv_spec.block_size, self.config.token_budget,
+                                     self.config.max_num_seqs):
+            self._execute_eager(batch)
+        torch.cuda.synchronize(self.device)
 
     def bind_kv_cache(self, caches: list[LayerCache]) -> None:
         self.graphs = None  # captured graphs point at the old cache
@@ -448,32 +466,42 @@ class ModelRunner:
         tables = batch.block_tables
         width = tables.shape[1]
         states = [0 if s is None else s for s in batch.state_slots]
-        d64 = self._stage64.upload(batch.input_ids + batch.positions + batch.slot_mapping + batch.logits_indices + states)
+        # Each input starts 16-byte aligned in its staging buffer: Triton specializes kernels on
+        # their pointers' alignment, and views at offsets that follow the step's counts would
+        # build new variants in the middle of serving.
+        at64 = _aligned_starts([t, t, t, n_rows, b], 2)
+        flat64 = np.zeros(at64[-1], dtype=np.int64)
+        for start, values in zip(at64, (batch.input_ids, batch.positions, batch.slot_mapping, batch.logits_indices,
+                                        states)):
+            flat64[start : start + len(values)] = values
+        d64 = self._stage64.upload(flat64)
+        ids, positions = d64[: t], d64[at64[1] : at64[1] + t]
         if feed is not None:
-            feed.apply(d64[:t])
+            feed.apply(ids)
         # int32 inputs: [seq_lens (b) | cu_query_lens (b + 1) | block tables (b x width, row-major)]
-        flat = np.zeros(2 * b + 1 + b * width, dtype=np.int32)
+        at32 = _aligned_starts([b, b + 1, b * width], 4)
+        flat = np.zeros(at32[-1], dtype=np.int32)
         flat[:b] = batch.seq_lens
-        np.cumsum(batch.query_lens, out=flat[b + 1 : 2 * b + 1])
-        flat[2 * b + 1 :] = tables.reshape(-1)
+        np.cumsum(batch.query_lens, out=flat[at32[1] + 1 : at32[1] + b + 1])
+        flat[at32[2] : at32[2] + b * width] = tables.reshape(-1)
         d32 = self._stage32.upload(flat)
         meta = StepMetadata(
-            slot_mapping=d64[2 * t : 3 * t],
-            block_tables=d32[2 * b + 1 :].view(b, width),
+            slot_mapping=d64[at64[2] : at64[2] + t],
+            block_tables=d32[at32[2] : at32[2] + b * width].view(b, width),
             seq_lens=d32[:b],
-            cu_query_lens=d32[b : 2 * b + 1],
+            cu_query_lens=d32[at32[1] : at32[1] + b + 1],
             query_lens=batch.query_lens,
             seq_lens_list=batch.seq_lens,
             state_slots=batch.state_slots,
-            state_slots_t=d64[3 * t + n_rows :],
+            state_slots_t=d64[at64[4] : at64[4] + b],
         )
         if snapshots is not None and snapshots[4].numel():
             meta.snapshot_offsets, meta.snapshot_rows = batch.state_snapshots.interior_offsets, snapshots[4]
         if self.parallel.dcp.enabled:
             meta.dcp = self.parallel.dcp.step_plan(batch.positions, batch.query_lens, batch.seq_lens, batch.block_tables,
                                                    self.device)
-        hidden = self.model(d64[:t], d64[t : 2 * t], meta)
-        rows = d64[3 * t : 3 * t + n_rows]
+        hidden = self.model(ids, positions, meta)
+        rows = d64[at64[3] : at64[3] + n_rows]
         if n_rows == t and batch.logits_indices == list(range(t)):
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[rows])
@@ -501,6 +529,48 @@ def _check_draft_method(model: CausalLM, method: str) -> None:
         raise InvalidRequestError("speculative_config.method",
                                   f"mtp: {type(model).__name__} has no MTP draft head this engine can run; "
                                   "use method 'ngram'")
+
+
+def warm_up_batches(max_model_len: int, num_blocks: int, block_size: int, token_budget: int,
+                    max_num_seqs: int) -> list[BatchInput]:
+    """The startup steps of ModelRunner._warm_up_steps: fresh prompts of 64 and 37 tokens, a
+    17-token chunk at the longest context the cache and the step hold beside decode rows at short
+    and long contexts, decode batches of 1 and both sides of a multiple of 16 (Triton
+    specializes integer arguments on it) up to max_num_seqs at a short context, and the largest
+    at the longest."""
+    longest = max(2, min(max_model_len, (num_blocks - 1) * block_size, token_budget))
+    decodes = min(max_num_seqs, token_budget)
+    steps = [[(min(longest, 64), min(longest, 64))], [(min(longest, 37), min(longest, 37))],
+             [(longest, min(17, longest)), (max(1, longest // 2), 1), (min(longest, block_size + 1), 1),
+              (min(longest, 5), 1)]]
+    steps += [[(min(longest, 64), 1)] * n for n in sorted({1, max(1, decodes - 1), decodes})]
+    steps.append([(longest, 1)] * decodes)
+    return [_warm_up_batch(step, block_size) for step in steps]
+
+
+def _warm_up_batch(seqs: list[tuple[int, int]], block_size: int) -> BatchInput:
+    """A step of (context after the step, rows) sequences over pages 1.. (shared: what one writes,
+    another may overwrite; no request owns them yet) and the scratch state slot 0."""
+    ids, positions, slots, tables = [], [], [], []
+    for context, rows in seqs:
+        table = list(range(1, -(-context // block_size) + 1))
+        tables.append(table)
+        for p in range(context - rows, context):
+            ids.append(0)
+            positions.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+    return BatchInput(input_ids=ids, positions=positions, slot_mapping=slots, query_lens=[r for _, r in seqs],
+                      seq_lens=[c for c, _ in seqs], block_tables=tables, logits_indices=[len(ids) - 1],
+                      state_slots=[0] * len(seqs))
+
+
+def _aligned_starts(sizes: list[int], align: int) -> list[int]:
+    """Start of each segment when every one begins at a multiple of `align` elements, then the total."""
+    starts, at = [], 0
+    for n in sizes:
+        starts.append(at)
+        at += -(-n // align) * align
+    return starts + [at]
 
 
 def _progress(weights, checkpoint, enabled: bool):

@@ -77,7 +77,8 @@ class GatedDeltaNet(nn.Module):
             args = (q.reshape(1, t, hk, dk), k.reshape(1, t, hk, dk), v.reshape(1, t, hv, dv), g[None], beta[None],
                     st.recurrent[slot_idx])
             if step.snapshots is None:
-                o, final = gated_delta_rule(*args, step.cu_seqlens, single_token=t == len(step.spans))
+                o, final = gated_delta_rule(*args, step.cu_seqlens, single_token=t == len(step.spans),
+                                            lengths=[b - a for a, b in step.spans])
             else:  # the prefix cache wants the state at block boundaries inside the chunks
                 o, final, states = gated_delta_rule_with_states(*args, step.spans, step.snapshots.offsets)
                 self._snapshot_prefill(mixed, old_conv, states, step)

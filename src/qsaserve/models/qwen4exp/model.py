@@ -77,6 +77,8 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasRoutedExperts, HasSid
         self.mtp_weights: dict[str, torch.Tensor] = {}  # the MTP draft head, for speculative decoding
         self._states: list[slot_state.SlotState] = []  # slot_states(), once allocated
         self._snapshots: StateSnapshotPool | None = None  # the prefix cache's state snapshots
+        for layer in self.qsa_layers.values():  # the widest selection a step can score (its warm-up)
+            layer.max_groups = max_positions // cfg.indexer_compress_ratio
         _plain_attribute_reads(self)
 
     # ---- structure ----
