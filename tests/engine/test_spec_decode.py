@@ -319,3 +319,22 @@ them still replay their graphs."""
     assert sum(eng.executor.runner.graphs.replays.values()) > 0
     eng.shutdown()
     plain.shutdown()
+
+
+def test_block_manager_rollback_frees_the_blocks_past_the_next_token():
+    from qsaserve.engine.block_manager import BlockManager
+
+    bm = BlockManager(num_blocks=12, block_size=4, enable_prefix_caching=False)
+    seq = Sequence(0, "0", 0, list(range(10, 19)), SamplingParams(), None)  # 9 tokens, 8 computed
+    assert bm.allocate(seq, 8)
+    seq.num_computed_tokens = 8
+    assert bm.allocate(seq, 1 + 7)  # a verify chunk: the last token and 7 drafts, positions 8..15
+    assert len(seq.block_table) == 4
+    free_before, table = bm.num_free_blocks, list(seq.block_table)
+    seq.num_computed_tokens = 16
+    bm.rollback(seq, 9)  # no draft accepted: the next token (the target's) goes to position 9, block 2
+    assert seq.num_computed_tokens == 9 and seq.block_table == table[:3]
+    assert bm.num_free_blocks == free_before + 1
+    assert bm.tables.array[seq.table_row, :4].tolist() == table[:3] + [0]
+    bm.free_seq(seq)
+    assert bm.num_free_blocks == bm.num_blocks
