@@ -73,11 +73,11 @@ if [ "$mode" = single ]; then
     part throughput_q4small 300 sh -c "python -m qsaserve.cli bench throughput qwen4exp-small --load-format dummy --max-model-len 4096 --ple-placement gpu --async-scheduling > '$out/throughput_q4small.json'"
     # Prefix caching with the host tier (issue 23) and structured outputs (issue 27). The structured
     # benchmark needs xgrammar and a tokenizer directory (TOKENIZER; bench_structured.py --save-tokenizer).
-    part gpu_tests_tiers 200 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_tiers.xml" \
-        tests/engine/test_host_kv_tier.py tests/models/test_llama_host_tier.py tests/engine/test_structured_output.py
     part prefix_q4small 200 python -m qsaserve.cli bench prefix qwen4exp-small --load-format dummy --max-model-len 32768 --enable-prefix-caching --prefix-state-interval 1024 --ple-placement gpu --kv-offload-gib 8 --out "$out/prefix_q4small.json"
     part prefix_llama1b 150 python -m qsaserve.cli bench prefix llama-1b --load-format dummy --max-model-len 32768 --kv-offload-gib 8 --out "$out/prefix_llama1b.json"
     part bench_structured 120 python benchmarks/bench_structured.py --tokenizer "${TOKENIZER:-.tok}" --out "$out/bench_structured.json"
+    part gpu_tests_tiers 200 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_tiers.xml" \
+        tests/engine/test_host_kv_tier.py tests/models/test_llama_host_tier.py tests/engine/test_structured_output.py
 elif [ "$mode" = multi ]; then
     part parallel_gpu_tests 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE -s --junitxml="$out/parallel_gpu_tests.xml" \
         tests/parallel
