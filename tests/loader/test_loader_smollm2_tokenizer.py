@@ -110,3 +110,21 @@ def test_chat_template(ours, reference):
     with_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     assert ours.apply_chat_template(with_system, tokenize=False) == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n")
+
+
+def test_a_saved_tokenizer_directory_is_a_tokenizer(tmp_path):
+    """--tokenizer accepts a directory holding only tokenizer files (what save_pretrained writes,
+    e.g. to carry a tokenizer to a machine without the model): it encodes and templates as the
+    GGUF's own tokenizer does."""
+    from qsaserve.loader.default_model import default_model_path
+    from qsaserve.loader.resolve import load_tokenizer
+
+    source = load_tokenizer(str(default_model_path()))
+    source.save_pretrained(str(tmp_path))
+    assert not (tmp_path / "config.json").exists()
+    loaded = load_tokenizer(str(tmp_path))
+    text = "The capital of France is Paris.\n\tdef f(x): return {'a': [1, 2]}"
+    assert loaded.encode(text) == source.encode(text)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert (loaded.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == source.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))

@@ -52,6 +52,11 @@ def load_tokenizer(path: str):
     from .tokenizer import build_gguf_tokenizer
 
     try:
+        # A tokenizer-only directory (tokenizer.json / tokenizer_config.json, no model config) is a
+        # valid --tokenizer, as save_pretrained writes it.
+        if os.path.isdir(path) and any(os.path.exists(os.path.join(path, f))
+                                       for f in ("tokenizer.json", "tokenizer_config.json")):
+            return load_hf_tokenizer(path)
         path = resolve_model(path, progress=False)
         if os.path.isdir(path):
             return load_hf_tokenizer(path)
