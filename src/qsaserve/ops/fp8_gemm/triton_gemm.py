@@ -99,13 +99,16 @@ def _scale_k_stride(w_scale: torch.Tensor) -> int:
 
 
 def fp8_w8a8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                         block_n: int, out_dtype: torch.dtype, block_m: int = 64, block_n_tile: int = 128,
-                         num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                         block_n: int, out_dtype: torch.dtype, block_m: int | None = None, block_n_tile: int = 128,
+                         num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
     """xq [M, K] E4M3, x_scale [M, ceil(K/128)] float32, w [N, K] E4M3, w_scale [Sn, Sk] ->
-    [M, N] in out_dtype, as reference.fp8_w8a8_gemm_reference. block_m / block_n_tile: the tile
-    (the benchmark sweeps them)."""
+    [M, N] in out_dtype, as reference.fp8_w8a8_gemm_reference. block_m / block_n_tile / num_warps /
+    num_stages: the tile (default 64 x 128 with 4 warps up to 128 rows, 128 x 128 with 8 above;
+    the benchmark sweeps them)."""
     _check(xq, w, w_scale, block_n, "fp8_w8a8_gemm")
     m, k = xq.shape
+    block_m = block_m or (64 if m <= 128 else 128)
+    num_warps = num_warps or (4 if block_m == 64 else 8)
     n = w.shape[0]
     if xq.stride(-1) != 1:
         xq = xq.contiguous()
