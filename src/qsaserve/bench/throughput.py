@@ -77,6 +77,7 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
         breakdown_elapsed = _run_engine(engine, work, temperature, breakdown)
         graph_replays = engine.executor.graph_replays() - replays_before
         cuda_graphs = engine.executor.cuda_graphs
+        memory_plan = engine.executor.memory_plan()
         hf_config = engine.checkpoint.hf_config
     finally:
         engine.shutdown()
@@ -86,6 +87,7 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
     report["params"] = {"num_prompts": num_prompts, "min_len": min_len, "max_input_len": max_input_len,
                         "max_output_len": max_output_len, "temperature": temperature, "ignore_eos": True, "seed": seed,
                         "cuda_graphs": cuda_graphs}
+    report["memory_per_gpu"] = memory_plan  # bytes on rank 0: weights (FP8 part), PLE, KV (+ tokens), state, activations
     report["results"] = {"total_time_s": round(elapsed, 3), "prompt_tokens": sum(len(p) for p, _ in work),
                          "output_tokens": output_tokens, "output_tok_s": round(output_tokens / elapsed, 1),
                          "repeat_total_time_s": round(repeat_elapsed, 3),
