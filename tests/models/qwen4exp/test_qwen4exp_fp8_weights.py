@@ -77,3 +77,28 @@ def test_unserved_quantization_refused_for_qwen4exp(tmp_path):
         assert "'gptq'" in str(e)
     else:
         raise AssertionError("a gptq checkpoint was served")
+
+
+def test_tp2_ranks_hold_their_part_of_the_tp1_fp8_mixers():
+    """Online FP8 at TP2: each rank's dequantized projection parts are its shard of TP1's, GDN's
+    one-row-per-head in_proj_b / in_proj_a (two of a 128-row block per rank) included."""
+    from qsaserve.layers.quantization import weight_quant_config
+    from qsaserve.models.presets import preset_config
+    from qsaserve.models.qwen4exp import Qwen4ExpForCausalLM
+    from qsaserve.parallel.state import ParallelContext
+
+    hf = {**preset_config("qwen4exp-tiny"), "head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+          "indexer_head_dim": 32}
+
+    def fp8_modules(tp, rank):
+        model = Qwen4ExpForCausalLM(hf, 256, ParallelContext(tp_size=tp, tp_rank=rank), weight_quant_config(hf, "fp8"))
+        model.init_dummy_weights(seed=3)
+        return {n: m for n, m in model.named_modules() if isinstance(m, Fp8PackedWeight)}
+
+    whole = fp8_modules(1, 0)
+    assert len(whole) == 2 * 4
+    for rank in (0, 1):
+        for name, m in fp8_modules(2, rank).items():
+            for pid, rule in zip(m.ids, m.rules):
+                torch.testing.assert_close(m.part(pid), rule(whole[name].part(pid)), rtol=0, atol=0,
+                                           msg=f"{name} {pid} rank {rank}")
