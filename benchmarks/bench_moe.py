@@ -34,8 +34,9 @@ def case(batch: int, inter: int, dev) -> list[dict]:
     read = int(torch.unique(idx).numel()) * 3 * inter * HIDDEN * 2  # gate, up, down of each chosen expert
     sms = num_sms(dev)
     default = (pick_block_n(batch * TOP_K, inter, sms), pick_block_n(batch, HIDDEN, sms))
-    # "dispatch": moe_experts_sync_free as the model calls it (the Triton kernels below E token-choices,
-    # the torch reference above); the others force the Triton kernels at the given row blocks.
+    # "dispatch": moe_experts_sync_free as the model calls it (these kernels at tiny batches, the
+    # grouped GEMMs above: ops.moe.DECODE_KERNEL_MAX_TOKENS); the others force these kernels at the
+    # given row blocks.
     variants = [("dispatch", None), ("default", default)] + [(f"bn{b}", (b, b)) for b in BLOCK_N_CHOICES]
     want = moe_experts_sync_free(x, idx, w, *layers[0])
     rows = []

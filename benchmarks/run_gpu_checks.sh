@@ -58,6 +58,19 @@ if [ "$mode" = single ]; then
     # FP8 pages with the Hadamard head rotation (docs/fp8.md): its cost at batch 1 (unit scales).
     part latency_llama1b_fp8_rotation 200 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --batch-sizes 1 --async-scheduling --kv-cache-dtype fp8_e4m3 --kv-rotation hadamard --profile-steps 16 > '$out/latency_llama1b_fp8_rotation.json'"
     part throughput_llama1b_async 200 sh -c "python -m qsaserve.cli bench throughput llama-1b --load-format dummy --max-model-len 4096 --async-scheduling --peer hf > '$out/throughput_llama1b_async.json'"
+    # Qwen4Exp at speed (issue 22): grouped MoE, PLE gathers over UVA, the prefill profile, the
+    # 12-layer real-shape preset. QWEN_LAT is the shared latency command line.
+    part gpu_tests_qwen_speed 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_qwen_speed.xml" \
+        tests/ops/test_moe_grouped.py tests/ops/test_ple_gather_triton.py tests/models/qwen4exp/test_qwen4exp_ple_placement.py \
+        tests/engine/test_kernel_warm_up.py
+    part bench_moe_grouped 120 python benchmarks/bench_moe_grouped.py --out "$out/bench_moe_grouped.json"
+    part bench_ple_gather 60 python benchmarks/bench_ple_gather.py --out "$out/bench_ple_gather.json"
+    part profile_prefill_q4small 150 sh -c "python benchmarks/profile_prefill.py qwen4exp-small --cases 1x1024,1x8192,8x1024 > '$out/profile_prefill_q4small.json'"
+    for ple in gpu host disk; do
+        part latency_q4small_ple_$ple 200 sh -c "python -m qsaserve.cli bench latency qwen4exp-small --load-format dummy --max-model-len 9000 --batch-sizes 1,16 --decode-context 8192 --prompt-lens 1024,8192 --ple-placement $ple --async-scheduling > '$out/latency_q4small_ple_$ple.json'"
+    done
+    part latency_flash12l 300 sh -c "python -m qsaserve.cli bench latency qwen4exp-flash-12l --load-format dummy --max-model-len 9000 --batch-sizes 1,64 --decode-context 8192 --prompt-lens 8192 --ple-placement gpu --async-scheduling --profile-batch-sizes 1,64 > '$out/latency_flash12l.json'"
+    part throughput_q4small 300 sh -c "python -m qsaserve.cli bench throughput qwen4exp-small --load-format dummy --max-model-len 4096 --ple-placement gpu --async-scheduling > '$out/throughput_q4small.json'"
 elif [ "$mode" = multi ]; then
     part parallel_gpu_tests 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE -s --junitxml="$out/parallel_gpu_tests.xml" \
         tests/parallel

@@ -19,6 +19,52 @@ def interpreter_numpy_shim() -> None:
     interp._patch_lang_tensor = patched
 
 
+def interpreter_bf16_dot_shim() -> None:
+    """Triton 3.6's interpreter stores bf16 as uint16 and multiplies those integers in tl.dot:
+    decode bf16 operands to float32 first (as a GPU's bf16 MMA sees them). Call it in the
+    interpreted process, before the kernels run."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    dot = interp.InterpreterBuilder.create_dot
+    if getattr(dot, "_qsaserve_shim", False):
+        return
+
+    def f32(h):
+        if h.dtype.scalar != tl.bfloat16:
+            return h
+        return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return dot(self, f32(a), f32(b), d, input_precision, max_num_imprecise_acc)
+
+    create_dot._qsaserve_shim = True
+    interp.InterpreterBuilder.create_dot = create_dot
+
+
+def interpreter_fp8_cast_shim() -> None:
+    """Triton 3.6's interpreter rounds float32 -> E4M3 wrongly where rounding up carries into the
+    exponent (127.4 -> 64, not 128): convert through torch instead, rounding to nearest-even as
+    a GPU's cvt does."""
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter as interp
+
+    cast = interp.InterpreterBuilder.create_fp_to_fp
+    if getattr(cast, "_qsaserve_shim", False):
+        return
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar != tl.float8e4nv or src.dtype.scalar != tl.float32:
+            return cast(self, src, dst_type, rounding_mode)
+        data = torch.from_numpy(src.data).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        return interp.TensorHandle(data, dst_type.scalar)
+
+    create_fp_to_fp._qsaserve_shim = True
+    interp.InterpreterBuilder.create_fp_to_fp = create_fp_to_fp
+
+
 def run_under_interpreter(test_file: str, call: str, timeout: int = 600) -> str:
     """Run `call` (with the test module imported as `t`, e.g. "t._triton_checks('cpu')") in a fresh
     Python with TRITON_INTERPRET=1, which Triton reads when first imported; fail with its output.

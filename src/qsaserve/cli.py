@@ -22,18 +22,22 @@ def _make_llm(args):
     return LLM(**{k: v for k, v in config.__dict__.items()})
 
 
-def _params(args):
+def _params(args, **extra):
     from qsaserve.sampling_params import SamplingParams
 
     return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, **extra
     )
 
 
 def cmd_generate(args) -> int:
+    params = _params(args, n=args.n, stop=args.stop or None)  # checked before the model loads
     llm = _make_llm(args)
-    out = llm.generate([args.prompt], _params(args), use_tqdm=False)[0]
-    print(args.prompt + out.outputs[0].text)
+    out = llm.generate([args.prompt], params, use_tqdm=False)[0]
+    for i, completion in enumerate(out.outputs):
+        if args.n > 1:
+            print(f"--- completion {i} ({completion.finish_reason})")
+        print(args.prompt + completion.text)
     return 0
 
 
@@ -71,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompt")
     add_engine_args(gen)
     _sampling_args(gen)
+    gen.add_argument("--stop", action="append", default=[], metavar="STRING",
+                     help="end the completion before this string (repeat the flag for several)")
+    gen.add_argument("--n", type=int, default=1, help="completions to print (different only when sampling: --temperature)")
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="chat with the model's chat template (interactive, or one --message)")

@@ -11,6 +11,7 @@ from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization.config import QUANTIZATIONS
 from qsaserve.quant.kv_rotation import KV_ROTATIONS
 from qsaserve.quant.kv_scales import KV_CACHE_DTYPES
+from qsaserve.speculative_config import SpeculativeConfig, parse_speculative_config
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
            "float64": torch.float64}  # float64: the CPU reference of `qsaserve qualify`'s oracle
@@ -25,6 +26,9 @@ def _option(default, help: str):
 class EngineConfig:
     model: str | None = _option(None, "GGUF file or Hugging Face directory; default: SmolLM2-135M-Instruct (GGUF), "
                                       "fetched on first use")
+    tokenizer: str | None = _option(
+        None, "HF directory or GGUF file whose tokenizer and chat template replace the model's (default: the model's "
+              "own; with --load-format dummy, the one that lets a preset take text prompts and grammars)")
     dtype: str = _option("auto", "weights/activation dtype: auto (float32 on CPU, bfloat16 on GPU), float32, bfloat16, "
                                  "float16, float64 (a CPU reference)")
     device: str = _option("auto", "auto, cpu, cuda or cuda:N")
@@ -39,6 +43,10 @@ class EngineConfig:
         None, "hybrid models with prefix caching: tokens between two recurrent-state snapshots, a multiple of the "
               "engine block (default: every block while a snapshot costs no more than one block of KV, else the "
               "fewest blocks whose KV costs one snapshot)")
+    kv_offload_gib: float = _option(
+        0.0, "host-memory tier of the prefix cache, GiB of pinned RAM per rank: KV blocks (and recurrent-state "
+             "snapshots) evicted from the GPU are copied there and copied back on a later hit instead of recomputed; "
+             "needs prefix caching (0: off)")
     max_num_batched_tokens: int | None = _option(
         None, "per-step token budget shared by prefill chunks and decodes (default 2048 CPU / 8192 GPU)")
     max_num_seqs: int = _option(256, "most sequences running at once")
@@ -47,7 +55,8 @@ class EngineConfig:
         None, "KV cache size in bytes (overrides gpu_memory_utilization; default 1 GiB on CPU)")
     seed: int = _option(0, "seed of the engine's random generator (requests may carry their own seed)")
     ple_placement: str = _option(
-        "disk", "where Qwen4Exp PLE tables live: disk (mmap, rows read on demand), host (RAM) or gpu")
+        "disk", "where Qwen4Exp PLE tables live: disk (the checkpoint memory-mapped), host (RAM) or gpu; on a GPU "
+                "disk and host tables are page-locked and read by the device (disk: when it fits in RAM)")
     load_format: str = _option(
         "auto", "auto (read the weights) or dummy (random weights; --model may then be a preset: llama-1b, llama-8b, "
                 "smollm2-135m, qwen4exp-tiny, qwen4exp-small)")
@@ -95,8 +104,17 @@ class EngineConfig:
     async_scheduling: bool = _option(
         False, "launch each decode step before the previous step's tokens are read back, so host work overlaps the "
                "device")
+    # Speculative decoding (engine/spec_decode.py, docs/speculative.md).
+    speculative_config: SpeculativeConfig | dict | str | None = _option(
+        None, 'speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3, '
+              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}; methods: ngram (every model), mtp (models with an '
+              'MTP head); num_speculative_tokens 1..8')
 
     def __post_init__(self) -> None:
+        if isinstance(self.tokenizer, os.PathLike):
+            self.tokenizer = os.fspath(self.tokenizer)
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise InvalidRequestError("tokenizer", f"must be a path to an HF directory or a GGUF file, got {self.tokenizer!r}")
         if self.dtype not in ("auto", *_DTYPES):
             raise InvalidRequestError("dtype", f"must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not str(self.device).startswith("cuda:"):
@@ -107,6 +125,9 @@ class EngineConfig:
             _check_int("block_size", self.block_size, 1)
         if self.prefix_state_interval is not None:
             _check_int("prefix_state_interval", self.prefix_state_interval, 1)
+        if isinstance(self.kv_offload_gib, bool) or not isinstance(self.kv_offload_gib, (int, float)) \
+                or not 0 <= self.kv_offload_gib < float("inf"):
+            raise InvalidRequestError("kv_offload_gib", f"must be a number >= 0 (GiB), got {self.kv_offload_gib!r}")
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 1)
         if self.max_num_batched_tokens is not None:
@@ -133,6 +154,7 @@ class EngineConfig:
         if not isinstance(self.async_scheduling, bool):
             raise InvalidRequestError("async_scheduling", f"must be true or false, got {self.async_scheduling!r}")
         self.cuda_graph_sizes = _normalize_sizes(self.cuda_graph_sizes)
+        self.speculative_config = parse_speculative_config(self.speculative_config)
 
     def _check_kv_cache(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

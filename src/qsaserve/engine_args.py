@@ -26,7 +26,9 @@ def add_engine_args(parser: argparse.ArgumentParser, with_model: bool = True, he
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
             kind = int if "int" in str(f.type) else float if "float" in str(f.type) else str
-            group.add_argument(flag, type=kind, default=default, help=f"{help_text} (default: {default})")
+            # Help texts that explain their default already are not given a second one.
+            shown = help_text if "default" in help_text else f"{help_text} (default: {default})"
+            group.add_argument(flag, type=kind, default=default, help=shown)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

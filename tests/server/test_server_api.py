@@ -366,6 +366,7 @@ def test_metrics(server, client):
     assert value("qsaserve:num_preemptions", "_total") >= 0
     # A Llama model keeps no recurrent-state snapshots (hybrid models fill these).
     assert value("qsaserve:prefix_state_hits", "_total") == 0 == value("qsaserve:prefix_state_snapshot_bytes")
+    assert value("qsaserve:host_tier_hits", "_total") == 0 == value("qsaserve:host_tier_bytes")  # no --kv-offload-gib
     assert value("qsaserve:prompt_tokens", "_total") > 0 and value("qsaserve:generation_tokens", "_total") > 0
     assert value("qsaserve:engine_healthy") == 1.0
     finished = value("qsaserve:request_success", "_total", finished_reason="length")
@@ -444,8 +445,17 @@ BAD_CHAT = [
     ({"messages": GOOD_CHAT, "max_tokens": 300}, "max_tokens"),
     ({"messages": GOOD_CHAT, "temperature": -1}, "temperature"),
     ({"messages": GOOD_CHAT, "n": 0}, "n"),
-    ({"messages": GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"messages": GOOD_CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    # tool_choice defaults to "auto", which this server (no --enable-auto-tool-choice) refuses
+    ({"messages": GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
+    ({"messages": GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"messages": GOOD_CHAT, "tools": [{"type": "function"}], "tool_choice": "required"}, "tools[0]"),
+    ({"messages": GOOD_CHAT, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": GOOD_CHAT, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"messages": GOOD_CHAT, "response_format": {"type": "xml"}}, "response_format.type"),
+    ({"messages": GOOD_CHAT, "guided_regex": "("}, "guided_regex"),
+    ({"messages": GOOD_CHAT, "structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs"),
+    ({"messages": GOOD_CHAT, "guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice"),
 ]
 
 BAD_OTHER = [

@@ -4,7 +4,8 @@ the CUDA kernels this process ran, for steps of requests that are already decodi
 The answer to "why is batch-1 decode slower than the roofline": if the kernels' device time per
 step is far below the wall time, the step is host-bound (scheduling, input staging, worker
 messages, sampling); if close, the named top kernels are where to look. Under tensor or decode
-context parallelism it profiles rank 0 (the engine's own process)."""
+context parallelism it profiles rank 0 (the engine's own process); the per-layer ranges need
+one rank."""
 from __future__ import annotations
 
 import statistics
@@ -14,7 +15,7 @@ import time
 import torch
 
 from qsaserve.engine.llm_engine import LLMEngine
-from qsaserve.engine.profiling import summarize_events
+from qsaserve.engine.profiling import summarize_events, summarize_layers
 
 
 class ExecuteTimer:
@@ -45,8 +46,10 @@ class ExecuteTimer:
 
 
 def profile_decode_steps(engine: LLMEngine, steps: int = 16, top: int = 15) -> dict:
-    """Time `steps` engine steps, then profile `steps` more; every running request must have at
-    least 2 * steps tokens left to decode. Returns JSON-ready figures (milliseconds per step)."""
+    """Time `steps` engine steps, profile `steps` more, then `steps` more eagerly with each
+    decoder layer in a profiler range (`layers`: per layer kind, device and host ms per layer; on
+    CPU host only); every running request must have at least 3 * steps tokens left to decode.
+    Returns JSON-ready figures (milliseconds per step)."""
     if steps < 1:
         raise ValueError(f"steps: must be >= 1, got {steps}")
     executor = engine.executor
@@ -65,25 +68,44 @@ def profile_decode_steps(engine: LLMEngine, steps: int = 16, top: int = 15) -> d
               "execute_ms": round(1e3 * statistics.median(executes), 3),
               "outside_execute_ms": round(1e3 * statistics.median(w - e for w, e in zip(walls, executes)), 3),
               "cuda_graphs": executor.cuda_graphs}
-    if not cuda:
-        return report
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
     try:
-        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-        with tempfile.TemporaryDirectory() as worker_dir:
-            executor.profile_workers("start", worker_dir)  # tensor/decode-context parallel: the other ranks too
-            try:
-                with torch.profiler.profile(activities=activities) as prof:
-                    for _ in range(steps):
-                        engine.step(outputs="finished")
-                    torch.cuda.synchronize()
-                report.update(summarize_events(prof.events(), steps, top))
-            finally:  # a started worker profiler records until told to stop
-                workers = executor.profile_workers("stop", worker_dir, steps=steps, top=top)
-                if workers is not None:
-                    report["worker_ranks"] = workers
+        if cuda:
+            with tempfile.TemporaryDirectory() as worker_dir:
+                executor.profile_workers("start", worker_dir)  # tensor/decode-context parallel: the other ranks too
+                try:
+                    with torch.profiler.profile(activities=activities) as prof:
+                        for _ in range(steps):
+                            engine.step(outputs="finished")
+                        torch.cuda.synchronize()
+                    report.update(summarize_events(prof.events(), steps, top))
+                finally:  # a started worker profiler records until told to stop
+                    workers = executor.profile_workers("stop", worker_dir, steps=steps, top=top)
+                    if workers is not None:
+                        report["worker_ranks"] = workers
+        report.update(_layer_profile(engine, steps, activities))
     except Exception as e:  # profiler unavailable (CUPTI missing): keep the timings
         report["profiler_error"] = repr(e)[:300]
     return report
+
+
+def _layer_profile(engine: LLMEngine, steps: int, activities) -> dict:
+    """`steps` eager steps with every decoder layer in a profiler range (executor.layer_profile):
+    {"layers": per kind, "layer_profile_wall_ms": the eager step's wall time}; {} when the model
+    does not name its layers. Eager because a graph replay runs no Python: the layers' device time
+    is the same kernels a replay runs, their host time is what the graph saves."""
+    cuda = engine.executor.device.type == "cuda"
+    with engine.executor.layer_profile() as kinds:
+        if kinds is None:
+            return {}
+        with torch.profiler.profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step(outputs="finished")
+            if cuda:
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - start
+    return {"layers": summarize_layers(prof.events(), steps), "layer_profile_wall_ms": round(1e3 * wall / steps, 3)}
 
 
 class StepBreakdown:

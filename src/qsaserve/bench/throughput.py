@@ -77,8 +77,10 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
         breakdown_elapsed = _run_engine(engine, work, temperature, breakdown)
         graph_replays = engine.executor.graph_replays() - replays_before
         cuda_graphs = engine.executor.cuda_graphs
+        graphs_off_reason, side_tables = engine.executor.cuda_graphs_off_reason, engine.executor.side_table_memory()
         memory_plan = engine.executor.memory_plan()
         hf_config = engine.checkpoint.hf_config
+        speculative = engine.spec.stats.as_dict() if engine.spec is not None else None  # all three passes
     finally:
         engine.shutdown()
         del engine
@@ -86,7 +88,7 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
     output_tokens = sum(n for _, n in work)
     report["params"] = {"num_prompts": num_prompts, "min_len": min_len, "max_input_len": max_input_len,
                         "max_output_len": max_output_len, "temperature": temperature, "ignore_eos": True, "seed": seed,
-                        "cuda_graphs": cuda_graphs}
+                        "cuda_graphs": cuda_graphs, "cuda_graphs_off_reason": graphs_off_reason, "ple": side_tables}
     report["memory_per_gpu"] = memory_plan  # bytes on rank 0: weights (FP8 part), PLE, KV (+ tokens), state, activations
     report["results"] = {"total_time_s": round(elapsed, 3), "prompt_tokens": sum(len(p) for p, _ in work),
                          "output_tokens": output_tokens, "output_tok_s": round(output_tokens / elapsed, 1),
@@ -97,6 +99,8 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
                          "repeat_triton_compiles": repeat_compiles.report()}
     report["step_breakdown"] = {"total_time_s": round(breakdown_elapsed, 3), **breakdown.report(),
                                 "graph_replays": graph_replays}
+    if speculative is not None:
+        report["speculative"] = speculative
     if peer == "hf":
         report["peer"] = _hf_peer(hf_config, device, config, work[:peer_num_prompts], peer_batch_size, temperature)
         report["ratios"] = {"output_tok_s_vs_hf": round(report["results"]["output_tok_s"] / report["peer"]["output_tok_s"], 3)}

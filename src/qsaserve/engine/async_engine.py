@@ -60,10 +60,32 @@ class EngineSnapshot:
     prefix_state_misses: int = 0
     prefix_state_snapshots: int = 0
     prefix_state_snapshot_bytes: int = 0
+    # The host-memory tier of the prefix cache (engine/host_kv_tier.py, --kv-offload-gib).
+    host_tier_hits: int = 0
+    host_tier_blocks_offloaded: int = 0
+    host_tier_blocks_restored: int = 0
+    host_tier_snapshots_offloaded: int = 0
+    host_tier_snapshots_restored: int = 0
+    host_tier_bytes_used: int = 0
+    host_tier_bytes: int = 0
     num_preemptions: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_unfinished_requests: int = 0
+    # Speculative decoding (engine/spec_decode.py): draft tokens verified / accepted, verifies (one
+    # sequence's drafts in one step), and per draft position the verifies that accepted it.
+    spec_drafted: int = 0
+    spec_accepted: int = 0
+    spec_verifies: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
+
+
+def _spec_counters(spec) -> dict:
+    if spec is None:
+        return {}
+    st = spec.stats
+    return dict(spec_drafted=st.drafted, spec_accepted=st.accepted, spec_verifies=st.verifies,
+                spec_accepted_per_position=tuple(st.accepted_per_position))
 
 
 def _state_cache_counters(cache) -> dict:
@@ -71,6 +93,16 @@ def _state_cache_counters(cache) -> dict:
         return {}
     return dict(prefix_state_hits=cache.stats.hits, prefix_state_misses=cache.stats.misses,
                 prefix_state_snapshots=cache.num_cached, prefix_state_snapshot_bytes=cache.nbytes)
+
+
+def _host_tier_counters(tier) -> dict:
+    if tier is None:
+        return {}
+    st = tier.stats
+    return dict(host_tier_hits=st.hits, host_tier_blocks_offloaded=st.blocks_offloaded,
+                host_tier_blocks_restored=st.blocks_restored, host_tier_snapshots_offloaded=st.snapshots_offloaded,
+                host_tier_snapshots_restored=st.snapshots_restored, host_tier_bytes_used=tier.bytes_used,
+                host_tier_bytes=tier.nbytes)
 
 
 class RequestStream:
@@ -393,6 +425,8 @@ class AsyncLLMEngine:
             prefix_cache_queries=bm.stats.queries,
             prefix_cache_hits=bm.stats.hits,
             **_state_cache_counters(bm.state_cache),
+            **_host_tier_counters(bm.host_tier),
+            **_spec_counters(e.spec),
             num_preemptions=e.scheduler.num_preemptions,
             prompt_tokens=e.stats["prompt_tokens"],
             generation_tokens=e.stats["generation_tokens"],

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from qsaserve.engine.block_manager import BlockTables, StateSnapshotPlan
+from qsaserve.engine.host_kv_tier import HostTransferPlan
 from qsaserve.engine.sampler import to_device
 from qsaserve.engine.scheduler import ScheduledChunk
 from qsaserve.engine.sequence import Sequence
@@ -28,6 +29,7 @@ class BatchInput:
     state_slots: list[int]  # recurrent-state slot per sequence (hybrid models); a sequence whose
     # chunk starts at position 0 begins from a fresh state
     state_snapshots: StateSnapshotPlan | None = None  # the hybrid prefix cache's copies this step
+    host_transfers: HostTransferPlan | None = None  # the host KV tier's copies, before everything else
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_tables, np.ndarray):
@@ -96,6 +98,10 @@ class LogitsPlan:
     sample_seqs: list[Sequence] = field(default_factory=list)  # rows 0..len-1: one per sampled sequence
     # (sequence, first prompt position whose next-token logprob these rows give, number of rows)
     prompt_logprob_spans: list[tuple[Sequence, int, int]] = field(default_factory=list)
+    # Speculative decoding: (index in sample_seqs, its drafts); the sequence's sample row predicts the
+    # first draft's position, the drafts' own rows (one per draft, sequence after sequence) follow
+    # the prompt-logprob rows.
+    verify: list[tuple[int, list[int]]] = field(default_factory=list)
 
 
 def build_batch(chunks: list[ScheduledChunk], tables: BlockTables, block_size: int,
@@ -140,6 +146,7 @@ def _build_general(chunks: list[ScheduledChunk], tables: BlockTables, block_size
     logits_indices: list[int] = []
     plan = LogitsPlan()
     prompt_rows: list[int] = []
+    draft_rows: list[int] = []
     width = 0
     row = 0
     for chunk in chunks:
@@ -149,6 +156,22 @@ def _build_general(chunks: list[ScheduledChunk], tables: BlockTables, block_size
         if n == 1:  # a decode row
             input_ids.append(seq.token_ids[start])
             positions.append(start)
+        elif chunk.num_drafts:  # the last token and its drafts
+            drafts = list(seq.draft_token_ids)
+            input_ids.append(seq.token_ids[start])
+            input_ids.extend(drafts)
+            positions.extend(range(start, end))
+            query_lens.append(n)
+            seq_lens.append(end)
+            rows.append(seq.table_row)
+            state_slots.append(seq.state_slot)
+            width = max(width, len(seq.block_table))
+            logits_indices.append(row)
+            plan.verify.append((len(plan.sample_seqs), drafts))
+            plan.sample_seqs.append(seq)
+            draft_rows.extend(range(row + 1, row + n))
+            row += n
+            continue
         else:
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
@@ -170,6 +193,7 @@ def _build_general(chunks: list[ScheduledChunk], tables: BlockTables, block_size
                 plan.prompt_logprob_spans.append((seq, first, last - first))
         row += n
     logits_indices.extend(prompt_rows)
+    logits_indices.extend(draft_rows)
     block_tables = tables.gather(rows, width)
     batch = BatchInput(input_ids, positions, kv_slots(block_tables, query_lens, positions, block_size), query_lens,
                        seq_lens, block_tables, logits_indices, state_slots)

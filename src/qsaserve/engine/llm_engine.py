@@ -18,13 +18,16 @@ from qsaserve.engine.batch import PLACEHOLDER_TOKEN, LogitsPlan, TokenFeed, buil
 from qsaserve.engine.block_manager import BlockManager
 from qsaserve.engine.detokenizer import detokenize_incrementally
 from qsaserve.engine.executor import make_executor
+from qsaserve.engine.host_kv_tier import HostKVTier
 from qsaserve.engine.model_runner import resolve_block_size
 from qsaserve.engine.sampler import DeferredTokens, SampledToken, prompt_logprobs_for, sample, sample_deferred
 from qsaserve.engine.scheduler import Scheduler, SchedulerOutput
+from qsaserve.engine.spec_decode import SpecDecoder
 from qsaserve.engine.state_cache import StateSnapshotCache
+from qsaserve.engine.structured_output import StructuredOutputs
 from qsaserve.engine.sequence import Sequence
 from qsaserve.errors import InvalidRequestError
-from qsaserve.loader.resolve import dummy_checkpoint, load_checkpoint, resolve_model
+from qsaserve.loader.resolve import dummy_checkpoint, load_checkpoint, load_tokenizer, resolve_model
 from qsaserve.models.registry import check_model_parallel, is_hybrid, text_config
 from qsaserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from qsaserve.quant.kv_scales import capacity_report
@@ -61,7 +64,7 @@ class LLMEngine:
         else:
             checkpoint = load_checkpoint(resolve_model(config.model, progress=progress), progress=progress)
         self.checkpoint = checkpoint
-        self.tokenizer = checkpoint.tokenizer
+        self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else checkpoint.tokenizer
         hf = text_config(checkpoint.hf_config)
         self.vocab_size = hf["vocab_size"]
         self.max_model_len = resolve_max_model_len(config, hf)
@@ -69,12 +72,15 @@ class LLMEngine:
         check_model_parallel(hf, config.tensor_parallel_size, config.decode_context_parallel_size)
         self.config = config = resolve_block_size(config, hf)
         prefix_caching = self._prefix_caching(config, hf)
+        if config.kv_offload_gib and not prefix_caching:
+            raise InvalidRequestError("kv_offload_gib", "the host tier holds what the prefix cache evicts: it needs "
+                                      "prefix caching (--enable-prefix-caching)")
 
         self.executor = make_executor(config, checkpoint, self.max_model_len, progress=progress)
         try:
             block_size = self._check_kv_capacity()
             self.block_manager = BlockManager(self.executor.num_kv_blocks, block_size, prefix_caching, config.num_state_slots,
-                                              self._state_cache(prefix_caching))
+                                              self._state_cache(prefix_caching), self._host_tier())
         except BaseException:
             self.executor.shutdown()
             raise
@@ -84,6 +90,12 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self.stats = {"prompt_tokens": 0, "generation_tokens": 0, "finished": 0, "errors": 0}
         self._in_flight: _InFlight | None = None  # async scheduling: the step whose tokens are on their way
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.spec: SpecDecoder | None = None
+        if config.speculative_config is not None:
+            # Hybrid models keep k per-position state rows per slot after the prefix cache's rows.
+            base = self.executor.num_state_snapshots if is_hybrid(hf) else None
+            self.spec = SpecDecoder(config.speculative_config, self.max_model_len, base)
 
     def _check_kv_capacity(self) -> int:
         """Refuses a cache that cannot hold one max-length request, logs the capacity (per rank under
@@ -127,6 +139,22 @@ class LLMEngine:
                     cache.nbytes / 2**20, per_rank, cache.interval)
         return cache
 
+    def _host_tier(self) -> HostKVTier | None:
+        """The host-memory tier of the prefix cache (--kv-offload-gib), logged with its memory."""
+        ex = self.executor
+        if not self.config.kv_offload_gib:
+            return None
+        tier = HostKVTier(ex.num_host_kv_blocks, ex.kv_spec.bytes_per_block, ex.num_host_snapshots,
+                          ex.state_snapshot_bytes)
+        if not tier.kv.num_slots:
+            raise InvalidRequestError("kv_offload_gib", f"{self.config.kv_offload_gib} GiB holds no KV block "
+                                      f"({ex.kv_spec.bytes_per_block} bytes per block)")
+        per_rank = " per rank" if self.config.tensor_parallel_size > 1 else ""
+        snapshots = f" + {ex.num_host_snapshots} state snapshots" if ex.num_host_snapshots else ""
+        logger.info("host KV tier: %d blocks (%d tokens)%s = %.1f MiB of pinned host memory%s", tier.kv.num_slots,
+                    tier.kv.num_slots * ex.block_size, snapshots, tier.nbytes / 2**20, per_rank)
+        return tier
+
     def check_health(self) -> None:
         """Raises EngineDeadError when a worker rank has died (the server reports it)."""
         self.executor.check_health()
@@ -148,6 +176,10 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._validate(token_ids, params)
+        if params.structured_outputs is not None:
+            # The server and LLM.generate compile before adding (off this thread), so this wait
+            # is a cache hit for them; a grammar that cannot compile is refused here.
+            self.structured_outputs.compile(params.structured_outputs).result()
         seqs = []
         for i in range(params.n):
             seed = None if params.seed is None else params.seed + i
@@ -247,13 +279,27 @@ class LLMEngine:
                                   sched.all_decode)
         if self.block_manager.state_cache is not None:
             batch.state_snapshots = self.block_manager.plan_state_snapshots(sched.chunks)
+        batch.host_transfers = self.block_manager.take_host_transfers()
+        if self.spec is not None:
+            batch.state_snapshots = self.spec.plan_states(sched.chunks, batch.state_snapshots)
         logits = self.executor.execute(batch, feed) if feed is not None else self.executor.execute(batch)
         if self.block_manager.state_cache is not None:
             self.block_manager.release_launched_restores()
+        if batch.host_transfers is not None:
+            self.block_manager.release_launched_host_transfers()
         num_sampled = len(plan.sample_seqs)
+        if prev is not None and any(s.params.structured_outputs is not None for s in plan.sample_seqs):
+            # A grammar's mask needs its matcher past the in-flight token: that step's host work
+            # comes first (this step's forward is already queued on the device meanwhile).
+            results += self._complete_in_flight(prev, outputs)
+            prev = None
+        mask = self.structured_outputs.batch_mask(plan.sample_seqs) if num_sampled else None
         if (self.config.async_scheduling and num_sampled and not plan.prompt_logprob_spans
-                and not any(s.uses_penalties for s in plan.sample_seqs)):
-            tokens = sample_deferred(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator)
+                and not any(s.uses_penalties for s in plan.sample_seqs)
+                # A sequence that drafts needs its tokens on the host before the next step (the
+                # drafter reads them), so such steps run synchronously under async scheduling.
+                and not (self.spec is not None and any(self.spec.eligible(s) for s in plan.sample_seqs))):
+            tokens = sample_deferred(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator, mask)
             if prev is not None:
                 results += self._complete_in_flight(prev, outputs)
             filled = self._advance(sched)
@@ -264,10 +310,21 @@ class LLMEngine:
                 self._in_flight = _InFlight(sched, plan, tokens, filled)
             return results
         errored = self._record_prompt_logprobs(logits, plan)
-        sampled = sample(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator) if num_sampled else []
+        verified = self.spec.verify(logits, plan, self.generator) if plan.verify else None
+        sampled = sample(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator, mask) if num_sampled else []
         if prev is not None:
             results += self._complete_in_flight(prev, outputs)
-        return results + self._complete(_InFlight(sched, plan, None, self._advance(sched)), sampled, errored, outputs)
+        filled = self._advance(sched)
+        if verified:
+            self._roll_back(sched, verified)
+        return results + self._complete(_InFlight(sched, plan, None, filled), sampled, errored, outputs, verified)
+
+    def _roll_back(self, sched: SchedulerOutput, verified: dict[int, tuple[list[int], bool]]) -> None:
+        """The rejected drafts of the step's verify chunks (spec_decode.py)."""
+        for chunk in sched.chunks:
+            if chunk.num_drafts and not chunk.seq.is_finished:
+                tokens, _ = verified[chunk.seq.seq_id]
+                self.spec.roll_back(chunk.seq, chunk.num_drafts, len(tokens) - 1, self.block_manager)
 
     def _feed_from(self, prev: "_InFlight", sched: SchedulerOutput) -> TokenFeed | None:
         """The in-flight step's device tokens as this step's input ids, row by row."""
@@ -302,14 +359,16 @@ class LLMEngine:
         return self._complete(step, step.tokens.result(), set(), outputs)
 
     def _complete(self, step: "_InFlight", sampled: list[SampledToken], errored: set[int],
-                  outputs: str) -> list[RequestOutput]:
-        """The host work on a step's results: stop conditions, tokens, outputs."""
+                  outputs: str, verified: dict[int, tuple[list[int], bool]] | None = None) -> list[RequestOutput]:
+        """The host work on a step's results: stop conditions, tokens, outputs. verified: the
+        tokens each verify chunk emits (speculative decoding), in place of its sampled token."""
         plan = step.plan
+        verified = verified or {}
         for seq, tok in zip(plan.sample_seqs, sampled):
-            if not tok.finite:
+            if not tok.finite or not verified.get(seq.seq_id, ((), True))[1]:
                 errored.add(seq.seq_id)
-        for seq in step.filled:
-            if seq.seq_id not in errored and not seq.is_finished:
+        for seq in step.filled:  # a verify chunk's accepted drafts join token_ids below: hashed after them
+            if seq.seq_id not in errored and not seq.is_finished and seq.seq_id not in verified:
                 self.block_manager.cache_computed_blocks(seq)
         now = time.monotonic()
         requests = self.requests
@@ -326,9 +385,19 @@ class LLMEngine:
                 self.scheduler.finish(seq, cacheable=False)
                 self.stats["errors"] += 1
                 logger.error("request %s: non-finite logits; ended with finish_reason=error", seq.request_id)
+            elif seq.seq_id in verified:
+                for token in verified[seq.seq_id][0]:
+                    self._append_token(seq, SampledToken(token, None, None, None, True), now)
+                    appended += 1
+                    if seq.is_finished:
+                        break
+                else:
+                    self.block_manager.cache_computed_blocks(seq)
             else:
                 self._append_token(seq, tok, now)
                 appended += 1
+            if self.spec is not None and not seq.is_finished:
+                self.spec.propose(seq, len(self.scheduler.running))
             req = requests[seq.request_id]
             touched[seq.request_id] = req
             if seq.is_finished:
@@ -372,6 +441,13 @@ class LLMEngine:
         seq.token_ids.append(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
+        if seq.grammar is not None and not self.structured_outputs.accept(seq, token):
+            # Only possible when another mask (min_tokens) removed every token the grammar allowed.
+            logger.error("request %s: token %d breaks its grammar; ended with finish_reason=error", seq.request_id, token)
+            seq.finish_reason = "error"
+            self.scheduler.finish(seq, cacheable=False)
+            self.stats["errors"] += 1
+            return
         if tok.logprob is not None:
             seq.cumulative_logprob += tok.logprob
             seq.logprobs.append(self._logprob_dict(token, tok.logprob, tok.rank, tok.top))
@@ -440,6 +516,7 @@ class LLMEngine:
         )
 
     def shutdown(self) -> None:
+        self.structured_outputs.shutdown()
         self.executor.shutdown()
 
 

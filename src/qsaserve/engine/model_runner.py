@@ -22,11 +22,14 @@ from qsaserve.cache.kv_cache import LayerCache, allocate_kv_cache, usable_blocks
 from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, StateSnapshotPlan, TokenFeed
 from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata
+from qsaserve.engine.host_copies import RankHostTier, host_split
 from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization.fp8 import warm_up_fp8_layers
-from qsaserve.models.interfaces import (CausalLM, RowTable, side_tables_allow_cuda_graphs, supports_cuda_graph,
-                                        supports_dcp_cuda_graph, supports_dummy_weights, supports_recurrent_state,
-                                        supports_side_tables, supports_state_snapshots, supports_v_offsets)
+from qsaserve.engine.profiling import layer_ranges
+from qsaserve.models.interfaces import (CausalLM, RowTable, has_routed_experts, side_tables_cuda_graph_block_reason,
+                                        supports_cuda_graph, supports_dcp_cuda_graph, supports_dummy_weights,
+                                        supports_layer_profile, supports_recurrent_state, supports_side_tables,
+                                        supports_state_snapshots, supports_v_offsets, warms_up_kernels)
 from qsaserve.models.ple_table import dummy_ple_tables, is_table_tensor, open_ple_tables
 from qsaserve.models.registry import build_model, kv_block_multiple, kv_rotation_unsupported
 from qsaserve.parallel.dcp import DcpGeometry
@@ -59,6 +62,7 @@ class ModelRunner:
         self.device = device or config.torch_device
         self.dtype = config.torch_dtype
         self.max_model_len = max_model_len
+        self._layer_profiling = False  # layer_profile(): steps run eagerly inside per-layer ranges
         torch.manual_seed(config.seed)
         self.memory: dict[str, int] = {}  # bytes per kind on this rank's device (memory_plan)
         ckpt_scales = CheckpointScales()  # *.k_scale / *.v_scale tensors are taken out of the weight stream
@@ -100,6 +104,15 @@ class ModelRunner:
             self.state_interval = config.prefix_state_interval or default_state_interval(
                 self.kv_spec.block_size, self.state_snapshot_bytes, self.kv_spec.bytes_per_block)
             check_state_interval(self.state_interval, self.kv_spec.block_size)
+        self.host_tier: RankHostTier | None = None  # the host KV tier's rows on this rank (--kv-offload-gib)
+        # Speculative decoding on a model with recurrent state: k per-position state rows per slot,
+        # after the prefix cache's snapshot rows (engine/spec_decode.py).
+        self.spec_state_rows = 0
+        spec = config.speculative_config
+        if spec is not None:
+            _check_draft_method(model, spec.method)
+            if supports_state_snapshots(model):
+                self.spec_state_rows = config.num_state_slots * spec.num_speculative_tokens
         self._stage64 = PinnedStaging(torch.long, 4096, self.device)
         self._stage_snapshots = PinnedStaging(torch.long, 256, self.device)
         self._stage32 = PinnedStaging(torch.int32, 4096, self.device)
@@ -149,8 +162,8 @@ class ModelRunner:
         if self.parallel.dcp.enabled and not supports_dcp_cuda_graph(self.model):
             return (f"decode context parallelism: {name} builds its DCP step plan on the host each step "
                     f"(only models declaring supports_dcp_cuda_graph derive it on the device)")
-        if not side_tables_allow_cuda_graphs(self.side_tables):
-            return "PLE rows are gathered from host RAM or disk each step (--ple-placement gpu allows graphs)"
+        if reason := side_tables_cuda_graph_block_reason(self.side_tables):
+            return reason
         if not supports_cuda_graph(self.model):
             return f"{name} does not declare supports_cuda_graph"
         if not self.config.cuda_graph_capture_sizes:
@@ -192,6 +205,49 @@ class ModelRunner:
         if embed is not None and head is not None and head.data_ptr() != embed.data_ptr():
             total -= embed.numel() * embed.element_size()
         return total
+
+    def side_table_memory(self) -> dict:
+        """Where the side tables (PLE) live on this rank: their placement, GPU bytes and host
+        bytes page-locked for device gathers."""
+        tables = self.side_tables.values()
+        return {"placement": ",".join(sorted({t.placement for t in tables})) or None, "tables": len(tables),
+                "gpu_bytes": sum(t.gpu_bytes() for t in tables),
+                "pinned_host_bytes": sum(t.pinned_host_bytes() for t in tables)}
+
+    def expert_weight_bytes(self) -> dict | None:
+        """The routed experts' share of decode_weight_bytes: {"routed_bytes": all experts of every
+        layer, "top_k", "num_experts"}; None for a model without routed experts."""
+        if not has_routed_experts(self.model):
+            return None
+        top_k, num_experts = self.model.experts_per_token()
+        routed = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in self.model.routed_expert_tensors()}.values())
+        return {"routed_bytes": routed, "top_k": top_k, "num_experts": num_experts}
+
+    def state_bytes_per_sequence(self) -> int:
+        """Recurrent-state bytes of one sequence's slot, which its decode step reads and writes (0:
+        no recurrent state)."""
+        return self.model.state_snapshot_bytes() if supports_state_snapshots(self.model) else 0
+
+    def layer_kinds(self) -> list[str] | None:
+        """Each decoder layer's kind in order (models.interfaces.SupportsLayerProfile), or None."""
+        return [kind for kind, _ in self.model.decoder_layers()] if supports_layer_profile(self.model) else None
+
+    @contextlib.contextmanager
+    def layer_profile(self):
+        """While active, steps run eagerly with each decoder layer inside a profiler range
+        (engine.profiling.layer_ranges); yields the layer kinds in order, or None when the model
+        does not name its layers or other ranks run beside this one (their graph replays would
+        issue collectives shaped unlike this rank's eager steps): nothing changes then."""
+        if not supports_layer_profile(self.model) or self.parallel.tp_size > 1 or self.parallel.dcp.enabled:
+            yield None
+            return
+        layers = self.model.decoder_layers()
+        self._layer_profiling = True
+        try:
+            with layer_ranges(layers):
+                yield [kind for kind, _ in layers]
+        finally:
+            self._layer_profiling = False
 
     def _measured(self, key: str, before: int) -> None:
         """Records the device allocation since `before` as self.memory[key] (CUDA only: the CPU
@@ -276,13 +332,16 @@ class ModelRunner:
     def split_cache_budget(self, budget_bytes: int) -> CacheSplit:
         """KV blocks and state-snapshot rows a budget holds (cache/geometry.py)."""
         spec = self.kv_spec
+        if self.spec_state_rows:
+            budget_bytes -= self.spec_state_rows * self.model.state_snapshot_bytes()
         return split_cache_budget(budget_bytes, spec.bytes_per_block, spec.block_size, self.state_snapshot_bytes,
                                   self.state_interval)
 
     def init_kv_cache(self, num_blocks: int, num_state_snapshots: int = 0) -> None:
-        if num_state_snapshots:  # before graph capture: the pool regroups the state tensors the graphs read
+        rows = num_state_snapshots + self.spec_state_rows
+        if rows:  # before graph capture: the pool regroups the state tensors the graphs read
             before = _allocated(self.device)
-            self.model.allocate_state_snapshots(num_state_snapshots)
+            self.model.allocate_state_snapshots(rows)
             self._measured("state_snapshots", before)
             if self.device.type == "cuda":  # the state's old tensors, freed by the regrouping, go back before the KV
                 torch.cuda.empty_cache()
@@ -293,6 +352,7 @@ class ModelRunner:
         self.memory["kv_tokens"] = usable_blocks(num_blocks) * self.kv_spec.block_size
         logger.info("memory on %s: %s", self.device, format_memory_plan(self.memory_plan()))
         self._warm_up_kernels()
+        self._warm_up_steps(num_blocks)
         if self.graphs_off_reason is None:
             graphs = DecodeGraphs(self.model, self.config.cuda_graph_capture_sizes, self.max_model_len, self.kv_spec,
                                   self.device)
@@ -305,16 +365,52 @@ class ModelRunner:
                 return
             self.graphs = graphs
 
+    def host_tier_split(self) -> CacheSplit:
+        """KV blocks and state snapshots --kv-offload-gib of host memory holds on this rank."""
+        spec = self.kv_spec
+        return host_split(self.config.kv_offload_gib, spec.bytes_per_block, spec.block_size, self.state_snapshot_bytes,
+                          self.state_interval)
+
+    def init_host_tier(self, num_blocks: int, num_snapshots: int) -> None:
+        """Allocates the pinned host rows (after init_kv_cache)."""
+        self.host_tier = RankHostTier(self.device, num_blocks, self.kv_spec.bytes_per_block,
+                                      num_snapshots if self.state_interval else 0, self.state_snapshot_bytes)
+
+    def _snapshot_pools(self) -> list[tuple[torch.Tensor, int]]:
+        if not self.state_interval:
+            return []
+        return [(pool, 1) for pool in self.model.state_snapshot_pools()]
+
     @torch.inference_mode()
     def _warm_up_kernels(self) -> None:
-        """Builds the attention and FP8-weight GEMM kernels' variants now, so that no early request
-        waits for Triton (graph capture builds only the ones its buckets replay)."""
+        """Builds the attention kernels' variants, those of modules whose kernels depend on the
+        step's token count (MoE) and the FP8-weight GEMMs', now, so that no early request waits for
+        Triton (graph capture builds only the ones its buckets replay)."""
         if self.device.type != "cuda":
             return
         launches = sum(layer.warm_up(self.dtype) for layer in self.attention_layers)
+        launches += sum(m.warm_up_kernels(self.dtype, self.config.token_budget)
+                        for m in self.model.modules() if warms_up_kernels(m))
         launches += warm_up_fp8_layers(self.model, self.dtype)
         if launches:
             torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def _warm_up_steps(self, num_blocks: int) -> None:
+        """A few eager steps of the shapes serving meets, so that every kernel they launch (the
+        model's Triton kernels in their data-dependent variants, fla-core's autotuning) is built
+        before the first request rather than inside it: fresh prompts of aligned and unaligned
+        length, a chunk continuing the longest context beside decode rows at short and long
+        contexts, and decode batches up to max_num_seqs rows (past any captured graph, so served
+        eagerly). Every sequence uses the scratch state slot 0, which no request owns, and
+        pages no request owns yet; nothing is sampled. One rank only: other ranks' steps would
+        have to issue the same collectives."""
+        if self.device.type != "cuda" or self.parallel.tp_size > 1 or self.parallel.dcp.enabled:
+            return
+        for batch in warm_up_batches(self.max_model_len, num_blocks, self.kv_spec.block_size, self.config.token_budget,
+                                     self.config.max_num_seqs):
+            self._execute_eager(batch)
+        torch.cuda.synchronize(self.device)
 
     def bind_kv_cache(self, caches: list[LayerCache]) -> None:
         self.graphs = None  # captured graphs point at the old cache
@@ -332,9 +428,11 @@ class ModelRunner:
         observers, which force eager steps, run only with one rank)."""
         if feed is not None and self.parallel.tp_size > 1:
             feed = FeedAcrossRanks(feed, self.parallel)
+        if batch.host_transfers is not None:  # before the snapshot restores, which may read restored rows
+            self.host_tier.apply(batch.host_transfers, self.kv_caches, self._snapshot_pools())
         snapshots = self._stage_snapshot_plan(batch.state_snapshots)
         logits = None
-        if self.graphs is not None and not self._observing():
+        if self.graphs is not None and not self._observing() and not self._layer_profiling:
             bucket = self.graphs.bucket_for(batch)
             if bucket is not None:
                 logits = self.graphs.replay(batch, bucket, feed)
@@ -368,32 +466,42 @@ class ModelRunner:
         tables = batch.block_tables
         width = tables.shape[1]
         states = [0 if s is None else s for s in batch.state_slots]
-        d64 = self._stage64.upload(batch.input_ids + batch.positions + batch.slot_mapping + batch.logits_indices + states)
+        # Each input starts 16-byte aligned in its staging buffer: Triton specializes kernels on
+        # their pointers' alignment, and views at offsets that follow the step's counts would
+        # build new variants in the middle of serving.
+        at64 = _aligned_starts([t, t, t, n_rows, b], 2)
+        flat64 = np.zeros(at64[-1], dtype=np.int64)
+        for start, values in zip(at64, (batch.input_ids, batch.positions, batch.slot_mapping, batch.logits_indices,
+                                        states)):
+            flat64[start : start + len(values)] = values
+        d64 = self._stage64.upload(flat64)
+        ids, positions = d64[: t], d64[at64[1] : at64[1] + t]
         if feed is not None:
-            feed.apply(d64[:t])
+            feed.apply(ids)
         # int32 inputs: [seq_lens (b) | cu_query_lens (b + 1) | block tables (b x width, row-major)]
-        flat = np.zeros(2 * b + 1 + b * width, dtype=np.int32)
+        at32 = _aligned_starts([b, b + 1, b * width], 4)
+        flat = np.zeros(at32[-1], dtype=np.int32)
         flat[:b] = batch.seq_lens
-        np.cumsum(batch.query_lens, out=flat[b + 1 : 2 * b + 1])
-        flat[2 * b + 1 :] = tables.reshape(-1)
+        np.cumsum(batch.query_lens, out=flat[at32[1] + 1 : at32[1] + b + 1])
+        flat[at32[2] : at32[2] + b * width] = tables.reshape(-1)
         d32 = self._stage32.upload(flat)
         meta = StepMetadata(
-            slot_mapping=d64[2 * t : 3 * t],
-            block_tables=d32[2 * b + 1 :].view(b, width),
+            slot_mapping=d64[at64[2] : at64[2] + t],
+            block_tables=d32[at32[2] : at32[2] + b * width].view(b, width),
             seq_lens=d32[:b],
-            cu_query_lens=d32[b : 2 * b + 1],
+            cu_query_lens=d32[at32[1] : at32[1] + b + 1],
             query_lens=batch.query_lens,
             seq_lens_list=batch.seq_lens,
             state_slots=batch.state_slots,
-            state_slots_t=d64[3 * t + n_rows :],
+            state_slots_t=d64[at64[4] : at64[4] + b],
         )
         if snapshots is not None and snapshots[4].numel():
             meta.snapshot_offsets, meta.snapshot_rows = batch.state_snapshots.interior_offsets, snapshots[4]
         if self.parallel.dcp.enabled:
             meta.dcp = self.parallel.dcp.step_plan(batch.positions, batch.query_lens, batch.seq_lens, batch.block_tables,
                                                    self.device)
-        hidden = self.model(d64[:t], d64[t : 2 * t], meta)
-        rows = d64[3 * t : 3 * t + n_rows]
+        hidden = self.model(ids, positions, meta)
+        rows = d64[at64[3] : at64[3] + n_rows]
         if n_rows == t and batch.logits_indices == list(range(t)):
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(hidden[rows])
@@ -412,6 +520,57 @@ def format_memory_plan(plan: dict[str, int]) -> str:
     if "kv_tokens" in plan:
         parts.append(f"{plan['kv_tokens']} KV tokens")
     return ", ".join(parts)
+
+
+def _check_draft_method(model: CausalLM, method: str) -> None:
+    """Every model drafts with n-grams (the host looks them up); "mtp" needs a model's own
+    multi-token-prediction head, which no model of this engine runs yet."""
+    if method == "mtp":
+        raise InvalidRequestError("speculative_config.method",
+                                  f"mtp: {type(model).__name__} has no MTP draft head this engine can run; "
+                                  "use method 'ngram'")
+
+
+def warm_up_batches(max_model_len: int, num_blocks: int, block_size: int, token_budget: int,
+                    max_num_seqs: int) -> list[BatchInput]:
+    """The startup steps of ModelRunner._warm_up_steps: fresh prompts of 64 and 37 tokens, a
+    17-token chunk at the longest context the cache and the step hold beside decode rows at short
+    and long contexts, decode batches of 1 and both sides of a multiple of 16 (Triton
+    specializes integer arguments on it) up to max_num_seqs at a short context, and the largest
+    at the longest."""
+    longest = max(2, min(max_model_len, (num_blocks - 1) * block_size, token_budget))
+    decodes = min(max_num_seqs, token_budget)
+    steps = [[(min(longest, 64), min(longest, 64))], [(min(longest, 37), min(longest, 37))],
+             [(longest, min(17, longest)), (max(1, longest // 2), 1), (min(longest, block_size + 1), 1),
+              (min(longest, 5), 1)]]
+    steps += [[(min(longest, 64), 1)] * n for n in sorted({1, max(1, decodes - 1), decodes})]
+    steps.append([(longest, 1)] * decodes)
+    return [_warm_up_batch(step, block_size) for step in steps]
+
+
+def _warm_up_batch(seqs: list[tuple[int, int]], block_size: int) -> BatchInput:
+    """A step of (context after the step, rows) sequences over pages 1.. (shared: what one writes,
+    another may overwrite; no request owns them yet) and the scratch state slot 0."""
+    ids, positions, slots, tables = [], [], [], []
+    for context, rows in seqs:
+        table = list(range(1, -(-context // block_size) + 1))
+        tables.append(table)
+        for p in range(context - rows, context):
+            ids.append(0)
+            positions.append(p)
+            slots.append(table[p // block_size] * block_size + p % block_size)
+    return BatchInput(input_ids=ids, positions=positions, slot_mapping=slots, query_lens=[r for _, r in seqs],
+                      seq_lens=[c for c, _ in seqs], block_tables=tables, logits_indices=[len(ids) - 1],
+                      state_slots=[0] * len(seqs))
+
+
+def _aligned_starts(sizes: list[int], align: int) -> list[int]:
+    """Start of each segment when every one begins at a multiple of `align` elements, then the total."""
+    starts, at = [], 0
+    for n in sizes:
+        starts.append(at)
+        at += -(-n // align) * align
+    return starts + [at]
 
 
 def _progress(weights, checkpoint, enabled: bool):

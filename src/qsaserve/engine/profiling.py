@@ -1,10 +1,12 @@
 """Per-step figures of a torch.profiler run: device time and launches, the top kernels, the
 collectives by their position in the step, the device's busy span and idle time, the top host
 ops. What bench/step_profile.py reports for rank 0 and what a worker rank reports about its own
-steps (engine/executor/worker.py)."""
+steps (engine/executor/worker.py). Also the per-layer ranges of a profile (layer_ranges,
+summarize_layers)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import statistics
 
 import torch
@@ -90,3 +92,67 @@ def busy_and_span(intervals: list[tuple[float, float]]) -> tuple[float, float]:
             cur_end = max(cur_end, end)
     busy += cur_end - cur_start
     return busy, max(end for _, end in ordered) - ordered[0][0]
+
+
+LAYER_RANGE_PREFIX = "qsaserve.layer:"
+
+
+@contextlib.contextmanager
+def layer_ranges(layers: list[tuple[str, torch.nn.Module]]):
+    """While active, each decoder layer's forward runs inside a torch.profiler range named
+    "qsaserve.layer:<index>:<kind>", so a profile attributes the kernels it launched (and its
+    host time) to it. Forward hooks, not edits of the model: any model that names its layers
+    (models.interfaces.SupportsLayerProfile) can be profiled; eager steps only (a graph replay
+    runs no Python)."""
+    handles, open_ranges = [], {}
+
+    def enter(i, kind):
+        def hook(module, args):
+            r = torch.profiler.record_function(f"{LAYER_RANGE_PREFIX}{i}:{kind}")
+            r.__enter__()
+            open_ranges[i] = r
+        return hook
+
+    def leave(i):
+        def hook(module, args, output):
+            open_ranges.pop(i).__exit__(None, None, None)
+        return hook
+
+    for i, (kind, module) in enumerate(layers):
+        handles.append(module.register_forward_pre_hook(enter(i, kind)))
+        handles.append(module.register_forward_hook(leave(i)))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for r in open_ranges.values():  # a forward that raised inside a layer
+            r.__exit__(None, None, None)
+
+
+def summarize_layers(events, steps: int) -> dict:
+    """Per layer kind, from the "qsaserve.layer:" ranges of a profile over `steps` steps: layers
+    of the kind, and per layer per step the device time of the kernels it launched and its host
+    time (ms, means over the kind's layers). Device time: the range's kernels, launched inside
+    it, wherever they ran on the stream; host time: the range's wall time on the CPU."""
+    by_kind: dict[str, dict] = {}
+    for e in events:
+        if not e.name.startswith(LAYER_RANGE_PREFIX):
+            continue
+        _, index, kind = e.name.split(":")
+        k = by_kind.setdefault(kind, {"layers": set(), "device_us": 0.0, "host_us": 0.0})
+        k["layers"].add(int(index))
+        k["device_us"] += _device_time_us(e)
+        k["host_us"] += e.cpu_time_total
+    out = {}
+    for kind, k in sorted(by_kind.items()):
+        n = len(k["layers"]) * steps
+        out[kind] = {"layers": len(k["layers"]), "device_ms_per_layer": round(k["device_us"] / n / 1e3, 4),
+                     "host_ms_per_layer": round(k["host_us"] / n / 1e3, 4)}
+    return out
+
+
+def _device_time_us(event) -> float:
+    """Device time of the kernels launched inside a profiler range (torch renamed cuda_* to device_*)."""
+    total = getattr(event, "device_time_total", None)
+    return float(total if total is not None else getattr(event, "cuda_time_total", 0.0))

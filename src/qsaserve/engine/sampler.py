@@ -12,6 +12,7 @@ the packed results back (tokens, finiteness, logprobs) with a single copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -124,25 +125,38 @@ def filter_top_k_top_p_min_p(logits: torch.Tensor, seqs: list[Sequence]) -> torc
     return logits
 
 
+class TokenMask(Protocol):
+    """Tokens a row may not take (structured outputs' grammar bitmask)."""
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """logits: [S, V]; disallowed entries of the masked rows set to -inf in place."""
+
+
 def sample(
-    logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int], generator: torch.Generator
+    logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int], generator: torch.Generator,
+    token_mask: TokenMask | None = None,
 ) -> list[SampledToken]:
     """logits: [S, V] float32, one row per sequence (rows are modified)."""
-    return sample_deferred(logits, seqs, eos_ids, generator).result()
+    return sample_deferred(logits, seqs, eos_ids, generator, token_mask).result()
 
 
 def sample_deferred(
-    logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int], generator: torch.Generator
+    logits: torch.Tensor, seqs: list[Sequence], eos_ids: set[int], generator: torch.Generator,
+    token_mask: TokenMask | None = None,
 ) -> DeferredTokens:
     """sample() without the wait: the device work is queued and the results come back later.
     Besides request parameters it reads only each sequence's output count (min_tokens), which the
     host knows while the previous token is still in flight; penalties read the token ids, so the
-    engine never defers a step with penalized rows (Sequence.uses_penalties)."""
+    engine never defers a step with penalized rows (Sequence.uses_penalties).
+    token_mask (structured outputs) applies after the finiteness check and the raw logprobs:
+    its -inf entries are not model errors, and logprobs stay the model's."""
     if all(s.simple_sampling for s in seqs):
-        return _sample_simple(logits, seqs, generator)
+        return _sample_simple(logits, seqs, generator, token_mask)
     logits, finite = _finite_rows(logits)
     max_n = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
     raw_logprobs = logits.log_softmax(dim=-1) if max_n is not None else None
+    if token_mask is not None:
+        token_mask.apply(logits)
 
     logits = apply_penalties(logits, seqs)
     mask_min_tokens(logits, seqs, eos_ids)
@@ -192,13 +206,16 @@ def _finite_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.nan_to_num(logits, nan=0.0, posinf=0.0, neginf=0.0).where(finite[:, None], torch.zeros_like(logits)), finite
 
 
-def _sample_simple(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator) -> DeferredTokens:
+def _sample_simple(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator,
+                   token_mask: TokenMask | None) -> DeferredTokens:
     """sample_deferred() for a batch of greedy / plain-temperature rows (every seq.simple_sampling):
     the same device operations as the general path (whose penalties, masks and filters would change
     nothing here) and one host pass over the sequences.
     A non-finite row is flagged and its token never used (the sequence ends with an error), so the
     rows are not sanitized first: that would be three more passes over [B, V] each step."""
     finite = torch.isfinite(logits).all(dim=-1)
+    if token_mask is not None:
+        token_mask.apply(logits)
     temps: list[float] = []
     seeded: list[int] = []
     for i, s in enumerate(seqs):

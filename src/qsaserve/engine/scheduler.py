@@ -20,6 +20,7 @@ from qsaserve.engine.sequence import Sequence, SequenceStatus
 class ScheduledChunk:
     seq: Sequence
     num_new_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+    num_drafts: int = 0  # of which drafted tokens to verify (the last num_drafts; engine/spec_decode.py)
 
     @property
     def completes_known_tokens(self) -> bool:
@@ -70,15 +71,24 @@ class Scheduler:
                 i += 1
                 continue
             remaining = len(seq.token_ids) - seq.num_computed_tokens
+            num_drafts = 0
+            if remaining == 1 and seq.draft_token_ids:  # a verify chunk: the last token and its drafts
+                del seq.draft_token_ids[budget - 1:]
+                num_drafts = len(seq.draft_token_ids)
+                remaining += num_drafts
             num_new = min(remaining, budget)
             while not self.block_manager.allocate(seq, num_new):
+                if num_drafts:  # drafts never cost a sequence its blocks: drop them first
+                    seq.draft_token_ids = []
+                    num_new, num_drafts = num_new - num_drafts, 0
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                out.chunks.append(ScheduledChunk(seq, num_new))
+                out.chunks.append(ScheduledChunk(seq, num_new, num_drafts))
                 budget -= num_new
                 if remaining == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens:
                     num_decodes += 1
@@ -106,6 +116,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        seq.draft_token_ids = []  # it restarts by recompute; drafts come again once it decodes
+        seq.spec_restore_row = None
         self.block_manager.free_seq(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1

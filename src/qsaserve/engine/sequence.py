@@ -58,6 +58,11 @@ class Sequence:
         # next step restores, and the rows its launched steps write (boundary token count, row).
         self.restore_state_row: int | None = None
         self.pending_state_saves: list[tuple[int, int]] = []
+        # Speculative decoding (engine/spec_decode.py): tokens drafted after the last token, verified
+        # by its next step; and the per-position state row its next step restores (hybrid models,
+        # a step that rejected drafts), None when the slot already holds the right state.
+        self.draft_token_ids: list[int] = []
+        self.spec_restore_row: int | None = None
 
         # Output state, owned by the engine.
         self.output_text = ""
@@ -67,6 +72,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.stop_state = 0  # the stop strings' automaton state after output_text
+        self.grammar = None  # structured outputs: its xgrammar matcher (engine/structured_output.py)
         self.detok_prefix_offset = 0
         self.detok_read_offset = 0
 

@@ -14,12 +14,14 @@ index tail) at its end, so the model keeps copies of its state slots at block bo
     before anything that could overwrite the row later);
   * evicted least recently used first, among published rows nobody references.
 
-Lookups and evictions are counted for the engine's stats.
+Lookups and evictions are counted for the engine's stats. With a host tier (host_kv_tier.py),
+`on_evict(key, row)` hears of every published row about to be overwritten, in time to copy it out.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass
@@ -41,6 +43,7 @@ class StateSnapshotCache:
         self.row_of: dict[int, int] = {}  # prefix hash -> row
         self.refs: dict[int, int] = {}  # row -> pending restores (published) or 1 (reserved)
         self.stats = StateCacheStats()
+        self.on_evict: Callable[[int, int], None] | None = None
 
     # ---- capacity ----
     @property
@@ -76,15 +79,19 @@ class StateSnapshotCache:
             row = self.free.pop()
         elif self.lru:
             row, _ = self.lru.popitem(last=False)
-            del self.row_of[self.key_of.pop(row)]
+            key = self.key_of.pop(row)
+            del self.row_of[key]
             self.stats.evicted += 1
+            if self.on_evict is not None:
+                self.on_evict(key, row)
         else:
             return None
         self.refs[row] = 1
         return row
 
-    def publish(self, row: int, prefix_hash: int) -> None:
-        """The reserved row now holds the state at the end of the prefix with this hash."""
+    def publish(self, row: int, prefix_hash: int, restored: bool = False) -> None:
+        """The reserved row now holds the state at the end of the prefix with this hash (restored:
+        copied back from the host tier, not a new snapshot)."""
         del self.refs[row]
         if prefix_hash in self.row_of:  # the same prefix was saved meanwhile: keep the older row
             self.free.append(row)
@@ -92,7 +99,7 @@ class StateSnapshotCache:
         self.key_of[row] = prefix_hash
         self.row_of[prefix_hash] = row
         self.lru[row] = None
-        self.stats.saved += 1
+        self.stats.saved += not restored
 
     def drop(self, row: int) -> None:
         """A reserved row whose content will never be published."""

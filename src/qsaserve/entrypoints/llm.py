@@ -46,6 +46,9 @@ class LLM:
                 raise InvalidRequestError(
                     "sampling_params", f"got {len(params_list)} for {len(prompts)} prompts; pass one or one per prompt"
                 )
+        for params in params_list:  # every grammar compiles on the pool at once; add_request waits for its own
+            if params.structured_outputs is not None:
+                self.engine.structured_outputs.compile(params.structured_outputs)
         added: list[str] = []
         try:
             for prompt, params in zip(prompts, params_list):
@@ -65,13 +68,18 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        tools: list[dict] | None = None,
     ) -> list[RequestOutput]:
+        """tools: OpenAI tool objects handed to the chat template (the output is text: parse it, or
+        constrain it with SamplingParams(structured_outputs=...))."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template)} for c in conversations]
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt, chat_template, tools)}
+                   for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None) -> list[int]:
-        return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt, chat_template)
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, chat_template: str | None = None,
+                            tools: list[dict] | None = None) -> list[int]:
+        return apply_chat_template(self.engine.tokenizer, messages, add_generation_prompt, chat_template, tools)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)
@@ -94,14 +102,16 @@ class LLM:
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                        chat_template: str | None = None) -> list[int]:
+                        chat_template: str | None = None, tools: list[dict] | None = None) -> list[int]:
     """Prompt token ids of a conversation, rendered with the model's chat template (shared by
-    LLM.chat and the server so both send the model identical tokens)."""
+    LLM.chat and the server so both send the model identical tokens); `tools` (OpenAI tool
+    objects) go to the template, which decides how to write them."""
     validate_messages(messages)
     if tokenizer is None or (chat_template is None and not getattr(tokenizer, "chat_template", None)):
         raise InvalidRequestError("messages", "this model has no chat template; use generate() with a plain prompt")
     text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, chat_template=chat_template,
+        **({"tools": tools} if tools else {}),
     )
     # The template already wrote any BOS it wants.
     return tokenizer.encode(text, add_special_tokens=False)

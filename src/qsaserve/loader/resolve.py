@@ -8,6 +8,7 @@ from typing import Iterator
 
 import torch
 
+from qsaserve.errors import InvalidRequestError
 from qsaserve.models.presets import PRESETS, preset_config
 
 from .checkpoint import Checkpoint, ModelLoadError, compute_identity
@@ -42,6 +43,21 @@ def load_checkpoint(path: str, *, progress: bool = True) -> Checkpoint:
     if os.path.isdir(path):
         return load_safetensors_checkpoint(path)
     return load_gguf_checkpoint(path)
+
+
+def load_tokenizer(path: str):
+    """The tokenizer (with its chat template) of an HF directory or a GGUF file, for --tokenizer;
+    errors name `tokenizer`."""
+    from .gguf_loader import _open_reader, read_metadata
+    from .tokenizer import build_gguf_tokenizer
+
+    try:
+        path = resolve_model(path, progress=False)
+        if os.path.isdir(path):
+            return load_hf_tokenizer(path)
+        return build_gguf_tokenizer(read_metadata(_open_reader(path)))
+    except Exception as exc:  # a missing path, a GGUF without a tokenizer, not a GGUF at all
+        raise InvalidRequestError("tokenizer", str(exc).removeprefix("model: ")) from exc
 
 
 class _NoWeights:

@@ -129,6 +129,11 @@ class SupportsStateSnapshots(Protocol):
         """Snapshot row rows[i] -> state slot slots[i], in stream order."""
         ...
 
+    def state_snapshot_pools(self) -> list[torch.Tensor]:
+        """The pool tensors, each [members, rows, ...]: a snapshot row is index `row` of dim 1 of
+        every one (the host KV tier copies rows out and back)."""
+        ...
+
 
 def supports_state_snapshots(model: object) -> TypeIs[SupportsStateSnapshots]:
     return getattr(model, "supports_state_snapshots", False)
@@ -149,6 +154,19 @@ class RowTable(Protocol):
     placement: str
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor: ...
+
+    def gpu_bytes(self) -> int:
+        """Bytes of the table held in GPU memory (0 for host and disk placements)."""
+        ...
+
+    def pinned_host_bytes(self) -> int:
+        """Bytes of host RAM page-locked so that the device gathers rows itself."""
+        ...
+
+    def cuda_graph_block_reason(self) -> str | None:
+        """Why a step gathering from this table cannot be captured in a CUDA graph (its rows are
+        read on the host each step), or None."""
+        ...
 
 
 @runtime_checkable
@@ -172,10 +190,10 @@ def supports_side_tables(model: object) -> TypeIs[HasSideTables]:
     return getattr(model, "has_side_tables", False)
 
 
-def side_tables_allow_cuda_graphs(tables: Mapping[int, RowTable]) -> bool:
-    """Whether decode steps that gather from these tables can be captured: rows gathered from
-    host RAM or disk run host code every step, which a graph replay would skip."""
-    return all(t.placement == "gpu" for t in tables.values())
+def side_tables_cuda_graph_block_reason(tables: Mapping[int, RowTable]) -> str | None:
+    """Why decode steps that gather from these tables cannot be captured, or None: a table whose
+    rows are read on the host each step runs host code that a graph replay would skip."""
+    return next((reason for t in tables.values() if (reason := t.cuda_graph_block_reason())), None)
 
 
 @runtime_checkable
@@ -243,3 +261,58 @@ class SupportsDcpCudaGraphs(Protocol):
 
 def supports_dcp_cuda_graph(model: object) -> TypeIs[SupportsDcpCudaGraphs]:
     return getattr(model, "supports_dcp_cuda_graph", False)
+
+
+@runtime_checkable
+class WarmsUpKernels(Protocol):
+    """A submodule of a model (e.g. an MoE block) whose kernels depend on the step's token count:
+    the runner calls `warm_up_kernels` on each such module of the model at startup, after the KV
+    cache is bound, so that no step waits for a Triton build."""
+
+    warms_up_kernels: ClassVar[Literal[True]] = True
+
+    def warm_up_kernels(self, dtype: torch.dtype, max_tokens: int) -> int:
+        """Builds the kernel variants steps of 1 to max_tokens tokens may take, now; returns the
+        launches made (0: nothing to build)."""
+        ...
+
+
+def warms_up_kernels(module: object) -> TypeIs[WarmsUpKernels]:
+    return getattr(module, "warms_up_kernels", False)
+
+
+@runtime_checkable
+class SupportsLayerProfile(Protocol):
+    """The decoder layers can be named for a profile: the benchmarks time each layer by kind and
+    project the step of a deeper model of the same kinds from it."""
+
+    supports_layer_profile: ClassVar[Literal[True]] = True
+
+    def decoder_layers(self) -> list[tuple[str, torch.nn.Module]]:
+        """(kind, module) of every decoder layer in order; kind names the layer's token mixer
+        (e.g. "gdn", "qsa", "attention"). Forward hooks on these modules bracket each layer."""
+        ...
+
+
+def supports_layer_profile(model: object) -> TypeIs[SupportsLayerProfile]:
+    return getattr(model, "supports_layer_profile", False)
+
+
+@runtime_checkable
+class HasRoutedExperts(Protocol):
+    """A mixture-of-experts model: a decode row reads only its top-k routed experts' weights, which
+    the active-weight roofline counts (the shared experts are ordinary dense weights)."""
+
+    has_routed_experts: ClassVar[Literal[True]] = True
+
+    def routed_expert_tensors(self) -> list[torch.Tensor]:
+        """This rank's routed-expert weight tensors, each [E, ...] over all E experts of a layer."""
+        ...
+
+    def experts_per_token(self) -> tuple[int, int]:
+        """(top_k, E): experts each token is routed to, of E per layer."""
+        ...
+
+
+def has_routed_experts(model: object) -> TypeIs[HasRoutedExperts]:
+    return getattr(model, "has_routed_experts", False)

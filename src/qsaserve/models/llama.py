@@ -30,7 +30,8 @@ from qsaserve.layers.quantization.fp8 import TensorShard
 from qsaserve.layers.rmsnorm import RMSNorm
 from qsaserve.layers.rotary import RotaryEmbedding
 from qsaserve.layers.vocab_parallel import vocab_parallel_embedding, vocab_parallel_logits
-from qsaserve.models.interfaces import SupportsCudaGraphs, SupportsDummyWeights, SupportsKVRotation, SupportsVOffsets
+from qsaserve.models.interfaces import (SupportsCudaGraphs, SupportsDummyWeights, SupportsKVRotation, SupportsLayerProfile,
+                                        SupportsVOffsets)
 from qsaserve.ops.head_transform import fold_into_columns, fold_into_rows
 from qsaserve.parallel.state import ParallelContext
 from qsaserve.parallel.tp import even_range, kv_head_range, kv_heads_per_rank, shard_vocab, take, vocab_shard_rows
@@ -165,7 +166,8 @@ def checkpoint_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, SupportsKVRotation, SupportsVOffsets):
+class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, SupportsKVRotation, SupportsLayerProfile,
+                       SupportsVOffsets):
     """Capabilities (models/interfaces.py): CUDA graphs for decode steps (not under DCP, whose step
     plan is built on the host), dummy weights, and V's rotation and offsets folded into the weights."""
 
@@ -238,6 +240,9 @@ class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, Supp
 
     def attention_layer_ids(self) -> list[int]:
         return list(range(len(self.layers)))  # every layer is an attention layer
+
+    def decoder_layers(self) -> list[tuple[str, nn.Module]]:
+        return [("attention", layer) for layer in self.layers]
 
     def weight_tensors(self) -> dict[str, torch.Tensor]:
         return dict(self.named_parameters())

@@ -1,4 +1,5 @@
-"""Device facts the Triton launch heuristics size their grids by."""
+"""Device facts the Triton launch heuristics size their grids by, and the pointer alignment
+Triton kernels specialize on."""
 from __future__ import annotations
 
 import functools
@@ -12,3 +13,10 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 132
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def aligned16(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy where its start is not 16-byte aligned. Triton specializes a kernel on its
+    pointers' alignment, so views at offsets that follow a step's counts would build new
+    variants while serving; a kernel's inputs pass through here where such views reach it."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()

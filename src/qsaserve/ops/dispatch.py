@@ -6,9 +6,9 @@ unless QSASERVE_FUSED_KERNELS=0 is in the environment, read at import so that wo
 it too; tests flip `ENABLED` instead. Off, CUDA runs the torch references (for A/B measurements,
 and as the fallback should a kernel misbehave on a GPU).
 
-`triton_runs(x)`: the same without the switch. Only the paged KV write and the Llama paged
-attention use it: the attention reference reads the step's host lists, which a CUDA graph would
-freeze, so those kernels stay on with the switch off.
+`triton_runs(x)`: the same without the switch. Only the paged KV write, the Llama paged
+attention and the PLE host-table gather use it: their references read the step's host lists or
+gather on the host, which a CUDA graph would freeze, so those kernels stay on with the switch off.
 
 CPU tensors always take the reference, also under TRITON_INTERPRET=1: a test that wants one op's
 kernel branch on CPU sets that op package's `use_triton` (e.g. `ops.qsa_indexer.use_triton`)."""

@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from typing import Sequence
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.middleware.cors import CORSMiddleware
@@ -19,6 +21,7 @@ import qsaserve
 from qsaserve.engine.async_engine import AsyncLLMEngine
 from qsaserve.engine.llm_engine import LLMEngine
 from qsaserve.errors import InvalidRequestError
+from qsaserve.loader.generation_config import sampling_defaults
 from qsaserve.sampling_params import MAX_LOGPROBS
 from qsaserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_POOL_SIZE
 from qsaserve.server import metrics as metrics_mod
@@ -41,6 +44,7 @@ from qsaserve.server.protocol import (
 )
 from qsaserve.server.state import ServerLimits, ServerState
 from qsaserve.server.tokenizer import TokenizerPool, decode, encode_text, ids_to_tokens
+from qsaserve.server.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("qsaserve")
 
@@ -60,6 +64,10 @@ def build_app(
     allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
     allowed_origins: Sequence[str] = (),
     shutdown_engine: bool = True,
+    chat_template: str | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
+    generation_config: str = "auto",
 ) -> FastAPI:
     """The FastAPI app. `engine` may be an LLMEngine (wrapped, unbounded queue) or an
     AsyncLLMEngine; `shutdown_engine` stops it when the app shuts down. served_model_name
@@ -68,7 +76,10 @@ def build_app(
     have) bounds each prompt text and each conversation before it is tokenized;
     max_seqs_per_request (default: max_num_seqs, at most the engine's waiting bound) bounds
     prompts x n. allowed_hosts: the Host names answered (None: any; the default suits a
-    loopback bind); allowed_origins: the web origins allowed, with CORS (default: none)."""
+    loopback bind); allowed_origins: the web origins allowed, with CORS (default: none).
+    chat_template: a template's text, or a file holding one, used instead of the model's;
+    enable_auto_tool_choice / tool_call_parser: tool_choice "auto" and how calls are parsed
+    (server/tool_parsers.py); generation_config: auto, vllm or a directory (loader/generation_config.py)."""
     if isinstance(engine, LLMEngine):
         engine = AsyncLLMEngine(engine)
     core = engine.engine
@@ -93,6 +104,12 @@ def build_app(
     if engine.max_waiting_requests is not None:  # more could never be admitted
         seqs_per_request = min(seqs_per_request, engine.max_waiting_requests)
 
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise InvalidRequestError("tool_call_parser", f"must be one of {', '.join(TOOL_CALL_PARSERS)}; got {tool_call_parser!r}")
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise InvalidRequestError("enable_auto_tool_choice", "needs --tool-call-parser")
+    template = load_chat_template(chat_template)
+    defaults = sampling_defaults(generation_config, model_root)
     tokenizer = TokenizerPool(core.tokenizer, tokenizer_pool_size)
     limits = ServerLimits(
         max_request_bytes=max_request_bytes,
@@ -112,6 +129,10 @@ def build_app(
         metrics=metrics_mod.ServerMetrics(engine, names[0]),
         vocab_size=core.vocab_size,
         model_root=model_root,
+        chat_template=template,
+        sampling_defaults=defaults,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        tool_call_parser=tool_call_parser,
     )
 
     @contextlib.asynccontextmanager
@@ -134,6 +155,26 @@ def build_app(
                            allow_headers=["*"], expose_headers=["Retry-After"])
     _add_routes(app, state)
     return app
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template itself (vLLM accepts both)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidRequestError("chat_template", f"must be a Jinja template or a file holding one, got {value!r}")
+    if "{{" in value or "{%" in value:
+        return value
+    path = os.path.expanduser(value)
+    if not os.path.isfile(path):
+        raise InvalidRequestError("chat_template", f"{value!r} is neither a file nor a Jinja template")
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise InvalidRequestError("chat_template", f"{path} is not a valid Jinja template: {e}") from None
+    return text
 
 
 async def _release_when_dead(engine: AsyncLLMEngine, interval_s: float = 1.0) -> None:
@@ -180,7 +221,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             "bos_token": getattr(tok, "bos_token", None),
             "pad_token": getattr(tok, "pad_token", None),
             "unk_token": getattr(tok, "unk_token", None),
-            "chat_template": getattr(tok, "chat_template", None),
+            "chat_template": state.chat_template or getattr(tok, "chat_template", None),
             "model_max_length": limits.max_model_len,
             "vocab_size": state.vocab_size,
         })

@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 
+from qsaserve.config import EngineConfig
 from qsaserve.errors import InvalidRequestError
 from qsaserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_POOL_SIZE
 
@@ -22,6 +23,7 @@ DEFAULT_SHUTDOWN_GRACE_S = 10.0
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     from qsaserve.sampling_params import MAX_LOGPROBS
+    from qsaserve.server.tool_parsers import TOOL_CALL_PARSERS
 
     parser.add_argument("model_tag", nargs="?", metavar="MODEL", help="model to serve (same as --model)")
     group = parser.add_argument_group("server")
@@ -63,6 +65,25 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="on SIGTERM/SIGINT: new requests get 503 at once, running ones may finish within this "
                             "many seconds, then the rest end with an error event (streams) or a 503 "
                             f"(default: {DEFAULT_SHUTDOWN_GRACE_S:g})")
+    chat = parser.add_argument_group("chat, tools and sampling defaults")
+    chat.add_argument("--chat-template", default=None,
+                      help="a Jinja chat template, or a file holding one, used instead of the model's")
+    chat.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help='allow tool_choice "auto" (the default when a request has tools): the output is parsed for '
+                           "tool calls by --tool-call-parser")
+    chat.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                      help="how tool calls are written: hermes (<tool_call>{json}</tool_call>: Hermes, Qwen2.5, Qwen3) or "
+                           "qwen3_coder (<tool_call><function=...><parameter=...>: Qwen3-Coder)")
+    chat.add_argument("--generation-config", default="auto",
+                      help="sampling defaults for fields a request leaves unset: auto (the model directory's "
+                           "generation_config.json, if any), vllm (none), or a directory holding a "
+                           "generation_config.json (default: auto)")
+    chat.add_argument("--trust-remote-code", action="store_true",
+                      help="accepted for vLLM command lines; changes nothing: qsaserve runs no code from a checkpoint "
+                           "(its models and tokenizers are built in)")
+    if "quantization" not in EngineConfig.field_names():
+        chat.add_argument("--quantization", "-q", default=None,
+                          help="weight quantization: none is implemented in this build, so any value is refused")
     group.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (default: info)")
 
@@ -92,6 +113,15 @@ def _check_args(args: argparse.Namespace) -> None:
             raise InvalidRequestError(name, f"must be >= 1, got {value}")
     if args.retry_after < 0:
         raise InvalidRequestError("retry_after", f"must be >= 0, got {args.retry_after}")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise InvalidRequestError("enable_auto_tool_choice", "needs --tool-call-parser (hermes or qwen3_coder)")
+    from qsaserve.server.app import load_chat_template
+
+    args.chat_template = load_chat_template(args.chat_template)  # checked before the model loads
+    # Without an EngineConfig.quantization field, --quantization is the server's own flag.
+    if getattr(args, "quantization", None) is not None and "quantization" not in EngineConfig.field_names():
+        raise InvalidRequestError("quantization", f"{args.quantization!r} is not supported: this build implements no "
+                                                  "weight quantization (the KV cache has --kv-cache-dtype fp8_e4m3)")
 
 
 def is_loopback(host: str) -> bool:
@@ -131,6 +161,8 @@ def build_server_app(args: argparse.Namespace):
         max_request_bytes=args.max_request_bytes, max_logprobs=args.max_logprobs, max_prompt_chars=args.max_prompt_chars,
         max_seqs_per_request=args.max_seqs_per_request, tokenizer_pool_size=args.tokenizer_pool_size,
         allowed_hosts=allowed_hosts_for(args.host, args.allowed_hosts), allowed_origins=args.allowed_origins,
+        chat_template=args.chat_template, enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser, generation_config=args.generation_config,
     )
 
 

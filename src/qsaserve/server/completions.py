@@ -23,6 +23,7 @@ from qsaserve.server.protocol import (
     random_id,
 )
 from qsaserve.server.state import ServerState
+from qsaserve.server.structured import compile_spec, requested_spec
 from qsaserve.server.tokenizer import decode
 from qsaserve.server.streaming import (
     SSE_DONE,
@@ -48,11 +49,15 @@ async def create_completion(state: ServerState, request: Request, req: Completio
     prompt_lps = req.prompt_logprobs
     if echo_lps:
         prompt_lps = max(req.logprobs, prompt_lps or 0)
-    params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_lps)
+    structured = requested_spec(req)
+    params = req.sampling_params(max_tokens=req.max_tokens, logprobs=req.logprobs, prompt_logprobs=prompt_lps,
+                                 defaults=state.sampling_defaults, structured_outputs=structured and structured[0])
     limits = state.limits
     texts_or_ids = normalize_prompts(req.prompt, n=params.n, max_seqs=limits.max_seqs_per_request,
                                      max_chars=limits.max_prompt_chars, max_model_len=limits.max_model_len)
 
+    if structured is not None:
+        await compile_spec(state, *structured)
     prompts = await encode_prompts(state, texts_or_ids)
     request_id = random_id("cmpl")
     created = int(time.time())

@@ -50,9 +50,26 @@ class _EngineCollector:
         yield counter("qsaserve:prefix_state_misses", "Prefix-cache lookups that found no recurrent-state snapshot (hybrid models).", s.prefix_state_misses)
         yield gauge("qsaserve:prefix_state_snapshots", "Recurrent-state snapshots held by the prefix cache.", s.prefix_state_snapshots)
         yield gauge("qsaserve:prefix_state_snapshot_bytes", "Memory of the recurrent-state snapshot pool (per rank).", s.prefix_state_snapshot_bytes)
+        yield counter("qsaserve:host_tier_hits", "Prefix-cache lookups that copied blocks or a snapshot back from the host tier.", s.host_tier_hits)
+        yield counter("qsaserve:host_tier_blocks_offloaded", "KV blocks copied to the host tier on GPU eviction.", s.host_tier_blocks_offloaded)
+        yield counter("qsaserve:host_tier_blocks_restored", "KV blocks copied back from the host tier instead of recomputed.", s.host_tier_blocks_restored)
+        yield counter("qsaserve:host_tier_snapshots_offloaded", "Recurrent-state snapshots copied to the host tier on GPU eviction.", s.host_tier_snapshots_offloaded)
+        yield counter("qsaserve:host_tier_snapshots_restored", "Recurrent-state snapshots copied back from the host tier.", s.host_tier_snapshots_restored)
+        yield gauge("qsaserve:host_tier_bytes_used", "Host-tier memory holding cached blocks and snapshots (per rank).", s.host_tier_bytes_used)
+        yield gauge("qsaserve:host_tier_bytes", "Pinned host memory of the host tier (per rank; 0: off).", s.host_tier_bytes)
         yield counter("qsaserve:num_preemptions", "Sequences preempted (recomputed) for lack of KV blocks.", s.num_preemptions)
         yield counter("qsaserve:prompt_tokens", "Prompt tokens of accepted requests.", s.prompt_tokens)
         yield counter("qsaserve:generation_tokens", "Generated tokens.", s.generation_tokens)
+        yield counter("qsaserve:spec_decode_num_draft_tokens", "Draft tokens verified (speculative decoding).", s.spec_drafted)
+        yield counter("qsaserve:spec_decode_num_accepted_tokens", "Draft tokens accepted.", s.spec_accepted)
+        yield counter("qsaserve:spec_decode_num_drafts", "Verifies: one sequence's drafts checked in one step.", s.spec_verifies)
+        mean = 1.0 + s.spec_accepted / s.spec_verifies if s.spec_verifies else 0.0
+        yield gauge("qsaserve:spec_decode_mean_acceptance_length", "Tokens a verify emits on average (accepted drafts + 1).", mean)
+        per_pos = CounterMetricFamily("qsaserve:spec_decode_num_accepted_tokens_per_pos",
+                                      "Verifies that accepted the draft at this position.", labels=["model_name", "position"])
+        for pos, n in enumerate(s.spec_accepted_per_position):
+            per_pos.add_metric([self.model_name, str(pos)], n)
+        yield per_pos
         yield gauge("qsaserve:engine_healthy", "1 while the engine loop runs, 0 once it died.", 1.0 if self.engine.is_healthy() else 0.0)
 
 

@@ -60,9 +60,11 @@ def check_conversation_size(state: ServerState, messages: Any) -> int:
     return chars
 
 
-async def encode_conversation(state: ServerState, messages: Any, add_generation_prompt: bool) -> list[int]:
+async def encode_conversation(state: ServerState, messages: Any, add_generation_prompt: bool,
+                              tools: list[dict] | None = None) -> list[int]:
     chars = check_conversation_size(state, messages)
-    return await state.tokenizer.run(render_chat, messages, add_generation_prompt, chars=chars)
+    return await state.tokenizer.run(render_chat, messages, add_generation_prompt, state.chat_template, tools,
+                                     state.tool_call_parser, chars=chars)
 
 
 async def add_requests(state: ServerState, request_id: str, prompts: list[EncodedPrompt],

@@ -71,6 +71,13 @@ class _SamplingRequest(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: Int | None = None
+    # Structured outputs (server/structured.py): OpenAI's response_format, vLLM's fields.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop", "stop_token_ids", mode="before")
     @classmethod
@@ -93,18 +100,26 @@ class _SamplingRequest(_Request):
         if self.prompt_logprobs is not None and self.prompt_logprobs > max_logprobs:
             raise InvalidRequestError("prompt_logprobs", f"must be <= {max_logprobs}, got {self.prompt_logprobs}")
 
-    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
-        """Builds validated SamplingParams (raises InvalidRequestError naming the bad field)."""
+    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                        defaults: dict[str, float] | None = None, structured_outputs=None) -> SamplingParams:
+        """Builds validated SamplingParams (raises InvalidRequestError naming the bad field).
+        defaults: the server's values for unset fields (--generation-config), else vLLM's."""
+        d = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, **(defaults or {})}
+
+        def pick(name: str):
+            value = getattr(self, name)
+            return d[name] if value is None else value
+
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
             seed=self.seed,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty"),
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
             stop=self.stop,
@@ -114,6 +129,7 @@ class _SamplingRequest(_Request):
             skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured_outputs=structured_outputs,
         )
 
 
@@ -191,9 +207,10 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: Int | None = None
     add_generation_prompt: bool = True
+    # Tool calling (server/tools.py); shapes checked there, to name the bad element.
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TopLogprob(_Response):
@@ -213,9 +230,33 @@ class ChatLogprobs(_Response):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(_Response):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(_Response):
@@ -239,6 +280,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Response):

@@ -33,6 +33,12 @@ class ServerState:
     metrics: metrics_mod.ServerMetrics
     vocab_size: int
     model_root: str | None
+    # Chat and sampling options of the server (server/cli.py): --chat-template's text, the
+    # --generation-config defaults, --enable-auto-tool-choice and --tool-call-parser.
+    chat_template: str | None = None
+    sampling_defaults: dict = field(default_factory=dict)
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     drain: Drain = field(default_factory=Drain)
     started: int = field(default_factory=lambda: int(time.time()))
 

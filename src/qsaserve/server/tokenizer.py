@@ -20,6 +20,7 @@ from qsaserve.entrypoints.llm import apply_chat_template
 from qsaserve.errors import InvalidRequestError
 from qsaserve.server.limits import DEFAULT_TOKENIZER_POOL_SIZE
 from qsaserve.server.parsing import normalize_messages
+from qsaserve.server.tools import prepare_messages
 
 LARGE_JOB_CHARS = 64 * 1024
 
@@ -81,12 +82,16 @@ def encode_text(tok, text: str, add_special_tokens: bool) -> list[int]:
     return tok.encode(text, add_special_tokens=add_special_tokens)
 
 
-def render_chat(tok, messages: list[dict], add_generation_prompt: bool) -> list[int]:
-    """Validates the conversation and renders it with the chat template: the same function
-    LLM.chat uses, so served and offline chat prompts are token-identical."""
+def render_chat(tok, messages: list[dict], add_generation_prompt: bool, chat_template: str | None = None,
+                tools: list[dict] | None = None, tool_format: str | None = None) -> list[int]:
+    """Validates the conversation and renders it with the chat template (the server's
+    --chat-template, else the model's): the same function LLM.chat uses, so served and offline
+    chat prompts are token-identical. Tools and tool messages: server/tools.py."""
     messages = normalize_messages(messages)
+    template = chat_template or getattr(tok, "chat_template", None)
+    messages, tools = prepare_messages(messages, tools, template, tool_format)
     try:
-        return apply_chat_template(tok, messages, add_generation_prompt)
+        return apply_chat_template(tok, messages, add_generation_prompt, chat_template, tools)
     except jinja2.TemplateError as e:
         raise InvalidRequestError("messages", f"the chat template rejected the conversation: {e}") from e
 

@@ -31,6 +31,17 @@ class Rank0Views:
         """Bytes of one recurrent-state snapshot on each rank (0: no snapshots)."""
         return self.runner.state_snapshot_bytes
 
+    @property
+    def num_host_kv_blocks(self) -> int:
+        """KV blocks the host tier holds on each rank (0: no host tier)."""
+        return self.runner.host_tier.kv.num_rows if self.runner.host_tier is not None else 0
+
+    @property
+    def num_host_snapshots(self) -> int:
+        """State snapshots the host tier holds on each rank (0: none)."""
+        tier = self.runner.host_tier
+        return tier.snapshots.num_rows if tier is not None and tier.snapshots is not None else 0
+
     def capacity(self, max_model_len: int):
         """(this layout, DCP1) KV capacity at the same per-rank memory (parallel.dcp.KVCapacity)."""
         return self.runner.parallel.dcp.capacity(self.runner.kv_spec_dcp1, self.kv_budget_bytes, max_model_len)
@@ -50,6 +61,11 @@ class Rank0Views:
         """Whether decode steps replay CUDA graphs."""
         return self.runner.graphs is not None
 
+    @property
+    def cuda_graphs_off_reason(self) -> str | None:
+        """Why decode steps run eagerly (None when they replay graphs)."""
+        return self.runner.graphs_off_reason
+
     def graph_replays(self) -> int:
         """Decode graph replays so far (0 without graphs)."""
         graphs = self.runner.graphs
@@ -65,6 +81,27 @@ class Rank0Views:
     def decode_weight_bytes(self) -> int:
         """Weight bytes one decode step reads on rank 0 (ModelRunner.decode_weight_bytes)."""
         return self.runner.decode_weight_bytes()
+
+    def side_table_memory(self) -> dict:
+        """Rank 0's side-table (PLE) placement and bytes (ModelRunner.side_table_memory)."""
+        return self.runner.side_table_memory()
+
+    def expert_weight_bytes(self) -> dict | None:
+        """The routed experts' share of decode_weight_bytes on rank 0 (ModelRunner.expert_weight_bytes)."""
+        return self.runner.expert_weight_bytes()
+
+    def state_bytes_per_sequence(self) -> int:
+        """One sequence's recurrent-state bytes on rank 0 (ModelRunner.state_bytes_per_sequence)."""
+        return self.runner.state_bytes_per_sequence()
+
+    def layer_kinds(self) -> list[str] | None:
+        """Rank 0's decoder layer kinds in order (ModelRunner.layer_kinds)."""
+        return self.runner.layer_kinds()
+
+    def layer_profile(self):
+        """Context: rank 0's steps run eagerly inside per-layer profiler ranges; yields the layer
+        kinds or None (ModelRunner.layer_profile). Other ranks keep their graphs: profile one rank."""
+        return self.runner.layer_profile()
 
     def memory_plan(self) -> dict[str, int]:
         """Rank 0's bytes per kind: weights, PLE, KV, state, activations (ModelRunner.memory_plan)."""

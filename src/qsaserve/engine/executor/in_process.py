@@ -20,6 +20,9 @@ class InProcessExecutor(Rank0Views):
         self.num_kv_blocks, self.num_state_snapshots = split.num_blocks, split.num_snapshots
         if self.num_kv_blocks >= 2:
             self.runner.init_kv_cache(self.num_kv_blocks, self.num_state_snapshots)
+            if config.kv_offload_gib:
+                host = self.runner.host_tier_split()
+                self.runner.init_host_tier(host.num_blocks, host.num_snapshots)
 
     def check_health(self) -> None:
         """Raises EngineDeadError when a rank is dead; one in-process rank is alive while we are."""

@@ -106,6 +106,11 @@ def build_runner(spec: WorkerSpec, ctx: ParallelContext, device: torch.device, c
     if num_blocks >= 2:
         runner.init_kv_cache(num_blocks, num_snapshots)  # every rank captures the same buckets, in the same order
         agree_on_graphs(runner, control)
+        if spec.config.kv_offload_gib:  # one host-tier geometry: the engine's plan names the same rows on every rank
+            host = runner.host_tier_split()
+            counts = torch.tensor([host.num_blocks, host.num_snapshots], dtype=torch.int64)
+            dist.all_reduce(counts, op=dist.ReduceOp.MIN, group=control)
+            runner.init_host_tier(int(counts[0]), int(counts[1]))
     return runner, num_blocks, budget, num_snapshots
 
 

@@ -11,7 +11,7 @@ from qsaserve.models.qwen4exp.snapshots import state_windows
 from qsaserve.models.qwen4exp.state import GDNState, Step
 from qsaserve.models.qwen4exp.quantized import packed, project
 from qsaserve.models.qwen4exp.weights import PackedWeight, ShardLoader, Weight, parameter
-from qsaserve.ops.gdn import (causal_conv1d_reference, conv1d_decode_, delta_rule_decode_, gated_delta_rule,
+from qsaserve.ops.gdn import (causal_conv1d, conv1d_decode_, delta_rule_decode_, gated_delta_rule,
                               gated_delta_rule_with_states, gated_norm, gdn_gates)
 
 
@@ -70,14 +70,15 @@ class GatedDeltaNet(nn.Module):
                                    slot_idx, step.fresh)
         else:
             old_conv = st.conv[slot_idx]
-            conv, new_conv = causal_conv1d_reference(mixed.t()[None], conv_weight, None, old_conv,
-                                                     activation=self.activation, cu_seqlens=step.cu_seqlens)
+            conv, new_conv = causal_conv1d(mixed.t()[None], conv_weight, None, old_conv, activation=self.activation,
+                                           cu_seqlens=step.cu_seqlens)
             st.conv[slot_idx] = new_conv
             q, k, v = torch.split(conv[0].t(), [hk * dk, hk * dk, hv * dv], dim=-1)
             args = (q.reshape(1, t, hk, dk), k.reshape(1, t, hk, dk), v.reshape(1, t, hv, dv), g[None], beta[None],
                     st.recurrent[slot_idx])
             if step.snapshots is None:
-                o, final = gated_delta_rule(*args, step.cu_seqlens, single_token=t == len(step.spans))
+                o, final = gated_delta_rule(*args, step.cu_seqlens, single_token=t == len(step.spans),
+                                            lengths=[b - a for a, b in step.spans])
             else:  # the prefix cache wants the state at block boundaries inside the chunks
                 o, final, states = gated_delta_rule_with_states(*args, step.spans, step.snapshots.offsets)
                 self._snapshot_prefill(mixed, old_conv, states, step)

@@ -15,8 +15,9 @@ from torch import nn
 from qsaserve.cache.kv_cache import KVCacheSpec
 from qsaserve.layers.attention import AttentionMetadata
 from qsaserve.layers.vocab_parallel import vocab_parallel_embedding, vocab_parallel_logits
-from qsaserve.models.interfaces import (HasRecurrentState, HasSideTables, RowTable, SideTableSpec, SupportsCudaGraphs,
-                                        SupportsDcpCudaGraphs, SupportsDummyWeights, SupportsStateSnapshots)
+from qsaserve.models.interfaces import (HasRecurrentState, HasRoutedExperts, HasSideTables, RowTable, SideTableSpec,
+                                        SupportsCudaGraphs, SupportsDcpCudaGraphs, SupportsDummyWeights,
+                                        SupportsLayerProfile, SupportsStateSnapshots)
 from qsaserve.models.qwen4exp import state as slot_state
 from qsaserve.models.qwen4exp.snapshots import StateSnapshotPool, slot_bytes
 from qsaserve.models.qwen4exp.config import parse_config, validate_config
@@ -54,8 +55,8 @@ class Qwen4ExpModel(nn.Module):
         return hc_inject(hyper, *pending) if pending is not None else hyper
 
 
-class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsCudaGraphs, SupportsDcpCudaGraphs,
-                          SupportsDummyWeights, SupportsStateSnapshots):
+class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasRoutedExperts, HasSideTables, SupportsCudaGraphs,
+                          SupportsDcpCudaGraphs, SupportsDummyWeights, SupportsLayerProfile, SupportsStateSnapshots):
     # CUDA graphs: steps where every sequence decodes one token take a path free of host syncs and
     # of data-dependent shapes (state.build_step), DCP slots included (derived on the device).
 
@@ -76,6 +77,8 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsC
         self.mtp_weights: dict[str, torch.Tensor] = {}  # the MTP draft head, for speculative decoding
         self._states: list[slot_state.SlotState] = []  # slot_states(), once allocated
         self._snapshots: StateSnapshotPool | None = None  # the prefix cache's state snapshots
+        for layer in self.qsa_layers.values():  # the widest selection a step can score (its warm-up)
+            layer.max_groups = max_positions // cfg.indexer_compress_ratio
         _plain_attribute_reads(self)
 
     # ---- structure ----
@@ -95,6 +98,15 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsC
         tied LM head is the embedding)."""
         targets = checkpoint_targets(self, self.config.tie_word_embeddings)
         return {name: checkpoint_tensor(targets, name) for name in weight_shapes(self.config)}
+
+    def decoder_layers(self) -> list[tuple[str, nn.Module]]:
+        return [("gdn" if layer.is_gdn else "qsa", layer) for layer in self.model.layers]
+
+    def routed_expert_tensors(self) -> list[torch.Tensor]:
+        return [t for layer in self.model.layers for t in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj)]
+
+    def experts_per_token(self) -> tuple[int, int]:
+        return self.config.num_experts_per_tok, self.config.num_experts
 
     def _ple_blocks(self) -> dict[int, PLE]:
         return {i: layer.ple for i, layer in enumerate(self.model.layers) if layer.ple is not None}
@@ -138,6 +150,9 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasSideTables, SupportsC
 
     def restore_state_snapshots(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         self._snapshots.restore(rows, slots)
+
+    def state_snapshot_pools(self) -> list[torch.Tensor]:
+        return list(self._snapshots.pools)
 
     # ---- forward ----
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -7,13 +7,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qsaserve.models.interfaces import WarmsUpKernels
 from qsaserve.models.qwen4exp.reference import sparse_moe_block
 from qsaserve.models.qwen4exp.sharding import REPLICATED, RankLayout
 from qsaserve.models.qwen4exp.state import Step
 from qsaserve.models.qwen4exp.weights import ExpertLoader, PackedWeight, Weight, parameter
 from qsaserve.ops.dispatch import use_triton
 from qsaserve.ops.fused import sigmoid_gated_add, silu_mul
-from qsaserve.ops.moe import moe_experts, moe_experts_sync_free, moe_route
+from qsaserve.ops.moe import moe_experts, moe_experts_sync_free, moe_route, warm_up as warm_up_moe
 
 
 class Experts(nn.Module):
@@ -34,11 +35,11 @@ class SharedExpert(nn.Module):
         self.down_proj = Weight((cfg.hidden_size, inter), layout.shared_down())
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(nn.Module, WarmsUpKernels):
     """`Qwen4ExpTextSparseMoeBlock` on this rank's expert and shared-expert intermediate slice
     (outputs summed over the TP ranks). `sparse_moe_block` is the reference and the CPU path.
     Fused path (CUDA): the packed GEMM, SiLU-mul fused, the routed experts through ops.moe's
-    in-place kernels at decode."""
+    sync-free kernels (decode kernels or grouped GEMMs, by the step's size)."""
 
     # checkpoint tensors stored as row ranges of input_proj
     packed_names = {"gate.weight": ("input_proj.weight", "router"),
@@ -77,6 +78,11 @@ class SparseMoE(nn.Module):
         routed = experts(x, top_i, top_w, self.experts.gate_up_proj, self.experts.down_proj, self.activation)
         shared = F.linear(silu_mul(gate_up), self.shared_expert.down_proj.weight)
         return sigmoid_gated_add(routed, shared, shared_gate)  # routed + sigmoid(gate) * shared
+
+    def warm_up_kernels(self, dtype: torch.dtype, max_tokens: int) -> int:
+        if not self._fused_path(self.experts.gate_up_proj[0]):
+            return 0
+        return warm_up_moe(self.experts.gate_up_proj, self.experts.down_proj, self.top_k, dtype, max_tokens)
 
     def reference_weights(self) -> dict[str, torch.Tensor]:
         """This rank's weights by checkpoint name relative to `mlp.` (sparse_moe_block's keys)."""

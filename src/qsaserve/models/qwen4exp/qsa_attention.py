@@ -27,19 +27,30 @@ from qsaserve.ops.attention import write_kv
 from qsaserve.ops.dispatch import use_triton
 from qsaserve.ops.fused import norm_rope_heads
 from qsaserve.ops.qsa_attention import sparse_attention_paged
+from qsaserve.ops.qsa_attention import warm_up as qsa_attention_warm_up
 from qsaserve.ops.qsa_indexer import (indexer_project, pool_chunk_groups, pool_completed_groups, rope_cos_sin,
-                                      select_decode, select_prefill)
+                                      select_decode, select_prefill_step)
+from qsaserve.ops.qsa_indexer import warm_up as indexer_warm_up
 
 
 class QSACacheLayer:
-    """What the runner binds a QSA layer's pages to (same interface as layers.attention.Attention)."""
+    """What the runner binds a QSA layer's pages to (same interface as layers.attention.Attention).
+    `warm_up` builds the layer's sparse-attention and selection kernels for every step shape
+    (`attention` is the layer that owns it; max_groups: groups of the longest sequence)."""
 
     def __init__(self, num_kv_heads: int, head_dim: int):
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.cache: LayerCache | None = None
+        self.attention: QSAAttention | None = None
+        self.max_groups = 0
 
     def warm_up(self, dtype: torch.dtype) -> int:
-        return 0  # no warm-up: the QSA kernels compile on first use (graph capture builds its buckets')
+        a, cache = self.attention, self.cache
+        idx = a.indexer
+        width = idx.budget + idx.ratio - 1
+        launches = qsa_attention_warm_up(cache.kv, a.group_heads, dtype, width, k_scale=cache.k_scale,
+                                         v_scale=cache.v_scale, run=a._run(cache), pack=a.ctx.dcp_pack_size)
+        return launches + indexer_warm_up(cache.block_keys, idx.num_heads, idx.ratio, idx.budget, self.max_groups)
 
 
 class QSAIndexer(nn.Module):
@@ -84,6 +95,7 @@ class QSAAttention(nn.Module):
         self.q_norm = Weight((d,))
         self.k_norm = Weight((d,))
         self.attn = QSACacheLayer(layout.num_kv_heads, d)
+        self.attn.attention = self
         self.state: IndexTailState | None = None
 
     def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> IndexTailState:
@@ -150,12 +162,13 @@ class QSAAttention(nn.Module):
 
     # ---- steps ----
     def _prefill(self, x: torch.Tensor, step: Step, meta: AttentionMetadata) -> torch.Tensor:
-        """Prefill and mixed steps. Per sequence: pool the groups its chunk completes (from the
-        open-group raw keys in its state slot plus the chunk's), then select its queries' tokens
-        in row blocks that bound the temporaries; then one sparse-attention call for every row of
-        the step, reading the selected positions through the block tables (on CUDA: Triton scoring,
-        batched top-k on device with "lowest_index" ties, as decode; on CPU transformers' tie order,
-        "torch"; ops.qsa_indexer / ops.qsa_attention choose)."""
+        """Prefill and mixed steps. Pool the groups each chunk completes (from the open-group raw
+        keys in its state slot plus the chunk's): a prompt chunk by itself, every run of one-token
+        rows at once as a decode step does; then select every row's tokens in one batched call
+        (ops.qsa_indexer.select_prefill_step: on CUDA one scoring launch, one top-k with
+        "lowest_index" ties and one build for all sequences, as decode; on CPU transformers' tie
+        order sequence by sequence) and run one sparse-attention call for every row of the step,
+        reading the selected positions through the block tables."""
         dcp, idx = self.ctx.dcp, self.indexer
         cache, tails = self.attn.cache, self.state.index_tail
         q, gate, k, v, iq, raw = self._inputs(x, step)
@@ -168,17 +181,25 @@ class QSAAttention(nn.Module):
             _write_kv(cache, k, v, meta.slot_mapping)
         r, budget, positions = idx.ratio, idx.budget, step.positions
         iq = iq.to(cache.block_keys.dtype)
-        selected = torch.empty((q.shape[0], budget + r - 1), dtype=torch.long, device=q.device)
         snaps, tails_at = step.snapshots, []
-        for s, (a, b) in enumerate(step.spans):
-            length, table = meta.seq_lens_list[s], meta.block_tables[s]
-            if snaps is not None and snaps.offsets[s]:
-                tails_at += [_tail_at(tails[step.slots[s]], raw[a:b], o, r) for o in snaps.offsets[s]]
-            pool_chunk_groups(tails[step.slots[s]], raw[a:b], length - (b - a), cache.block_keys, table,
-                              idx.k_layernorm.weight, step.inv_freq, r, self.eps)
-            selected[a:b] = select_prefill(iq[a:b], cache.block_keys, table, positions[a:b], r, budget, length // r)
+        has_snaps = [bool(snaps is not None and snaps.offsets[s]) for s in range(len(step.spans))]
+        for s0, s1 in _row_runs(step.spans, has_snaps):
+            a, b = step.spans[s0][0], step.spans[s1 - 1][1]
+            if b - a == s1 - s0 and s1 - s0 > 1:  # one-token rows (decodes of a mixed step)
+                pool_completed_groups(tails, step.slot_idx[s0:s1], raw[a:b], cache.block_keys, meta.block_tables[s0:s1],
+                                      positions[a:b], torch.ones(b - a, dtype=torch.bool, device=raw.device),
+                                      idx.k_layernorm.weight, step.inv_freq, r, self.eps)
+                continue
+            length = meta.seq_lens_list[s0]
+            if has_snaps[s0]:
+                start = length - (b - a)
+                tails_at += [_tail_at(tails[step.slots[s0]], raw[a:b], start, o, r) for o in snaps.offsets[s0]]
+            pool_chunk_groups(tails[step.slots[s0]], raw[a:b], length - (b - a), cache.block_keys,
+                              meta.block_tables[s0], idx.k_layernorm.weight, step.inv_freq, r, self.eps)
         if tails_at:
             self.state.snapshot_pools["index_tail"].index_copy_(0, snaps.rows, torch.stack(tails_at))
+        selected = select_prefill_step(iq, cache.block_keys, meta.block_tables, positions, r, budget, step.spans,
+                                       meta.seq_lens_list, step.cu_seqlens)
         if dcp.enabled:
             selected = dcp.localize(selected)
         rows = torch.arange(q.shape[0], dtype=meta.cu_query_lens.dtype, device=q.device)
@@ -208,13 +229,29 @@ class QSAAttention(nn.Module):
         return self._output(attn, lse, gate)
 
 
-def _tail_at(tail: torch.Tensor, raw: torch.Tensor, offset: int, r: int) -> torch.Tensor:
-    """The index tail after a chunk's first `offset` raw keys (raw [T, Di]), where that point is a
-    group boundary: row j holds position = j (mod r), so the last r keys in order, the older ones
-    from the tail (rows 0..r-offset-1) while the chunk has fewer than r."""
-    if offset >= r:
-        return raw[offset - r : offset].to(tail.dtype)
-    return torch.cat([tail[: r - offset], raw[:offset].to(tail.dtype)])
+def _row_runs(spans: list[tuple[int, int]], alone: list[bool]) -> list[tuple[int, int]]:
+    """Sequence ranges [s0, s1): each prompt chunk (more than one row) alone, consecutive
+    one-token sequences together, except those marked `alone` (they take a state snapshot)."""
+    runs: list[tuple[int, int]] = []
+    for s, (a, b) in enumerate(spans):
+        if (b - a == 1 and not alone[s] and runs and runs[-1][1] == s and not alone[runs[-1][0]]
+                and spans[runs[-1][0]][1] - spans[runs[-1][0]][0] == 1):
+            runs[-1] = (runs[-1][0], s + 1)
+        else:
+            runs.append((s, s + 1))
+    return runs
+
+
+def _tail_at(tail: torch.Tensor, raw: torch.Tensor, start: int, offset: int, r: int) -> torch.Tensor:
+    """The index tail after the first `offset` raw keys (raw [T, Di]) of a chunk starting at
+    position `start`: row j holds the latest position = j (mod r), the chunk's for its last
+    min(offset, r) positions, the slot's before them. Any offset: the prefix cache's are group
+    boundaries, speculative decoding's per-position states are not."""
+    n = min(offset, r)
+    rows = torch.arange(start + offset - n, start + offset, device=tail.device) % r
+    out = tail.clone()
+    out[rows] = raw[offset - n : offset].to(tail.dtype)
+    return out
 
 
 def _write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:

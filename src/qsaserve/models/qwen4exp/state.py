@@ -35,7 +35,8 @@ class SlotState:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors())
 
-    def reset(self, slots: list[int]) -> None:
+    def reset(self, slots: torch.Tensor) -> None:
+        """Put the slots `slots` (a device index tensor; repeats allowed) back to a fresh state."""
         raise NotImplementedError
 
 
@@ -51,10 +52,9 @@ class GDNState(SlotState):
         return cls(torch.zeros(num_slots, conv_dim, kernel - 1, dtype=dtype, device=device),
                    torch.zeros(num_slots, value_heads, key_dim, value_dim, dtype=torch.float32, device=device))
 
-    def reset(self, slots: list[int]) -> None:
-        idx = torch.tensor(slots, device=self.conv.device)
-        self.conv[idx] = 0
-        self.recurrent[idx] = 0
+    def reset(self, slots: torch.Tensor) -> None:
+        self.conv[slots] = 0
+        self.recurrent[slots] = 0
 
 
 @dataclass
@@ -64,10 +64,9 @@ class PLEState(SlotState):
     eos_token_id: int
     tensor_fields: ClassVar[tuple[str, ...]] = ("ngram_context", "conv")
 
-    def reset(self, slots: list[int]) -> None:
-        idx = torch.tensor(slots, device=self.conv.device)
-        self.ngram_context[idx] = self.eos_token_id
-        self.conv[idx] = 0
+    def reset(self, slots: torch.Tensor) -> None:
+        self.ngram_context[slots] = self.eos_token_id
+        self.conv[slots] = 0
 
 
 @dataclass
@@ -82,8 +81,8 @@ class IndexTailState(SlotState):
     def zeros(cls, num_slots: int, ratio: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> IndexTailState:
         return cls(torch.zeros(num_slots, ratio, head_dim, dtype=dtype, device=device))
 
-    def reset(self, slots: list[int]) -> None:
-        self.index_tail[torch.tensor(slots, device=self.index_tail.device)] = 0
+    def reset(self, slots: torch.Tensor) -> None:
+        self.index_tail[slots] = 0
 
 
 def log_allocation(num_slots: int, states: list[SlotState]) -> None:
@@ -91,12 +90,21 @@ def log_allocation(num_slots: int, states: list[SlotState]) -> None:
     logger.info("recurrent state: %d slots x %.1f KiB = %.1f MiB", num_slots, total / num_slots / 1024, total / 2**20)
 
 
-def reset_fresh_slots(states: list[SlotState], meta: AttentionMetadata) -> None:
-    """Slots of the sequences whose chunk starts the request (prefill steps)."""
-    fresh = [s for s, n, length in zip(meta.state_slots, meta.query_lens, meta.seq_lens_list) if length == n]
-    if fresh:
-        for state in states:
-            state.reset(fresh)
+def reset_fresh_slots(states: list[SlotState], meta: AttentionMetadata, slot_idx: torch.Tensor) -> None:
+    """Resets the slots of the sequences whose chunk starts the request (prefill steps). Which
+    ones comes from host lists, the index from device tensors (slot_idx [B], the step's slots):
+    no host-to-device copy, so no sync. Sequences that continue point at the scratch slot 0
+    instead, which no request owns and padding rows treat as fresh anyway."""
+    fresh = [length == n for n, length in zip(meta.query_lens, meta.seq_lens_list)]
+    if not any(fresh):
+        return
+    if all(fresh):
+        idx = slot_idx
+    else:
+        query_lens = meta.cu_query_lens[1:] - meta.cu_query_lens[:-1]
+        idx = torch.where(meta.seq_lens == query_lens, slot_idx, torch.zeros_like(slot_idx))
+    for state in states:
+        state.reset(idx)
 
 
 @dataclass
@@ -139,28 +147,36 @@ def _spans(query_lens: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
+def _step_slots(input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """The step's state slots [B] int64 on the device: the runner's staged copy (uploaded with the
+    step's other inputs), else built here from the host list."""
+    slot_idx = getattr(meta, "state_slots_t", None)
+    if slot_idx is None:
+        slot_idx = torch.tensor(meta.state_slots, dtype=torch.long, device=input_ids.device)
+    return slot_idx.long()
+
+
 def _prefill_step(input_ids, positions, meta: AttentionMetadata, inv_freq, states: list[SlotState]) -> Step:
-    """Any step with a multi-token query: per-sequence loops over host lists."""
-    reset_fresh_slots(states, meta)
+    """Any step with a multi-token query. Device tensors from the staged inputs (slots, the packed
+    boundaries cu_query_lens), host lists (spans, slots) for what the layers size on the host:
+    building the step copies nothing to the device, so it never waits for it."""
+    slot_idx = _step_slots(input_ids, meta)
+    reset_fresh_slots(states, meta, slot_idx)
     spans = _spans(meta.query_lens)
-    dev = input_ids.device
     offsets = getattr(meta, "snapshot_offsets", None)
     snapshots = InteriorSnapshots(offsets, meta.snapshot_rows) if offsets and any(offsets) else None
     return Step(decode=False, positions=positions, inv_freq=inv_freq, spans=spans, slots=list(meta.state_slots),
-                slot_idx=torch.tensor(meta.state_slots, device=dev),
-                cu_seqlens=torch.tensor([0] + [b for _, b in spans], device=dev), snapshots=snapshots)
+                slot_idx=slot_idx, cu_seqlens=meta.cu_query_lens.long(), snapshots=snapshots)
 
 
 def _decode_step(input_ids, positions, meta: AttentionMetadata, inv_freq, dcp) -> Step:
     """One token per sequence: everything comes from device tensors, shapes from tensor shapes,
     so the step has no host syncs and can be captured in a CUDA graph. Padding rows (seq_len 0,
     slot -1, null block table, a scratch state slot) see nothing and write no real cache."""
-    slot_idx = getattr(meta, "state_slots_t", None)
-    if slot_idx is None:  # built once per step, shared by every layer
-        slot_idx = torch.tensor(meta.state_slots, dtype=torch.long, device=input_ids.device)
+    slot_idx = _step_slots(input_ids, meta)  # built once per step, shared by every layer
     seq_lens = meta.seq_lens.long()
     valid = seq_lens > 0
-    step = Step(decode=True, positions=positions, inv_freq=inv_freq, slot_idx=slot_idx.long(), valid=valid,
+    step = Step(decode=True, positions=positions, inv_freq=inv_freq, slot_idx=slot_idx, valid=valid,
                 # A one-token prompt's state starts here; padding rows (seq_len 0) also start
                 # from zeros, not from what other padding rows left in the shared scratch slot.
                 fresh=seq_lens <= 1,

@@ -4,7 +4,8 @@
 * The decode step's small ops, one Triton launch each (triton_decode.py), else the torch
   references (decode_ops.py): `gdn_gates`, `conv1d_decode_` and `delta_rule_decode_` (per-slot
   state advanced in place), `gated_norm`.
-* The prefill conv `causal_conv1d_reference` has no kernel."""
+* `causal_conv1d`: the prefill conv over every packed sequence of a step, each from its conv
+  state (triton_conv.py), else `causal_conv1d_reference`."""
 from __future__ import annotations
 
 import torch
@@ -22,9 +23,19 @@ from qsaserve.ops.gdn.reference import (
 )
 
 try:  # CPU-only installs keep the references
-    from qsaserve.ops.gdn import triton_decode
+    from qsaserve.ops.gdn import triton_conv, triton_decode
 except ImportError:
-    triton_decode = None
+    triton_conv = triton_decode = None
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  conv_state: torch.Tensor | None = None, activation: str | None = "silu",
+                  cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [B, C, T] (with cu_seqlens [N + 1]: B = 1, N sequences packed along T), weight [C, 1, W],
+    conv_state [N, C, S] -> (act(causal conv over state ++ chunk) [B, C, T] in x.dtype, the new
+    states [N, C, S]: the last S inputs of each). `causal_conv1d_reference` is the contract."""
+    fn = triton_conv.causal_conv1d_triton if use_triton(x) else causal_conv1d_reference
+    return fn(x, weight, bias, conv_state, activation=activation, cu_seqlens=cu_seqlens)
 
 
 def gdn_gates(b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor,
@@ -60,6 +71,7 @@ def gated_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: f
 
 
 __all__ = [
+    "causal_conv1d",
     "causal_conv1d_reference",
     "causal_conv1d_update_reference",
     "conv1d_decode_",

@@ -3,6 +3,8 @@ fla-core is installed, the plain-torch reference otherwise. Same arguments eithe
 conventions)."""
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from qsaserve.ops.dispatch import use_triton
@@ -14,6 +16,28 @@ except ImportError:  # CPU installs: fla-core is an optional GPU dependency
     chunk_gated_delta_rule = fused_recurrent_gated_delta_rule = None
 
 FLA_AVAILABLE = chunk_gated_delta_rule is not None
+# fla-core versions that take the varlen chunk list: given, the kernels skip building it from
+# cu_seqlens, which reads the lengths back to the host (a device sync per call).
+try:
+    _FLA_PARAMS = inspect.signature(chunk_gated_delta_rule).parameters if FLA_AVAILABLE else {}
+except (TypeError, ValueError):
+    _FLA_PARAMS = {}
+_TAKES_CHUNK_INDICES = "chunk_indices" in _FLA_PARAMS
+# fla-core's chunk size of the gated delta rule (its chunk_size default, where it has one)
+_chunk_default = _FLA_PARAMS["chunk_size"].default if "chunk_size" in _FLA_PARAMS else None
+FLA_CHUNK = _chunk_default if isinstance(_chunk_default, int) else 64
+
+
+def chunk_indices(cu_seqlens: torch.Tensor, lengths: list[int], chunk: int = FLA_CHUNK) -> torch.Tensor:
+    """fla-core's varlen chunk list [NT, 2] (sequence, chunk inside it), in cu_seqlens' dtype, as
+    its prepare_chunk_indices lays it out, built on the device from cu_seqlens [N + 1]; only the
+    count NT comes from the host lengths [N], so nothing is read back."""
+    cu = cu_seqlens.long()
+    per_seq = (cu[1:] - cu[:-1] + chunk - 1) // chunk
+    ends = torch.cumsum(per_seq, 0)
+    i = torch.arange(sum(-(-n // chunk) for n in lengths), device=cu.device)
+    seq = torch.searchsorted(ends, i, right=True)
+    return torch.stack([seq, i - (ends[seq] - per_seq[seq])], 1).to(cu_seqlens.dtype)
 
 
 def uses_fla(q: torch.Tensor) -> bool:
@@ -30,18 +54,24 @@ def gated_delta_rule(
     initial_state: torch.Tensor,
     cu_seqlens: torch.Tensor,
     single_token: bool,
+    lengths: list[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed sequences (q, k [1, T, Hk, Dk], v [1, T, Hv, Dv], g, beta [1, T, Hv]; boundaries in
     cu_seqlens [N + 1]), each continuing from its initial_state [N, Hv, Dk, Dv] fp32 -> (o [1, T,
     Hv, Dv], final states [N, Hv, Dk, Dv] fp32). q/k are L2-normalized inside. single_token: every
-    sequence has one token (decode), where the recurrent form is cheapest."""
+    sequence has one token (decode), where the recurrent form is cheapest. lengths: the same
+    boundaries on the host (optional): fla-core's chunked kernels then get their chunk list built
+    on the device instead of reading cu_seqlens back."""
     # Keywords, not positions: fla's fused_recurrent takes (q, k, v, g, gk, gv, beta, ...), so a
     # positional beta would land in gk (per-key decay) and silently give wrong outputs.
     kwargs = dict(g=g, beta=beta, initial_state=initial_state, output_final_state=True, use_qk_l2norm_in_kernel=True,
                   cu_seqlens=cu_seqlens)
     if uses_fla(q):
-        kernel = fused_recurrent_gated_delta_rule if single_token else chunk_gated_delta_rule
-        return kernel(q, k, v, **kwargs)
+        if single_token:
+            return fused_recurrent_gated_delta_rule(q, k, v, **kwargs)
+        if lengths is not None and _TAKES_CHUNK_INDICES:
+            kwargs["chunk_indices"] = chunk_indices(cu_seqlens, lengths)
+        return chunk_gated_delta_rule(q, k, v, **kwargs)
     kernel = gdn_recurrent_reference if single_token else gdn_chunk_reference
     return kernel(q, k, v, **kwargs)
 
@@ -81,7 +111,7 @@ def gated_delta_rule_with_states(
         cu[1:] = torch.cumsum(torch.as_tensor(lengths, dtype=torch.long).to(dev, non_blocking=True), 0)
         idx = torch.as_tensor(members, dtype=torch.long).to(dev, non_blocking=True)
         o, final = gated_delta_rule(q[:, rows], k[:, rows], v[:, rows], g[:, rows], beta[:, rows], state[idx], cu,
-                                    single_token=all(n == 1 for n in lengths))
+                                    single_token=all(n == 1 for n in lengths), lengths=lengths)
         out[:, rows] = o.to(out.dtype)
         state[idx] = final.float()
         for n, i in enumerate(members):

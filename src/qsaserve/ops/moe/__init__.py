@@ -1,21 +1,33 @@
 """Qwen4Exp's sparse MoE routing and routed experts, dispatched (`ops.dispatch.use_triton`):
 
 * `moe_route`: the one-kernel router (softmax, top-k, renormalisation) on CUDA, else the reference.
-* `moe_experts_sync_free`: the in-place decode kernels (triton_moe.py) on CUDA for SiLU experts
-  when the step has fewer token-choices than experts, else the torch reference (reference.py).
-* `moe_experts`, `moe_router`: references only (the routing is read back to the host)."""
+* `moe_experts`, `moe_experts_sync_free`: on CUDA for SiLU experts, the in-place decode kernels
+  (triton_moe.py) for steps of at most DECODE_KERNEL_MAX_TOKENS tokens with fewer token-choices
+  than experts, else the grouped GEMMs (triton_grouped.py); neither syncs with the host. Elsewhere
+  the torch references (reference.py): the loop over experts, and its sync-free form.
+  Block-FP8 experts (w13_scale, w2_scale given): the grouped GEMMs' FP8 form at every size on
+  CUDA, block_fp8.moe_experts_block_fp8 elsewhere.
+* `moe_router`, `moe_align_block_size`: references (the latter is the grouped path's sort).
+* `warm_up`: builds every kernel variant the dispatch can pick for steps up to a token budget."""
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from qsaserve.ops.dispatch import use_triton
-from qsaserve.ops.moe import reference
-from qsaserve.ops.moe.reference import moe_experts, moe_router
+from qsaserve.ops.moe import block_fp8, reference
+from qsaserve.ops.moe.reference import moe_align_block_size, moe_router
 
 try:  # CPU-only installs keep the reference
-    from qsaserve.ops.moe import triton_moe
+    from qsaserve.ops.moe import triton_grouped, triton_moe
 except ImportError:
-    triton_moe = None
+    triton_grouped = triton_moe = None
+
+# The decode kernels read each (token, choice)'s expert weights in place, the grouped GEMMs read
+# each expert hit once and use tensor cores: the former win only while tokens rarely share an
+# expert and the GEMMs' 16-row tiles would be almost empty (benchmarks/bench_moe_grouped.py).
+DECODE_KERNEL_MAX_TOKENS = 4
 
 
 def moe_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,14 +37,92 @@ def moe_route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[t
     return reference.moe_route(logits, top_k, norm_topk_prob)
 
 
-def moe_experts_sync_free(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
-                          down_proj: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-    """x [N, H], indices / weights [N, k], gate_up_proj [E, 2I, H], down_proj [E, H, I] -> [N, H]:
-    the routed experts without host syncs (decode steps, CUDA graphs)."""
-    num_experts = gate_up_proj.shape[0]
-    if use_triton(x) and activation in ("silu", "swish") and indices.numel() < num_experts:
+def uses_decode_kernels(num_tokens: int, top_k: int, num_experts: int) -> bool:
+    """On CUDA: whether a step of num_tokens tokens takes the decode kernels (else the grouped GEMMs)."""
+    return num_tokens <= DECODE_KERNEL_MAX_TOKENS and num_tokens * top_k < num_experts
+
+
+def _experts_triton(x, indices, weights, gate_up_proj, down_proj, w13_scale, w2_scale):
+    if w13_scale is None and uses_decode_kernels(indices.shape[0], indices.shape[1], gate_up_proj.shape[0]):
         return triton_moe.moe_experts_decode_triton(x, indices, weights.to(x.dtype), gate_up_proj, down_proj)
+    return triton_grouped.moe_experts_grouped_triton(x, indices, weights, gate_up_proj, down_proj,
+                                                     w13_scale=w13_scale, w2_scale=w2_scale)
+
+
+def moe_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
+                down_proj: torch.Tensor, activation: str = "silu", *, w13_scale: torch.Tensor | None = None,
+                w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, H], indices / weights [N, k], gate_up_proj [E, 2I, H] (rows :I gate, I: up),
+    down_proj [E, H, I] -> [N, H]: the routed experts of any step. Block-FP8 experts: E4M3
+    weights with w13_scale [E, ceil(2I/128), ceil(H/128)], w2_scale [E, ceil(H/128), ceil(I/128)]
+    (block_fp8.py; their activations are quantized per token-group of 128)."""
+    if use_triton(x) and activation in ("silu", "swish"):
+        return _experts_triton(x, indices, weights, gate_up_proj, down_proj, w13_scale, w2_scale)
+    if w13_scale is not None or w2_scale is not None:
+        return block_fp8.moe_experts_block_fp8(x, indices, weights, gate_up_proj, down_proj, w13_scale, w2_scale,
+                                               activation)
+    return reference.moe_experts(x, indices, weights, gate_up_proj, down_proj, activation)
+
+
+def moe_experts_sync_free(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
+                          down_proj: torch.Tensor, activation: str = "silu", *, w13_scale: torch.Tensor | None = None,
+                          w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, H], indices / weights [N, k], gate_up_proj [E, 2I, H], down_proj [E, H, I] -> [N, H]:
+    the routed experts without host syncs (decode steps, CUDA graphs); scales as moe_experts."""
+    if use_triton(x) and activation in ("silu", "swish"):
+        return _experts_triton(x, indices, weights, gate_up_proj, down_proj, w13_scale, w2_scale)
+    if w13_scale is not None or w2_scale is not None:
+        return block_fp8.moe_experts_block_fp8(x, indices, weights, gate_up_proj, down_proj, w13_scale, w2_scale,
+                                               activation, sync_free=True)
     return reference.moe_experts_sync_free(x, indices, weights, gate_up_proj, down_proj, activation)
 
 
-__all__ = ["moe_experts", "moe_experts_sync_free", "moe_route", "moe_router"]
+def warm_up(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, dtype: torch.dtype,
+            max_tokens: int, *, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> int:
+    """Builds, now, every kernel variant moe_route and the routed experts take on steps of 1 to
+    max_tokens tokens with these weights (gate_up_proj [E, 2I, H], down_proj [E, H, I], scales as
+    moe_experts), so that no step waits for a Triton build. The token-count arguments are not
+    specialized on, so one launch per configuration builds it. Returns the launches made (0 off CUDA)."""
+    if not use_triton(gate_up_proj) or max_tokens < 1:
+        return 0
+    from qsaserve.ops.device import num_sms
+
+    num_experts, two_i, h = gate_up_proj.shape
+    dev = gate_up_proj.device
+    sms = num_sms(dev)
+
+    def inputs(n):
+        idx = (torch.arange(n * top_k, device=dev) % num_experts).view(n, top_k)
+        return torch.zeros((n, h), dtype=dtype, device=dev), idx, torch.ones((n, top_k), dtype=dtype, device=dev)
+
+    moe_route(torch.zeros((1, num_experts), dtype=dtype, device=dev), top_k, True)
+    moe_route(torch.zeros((1, num_experts), dtype=dtype, device=dev), top_k, False)
+    launches = 2
+    decode_blocks, grouped = _warm_up_plan(max_tokens, top_k, num_experts, h, two_i // 2,
+                                           torch.empty((), dtype=dtype).element_size(), sms, w13_scale is not None)
+    for block_n in decode_blocks:
+        triton_moe.moe_experts_decode_triton(*inputs(1), gate_up_proj, down_proj, block_n=block_n)
+        launches += 1
+    for configs, n in grouped:
+        triton_grouped.moe_experts_grouped_triton(*inputs(n), gate_up_proj, down_proj, configs=configs,
+                                                  w13_scale=w13_scale, w2_scale=w2_scale)
+        launches += 1
+    return launches
+
+
+@functools.lru_cache(maxsize=None)
+def _warm_up_plan(max_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, elem_bytes: int, sms: int,
+                  fp8: bool):
+    """(decode-kernel row blocks, [(grouped configs, tokens)]) of steps of 1..max_tokens tokens;
+    computed once per shape (every MoE layer of a model asks for the same)."""
+    from qsaserve.ops.moe.grouped_config import configs_for
+
+    decode = [n for n in range(1, max_tokens + 1) if not fp8 and uses_decode_kernels(n, top_k, num_experts)]
+    blocks = dict.fromkeys((triton_moe.pick_block_n(n * top_k, inter, sms), triton_moe.pick_block_n(n, hidden, sms))
+                           for n in decode)
+    grouped = [n for n in range(1, max_tokens + 1) if fp8 or not uses_decode_kernels(n, top_k, num_experts)]
+    return tuple(blocks), tuple(configs_for(grouped, top_k, num_experts, hidden, inter, elem_bytes, sms, fp8).items())
+
+
+__all__ = ["DECODE_KERNEL_MAX_TOKENS", "moe_align_block_size", "moe_experts", "moe_experts_sync_free", "moe_route",
+           "moe_router", "uses_decode_kernels", "warm_up"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["activation_fn", "moe_router", "moe_route", "moe_experts", "moe_experts_sync_free"]
+__all__ = ["activation_fn", "moe_align_block_size", "moe_router", "moe_route", "moe_experts", "moe_experts_sync_free"]
 
 
 def activation_fn(name: str):
@@ -86,3 +86,33 @@ def moe_experts_sync_free(
     gate, up = gu.split(two_i // 2, dim=-1)
     y = torch.einsum("nei,ehi->neh", act(gate) * up, down_proj)
     return (y * dense_w[:, :, None]).sum(dim=1).to(x.dtype)
+
+
+def moe_align_block_size(indices: torch.Tensor, num_experts: int, block_m: int,
+                         num_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The token-choices of ``indices`` ``[N, k]`` grouped by expert, each expert's run padded to a
+    multiple of ``block_m``, with no data-dependent shape (CUDA-graph safe).
+
+    Returns ``sorted_ids [num_blocks * block_m]`` int32 (flat token-choice ids ``n * k + j``,
+    expert by expert, in increasing id within an expert; padding rows hold ``N * k``),
+    ``expert_ids [num_blocks]`` int32 (each block's expert; -1 for blocks past the used ones) and
+    ``num_padded [1]`` int32 (the used rows). ``num_blocks`` must be at least
+    ``grouped_config.max_blocks(N * k, E, block_m)``."""
+    flat = indices.flatten()
+    choices, dev = flat.numel(), flat.device
+    sorted_e, order = torch.sort(flat.to(torch.int32), stable=True)
+    starts = torch.searchsorted(sorted_e, torch.arange(num_experts + 1, dtype=torch.int32, device=dev))
+    counts = starts[1:] - starts[:-1]
+    blocks = (counts + block_m - 1) // block_m
+    block_end = blocks.cumsum(0)
+    b = torch.arange(num_blocks, device=dev)
+    expert = torch.searchsorted(block_end, b, right=True)  # E for blocks past the used ones
+    used = expert < num_experts
+    e = expert.clamp(max=num_experts - 1)
+    row = (b - (block_end - blocks)[e])[:, None] * block_m + torch.arange(block_m, device=dev)  # within the expert
+    valid = used[:, None] & (row < counts[e][:, None])
+    src = (starts[e][:, None] + row).clamp(max=max(choices - 1, 0))
+    ids = torch.where(valid, order[src] if choices else src, choices)
+    expert_ids = torch.where(used, expert, -1)
+    return (ids.flatten().to(torch.int32), expert_ids.to(torch.int32),
+            (block_end[-1:] * block_m).to(torch.int32))

@@ -70,7 +70,7 @@ def _down_kernel(act_ptr, idx_ptr, rw_ptr, w_ptr, out_ptr, H, I, K,
     tl.store(out_ptr + t.to(tl.int64) * stride_o + n, total.to(dt), mask=n_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_l"])  # logits are a view of the MoE block's packed GEMM: the warm-up's differ
 def _route_kernel(logits_ptr, w_ptr, i_ptr, E, stride_l, stride_w, stride_i,
                   K: tl.constexpr, K_POW2: tl.constexpr, NORM: tl.constexpr, BLOCK_E: tl.constexpr):
     """One token: fp32 softmax over its E router logits, the top K by repeated argmax (the lowest

@@ -4,21 +4,25 @@ decode-step references (reference.py), and the decode-step ops, dispatched
 
 * `ngram_rows_decode_`: each token's hashed table rows from its slot's context (advanced in place).
 * `stream_gate`: the per-stream sigmoid gate of the value by <key, query>.
-* `dilated_conv_decode_`: residual + silu(dilated causal conv), the slot's conv state advanced."""
+* `dilated_conv_decode_`: residual + silu(dilated causal conv), the slot's conv state advanced.
+* `gather_rows_`: table rows (`RowShards`, row_shards.py) by device-side row ids, from GPU memory
+  or page-locked host memory over UVA (triton_gather.py); the host and disk placements' gather
+  (models/ple_table.py)."""
 from __future__ import annotations
 
 import torch
 
-from qsaserve.ops.dispatch import use_triton
+from qsaserve.ops.dispatch import triton_runs, use_triton
 from qsaserve.ops.ple.hashing import PLEHashParams, ple_initial_context, ple_ngram_ids
+from qsaserve.ops.ple.row_shards import RowShards
 from qsaserve.ops.ple.reference import (TableLookup, TensorRowTable, dilated_conv_decode_reference_,
-                                        ngram_rows_decode_reference_, ple_embed, ple_layer_forward, ple_short_conv,
-                                        stream_gate_reference)
+                                        gather_rows_reference_, ngram_rows_decode_reference_, ple_embed,
+                                        ple_layer_forward, ple_short_conv, stream_gate_reference)
 
 try:  # CPU-only installs keep the references
-    from qsaserve.ops.ple import triton_ple
+    from qsaserve.ops.ple import triton_gather, triton_ple
 except ImportError:
-    triton_ple = None
+    triton_gather = triton_ple = None
 
 
 def ngram_rows_decode_(tokens: torch.Tensor, contexts: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
@@ -43,5 +47,15 @@ def dilated_conv_decode_(x: torch.Tensor, residual: torch.Tensor, weight: torch.
     return fn(x, residual, weight, states, slots, fresh, dilation)
 
 
-__all__ = ["PLEHashParams", "TableLookup", "TensorRowTable", "dilated_conv_decode_", "ngram_rows_decode_",
-           "ple_embed", "ple_initial_context", "ple_layer_forward", "ple_ngram_ids", "ple_short_conv", "stream_gate"]
+def gather_rows_(out: torch.Tensor, table: RowShards, rows: torch.Tensor) -> torch.Tensor:
+    """out [N, D]; table: row shards [R_s, D] (on rows' device, or page-locked mapped host memory
+    when rows are on CUDA); rows [N] int64, each in [0, table.rows) -> out, out[i] = table row
+    rows[i] in out's dtype. The kernel stays on with QSASERVE_FUSED_KERNELS=0 (`triton_runs`):
+    its reference gathers a host table on the host, which a CUDA graph would freeze."""
+    fn = triton_gather.gather_rows_ if triton_runs(rows) else gather_rows_reference_
+    return fn(out, table, rows)
+
+
+__all__ = ["PLEHashParams", "RowShards", "TableLookup", "TensorRowTable", "dilated_conv_decode_", "gather_rows_",
+           "ngram_rows_decode_", "ple_embed", "ple_initial_context", "ple_layer_forward", "ple_ngram_ids",
+           "ple_short_conv", "stream_gate"]

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from qsaserve.ops.fused import one_centred_rms_norm as rms_norm
 from qsaserve.ops.ple.hashing import PLEHashParams, ple_initial_context, ple_ngram_ids
+from qsaserve.ops.ple.row_shards import RowShards
 
 __all__ = [
     "TableLookup",
@@ -30,6 +31,7 @@ __all__ = [
     "ngram_rows_decode_reference_",
     "stream_gate_reference",
     "dilated_conv_decode_reference_",
+    "gather_rows_reference_",
 ]
 
 # Any callable mapping int64 row ids [...] to embedding rows [..., dim]; lets the (huge) table
@@ -46,6 +48,19 @@ class TensorRowTable:
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
         flat = rows.reshape(-1).to(self.weight.device)
         return self.weight.index_select(0, flat).reshape(*rows.shape, -1).to(rows.device)
+
+
+def gather_rows_reference_(out: torch.Tensor, table: RowShards, rows: torch.Tensor) -> torch.Tensor:
+    """triton_gather.gather_rows_: out[i] = table row rows[i], gathered where the shards live (a
+    host table: on the host), one index_select per shard the rows touch."""
+    flat = rows.to(table.shards[0].device)
+    starts = torch.tensor(table.starts_host, dtype=torch.int64, device=flat.device)
+    shard_of = torch.searchsorted(starts, flat, right=True) - 1
+    for s in torch.unique(shard_of).tolist():
+        pick = (shard_of == s).nonzero().flatten()
+        values = table.shards[s].index_select(0, flat.index_select(0, pick) - table.starts_host[s])
+        out.index_copy_(0, pick.to(out.device), values.to(device=out.device, dtype=out.dtype))
+    return out
 
 
 def ple_embed(rows: torch.Tensor, table_lookup: TableLookup) -> torch.Tensor:

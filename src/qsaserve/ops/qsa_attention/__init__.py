@@ -47,5 +47,16 @@ def sparse_attention_paged(
     return (dcp_merge.pack_partials(out, lse, pack), None) if pack else (out, lse)
 
 
+def warm_up(kv_cache: torch.Tensor, num_q_heads: int, q_dtype: torch.dtype, width: int, *, k_scale=None,
+            v_scale=None, run: int = 1, pack: int = 0) -> int:
+    """Builds the sparse kernel's variants a step over kv_cache (num_q_heads query heads of
+    q_dtype, selections `width` wide) can launch (triton_sparse.warm_up); returns the launches
+    made, 0 where the reference runs."""
+    if not use_triton(kv_cache):
+        return 0
+    return triton_sparse.warm_up(kv_cache, num_q_heads, q_dtype, width, k_scale=k_scale, v_scale=v_scale, run=run,
+                                 pack=pack)
+
+
 __all__ = ["merge_attention_partials", "sparse_attention_paged", "sparse_attention_paged_reference",
-           "sparse_attention_reference"]
+           "sparse_attention_reference", "warm_up"]

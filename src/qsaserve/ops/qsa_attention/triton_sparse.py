@@ -305,3 +305,31 @@ def sparse_attention_paged_triton(
 
 
 __all__ = ["SparseConfig", "default_config", "sparse_attention_paged_triton", "num_splits"]
+
+
+def warm_up(kv_cache: torch.Tensor, num_q_heads: int, q_dtype: torch.dtype, width: int, *, k_scale=None,
+            v_scale=None, run: int = 1, pack: int = 0) -> int:
+    """Builds every variant of the sparse kernel (and its merge) that a step over kv_cache with
+    selections `width` wide can launch: the split count, and with it the tile count per split and
+    the merge's width, follows the step's row count, so each distinct one is launched once here,
+    with and without seq ids (prefill and decode). Rows select nothing (-1), so only the null
+    block's table entry is read; outputs are scratch. Returns the launches made."""
+    device, hkv, d = kv_cache.device, kv_cache.shape[3], kv_cache.shape[-1]
+    cfg = default_config(d)
+    sms = num_sms(device)
+    seen, launches = set(), 0
+    for rows in range(1, triton.cdiv(cfg.programs_per_sm * sms, hkv) + 2):
+        s = num_splits(rows, hkv, width, sms, cfg.block_n, cfg.programs_per_sm)
+        chunk = triton.cdiv(triton.cdiv(max(width, 1), s), cfg.block_n) * cfg.block_n
+        s = max(1, triton.cdiv(width, chunk))
+        if (chunk, s) in seen:
+            continue
+        seen.add((chunk, s))
+        q = torch.zeros((rows, num_q_heads, d), dtype=q_dtype, device=device)
+        tables = torch.zeros((rows, 1), dtype=torch.int32, device=device)
+        positions = torch.full((rows, width), -1, dtype=torch.long, device=device)
+        for seq_ids in (None, torch.arange(rows, dtype=torch.int32, device=device)):
+            sparse_attention_paged_triton(q, kv_cache, tables, positions, None, seq_ids, k_scale, v_scale, run=run,
+                                          pack=pack)
+            launches += 1
+    return launches

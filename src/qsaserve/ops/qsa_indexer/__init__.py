@@ -6,12 +6,15 @@ Dispatched (`ops.dispatch.use_triton`), over pooled block keys paged beside the 
 * `select_decode`: one query per sequence -> its selected token positions (score, top-k, build:
   triton_score.py), localized to this rank's shard under decode context parallelism.
 * `select_prefill`: one sequence's chunk of queries -> their selections.
+* `select_prefill_step`: every sequence's queries of a prefill step at once (one scoring launch,
+  one top-k, one build on CUDA; the per-sequence `select_prefill` elsewhere).
 `pool_chunk_groups` (prefill pooling) has no kernel. The references are in paged.py (paged caches)
 and reference.py (the transformers-shaped math)."""
 from __future__ import annotations
 
 import torch
 
+from qsaserve.ops.device import aligned16
 from qsaserve.ops.dispatch import use_triton
 from qsaserve.ops.qsa_indexer import paged
 from qsaserve.ops.qsa_indexer.paged import pool_chunk_groups
@@ -43,9 +46,13 @@ def pool_completed_groups(tails: torch.Tensor, slots: torch.Tensor, raw: torch.T
     [num_slots, r, Di] (row slots [B]); a `valid` [B] row completing a group pools it into its
     block key (block_key_cache [num_blocks, page // r, Di], through block_tables [B, max_blocks]).
     In place; shapes never depend on the data (CUDA-graph safe)."""
-    kernel = use_triton(raw) and not ratio & (ratio - 1)
-    fn = triton_pool.pool_completed_groups_triton if kernel else paged.pool_completed_groups
-    fn(tails, slots, raw, block_key_cache, block_tables, positions, valid, k_layernorm_weight, inv_freq, ratio, eps)
+    if use_triton(raw) and not ratio & (ratio - 1):  # a mixed step passes row slices: aligned for the kernel
+        triton_pool.pool_completed_groups_triton(tails, aligned16(slots), aligned16(raw), block_key_cache,
+                                                 aligned16(block_tables), aligned16(positions), aligned16(valid),
+                                                 k_layernorm_weight, inv_freq, ratio, eps)
+        return
+    paged.pool_completed_groups(tails, slots, raw, block_key_cache, block_tables, positions, valid, k_layernorm_weight,
+                                inv_freq, ratio, eps)
 
 
 def select_decode(index_q: torch.Tensor, block_key_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -81,6 +88,31 @@ def select_prefill(index_q: torch.Tensor, block_key_cache: torch.Tensor, block_t
         select_fn=triton_score.select_prefill_rows_triton if fused else None)
 
 
+def select_prefill_step(index_q: torch.Tensor, block_key_cache: torch.Tensor, block_tables: torch.Tensor,
+                        positions: torch.Tensor, ratio: int, budget: int, spans: list[tuple[int, int]],
+                        seq_lens: list[int], cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The queries of every sequence of a step, index_q [T, Hi, Di] at positions [T] (sequence s:
+    rows spans[s] ascending, seq_lens[s] tokens once the step is written, block_tables[s], device
+    boundaries cu_seqlens [S + 1]), all its complete groups pooled -> token positions
+    [T, budget + r - 1] (-1 padded), each row as `select_prefill` selects it for its sequence."""
+    if use_triton(index_q) and index_q.is_cuda:  # the lowest-index rule: the batched kernels
+        return triton_score.select_prefill_step_triton(index_q, block_key_cache, block_tables, positions, cu_seqlens,
+                                                       spans, seq_lens, ratio, budget)
+    out = torch.empty((index_q.shape[0], budget + ratio - 1), dtype=torch.long, device=index_q.device)
+    for s, (a, b) in enumerate(spans):  # transformers' tie order on CPU is per query: sequence by sequence
+        out[a:b] = select_prefill(index_q[a:b], block_key_cache, block_tables[s], positions[a:b], ratio, budget,
+                                  seq_lens[s] // ratio)
+    return out
+
+
+def warm_up(block_key_cache: torch.Tensor, num_heads: int, ratio: int, budget: int, max_groups: int) -> int:
+    """Builds the selection kernels' variants for steps of up to max_groups groups per sequence
+    (triton_score.warm_up); returns the launches made, 0 where the references run."""
+    if not use_triton(block_key_cache):
+        return 0
+    return triton_score.warm_up(block_key_cache, num_heads, ratio, budget, max_groups)
+
+
 __all__ = [
     "apply_partial_rope",
     "index_scores",
@@ -95,7 +127,9 @@ __all__ = [
     "rope_inv_freq",
     "select_decode",
     "select_prefill",
+    "select_prefill_step",
     "select_tokens",
     "select_tokens_bruteforce",
     "visible_block_count",
+    "warm_up",
 ]

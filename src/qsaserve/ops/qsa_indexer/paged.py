@@ -115,6 +115,10 @@ def select_prefill_tokens(
     if select_fn is not None and tie_break != "lowest_index":
         raise ValueError("select_fn: a fused selection implements the lowest_index rule only")
     step = prefill_rows_per_block(num_groups, index_q.shape[1], score_fn is None and select_fn is None, max_bytes)
+    if (score_fn or select_fn) and step >= 16:
+        # Row blocks of 16: the kernels' row slices start 16-byte aligned (Triton specializes on
+        # pointer alignment; blocks at arbitrary offsets would build variants while serving).
+        step -= step % 16
     score = score_fn or prefill_index_scores
     for a in range(0, tq, step):
         b = min(tq, a + step)

@@ -26,8 +26,9 @@ import triton
 import triton.language as tl
 
 from qsaserve.ops import dispatch
-from qsaserve.ops.device import num_sms
-from qsaserve.ops.qsa_indexer.triton_topk import topk_indices
+from qsaserve.ops.device import aligned16, num_sms
+from qsaserve.ops.qsa_indexer import paged
+from qsaserve.ops.qsa_indexer.triton_topk import RADIX_MAX_GROUPS, RADIX_MIN_ROWS, topk_indices
 
 
 @triton.jit
@@ -119,19 +120,31 @@ def decode_index_scores_triton(
     return out
 
 
-@triton.jit(do_not_specialize=["T", "N", "GROUPS_PER_SPLIT", "stride_ot"])
+@triton.jit(do_not_specialize=["T", "N", "GROUPS_PER_SPLIT", "tiles", "stride_bt", "stride_ot"])
 def _prefill_score_kernel(
-    q_ptr, keys_ptr, bt_ptr, pos_ptr, out_ptr, inv_sqrt_d,
-    stride_qt, stride_qh, stride_kb, stride_kr, stride_ot,
-    T, N, GROUPS_PER_SPLIT,
-    TILES: tl.constexpr, RATIO: tl.constexpr, GPP: tl.constexpr, H: tl.constexpr, H_POW2: tl.constexpr,
+    q_ptr, keys_ptr, bt_ptr, pos_ptr, map_ptr, out_ptr, inv_sqrt_d,
+    stride_qt, stride_qh, stride_kb, stride_kr, stride_bt, stride_ot,
+    T, N, GROUPS_PER_SPLIT, tiles,
+    RATIO: tl.constexpr, GPP: tl.constexpr, H: tl.constexpr, H_POW2: tl.constexpr,
     D: tl.constexpr, D_POW2: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, IEEE: tl.constexpr,
-    PACK: tl.constexpr,
+    PACK: tl.constexpr, MAPPED: tl.constexpr,
 ):
+    """Row block rb of one sequence's queries (MAPPED: map_ptr [RB, 3] int32 gives each row block's
+    sequence, first row and end row, so the blocks of every sequence of a step share one launch;
+    else rows rb * BLOCK_T.. of the one sequence) x the groups of split `split`."""
     rb = tl.program_id(0)
     split = tl.program_id(1)
-    rows = rb * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < T
+    if MAPPED:
+        seq = tl.load(map_ptr + rb * 3).to(tl.int64)
+        row0 = tl.load(map_ptr + rb * 3 + 1)
+        row_end = tl.load(map_ptr + rb * 3 + 2)
+    else:
+        seq = 0
+        row0 = rb * BLOCK_T
+        row_end = T
+    bt_row = bt_ptr + seq * stride_bt
+    rows = row0 + tl.arange(0, BLOCK_T)
+    row_ok = rows < row_end
     nvis = (tl.load(pos_ptr + rows, mask=row_ok, other=-1).to(tl.int32) + 1) // RATIO  # [BLOCK_T]
     max_vis = tl.max(nvis, 0)  # the rows' last one (positions ascend); keys past it are never read
     out_rows = out_ptr + rows.to(tl.int64)[:, None] * stride_ot
@@ -140,19 +153,19 @@ def _prefill_score_kernel(
     g_seen = tl.minimum(g_end, max_vis)
     # The row block's queries, every head: rows m = t * H_POW2 + h of one [BLOCK_T * H_POW2, D] tile.
     m = tl.arange(0, BLOCK_T * H_POW2)
-    q_row = rb * BLOCK_T + m // H_POW2
+    q_row = row0 + m // H_POW2
     q_head = m % H_POW2
     d = tl.arange(0, D_POW2)
     d_ok = d < D
     q = tl.load(q_ptr + q_row.to(tl.int64)[:, None] * stride_qt + q_head[:, None] * stride_qh + d[None, :],
-                mask=((q_row < T) & (q_head < H))[:, None] & d_ok[None, :], other=0.0)
+                mask=((q_row < row_end) & (q_head < H))[:, None] & d_ok[None, :], other=0.0)
     g0 = tl.arange(0, BLOCK_G)
-    for i in range(0, TILES):  # constant trip count; the split's last tiles may lie past N (masked)
+    for i in range(0, tiles):  # a run-time trip count: one build serves every context length
         g = g_start + i * BLOCK_G + g0
         in_split = g < g_end
         if g_start + i * BLOCK_G < g_seen:  # some row sees a group of this tile
             seen = g < g_seen
-            page = tl.load(bt_ptr + g // GPP, mask=seen, other=0).to(tl.int64)
+            page = tl.load(bt_row + g // GPP, mask=seen, other=0).to(tl.int64)
             keys = tl.load(keys_ptr + page[:, None] * stride_kb + (g % GPP)[:, None] * stride_kr + d[None, :],
                            mask=seen[:, None] & d_ok[None, :], other=0.0)
             if IEEE:
@@ -168,6 +181,33 @@ def _prefill_score_kernel(
             tl.store(out_rows + g[None, :], hidden, mask=row_ok[:, None] & in_split[None, :])
 
 
+def _prefill_launch(index_q, block_key_cache, block_tables, positions, out, num_groups, row_blocks, row_map,
+                    ratio, block_g, splits):
+    """The scoring launch of `prefill_index_scores_triton` (row_map None: one sequence, block_tables
+    its row [max_blocks]) and of `prefill_step_keys_triton` (row_map [row_blocks, 3])."""
+    t, h, d = index_q.shape
+    h_pow2 = triton.next_power_of_2(h)
+    tiles = triton.cdiv(num_groups, block_g)
+    if splits is None:
+        splits = max(1, min(tiles, triton.cdiv(2 * num_sms(index_q.device), row_blocks)))
+    tiles_per_split = triton.cdiv(tiles, splits)
+    per_split = tiles_per_split * block_g
+    _prefill_score_kernel[(row_blocks, triton.cdiv(num_groups, per_split))](
+        index_q, block_key_cache, block_tables, positions, row_map if row_map is not None else positions, out,
+        d ** -0.5, index_q.stride(0), index_q.stride(1), block_key_cache.stride(0), block_key_cache.stride(1),
+        block_tables.stride(0) if row_map is not None else 0, out.stride(0),
+        t, num_groups, per_split, tiles_per_split,
+        RATIO=ratio, GPP=block_key_cache.shape[1], H=h, H_POW2=h_pow2, D=d, D_POW2=max(16, triton.next_power_of_2(d)),
+        BLOCK_T=_prefill_block_t(h), BLOCK_G=block_g, IEEE=index_q.dtype == torch.float32, PACK=out.dtype == torch.int64,
+        MAPPED=row_map is not None, num_warps=8 if d > 64 else 4,
+    )
+
+
+def _prefill_block_t(heads: int) -> int:
+    """Query rows per program: BLOCK_T rows x every head make one ~128-row tile of the dot."""
+    return max(1, 128 // triton.next_power_of_2(heads))
+
+
 def prefill_index_scores_triton(
     index_q: torch.Tensor, block_key_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
     ratio: int, num_groups: int, block_g: int = 64, splits: int | None = None, pack: bool = False,
@@ -180,7 +220,7 @@ def prefill_index_scores_triton(
     A program scores BLOCK_T rows x every head as one [BLOCK_T * Hi, Di] tile (~128 rows of the
     dot), so each key tile is loaded once per row block, not once per query; the groups are split
     across programs when there are few row blocks."""
-    t, h, d = index_q.shape
+    t = index_q.shape[0]
     _check_keys(index_q, block_key_cache)
     if block_table.dim() != 1:
         raise ValueError(f"block_table: one sequence's row [max_blocks] expected, got shape {tuple(block_table.shape)}")
@@ -188,24 +228,46 @@ def prefill_index_scores_triton(
     if t == 0 or num_groups == 0:
         return out
     index_q = index_q if index_q.stride(-1) == 1 else index_q.contiguous()
-    h_pow2 = triton.next_power_of_2(h)
-    block_t = max(1, 128 // h_pow2)
-    row_blocks = triton.cdiv(t, block_t)
-    tiles = triton.cdiv(num_groups, block_g)
-    if splits is None:
-        splits = max(1, min(tiles, triton.cdiv(2 * num_sms(index_q.device), row_blocks)))
-    # Tiles per split: a power of two, so that few kernel variants cover every context length.
-    tiles_per_split = triton.next_power_of_2(triton.cdiv(tiles, splits))
-    per_split = tiles_per_split * block_g
-    _prefill_score_kernel[(row_blocks, triton.cdiv(num_groups, per_split))](
-        index_q, block_key_cache, block_table, positions, out, d ** -0.5,
-        index_q.stride(0), index_q.stride(1), block_key_cache.stride(0), block_key_cache.stride(1), out.stride(0),
-        t, num_groups, per_split,
-        TILES=tiles_per_split, RATIO=ratio, GPP=block_key_cache.shape[1], H=h, H_POW2=h_pow2, D=d, D_POW2=max(16, triton.next_power_of_2(d)),
-        BLOCK_T=block_t, BLOCK_G=block_g, IEEE=index_q.dtype == torch.float32, PACK=pack,
-        num_warps=8 if d > 64 else 4,
-    )
+    row_blocks = triton.cdiv(t, _prefill_block_t(index_q.shape[1]))
+    _prefill_launch(index_q, block_key_cache, block_table, positions, out, num_groups, row_blocks, None, ratio,
+                    block_g, splits)
     return out
+
+
+def prefill_step_keys_triton(
+    index_q: torch.Tensor, block_key_cache: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
+    cu_seqlens: torch.Tensor, query_lens: list[int], num_groups: int, ratio: int, block_g: int = 64,
+    splits: int | None = None,
+) -> torch.Tensor:
+    """The queries of several sequences packed along T (index_q [T, Hi, Di] at `positions` [T],
+    ascending inside each sequence; sequence s: rows cu_seqlens[s]..cu_seqlens[s+1] ([S + 1] on
+    the device, from 0), query_lens [S] the same on the host, block_tables [S, max_blocks]) ->
+    `paged.selection_keys` [T, num_groups] int64 of each row's scores over its own sequence's
+    groups, num_groups >= every sequence's complete groups. One launch for all of them: the
+    row-block map (each block inside one sequence) is built on the device from cu_seqlens."""
+    t = index_q.shape[0]
+    _check_keys(index_q, block_key_cache)
+    out = torch.empty((t, num_groups), dtype=torch.int64, device=index_q.device)
+    if t == 0 or num_groups == 0:
+        return out
+    index_q = index_q if index_q.stride(-1) == 1 else index_q.contiguous()
+    block_t = _prefill_block_t(index_q.shape[1])
+    row_blocks = sum(triton.cdiv(n, block_t) for n in query_lens)
+    _prefill_launch(index_q, block_key_cache, block_tables, positions, out, num_groups, row_blocks,
+                    _row_block_map(cu_seqlens, block_t, row_blocks), ratio, block_g, splits)
+    return out
+
+
+def _row_block_map(cu_seqlens: torch.Tensor, block_t: int, row_blocks: int) -> torch.Tensor:
+    """[row_blocks, 3] int32 (sequence, first row, end row) of every BLOCK_T-row block of every
+    sequence (cu_seqlens [S + 1]), in row order, computed on the device (no host copy)."""
+    cu = cu_seqlens.long()
+    blocks = (cu[1:] - cu[:-1] + block_t - 1) // block_t
+    ends = torch.cumsum(blocks, 0)
+    rb = torch.arange(row_blocks, device=cu.device)
+    seq = torch.searchsorted(ends, rb, right=True)
+    row0 = cu[seq] + (rb - (ends[seq] - blocks[seq])) * block_t
+    return torch.stack([seq, row0, cu[seq + 1]], dim=1).to(torch.int32).contiguous()
 
 
 @triton.jit(do_not_specialize=["K", "dcp_rank", "stride_cb", "stride_ob"])
@@ -274,9 +336,85 @@ def select_prefill_rows_triton(
     return build_selection_triton(_topk(keys, k), positions, ratio, budget)
 
 
+def select_prefill_step_triton(
+    index_q: torch.Tensor, block_key_cache: torch.Tensor, block_tables: torch.Tensor, positions: torch.Tensor,
+    cu_seqlens: torch.Tensor, spans: list[tuple[int, int]], seq_lens: list[int], ratio: int, budget: int,
+    max_bytes: int = paged.MAX_TEMP_BYTES,
+) -> torch.Tensor:
+    """Every sequence of a step at once (`select_prefill_step`'s lowest-index rule): consecutive
+    sequences whose temporaries fit `max_bytes` share one scoring launch over all their rows, one
+    top-k and one build; a sequence too long for that alone goes in row blocks
+    (`paged.select_prefill_tokens`)."""
+    width = budget + ratio - 1
+    out = torch.empty((index_q.shape[0], width), dtype=torch.long, device=index_q.device)
+    for s0, s1 in _sequence_groups(spans, seq_lens, ratio, max_bytes):
+        a, b = spans[s0][0], spans[s1 - 1][1]
+        groups = max(seq_lens[s] // ratio for s in range(s0, s1))
+        q, pos, tables = aligned16(index_q[a:b]), aligned16(positions[a:b]), aligned16(block_tables[s0:s1])
+        if s1 - s0 == 1 and (b - a) * groups * _KEY_BYTES > max_bytes:
+            out[a:b] = paged.select_prefill_tokens(q, block_key_cache, tables[0], pos, ratio, budget, groups,
+                                                   select_fn=select_prefill_rows_triton)
+            continue
+        if groups == 0:  # no complete group anywhere yet: every row keeps its own open group only
+            chosen = torch.empty((b - a, 0), dtype=torch.long, device=index_q.device)
+        else:
+            keys = prefill_step_keys_triton(q, block_key_cache, tables, pos, cu_seqlens[s0:s1 + 1] - a,
+                                            [e - f for f, e in spans[s0:s1]], groups, ratio)
+            chosen = _topk(keys, min(budget // ratio, groups))
+        out[a:b] = build_selection_triton(chosen, pos, ratio, budget)
+    return out
+
+
+
+_KEY_BYTES = 40  # per (row, group): the int64 key and the top-k's working copies (paged.prefill_rows_per_block)
+
+
+def _sequence_groups(spans: list[tuple[int, int]], seq_lens: list[int], ratio: int,
+                     max_bytes: int) -> list[tuple[int, int]]:
+    """Runs [s0, s1) of consecutive sequences whose rows x most groups stay under max_bytes."""
+    runs, s0, rows, groups = [], 0, 0, 0
+    for s, ((a, b), length) in enumerate(zip(spans, seq_lens)):
+        g = max(groups, length // ratio)
+        if s > s0 and (rows + b - a) * g * _KEY_BYTES > max_bytes:
+            runs.append((s0, s))
+            s0, rows, g = s, 0, length // ratio
+        rows, groups = rows + b - a, g
+    if spans:
+        runs.append((s0, len(spans)))
+    return runs
+
+
 def _topk(keys: torch.Tensor, k: int) -> torch.Tensor:
     """The radix top-k kernel where it is faster, or torch.topk (always with QSASERVE_FUSED_KERNELS=0;
     same indices)."""
     return topk_indices(keys, k) if dispatch.use_triton(keys) else torch.topk(keys, k, dim=1).indices
 
 
+
+
+def warm_up(block_key_cache: torch.Tensor, num_heads: int, ratio: int, budget: int, max_groups: int) -> int:
+    """Builds the indexer's selection kernels for every width a step can score: the decode and
+    prefill scorers (one variant each per model, and the prefill step's row-block map), the
+    build, and the top-k per power-of-two bucket of groups up to max_groups (its tile and sort
+    width follow the groups a step scores), over both of its launch forms where rows decide.
+    Block 0 (the null block) is the only page read. Returns the launches made."""
+    device, di, dtype = block_key_cache.device, block_key_cache.shape[-1], block_key_cache.dtype
+    gpp = block_key_cache.shape[1]
+    q = torch.zeros((2, num_heads, di), dtype=dtype, device=device)
+    positions = torch.full((2,), 2 * gpp * ratio - 1, dtype=torch.long, device=device)
+    tables = torch.zeros((2, 2), dtype=torch.int32, device=device)
+    select_decode_tokens_triton(q, block_key_cache, tables, positions, ratio, budget)
+    select_prefill_rows_triton(q, block_key_cache, tables[0], positions, ratio, 2 * gpp, budget)
+    cu = torch.tensor([0, 1, 2], dtype=torch.long, device=device)
+    prefill_step_keys_triton(q, block_key_cache, tables, positions, cu, [1, 1], 2 * gpp, ratio)
+    launches = 3
+    n = 16
+    while True:
+        k = min(budget // ratio, n)
+        for rows in ((1, RADIX_MIN_ROWS) if n > RADIX_MAX_GROUPS else (1,)):
+            keys = torch.full((rows, n), -1, dtype=torch.int64, device=device)
+            build_selection_triton(_topk(keys, k), positions[:1].expand(rows).contiguous(), ratio, budget)
+            launches += 1
+        if n >= max_groups:
+            return launches
+        n *= 2

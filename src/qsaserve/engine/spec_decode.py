@@ -1,0 +1,168 @@
+"""Speculative decoding, engine side: drafts proposed on the host after each step, verified by
+the next step in one target forward over the last token and its drafts (k + 1 query rows of one
+sequence, beside the other sequences' decode and prefill rows), then the rejected tail rolled
+back (docs/speculative.md).
+
+Rollback. KV: the sequence's computed length goes back to the accepted prefix and the blocks past
+it are freed (block_manager.rollback); the rejected positions' K/V are overwritten when those
+positions are computed again, and nothing reads a position at or past a sequence's length.
+Recurrent state (hybrid models: GDN conv + delta rule, PLE n-gram context + conv, QSA index
+tail): the verify step writes the state after each of its first k positions into per-position
+rows of the state-snapshot pool (k rows per state slot, beside the prefix cache's rows, through
+the same in-chunk snapshot path); the slot itself ends after all k + 1 rows. When a draft is
+rejected the next step first restores the row of the accepted prefix into the slot, so the state
+is that of a run that never saw the rejected drafts, without recomputing anything.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from qsaserve.engine.block_manager import BlockManager, StateSnapshotPlan
+from qsaserve.engine.ngram_proposer import propose_ngram
+from qsaserve.engine.rejection_sampler import verify_drafts
+from qsaserve.engine.scheduler import ScheduledChunk
+from qsaserve.engine.sequence import Sequence
+from qsaserve.speculative_config import SpeculativeConfig
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters over the engine's life. A verify is one sequence's drafts checked in one step."""
+
+    num_speculative_tokens: int
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # of which accepted
+    verifies: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]: verifies that accepted draft i
+
+    def __post_init__(self) -> None:
+        self.accepted_per_position = [0] * self.num_speculative_tokens
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens a verify emits (accepted drafts + the target's token), vLLM's definition."""
+        return 1.0 + self.accepted / self.verifies if self.verifies else 0.0
+
+    def as_dict(self) -> dict:
+        per_pos = [a / self.verifies if self.verifies else 0.0 for a in self.accepted_per_position]
+        return {"drafted": self.drafted, "accepted": self.accepted, "verifies": self.verifies,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
+                "acceptance_length": self.acceptance_length, "accepted_per_position": list(self.accepted_per_position),
+                "acceptance_rate_per_position": per_pos}
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, state_rows_base: int | None):
+        """state_rows_base: first pool row of the per-position state rows (k per state slot, slot s
+        at base + s * k), None for models without recurrent state."""
+        self.config = config
+        self.k = config.num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.state_rows_base = state_rows_base
+        self.stats = SpecDecodeStats(self.k)
+        # Each drafting sequence's token ids as an int64 array, extended by the tokens appended
+        # since (converting the whole list would cost its length, every sequence, every step).
+        self._ids: weakref.WeakKeyDictionary[Sequence, tuple[np.ndarray, int]] = weakref.WeakKeyDictionary()
+
+    @staticmethod
+    def eligible(seq: Sequence) -> bool:
+        """Sequences whose distribution is a plain softmax (greedy or temperature) draft. A
+        grammar-constrained one does not: its verified rows would each need the grammar's mask
+        after the drafts before it, which the step does not build."""
+        return seq.simple_sampling and seq.params.structured_outputs is None
+
+    # ---- drafting ----
+    def propose(self, seq: Sequence, num_running: int = 1) -> None:
+        """Sets seq.draft_token_ids for its next step; never more than the request may still emit
+        (one token is always the target's) nor past max_model_len; none while more than
+        disable_by_batch_size sequences run."""
+        limit = self.config.disable_by_batch_size
+        if seq.is_finished or not self.eligible(seq) or (limit is not None and num_running > limit):
+            seq.draft_token_ids = []
+            return
+        room = self.max_model_len - seq.num_tokens - 1
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        k = min(self.k, room)
+        c = self.config
+        seq.draft_token_ids = propose_ngram(self._token_array(seq), k, c.prompt_lookup_max, c.prompt_lookup_min) \
+            if k > 0 else []
+
+    def _token_array(self, seq: Sequence) -> np.ndarray:
+        """seq.token_ids as an int64 array view (token ids are only ever appended to a drafting
+        sequence: it never holds an async placeholder)."""
+        buf, n = self._ids.get(seq, (np.empty(0, dtype=np.int64), 0))
+        total = seq.num_tokens
+        if total > buf.size:
+            grown = np.empty(max(2 * buf.size, total + 64), dtype=np.int64)
+            grown[:n] = buf[:n]
+            buf = grown
+        buf[n:total] = seq.token_ids[n:total]
+        self._ids[seq] = (buf, total)
+        return buf[:total]
+
+    # ---- the verify step's state rows ----
+    def plan_states(self, chunks: list[ScheduledChunk], plan: StateSnapshotPlan | None) -> StateSnapshotPlan | None:
+        """Adds to the step's snapshot plan the restores of rejected steps and every verify chunk's
+        per-position rows (offsets 1..drafts, merged with the prefix cache's interior offsets:
+        a verify chunk has none of those, block_manager.plan_state_snapshots)."""
+        if self.state_rows_base is None:
+            return plan
+        plan = plan or StateSnapshotPlan([], [], [], [], [[] for _ in chunks], [])
+        rows: list[int] = []
+        cursor = 0
+        for chunk, offsets in zip(chunks, plan.interior_offsets):
+            seq = chunk.seq
+            theirs = plan.interior_rows[cursor : cursor + len(offsets)]
+            cursor += len(offsets)
+            if seq.spec_restore_row is not None:
+                plan.restore_rows.append(seq.spec_restore_row)
+                plan.restore_slots.append(seq.state_slot)
+                seq.spec_restore_row = None
+            if chunk.num_drafts:
+                base = self.state_rows_base + seq.state_slot * self.k
+                offsets[:] = list(range(1, chunk.num_drafts + 1))
+                theirs = [base + j for j in range(chunk.num_drafts)]
+            rows += theirs
+        plan.interior_rows = rows
+        return plan if plan else None
+
+    # ---- verification ----
+    def verify_logits(self, logits: torch.Tensor, plan) -> torch.Tensor:
+        """[N, k + 1, V]: each verified sequence's row 0 (its sample row) and its draft rows (after
+        the prompt-logprob rows), padded with row 0."""
+        first_extra = len(plan.sample_seqs) + sum(count for _, _, count in plan.prompt_logprob_spans)
+        rows, cursor = [], first_extra
+        for index, drafts in plan.verify:
+            extra = list(range(cursor, cursor + len(drafts)))
+            cursor += len(drafts)
+            rows.append([index] + extra + [index] * (self.k - len(drafts)))
+        return logits[torch.tensor(rows, device=logits.device)]
+
+    def verify(self, logits: torch.Tensor, plan, generator: torch.Generator) -> dict[int, tuple[list[int], bool]]:
+        """seq_id -> (emitted tokens, all rows finite), for every verified sequence."""
+        seqs = [plan.sample_seqs[i] for i, _ in plan.verify]
+        emitted, finite = verify_drafts(self.verify_logits(logits, plan), [d for _, d in plan.verify], seqs, generator)
+        st = self.stats
+        for tokens, (_, drafts) in zip(emitted, plan.verify):
+            a = len(tokens) - 1
+            st.verifies += 1
+            st.drafted += len(drafts)
+            st.accepted += a
+            for i in range(a):
+                st.accepted_per_position[i] += 1
+        return {s.seq_id: (tokens, ok) for s, tokens, ok in zip(seqs, emitted, finite)}
+
+    def roll_back(self, seq: Sequence, num_drafts: int, num_accepted: int, block_manager: BlockManager) -> None:
+        """After the step's _advance: the rejected drafts' KV positions and blocks go, and the next
+        step restores the state after the accepted prefix (offset num_accepted + 1 of the chunk)."""
+        rejected = num_drafts - num_accepted
+        if not rejected or seq.is_finished:
+            return
+        block_manager.rollback(seq, seq.num_computed_tokens - rejected)
+        if self.state_rows_base is not None:
+            seq.spec_restore_row = self.state_rows_base + seq.state_slot * self.k + num_accepted
