@@ -102,3 +102,32 @@ def test_tp2_ranks_hold_their_part_of_the_tp1_fp8_mixers():
             for pid, rule in zip(m.ids, m.rules):
                 torch.testing.assert_close(m.part(pid), rule(whole[name].part(pid)), rtol=0, atol=0,
                                            msg=f"{name} {pid} rank {rank}")
+
+
+def test_fp8_tensors_of_unquantized_layers_are_paired_with_their_scales_and_dequantized():
+    """Any arrival order; fused experts [E, N, K] with per-expert block scales; MTP tensors too."""
+    from qsaserve.layers.quantization import WeightQuantConfig
+    from qsaserve.models.qwen4exp.quantized import DequantizeAtLoad
+
+    gen = torch.Generator().manual_seed(0)
+    dense = torch.randn(200, 130, generator=gen)
+    experts = torch.randn(3, 64, 256, generator=gen)
+    q, s = quantize_weight_block(dense)
+    eq = [quantize_weight_block(e) for e in experts]
+    d = DequantizeAtLoad(WeightQuantConfig(scheme="block", source="checkpoint"), torch.float32)
+    assert d("mtp.fc.weight_scale_inv", s, False) == []  # held until its weight comes
+    (name, got), = d("mtp.fc.weight", q, False)
+    assert name == "mtp.fc.weight" and torch.equal(got, dequantize_weight(q, s, 128))
+    assert d("layers.0.mlp.experts.gate_up_proj", torch.stack([a for a, _ in eq]), False) == []
+    (name, got), = d("layers.0.mlp.experts.gate_up_proj_scale_inv", torch.stack([b for _, b in eq]), False)
+    assert name == "layers.0.mlp.experts.gate_up_proj"
+    assert torch.equal(got, torch.stack([dequantize_weight(a, b, 128) for a, b in eq]))
+    assert d("layers.0.mlp.gate.weight", dense, False) == [("layers.0.mlp.gate.weight", dense)]  # not FP8: as is
+    d.finish()
+    d("layers.1.mlp.shared_expert.down_proj.weight", q, False)
+    try:
+        d.finish()
+    except ValueError as e:
+        assert "without their weight / scale" in str(e)
+    else:
+        raise AssertionError("an FP8 tensor without its scale was accepted")
