@@ -76,6 +76,7 @@ def test_bench_throughput(tiny, capsys):
     assert res["repeat_output_tok_s"] > 0 and res["repeat_total_time_s"] > 0
     assert res["triton_compiles"]["total"] == 0 == res["repeat_triton_compiles"]["total"]  # CPU: nothing built
     assert r["params"]["num_prompts"] == 3 and r["params"]["ignore_eos"]
+    assert r["memory_per_gpu"]["weights"] > 0 and r["memory_per_gpu"]["kv_tokens"] > 0
     assert r["peer"]["num_prompts"] == 2 and r["peer"]["batch_size"] == 2 and r["peer"]["output_tok_s"] > 0
     assert "output_tok_s_vs_hf" in r["ratios"]
     steps = r["step_breakdown"]  # the second, step-timed run of the same workload

@@ -192,22 +192,24 @@ def _dense(layer: Fp8Linear) -> torch.Tensor:
     return dequantize_weight(layer.weight, layer.weight_scale, layer.block_n)
 
 
-def test_tp2_ranks_hold_their_blocks_of_the_tp1_fp8_model():
-    whole = _dummy(HF_TP)
-    w = whole.layers[1]
+@pytest.mark.parametrize("kv_heads", [4, 2])  # 2: each rank's k/v rows are half of a 128-row block
+def test_tp2_ranks_hold_their_blocks_of_the_tp1_fp8_model(kv_heads):
+    hf = {**HF_TP, "num_key_value_heads": kv_heads}
+    kv = kv_heads * 64
+    w = _dummy(hf).layers[1]
     for rank in (0, 1):
-        part = _dummy(HF_TP, tp=2, rank=rank).layers[1]
+        part = _dummy(hf, tp=2, rank=rank).layers[1]
         rows = lambda a, n: list(range(a + rank * n // 2, a + (rank + 1) * n // 2))  # noqa: E731
-        qkv = rows(0, 256) + rows(256, 256) + rows(512, 256)
+        qkv = rows(0, 256) + rows(256, kv) + rows(256 + kv, kv)
         assert torch.equal(_dense(part.self_attn.qkv_proj), _dense(w.self_attn.qkv_proj)[qkv])
         assert torch.equal(_dense(part.self_attn.o_proj), _dense(w.self_attn.o_proj)[:, rank * 128:(rank + 1) * 128])
         assert torch.equal(_dense(part.mlp.gate_up_proj), _dense(w.mlp.gate_up_proj)[rows(0, 512) + rows(512, 512)])
         assert torch.equal(_dense(part.mlp.down_proj), _dense(w.mlp.down_proj)[:, rank * 256:(rank + 1) * 256])
 
 
-def test_a_tp_size_that_splits_a_weight_block_is_refused():
-    with pytest.raises(InvalidRequestError, match="128") as e:
-        _dummy({**HF_TP, "num_key_value_heads": 2}, tp=2, rank=0)  # each rank: 64 of k_proj's 128 rows
+def test_a_tp_size_that_splits_an_input_block_is_refused():
+    with pytest.raises(InvalidRequestError, match="input columns") as e:
+        _dummy({**HF_TP, "head_dim": 32}, tp=2, rank=1)  # o_proj: each rank reads 64 of a 128-column block
     assert e.value.param == "tensor_parallel_size"
 
 

@@ -68,7 +68,9 @@ def _triton_checks(device):
     for kind in ("block", "channel", "tensor"):
         _check_w8a8(device, 70, 200, 300, kind, torch.float32, block_m=32, block_n_tile=64)
         _check_w8a16(device, 3, 200, 300, kind, torch.float32, block_n_tile=64)
+        _check_w8a16(device, 2, 40, 640, kind, torch.float32, block_n_tile=16, k_unroll=1)
     _check_w8a8(device, 20, 72, 128, "block", torch.bfloat16, block_m=16, block_n_tile=32)
+    _check_w8a8(device, 130, 130, 128, "block", torch.float32)  # the default tile above 128 rows
     if device == "cuda":
         _check_w8a16(device, 1, 72, 256, "block", torch.bfloat16)  # block_n from the SM count
     else:  # Triton 3.6's interpreter computes tl.dot of bf16 operands wrongly (any bf16 dot, not

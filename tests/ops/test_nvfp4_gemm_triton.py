@@ -26,6 +26,12 @@ def _triton_checks(device):
     if device == "cuda":  # the interpreter's bf16 tl.dot is wrong (Triton 3.6): bf16 is checked here
         _check(device, 1, 4096, 4096, torch.bfloat16)
         _check(device, 64, 6144, 4096, torch.bfloat16)
+    else:  # launched so that the bf16 variant is compiled for sm_90 too; its values are checked on the GPU
+        from qsaserve.ops.nvfp4_gemm.triton_gemm import nvfp4_w4a16_gemm_triton
+
+        packed, scale, glob = ref.quantize_nvfp4(torch.ones(40, 128))
+        y = nvfp4_w4a16_gemm_triton(torch.ones(1, 128, dtype=torch.bfloat16), packed, scale, glob.expand(40).contiguous())
+        assert y.shape == (1, 40) and y.dtype == torch.bfloat16
 
 
 test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)

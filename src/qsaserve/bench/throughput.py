@@ -78,6 +78,7 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
         graph_replays = engine.executor.graph_replays() - replays_before
         cuda_graphs = engine.executor.cuda_graphs
         graphs_off_reason, side_tables = engine.executor.cuda_graphs_off_reason, engine.executor.side_table_memory()
+        memory_plan = engine.executor.memory_plan()
         hf_config = engine.checkpoint.hf_config
         speculative = engine.spec.stats.as_dict() if engine.spec is not None else None  # all three passes
     finally:
@@ -88,6 +89,7 @@ def run_throughput(config: EngineConfig, num_prompts: int = 256, min_len: int = 
     report["params"] = {"num_prompts": num_prompts, "min_len": min_len, "max_input_len": max_input_len,
                         "max_output_len": max_output_len, "temperature": temperature, "ignore_eos": True, "seed": seed,
                         "cuda_graphs": cuda_graphs, "cuda_graphs_off_reason": graphs_off_reason, "ple": side_tables}
+    report["memory_per_gpu"] = memory_plan  # bytes on rank 0: weights (FP8 part), PLE, KV (+ tokens), state, activations
     report["results"] = {"total_time_s": round(elapsed, 3), "prompt_tokens": sum(len(p) for p, _ in work),
                          "output_tokens": output_tokens, "output_tok_s": round(output_tokens / elapsed, 1),
                          "repeat_total_time_s": round(repeat_elapsed, 3),

@@ -77,3 +77,57 @@ def test_unserved_quantization_refused_for_qwen4exp(tmp_path):
         assert "'gptq'" in str(e)
     else:
         raise AssertionError("a gptq checkpoint was served")
+
+
+def test_tp2_ranks_hold_their_part_of_the_tp1_fp8_mixers():
+    """Online FP8 at TP2: each rank's dequantized projection parts are its shard of TP1's, GDN's
+    one-row-per-head in_proj_b / in_proj_a (two of a 128-row block per rank) included."""
+    from qsaserve.layers.quantization import weight_quant_config
+    from qsaserve.models.presets import preset_config
+    from qsaserve.models.qwen4exp import Qwen4ExpForCausalLM
+    from qsaserve.parallel.state import ParallelContext
+
+    hf = {**preset_config("qwen4exp-tiny"), "head_dim": 64, "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+          "indexer_head_dim": 32}
+
+    def fp8_modules(tp, rank):
+        model = Qwen4ExpForCausalLM(hf, 256, ParallelContext(tp_size=tp, tp_rank=rank), weight_quant_config(hf, "fp8"))
+        model.init_dummy_weights(seed=3)
+        return {n: m for n, m in model.named_modules() if isinstance(m, Fp8PackedWeight)}
+
+    whole = fp8_modules(1, 0)
+    assert len(whole) == 2 * 4
+    for rank in (0, 1):
+        for name, m in fp8_modules(2, rank).items():
+            for pid, rule in zip(m.ids, m.rules):
+                torch.testing.assert_close(m.part(pid), rule(whole[name].part(pid)), rtol=0, atol=0,
+                                           msg=f"{name} {pid} rank {rank}")
+
+
+def test_fp8_tensors_of_unquantized_layers_are_paired_with_their_scales_and_dequantized():
+    """Any arrival order; fused experts [E, N, K] with per-expert block scales; MTP tensors too."""
+    from qsaserve.layers.quantization import WeightQuantConfig
+    from qsaserve.models.qwen4exp.quantized import DequantizeAtLoad
+
+    gen = torch.Generator().manual_seed(0)
+    dense = torch.randn(200, 130, generator=gen)
+    experts = torch.randn(3, 64, 256, generator=gen)
+    q, s = quantize_weight_block(dense)
+    eq = [quantize_weight_block(e) for e in experts]
+    d = DequantizeAtLoad(WeightQuantConfig(scheme="block", source="checkpoint"), torch.float32)
+    assert d("mtp.fc.weight_scale_inv", s, False) == []  # held until its weight comes
+    (name, got), = d("mtp.fc.weight", q, False)
+    assert name == "mtp.fc.weight" and torch.equal(got, dequantize_weight(q, s, 128))
+    assert d("layers.0.mlp.experts.gate_up_proj", torch.stack([a for a, _ in eq]), False) == []
+    (name, got), = d("layers.0.mlp.experts.gate_up_proj_scale_inv", torch.stack([b for _, b in eq]), False)
+    assert name == "layers.0.mlp.experts.gate_up_proj"
+    assert torch.equal(got, torch.stack([dequantize_weight(a, b, 128) for a, b in eq]))
+    assert d("layers.0.mlp.gate.weight", dense, False) == [("layers.0.mlp.gate.weight", dense)]  # not FP8: as is
+    d.finish()
+    d("layers.1.mlp.shared_expert.down_proj.weight", q, False)
+    try:
+        d.finish()
+    except ValueError as e:
+        assert "without their weight / scale" in str(e)
+    else:
+        raise AssertionError("an FP8 tensor without its scale was accepted")

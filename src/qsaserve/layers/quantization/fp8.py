@@ -9,9 +9,10 @@ A layer packing several checkpoint tensors by rows (q | k | v) has `parts` rows 
 128, or the largest divisor of 128 that divides every part (SmolLM2's k/v have 192 rows), each
 checkpoint block scale then repeated 128 / block_n times, so every part keeps its own blocks.
 
-Tensor parallel: a rank's range of a block-scaled tensor must start and end on a 128 boundary
-(or at the tensor's end), else the rank would hold part of a block whose scale it shares; such a
-layout is refused naming tensor_parallel_size. Online quantization quantizes the full checkpoint
+Tensor parallel: a rank's input-column range of a block-scaled tensor must start and end on a 128
+boundary (or at the tensor's end): the activations' 128-column groups must line up with the
+weight's K blocks; such a layout is refused naming tensor_parallel_size. Output rows may cut a
+block (GDN's one-row-per-head projections at any TP): the rank keeps that block's scale. Online quantization quantizes the full checkpoint
 tensor first, then shards it, so every layout holds the same quantized model."""
 from __future__ import annotations
 
@@ -111,14 +112,20 @@ class Fp8Linear(nn.Module):
         return quantize_weight_rows(w, per_tensor=self.scheme == "tensor")
 
     def _check_blocks(self, shard: TensorShard | None) -> None:
+        """A rank's input columns must fall on 128-blocks (activation groups line up with the weight's
+        K blocks); its output rows may cut a block (the rank keeps that block's scale) if each range
+        starts a whole number of block_n rows into it."""
         if self.scheme != "block" or shard is None:
             return
         for a, b in shard.ranges:
-            if any(edge % BLOCK and edge != shard.full for edge in (a, b)):
-                axis = "rows" if shard.dim == 0 else "columns"
-                raise InvalidRequestError("tensor_parallel_size", f"{self.name}: this rank's {axis} [{a}, {b}) of "
-                                          f"{shard.full} split a {BLOCK}x{BLOCK} FP8 weight block; block-FP8 weights "
-                                          f"shard on multiples of {BLOCK}")
+            if shard.dim == 1 and any(edge % BLOCK and edge != shard.full for edge in (a, b)):
+                raise InvalidRequestError("tensor_parallel_size", f"{self.name}: this rank's input columns [{a}, {b}) "
+                                          f"of {shard.full} split a {BLOCK}x{BLOCK} FP8 weight block; block-FP8 "
+                                          f"weights shard their input dimension on multiples of {BLOCK}")
+            if shard.dim == 0 and (a % BLOCK) % self.block_n:
+                raise InvalidRequestError("tensor_parallel_size", f"{self.name}: this rank's rows start at {a}, "
+                                          f"{a % BLOCK} rows into a {BLOCK}-row FP8 block, not a multiple of the "
+                                          f"layer's {self.block_n}-row scale granularity")
 
     def _scale_rows(self, s: torch.Tensor, rows: int, shard: TensorShard | None) -> torch.Tensor:
         """A checkpoint scale -> this rank's rows of weight_scale for one part ([rows / block_n, Sk])."""
@@ -136,8 +143,10 @@ class Fp8Linear(nn.Module):
         blocks = [(a // BLOCK, -(-b // BLOCK)) for a, b in shard.ranges]
         if shard.dim == 1:
             return torch.cat([s[:, a:b] for a, b in blocks], 1).repeat_interleave(expand, 0)[: rows // self.block_n]
-        # each range's blocks, repeated to block_n rows, cut to the range's own rows
-        return torch.cat([s[a:b].repeat_interleave(expand, 0)[: (e - d) // self.block_n]
+        # each range's blocks, repeated to block_n rows, cut to the range's own rows (a range may
+        # start inside a block)
+        bn = self.block_n
+        return torch.cat([s[a:b].repeat_interleave(expand, 0)[(d % BLOCK) // bn:(d % BLOCK + e - d) // bn]
                           for (a, b), (d, e) in zip(blocks, shard.ranges)])
 
 

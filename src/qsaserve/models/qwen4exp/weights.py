@@ -279,12 +279,13 @@ def load_checkpoint(model: nn.Module, cfg, weights, device: torch.device, quant=
     def stream():
         for raw, tensor in weights:
             name = strip_prefix(raw)
-            if name is None or raw.startswith(("mtp.", "model.mtp.")) or name.endswith(".input_scale"):
-                if name is None or not name.endswith(".input_scale"):  # activations: dynamic scales
-                    yield raw, name, tensor
+            if name is None:  # vision tower
+                yield raw, None, tensor
+                continue
+            if name.endswith(".input_scale"):  # activations are quantized dynamically, or not at all
                 continue
             for n, t in dequantize(name, tensor, is_fp8_target(targets, name)):
-                yield raw, n, t
+                yield (n if n.startswith("mtp.") else raw), n, t  # the MTP head's FP8 tensors too
         dequantize.finish()
 
     return _load(model, cfg, targets, stream(), device)

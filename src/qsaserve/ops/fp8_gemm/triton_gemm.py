@@ -58,24 +58,27 @@ def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, block_n,
 @triton.jit
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
                   stride_xm, stride_wn, stride_sn, stride_sk, stride_ym,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_UNROLL: tl.constexpr,
+                  PRECISION: tl.constexpr):
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok, n_ok = offs_m < M, offs_n < N
-    x_ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
-    s_ptrs = s_ptr + (offs_n // block_n) * stride_sn
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
+    s_rows = s_ptr + (offs_n // block_n) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
-        k_ok = offs_k < K - kb * BLOCK_K
-        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0).to(x.dtype)  # exact: E4M3 fits bf16
-        s = tl.load(s_ptrs + kb * stride_sk, mask=n_ok, other=0.0)
-        acc += tl.dot(x, w, input_precision=PRECISION) * s[None, :]
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    # K_UNROLL independent 128-column steps per iteration: more weight bytes in flight per program,
+    # each step still scaled by its own block scale after its dot
+    for kb in range(0, tl.cdiv(K, BLOCK_K * K_UNROLL)):
+        for j in tl.static_range(K_UNROLL):
+            k0 = (kb * K_UNROLL + j) * BLOCK_K
+            k_ok = offs_k < K - k0
+            x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_rows + (k0 + offs_k)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            s = tl.load(s_rows + (k0 // BLOCK_K) * stride_sk, mask=n_ok & (k0 < K), other=0.0)
+            acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s[None, :]  # exact: E4M3 fits bf16
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -96,13 +99,16 @@ def _scale_k_stride(w_scale: torch.Tensor) -> int:
 
 
 def fp8_w8a8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                         block_n: int, out_dtype: torch.dtype, block_m: int = 64, block_n_tile: int = 128,
-                         num_warps: int = 4, num_stages: int = 3) -> torch.Tensor:
+                         block_n: int, out_dtype: torch.dtype, block_m: int | None = None, block_n_tile: int = 128,
+                         num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
     """xq [M, K] E4M3, x_scale [M, ceil(K/128)] float32, w [N, K] E4M3, w_scale [Sn, Sk] ->
-    [M, N] in out_dtype, as reference.fp8_w8a8_gemm_reference. block_m / block_n_tile: the tile
-    (the benchmark sweeps them)."""
+    [M, N] in out_dtype, as reference.fp8_w8a8_gemm_reference. block_m / block_n_tile / num_warps /
+    num_stages: the tile (default 64 x 128 with 4 warps up to 128 rows, 128 x 128 with 8 above;
+    the benchmark sweeps them)."""
     _check(xq, w, w_scale, block_n, "fp8_w8a8_gemm")
     m, k = xq.shape
+    block_m = block_m or (64 if m <= 128 else 128)
+    num_warps = num_warps or (4 if block_m == 64 else 8)
     n = w.shape[0]
     if xq.stride(-1) != 1:
         xq = xq.contiguous()
@@ -125,10 +131,12 @@ def pick_decode_block_n(n: int, sms: int) -> int:
 
 
 def fp8_w8a16_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
-                          block_n_tile: int | None = None, num_warps: int = 4, num_stages: int = 4) -> torch.Tensor:
+                          block_n_tile: int | None = None, k_unroll: int = 4, num_warps: int = 4,
+                          num_stages: int = 3) -> torch.Tensor:
     """x [M, K] bf16/fp16/fp32, w [N, K] E4M3, w_scale [Sn, Sk] -> [M, N] in x's dtype, as
     reference.fp8_w8a16_gemm_reference. Meant for M <= 64 (one row block); larger M runs, as more
-    row blocks re-reading the weights."""
+    row blocks re-reading the weights. block_n_tile / k_unroll / num_warps / num_stages: the tile
+    (benchmarks/bench_fp8_gemm.py sweeps them)."""
     _check(x, w, w_scale, block_n, "fp8_w8a16_gemm")
     m, k = x.shape
     n = w.shape[0]
@@ -142,7 +150,8 @@ def fp8_w8a16_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tenso
     grid = (triton.cdiv(n, bn), triton.cdiv(m, block_m))
     _w8a16_kernel[grid](x, w, w_scale, y, m, n, k, block_n, x.stride(0), w.stride(0), w_scale.stride(0),
                         _scale_k_stride(w_scale), y.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=GROUP,
-                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps, num_stages=num_stages)
+                        K_UNROLL=k_unroll, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                        num_warps=num_warps, num_stages=num_stages)
     return y
 
 
