@@ -137,7 +137,10 @@ def summarize_layers(events, steps: int) -> dict:
     it, wherever they ran on the stream; host time: the range's wall time on the CPU."""
     by_kind: dict[str, dict] = {}
     for e in events:
-        if not e.name.startswith(LAYER_RANGE_PREFIX):
+        if not e.name.startswith(LAYER_RANGE_PREFIX) or getattr(e, "device_type", None) != torch.autograd.DeviceType.CPU:
+            # The range's device-side twin (a user annotation on the GPU timeline) spans from its
+            # first kernel's start to its last kernel's end, idle gaps included: in an eager step
+            # that is the host's launch time. The host-side range sums its ops' kernels instead.
             continue
         _, index, kind = e.name.split(":")
         k = by_kind.setdefault(kind, {"layers": set(), "device_us": 0.0, "host_us": 0.0})
