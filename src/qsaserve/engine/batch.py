@@ -153,33 +153,25 @@ def _build_general(chunks: list[ScheduledChunk], tables: BlockTables, block_size
         seq, n = chunk.seq, chunk.num_new_tokens
         start = seq.num_computed_tokens
         end = start + n
-        if n == 1:  # a decode row
-            input_ids.append(seq.token_ids[start])
-            positions.append(start)
-        elif chunk.num_drafts:  # the last token and its drafts
+        positions.extend(range(start, end))
+        if chunk.num_drafts:  # the last token and its drafts
             drafts = list(seq.draft_token_ids)
             input_ids.append(seq.token_ids[start])
             input_ids.extend(drafts)
-            positions.extend(range(start, end))
-            query_lens.append(n)
-            seq_lens.append(end)
-            rows.append(seq.table_row)
-            state_slots.append(seq.state_slot)
-            width = max(width, len(seq.block_table))
+        else:
+            input_ids.extend(seq.token_ids[start:end])
+        query_lens.append(n)
+        seq_lens.append(end)
+        rows.append(seq.table_row)
+        state_slots.append(seq.state_slot)
+        width = max(width, len(seq.block_table))
+        if chunk.num_drafts:  # sampled from the last token's row; the drafts' rows go last
             logits_indices.append(row)
             plan.verify.append((len(plan.sample_seqs), drafts))
             plan.sample_seqs.append(seq)
             draft_rows.extend(range(row + 1, row + n))
             row += n
             continue
-        else:
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-        query_lens.append(n)
-        seq_lens.append(end)
-        rows.append(seq.table_row)
-        state_slots.append(seq.state_slot)
-        width = max(width, len(seq.block_table))
         if end == len(seq.token_ids):  # the chunk completes the known tokens: a new token is sampled
             logits_indices.append(row + n - 1)
             plan.sample_seqs.append(seq)

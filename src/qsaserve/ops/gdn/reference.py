@@ -190,6 +190,25 @@ def gdn_chunk_reference(
     return out.to(q.dtype), final
 
 
+def conv1d_arguments(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None,
+                     activation: str | None, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checks every causal conv1d makes of its arguments (the Triton kernel's host side too):
+    x [B, C, T], weight [C, W] or [C, 1, W], conv_state [num_seqs, C, S >= W-1] or None ->
+    (weight [C, W], conv_state; zeros [num_seqs, C, W-1] in x.dtype for None)."""
+    if weight.dim() == 3:
+        weight = weight.squeeze(1)
+    C, W = weight.shape
+    if x.shape[1] != C:
+        raise ValueError(f"x has {x.shape[1]} channels, weight has {C}")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"unsupported activation {activation!r}")
+    if conv_state is None:
+        conv_state = torch.zeros(num_seqs, C, W - 1, dtype=x.dtype, device=x.device)
+    if conv_state.shape[:2] != (num_seqs, C) or conv_state.shape[-1] < W - 1:
+        raise ValueError(f"conv_state must be [{num_seqs}, {C}, >= {W - 1}], got {tuple(conv_state.shape)}")
+    return weight, conv_state
+
+
 def causal_conv1d_reference(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -209,20 +228,11 @@ def causal_conv1d_reference(
     Returns ``y`` ``[B, C, T]`` in ``x.dtype`` and the new state (the last ``S`` inputs of
     state ++ chunk) in the state's dtype. Computed in fp32.
     """
-    if weight.dim() == 3:
-        weight = weight.squeeze(1)
-    C, W = weight.shape
-    B, Cx, T = x.shape
-    if Cx != C:
-        raise ValueError(f"x has {Cx} channels, weight has {C}")
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"unsupported activation {activation!r}")
+    B, _, T = x.shape
     segs = _segments(B, T, cu_seqlens)
-    if conv_state is None:
-        conv_state = torch.zeros(len(segs), C, W - 1, dtype=x.dtype, device=x.device)
+    weight, conv_state = conv1d_arguments(x, weight, conv_state, activation, len(segs))
+    C, W = weight.shape
     S = conv_state.shape[-1]
-    if conv_state.shape[:2] != (len(segs), C) or S < W - 1:
-        raise ValueError(f"conv_state must be [{len(segs)}, {C}, >= {W - 1}], got {tuple(conv_state.shape)}")
     w = weight.float()[:, None, :]
     y = torch.empty(B, C, T, dtype=torch.float32, device=x.device)
     new_states = []

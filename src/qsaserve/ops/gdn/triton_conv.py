@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from qsaserve.ops.gdn.reference import conv1d_arguments
+
 
 @triton.jit(do_not_specialize=["T", "C"])
 def _conv_kernel(
@@ -99,23 +101,14 @@ def causal_conv1d_triton(
     B is 1 and the N sequences are packed along T), weight [C, W] or [C, 1, W], bias [C] or None,
     conv_state [N, C, S >= W-1] (None: zeros) -> (act(conv) [B, C, T] in x.dtype, laid out like x;
     new state [N, C, S] in conv_state's dtype)."""
-    if weight.dim() == 3:
-        weight = weight.squeeze(1)
-    c, w = weight.shape
-    b, cx, t = x.shape
-    if cx != c:
-        raise ValueError(f"x has {cx} channels, weight has {c}")
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"unsupported activation {activation!r}")
+    b, _, t = x.shape
     varlen = cu_seqlens is not None
     if varlen and b != 1:
         raise ValueError(f"batch size must be 1 when cu_seqlens is given, got {b}")
     n = cu_seqlens.shape[0] - 1 if varlen else b
-    if conv_state is None:
-        conv_state = torch.zeros(n, c, w - 1, dtype=x.dtype, device=x.device)
+    weight, conv_state = conv1d_arguments(x, weight, conv_state, activation, n)
+    c, w = weight.shape
     s = conv_state.shape[-1]
-    if conv_state.shape[:2] != (n, c) or s < w - 1:
-        raise ValueError(f"conv_state must be [{n}, {c}, >= {w - 1}], got {tuple(conv_state.shape)}")
     y = torch.empty_like(x)  # x's layout: [T, C]-major when x is a transposed [T, C] projection
     new_state = torch.empty((n, c, s), dtype=conv_state.dtype, device=x.device)
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
