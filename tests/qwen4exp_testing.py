@@ -1,7 +1,10 @@
-"""Shared by the Qwen4Exp tests (tests/ is on sys.path via its conftest): tiny random transformers models that make good oracles."""
+"""Shared by the Qwen4Exp tests (tests/ is on sys.path via its conftest): tiny random transformers
+models that make good oracles, the prompts and the CPU engines the prefix-cache tests run them with."""
 import torch
 import transformers.models.qwen4_exp.modeling_qwen4_exp as _hf_qwen4exp
 from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
+
+from qsaserve import LLM
 
 
 def _oracle_uses_torch_gdn() -> None:
@@ -62,6 +65,26 @@ def build_random_model(cfg, seed: int, lm_head_scale: float = 0.2 * 25) -> Qwen4
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * (1.5 / p.shape[-1] ** 0.5))
     return model
+
+
+def prompt_tokens(n, seed):
+    """n random token ids of the tiny vocabulary, EOS at n // 3: the PLE n-gram context runs across it."""
+    ids = torch.randint(4, 120, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    ids[n // 3] = EOS
+    return ids
+
+
+def cpu_engine(path, **kw):
+    """A float32 CPU engine of a saved tiny model, caching off unless kw turns it on."""
+    return LLM(path, **{**dict(dtype="float32", device="cpu", max_model_len=320, progress=False), **kw})
+
+
+def cached_engine(ratio, path, **kw):
+    """Prefix caching on; ratio 4 on 16-token pages with a snapshot every block, ratio 3 on the
+    defaults (48-token pages, interval chosen by the engine); prefill chunks of 40 tokens, so
+    snapshots fall inside chunks and hits land mid-chunk."""
+    sizes = dict(block_size=16, prefix_state_interval=16) if ratio == 4 else {}
+    return cpu_engine(path, enable_prefix_caching=True, max_num_batched_tokens=40, **{**sizes, **kw})
 
 
 def oracle_logprobs(model, ids):

@@ -8,7 +8,8 @@ import torch
 
 from qsaserve import LLM, SamplingParams
 
-TOL = 1e-4
+from prefix_cache_testing import assert_same_generations, one_by_one
+
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
 
 
@@ -39,20 +40,6 @@ def engine(path, **kw):
                                max_num_batched_tokens=48, progress=False), **kw})
 
 
-def assert_same(ref, got):
-    for r, g in zip(ref, got, strict=True):
-        a, b = r.outputs[0], g.outputs[0]
-        assert a.token_ids == b.token_ids
-        for x, y in zip(a.logprobs, b.logprobs, strict=True):
-            assert x.keys() == y.keys()
-            for t in x:
-                assert abs(x[t].logprob - y[t].logprob) <= TOL + 1e-5 * abs(x[t].logprob)
-
-
-def one_by_one(llm, prompts):
-    return [llm.generate([{"prompt_token_ids": p}], PARAMS, use_tqdm=False)[0] for p in prompts]
-
-
 def assert_no_leaks(llm):
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
@@ -63,13 +50,13 @@ def assert_no_leaks(llm):
 def test_host_hit_after_the_gpu_tier_is_dropped(path, kv_dtype):
     system = tokens(90, seed=1)
     prompts = [system + tokens(n, seed=10 + n) for n in (5, 21)]
-    ref = one_by_one(engine(path, enable_prefix_caching=False, kv_cache_dtype=kv_dtype), [system] + prompts)
+    ref = one_by_one(engine(path, enable_prefix_caching=False, kv_cache_dtype=kv_dtype), [system] + prompts, PARAMS)
     llm = engine(path, kv_offload_gib=0.01, kv_cache_dtype=kv_dtype)
     bm = llm.engine.block_manager
-    got = one_by_one(llm, [system])
+    got = one_by_one(llm, [system], PARAMS)
     bm.offload_prefix_cache()
-    got += one_by_one(llm, prompts)
-    assert_same(ref, got)
+    got += one_by_one(llm, prompts, PARAMS)
+    assert_same_generations(ref, got)
     assert [o.num_cached_tokens for o in got] == [0, 80, 80]
     assert bm.host_tier.stats.hits == 1 and bm.host_tier.stats.blocks_restored == 5
     assert_no_leaks(llm)
@@ -90,7 +77,7 @@ def test_eviction_pressure_equals_recompute_and_leaks_nothing(path):
     assert bm.num_blocks == 24 and bm.host_tier.kv.num_slots == 20
     got = [llm.generate([{"prompt_token_ids": p} for p in batch], PARAMS, use_tqdm=False) for batch in rounds]
     for r, g in zip(ref, got):
-        assert_same(r, g)
+        assert_same_generations(r, g)
     stats = bm.host_tier.stats
     assert stats.hits > 0 and stats.blocks_restored > 0 and stats.blocks_offloaded > 20
     assert llm.engine.scheduler.num_preemptions > 0
@@ -114,17 +101,17 @@ def test_on_cuda_a_host_hit_reads_the_same_bits_as_a_gpu_hit(path, kv_dtype):
     system = tokens(90, seed=1)
     prompt = system + tokens(21, seed=2)
     kw = dict(device="cuda", kv_cache_dtype=kv_dtype, async_scheduling=True, kv_cache_memory=64 << 20)
-    ref = one_by_one(engine(path, enable_prefix_caching=False, **kw), [prompt])[0]
+    ref = one_by_one(engine(path, enable_prefix_caching=False, **kw), [prompt], PARAMS)[0]
     llm = engine(path, kv_offload_gib=0.01, **kw)
     bm = llm.engine.block_manager
-    one_by_one(llm, [system])
-    gpu_hit = one_by_one(llm, [prompt])[0]
+    one_by_one(llm, [system], PARAMS)
+    gpu_hit = one_by_one(llm, [prompt], PARAMS)[0]
     bm.reset_gpu_tier()
-    one_by_one(llm, [system])  # cached again on the GPU tier, then moved to the host
+    one_by_one(llm, [system], PARAMS)  # cached again on the GPU tier, then moved to the host
     bm.offload_prefix_cache()
-    host_hit = one_by_one(llm, [prompt])[0]
+    host_hit = one_by_one(llm, [prompt], PARAMS)[0]
     assert gpu_hit.num_cached_tokens == host_hit.num_cached_tokens == 80
     assert bm.host_tier.stats.blocks_restored >= 5
     assert host_hit.outputs[0].token_ids == gpu_hit.outputs[0].token_ids == ref.outputs[0].token_ids
-    assert_same([gpu_hit], [host_hit])
+    assert_same_generations([gpu_hit], [host_hit])
     assert_no_leaks(llm)

@@ -5,12 +5,12 @@ import torch
 from qsaserve import LLM
 
 
-def tiny_llama(path, *, heads=4, kv_heads=2, vocab=250, seed=0):
+def tiny_llama(path, *, heads=4, kv_heads=2, vocab=250, seed=0, hidden=32, intermediate=64, head_dim=16):
     """A random HF Llama, every parameter non-trivial, LM head scaled for clear greedy margins."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=16,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                       max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=2)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)

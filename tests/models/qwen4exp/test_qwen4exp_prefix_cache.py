@@ -9,20 +9,13 @@ positions would have no logits), so the logprobs compared are those of the gener
 first is computed from the last prompt position after the restored state and the suffix's prefill.
 """
 import pytest
-import torch
 
-from qsaserve import LLM, SamplingParams
+from qsaserve import SamplingParams
 
-from qwen4exp_testing import EOS, build_random_model, make_config
+from prefix_cache_testing import assert_same_generations, one_by_one
+from qwen4exp_testing import build_random_model, cached_engine, cpu_engine, make_config, prompt_tokens
 
-TOL = 1e-4
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-
-
-def tokens(n, seed):
-    ids = torch.randint(4, 120, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-    ids[n // 3] = EOS  # EOS inside the prompt: the PLE n-gram context runs across it
-    return ids
 
 
 def save_checkpoint(ratio, tmp_path_factory):
@@ -42,32 +35,6 @@ def ratio4(tmp_path_factory):
     return save_checkpoint(4, tmp_path_factory)
 
 
-def engine(path, **kw):
-    return LLM(path, **{**dict(dtype="float32", device="cpu", max_model_len=320, progress=False), **kw})
-
-
-def cached_engine(ratio, path, **kw):
-    """Caching on; ratio 4 on 16-token pages with a snapshot every block, ratio 3 on the defaults
-    (48-token pages, interval chosen by the engine); prefill chunks of 40 tokens, so snapshots fall
-    inside chunks and hits land mid-chunk."""
-    sizes = dict(block_size=16, prefix_state_interval=16) if ratio == 4 else {}
-    return engine(path, enable_prefix_caching=True, max_num_batched_tokens=40, **{**sizes, **kw})
-
-
-def run_one_by_one(llm, prompts, params=PARAMS):
-    return [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
-
-
-def assert_same(ref, got):
-    for r, g in zip(ref, got, strict=True):
-        a, b = r.outputs[0], g.outputs[0]
-        assert a.token_ids == b.token_ids
-        for x, y in zip(a.logprobs, b.logprobs, strict=True):
-            assert x.keys() == y.keys()
-            for t in x:  # the relative part: float32 rounding of reordered sums on logprobs around -30
-                assert abs(x[t].logprob - y[t].logprob) <= TOL + 1e-5 * abs(x[t].logprob)
-
-
 def state_hits(llm):
     return llm.engine.block_manager.state_cache.stats.hits
 
@@ -83,12 +50,12 @@ def assert_no_leaks(llm):
 
 def test_shared_system_prompt_with_different_suffixes(checkpoint):
     ratio, path = checkpoint
-    system = tokens(110, seed=1)
-    prompts = [system + tokens(n, seed=10 + n) for n in (9, 30, 55)]
-    ref = run_one_by_one(engine(path), prompts)
+    system = prompt_tokens(110, seed=1)
+    prompts = [system + prompt_tokens(n, seed=10 + n) for n in (9, 30, 55)]
+    ref = one_by_one(cpu_engine(path), prompts, PARAMS)
     llm = cached_engine(ratio, path)
-    got = run_one_by_one(llm, prompts)
-    assert_same(ref, got)
+    got = one_by_one(llm, prompts, PARAMS)
+    assert_same_generations(ref, got)
     block = llm.engine.block_manager.block_size
     assert got[0].num_cached_tokens == 0
     assert all(o.num_cached_tokens == 110 // block * block for o in got[1:])  # the deepest boundary inside
@@ -100,14 +67,14 @@ def test_multi_turn_follow_up_reuses_prompt_and_answer(checkpoint):
     """Turn 2's prompt is turn 1's prompt + answer + new text: its hit ends at a boundary that
     turn 1 reached while decoding, so the snapshot used was taken by a decode step."""
     ratio, path = checkpoint
-    first = tokens(40 if ratio == 4 else 90, seed=2)
-    ref_llm = engine(path)
-    answer = run_one_by_one(ref_llm, [first])[0].outputs[0].token_ids
-    second = first + answer + tokens(15, seed=3)
-    ref = [run_one_by_one(ref_llm, [first])[0], run_one_by_one(ref_llm, [second])[0]]
+    first = prompt_tokens(40 if ratio == 4 else 90, seed=2)
+    ref_llm = cpu_engine(path)
+    answer = one_by_one(ref_llm, [first], PARAMS)[0].outputs[0].token_ids
+    second = first + answer + prompt_tokens(15, seed=3)
+    ref = [one_by_one(ref_llm, [first], PARAMS)[0], one_by_one(ref_llm, [second], PARAMS)[0]]
     llm = cached_engine(ratio, path)
-    got = run_one_by_one(llm, [first, second])
-    assert_same(ref, got)
+    got = one_by_one(llm, [first, second], PARAMS)
+    assert_same_generations(ref, got)
     block = llm.engine.block_manager.block_size
     boundary = len(first + answer) // block * block
     assert boundary > len(first)  # inside the answer: a decode-time snapshot
@@ -120,13 +87,13 @@ def test_hit_in_the_middle_of_a_chunked_prefill_with_async_scheduling(checkpoint
     a chunk, the rest of each prompt is prefilled in chunks shared with the other's decodes, and
     the host runs a step ahead (async scheduling)."""
     ratio, path = checkpoint
-    system = tokens(100, seed=4)
-    prompts = [system + tokens(70, seed=5), system + tokens(85, seed=6)]
-    ref = engine(path).generate([{"prompt_token_ids": p} for p in [system] + prompts], PARAMS, use_tqdm=False)
+    system = prompt_tokens(100, seed=4)
+    prompts = [system + prompt_tokens(70, seed=5), system + prompt_tokens(85, seed=6)]
+    ref = cpu_engine(path).generate([{"prompt_token_ids": p} for p in [system] + prompts], PARAMS, use_tqdm=False)
     llm = cached_engine(ratio, path, async_scheduling=True)
-    got = run_one_by_one(llm, [system]) + llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS,
-                                                       use_tqdm=False)
-    assert_same(ref, got)
+    got = one_by_one(llm, [system], PARAMS) + llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS,
+                                                           use_tqdm=False)
+    assert_same_generations(ref, got)
     assert state_hits(llm) == 2 and all(o.num_cached_tokens > 40 for o in got[1:])
     assert_no_leaks(llm)
 
@@ -137,34 +104,34 @@ def test_hits_after_preemption(checkpoint):
     preempted request's own published blocks and snapshot."""
     ratio, path = checkpoint
     lengths, max_tokens, blocks, max_len = ((64, 70), 40, 12, 144) if ratio == 4 else ((100, 110), 60, 6, 192)
-    prompts = [tokens(n, seed=20 + n) for n in lengths]
+    prompts = [prompt_tokens(n, seed=20 + n) for n in lengths]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
-    ref = engine(path).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    ref = cpu_engine(path).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     ex = cached_engine(ratio, path, max_model_len=max_len).engine.executor
     spec = ex.kv_spec
     per_block = spec.bytes_per_block + ex.state_snapshot_bytes * ex.block_size / ex.state_interval  # split_cache_budget
     llm = cached_engine(ratio, path, max_model_len=max_len, kv_cache_memory=int(per_block * (blocks + 1)) + 1)
     assert llm.engine.block_manager.num_blocks == blocks
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert_same(ref, got)
+    assert_same_generations(ref, got)
     assert llm.engine.scheduler.num_preemptions > 0 and state_hits(llm) > 0
     assert_no_leaks(llm)
 
 
 def test_fp8_kv_pages_hit_like_recompute(ratio4):
     ratio, path = ratio4
-    system = tokens(70, seed=7)
-    prompts = [system + tokens(20, seed=8), system + tokens(33, seed=9)]
-    ref = run_one_by_one(engine(path, kv_cache_dtype="fp8_e4m3"), prompts)
+    system = prompt_tokens(70, seed=7)
+    prompts = [system + prompt_tokens(20, seed=8), system + prompt_tokens(33, seed=9)]
+    ref = one_by_one(cpu_engine(path, kv_cache_dtype="fp8_e4m3"), prompts, PARAMS)
     llm = cached_engine(ratio, path, kv_cache_dtype="fp8_e4m3")
-    got = run_one_by_one(llm, prompts)
-    assert_same(ref, got)
+    got = one_by_one(llm, prompts, PARAMS)
+    assert_same_generations(ref, got)
     assert state_hits(llm) == 1
 
 
 def test_snapshot_pool_is_reported_and_caching_stays_off_by_default(ratio4, caplog):
     ratio, path = ratio4
-    assert engine(path).engine.block_manager.state_cache is None
+    assert cpu_engine(path).engine.block_manager.state_cache is None
     with caplog.at_level("INFO", logger="qsaserve"):
         llm = cached_engine(ratio, path)
     cache = llm.engine.block_manager.state_cache
