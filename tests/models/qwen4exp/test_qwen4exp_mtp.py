@@ -143,3 +143,44 @@ def test_dummy_weights_are_deterministic_and_nontrivial():
         assert torch.equal(x, y), n
         assert torch.isfinite(x).all(), n
     assert a.fc_hidden.weight.std() > 0.01 and torch.equal(a.pre_fc_norm_hidden.weight, torch.zeros_like(a.pre_fc_norm_hidden.weight))
+
+
+def _runner_model(llm):
+    return llm.engine.executor.runner.model
+
+
+def test_tiny_checkpoint_with_a_head_loads_it_and_keeps_the_target(tmp_path):
+    """save_with_mtp's mtp.* land in the head's parameters; the target's greedy tokens are those of
+    the same checkpoint without the head."""
+    from qsaserve import LLM, SamplingParams
+    from qwen4exp_testing import build_random_model, save_with_mtp
+
+    from qsaserve.models.qwen4exp.weights import checkpoint_targets, checkpoint_tensor
+
+    model = build_random_model(make_config(), seed=3)
+    plain = str(tmp_path / "plain")
+    model.save_pretrained(plain)
+    path = save_with_mtp(model, str(tmp_path / "mtp"), seed=8)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kw = dict(dtype="float32", device="cpu", max_model_len=128, block_size=8, progress=False)
+    with_head = LLM(path, **kw)
+    head = _runner_model(with_head).mtp
+    assert head is not None
+    targets = checkpoint_targets(head, tied=False)
+    for name, t in random_mtp_tensors(model.config, seed=8).items():
+        assert torch.equal(checkpoint_tensor(targets, name.removeprefix("mtp.")), t), name
+    prompt = [{"prompt_token_ids": list(range(5, 30))}]
+    a = with_head.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    b = LLM(plain, **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert a == b
+
+
+def test_dummy_preset_with_a_head_draws_it():
+    from qsaserve import LLM
+
+    llm = LLM("qwen4exp-tiny-mtp", load_format="dummy", dtype="float32", device="cpu", max_model_len=64,
+              progress=False)
+    head = _runner_model(llm).mtp
+    assert head is not None and head.fc_hidden.weight.abs().sum() > 0
+    assert _runner_model(LLM("qwen4exp-tiny", load_format="dummy", dtype="float32", device="cpu", max_model_len=64,
+                             progress=False)).mtp is None

@@ -9,6 +9,8 @@ Parameters are this rank's shards (weights.py); per-request state lives in the b
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -23,6 +25,7 @@ from qsaserve.models.qwen4exp.snapshots import StateSnapshotPool, slot_bytes
 from qsaserve.models.qwen4exp.config import parse_config, validate_config
 from qsaserve.models.qwen4exp.decoder_layer import Qwen4ExpDecoderLayer
 from qsaserve.models.qwen4exp.hyper_connection import HyperConnection, hc_expand
+from qsaserve.models.qwen4exp.mtp import Qwen4ExpMTP, mtp_num_layers
 from qsaserve.models.qwen4exp.ple import PLE
 from qsaserve.models.qwen4exp.qsa_attention import QSACacheLayer
 from qsaserve.models.qwen4exp.sharding import RankLayout
@@ -32,6 +35,8 @@ from qsaserve.ops.hyper_connection import hc_inject
 from qsaserve.ops.qsa_indexer import rope_inv_freq
 from qsaserve.parallel.state import ParallelContext
 from qsaserve.parallel.tp import vocab_shard_rows
+
+logger = logging.getLogger("qsaserve")
 
 
 class Qwen4ExpModel(nn.Module):
@@ -74,7 +79,10 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasRoutedExperts, HasSid
         self.num_kv_heads = layout.num_kv_heads
         rotary = int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
         self.inv_freq = rope_inv_freq(cfg.head_dim, rotary / cfg.head_dim, cfg.rope_parameters["rope_theta"])
-        self.mtp_weights: dict[str, torch.Tensor] = {}  # the MTP draft head, for speculative decoding
+        # The MTP draft head (mtp.py) when the config declares one; mtp_weights keeps the mtp.*
+        # tensors of a checkpoint whose config does not (nothing runs them).
+        self.mtp = Qwen4ExpMTP(cfg, self.ctx) if mtp_num_layers(cfg) else None
+        self.mtp_weights: dict[str, torch.Tensor] = {}
         self._states: list[slot_state.SlotState] = []  # slot_states(), once allocated
         self._snapshots: StateSnapshotPool | None = None  # the prefix cache's state snapshots
         for layer in self.qsa_layers.values():  # the widest selection a step can score (its warm-up)
@@ -169,10 +177,20 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasRoutedExperts, HasSid
     def init_dummy_weights(self, seed: int) -> None:
         """Random weights for load_format="dummy" (weights.init_dummy_weights)."""
         init_dummy_weights(self, self.config, seed, self.model.embed_tokens.weight.device)
+        if self.mtp is not None:
+            self.mtp.init_dummy_weights(seed)
 
     def load_weights(self, weights) -> None:
-        """HF-named checkpoint tensors (weights.load_checkpoint); mtp.* go to mtp_weights."""
-        self.mtp_weights = load_checkpoint(self, self.config, weights, self.model.embed_tokens.weight.device, self.quant)
+        """HF-named checkpoint tensors (weights.load_checkpoint); mtp.* go to the draft head when
+        the config declares one (a checkpoint without them drops it), else to mtp_weights."""
+        mtp = load_checkpoint(self, self.config, weights, self.model.embed_tokens.weight.device, self.quant)
+        if self.mtp is None:
+            self.mtp_weights = mtp
+        elif mtp:
+            self.mtp.load_weights(mtp)
+        else:
+            logger.info("Qwen4Exp: the config declares an MTP head but the checkpoint has no mtp.* tensors")
+            self.mtp = None
 
 
 def _plain_attribute_reads(root: nn.Module) -> None:
