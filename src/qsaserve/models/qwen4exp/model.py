@@ -14,10 +14,10 @@ import logging
 import torch
 from torch import nn
 
-from qsaserve.cache.kv_cache import KVCacheSpec
+from qsaserve.cache.kv_cache import KVCacheSpec, allocate_kv_cache
 from qsaserve.layers.attention import AttentionMetadata
 from qsaserve.layers.vocab_parallel import vocab_parallel_embedding, vocab_parallel_logits
-from qsaserve.models.interfaces import (HasRecurrentState, HasRoutedExperts, HasSideTables, RowTable, SideTableSpec,
+from qsaserve.models.interfaces import (HasMtpHead, HasRecurrentState, HasRoutedExperts, HasSideTables, RowTable, SideTableSpec,
                                         SupportsCudaGraphs, SupportsDcpCudaGraphs, SupportsDummyWeights,
                                         SupportsLayerProfile, SupportsStateSnapshots)
 from qsaserve.models.qwen4exp import state as slot_state
@@ -60,7 +60,7 @@ class Qwen4ExpModel(nn.Module):
         return hc_inject(hyper, *pending) if pending is not None else hyper
 
 
-class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasRoutedExperts, HasSideTables, SupportsCudaGraphs,
+class Qwen4ExpForCausalLM(nn.Module, HasMtpHead, HasRecurrentState, HasRoutedExperts, HasSideTables, SupportsCudaGraphs,
                           SupportsDcpCudaGraphs, SupportsDummyWeights, SupportsLayerProfile, SupportsStateSnapshots):
     # CUDA graphs: steps where every sequence decodes one token take a path free of host syncs and
     # of data-dependent shapes (state.build_step), DCP slots included (derived on the device).
@@ -172,6 +172,34 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasRoutedExperts, HasSid
         _, final, _ = self.model.hyper_connection_mixer(hyper)
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return vocab_parallel_logits(final, head.weight, self.config.vocab_size, self.ctx)
+
+    # ---- the MTP draft head (mtp.py) ----
+    def has_mtp_head(self) -> bool:
+        return self.mtp is not None
+
+    def allocate_mtp(self, num_blocks: int, block_size: int, num_slots: int, device: torch.device) -> int:
+        """The head's QSA pages (one layer, this rank's KV heads) and its index-tail slots."""
+        c, dtype = self.config, self.model.embed_tokens.weight.dtype
+        spec = KVCacheSpec(1, self.num_kv_heads, c.head_dim, dtype, block_size, index_head_dim=c.indexer_head_dim,
+                           index_ratio=c.indexer_compress_ratio)
+        cache = allocate_kv_cache(spec, num_blocks, device)[0]
+        self.mtp.attention_layer.cache = cache
+        self.mtp.allocate_state(num_slots, dtype, device)
+        return cache.kv.nbytes + cache.block_keys.nbytes + sum(t.nbytes for t in self.mtp_state_tensors())
+
+    def mtp_forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+        """hidden [T, hc * H]: forward's streams (before the final mixer) or the head's own."""
+        self.inv_freq = self.inv_freq.to(next_ids.device)
+        step = slot_state.build_step(next_ids, positions, meta, self.inv_freq, self.ctx.dcp, self.mtp.states())
+        return self.mtp(hidden, next_ids, self.model.embed_tokens.weight, step, meta)
+
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return self.mtp.compute_logits(hidden, head.weight)
+
+    def mtp_state_tensors(self) -> list[torch.Tensor]:
+        return [t for s in self.mtp.states() for t in s.tensors()]
 
     # ---- weights ----
     def init_dummy_weights(self, seed: int) -> None:

@@ -1,0 +1,104 @@
+"""Speculative decoding with Qwen4Exp's own MTP head (speculative_config.method "mtp",
+engine/mtp_drafter.py): greedy tokens equal transformers' qwen4_exp and the engine without drafts
+for k = 1, 2, 3, and the target's states after each request equal a plain run's, with the random
+head of the tiny checkpoint (its drafts are mostly rejected) and with its drafts replaced by the
+reference continuation after the head ran (every draft accepted); through batched chunked
+prefill and preemption. float32 CPU; the fixture of test_qwen4exp_spec_decode.py."""
+import pytest
+import torch
+
+from qsaserve import LLM, InvalidRequestError, SamplingParams
+
+from qwen4exp_testing import build_random_model, make_config, save_with_mtp
+from test_qwen4exp_spec_decode import NEW, PARAMS, generate, hf_greedy, prompts, states
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    model = build_random_model(make_config(budget=12, ple_layer_ids=(1, 4)), seed=7)
+    path = save_with_mtp(model, str(tmp_path_factory.mktemp("mtp_qwen4exp")), seed=11)
+    ps = prompts(3, [45, 61, 38])
+    plain = engine(path)
+    plain_states = []
+    for p in ps:
+        generate(plain, [p])
+        plain_states.append(states(plain))
+    return model, path, ps, [hf_greedy(model, p, NEW) for p in ps], plain_states
+
+
+def engine(path, k=None, **kw):
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    args = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=20,
+                block_size=8, progress=False, speculative_config=spec)
+    return LLM(path, **{**args, **kw})
+
+
+def accept_all(llm, reference):
+    """The head runs (catch-up and draft rows), then its drafts become the reference's next tokens."""
+    ex, calls = llm.engine.executor, []
+    draft = ex.mtp_draft
+
+    def planted(request):
+        out = draft(request)
+        calls.append(sum(len(d) for d in out))
+        seqs = list(llm.engine.scheduler.running)  # a live sequence is known by its blocks
+        for i, n in enumerate(request.drafts):
+            if n:
+                seq = next(s for s in seqs if list(s.block_table) == request.tables[i])
+                ref = reference[tuple(seq.token_ids[: seq.num_prompt_tokens])]
+                done = seq.num_output_tokens
+                out[i] = ref[done : done + min(n, len(ref) - done - 1)]
+        return out
+
+    ex.mtp_draft = planted
+    return calls
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("mode", ["head", "accept"])
+def test_mtp_drafts_equal_transformers_and_leave_the_states_of_a_plain_run(checkpoint, k, mode):
+    model, path, ps, want, plain_states = checkpoint
+    llm = engine(path, k)
+    calls = accept_all(llm, {tuple(q): w for q, w in zip(ps, want)}) if mode == "accept" else None
+    for p, w, plain in zip(ps, want, plain_states):  # one at a time, each in state slot 1
+        assert generate(llm, [p]) == [w]
+        for a, b in zip(plain, states(llm), strict=True):
+            torch.testing.assert_close(b[1], a[1], rtol=1e-5, atol=1e-5)
+    st = llm.engine.spec.stats
+    assert st.verifies > 0 and st.drafted > 0
+    if mode == "accept":
+        assert st.accepted == st.drafted and sum(calls) > 0  # the head's own drafts were made
+    else:
+        assert st.accepted < st.drafted  # a random head: mostly rejected
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_batched_chunked_and_preempted(checkpoint, k):
+    """Three requests at once with 20-token steps (prefill chunks beside verify rows), one with a
+    penalty (never drafts: a plain row in the same batch); then a KV pool small enough to preempt."""
+    model, path, ps, want, _ = checkpoint
+    params = [PARAMS, PARAMS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, repetition_penalty=1.0001)]
+    runner = engine(path, k).engine.executor.runner
+    # 18 blocks of 8 tokens (the head's pages: one more QSA layer's share of each): one request of
+    # max_model_len fits, the three (25 blocks) do not.
+    per_block = runner.kv_spec.bytes_per_block + -(-runner.kv_spec.bytes_per_block // runner.kv_spec.num_layers)
+    small = 18 * per_block + 9 * k * runner.model.state_snapshot_bytes()
+    for kw in ({}, dict(kv_cache_memory=small, max_model_len=128)):
+        base = generate(engine(path, **kw), ps, params)
+        llm = engine(path, k, **kw)
+        accept_all(llm, {tuple(q): w for q, w in zip(ps, base)})
+        assert generate(llm, ps, params) == base
+        assert base[:2] == want[:2]
+        assert llm.engine.spec.stats.accepted > 0
+        if "kv_cache_memory" in kw:
+            assert llm.engine.scheduler.num_preemptions > 0
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_mtp_on_a_checkpoint_without_the_head_is_refused(tmp_path):
+    model = build_random_model(make_config(), seed=1)
+    model.save_pretrained(str(tmp_path))
+    with pytest.raises(InvalidRequestError) as err:
+        engine(str(tmp_path), 2)
+    assert err.value.param == "speculative_config.method" and "MTP" in str(err.value)
