@@ -341,8 +341,8 @@ class ModelRunner:
         if self.spec_state_rows:
             budget_bytes -= self.spec_state_rows * self.model.state_snapshot_bytes()
         per_block = spec.bytes_per_block
-        if self.mtp:  # the draft head's pages: one more QSA layer's share of every block
-            per_block += -(-per_block // spec.num_layers)
+        if self.mtp:  # the draft head's pages (one QSA layer, in the model dtype) in every block
+            per_block += dataclasses.replace(spec, num_layers=1, kv_dtype=None).bytes_per_block
         return split_cache_budget(budget_bytes, per_block, spec.block_size, self.state_snapshot_bytes,
                                   self.state_interval)
 

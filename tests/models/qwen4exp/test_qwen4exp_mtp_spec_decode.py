@@ -4,6 +4,8 @@ for k = 1, 2, 3, and the target's states after each request equal a plain run's,
 head of the tiny checkpoint (its drafts are mostly rejected) and with its drafts replaced by the
 reference continuation after the head ran (every draft accepted); through batched chunked
 prefill and preemption. float32 CPU; the fixture of test_qwen4exp_spec_decode.py."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -81,7 +83,8 @@ def test_batched_chunked_and_preempted(checkpoint, k):
     runner = engine(path, k).engine.executor.runner
     # 18 blocks of 8 tokens (the head's pages: one more QSA layer's share of each): one request of
     # max_model_len fits, the three (25 blocks) do not.
-    per_block = runner.kv_spec.bytes_per_block + -(-runner.kv_spec.bytes_per_block // runner.kv_spec.num_layers)
+    spec = runner.kv_spec
+    per_block = spec.bytes_per_block + dataclasses.replace(spec, num_layers=1, kv_dtype=None).bytes_per_block
     small = 18 * per_block + 9 * k * runner.model.state_snapshot_bytes()
     for kw in ({}, dict(kv_cache_memory=small, max_model_len=128)):
         base = generate(engine(path, **kw), ps, params)
@@ -94,6 +97,20 @@ def test_batched_chunked_and_preempted(checkpoint, k):
             assert llm.engine.scheduler.num_preemptions > 0
         bm = llm.engine.block_manager
         assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_prefix_cache_hits_and_fp8_pages(checkpoint):
+    """A prompt served twice (the second hits the prefix cache: the head's state is not among the
+    snapshots, its pages are those of the blocks) and FP8 K/V pages: tokens of the plain engine."""
+    model, path, ps, want, _ = checkpoint
+    for kw in (dict(enable_prefix_caching=True), dict(kv_cache_dtype="fp8_e4m3")):
+        base = generate(engine(path, **kw), [ps[1]])
+        llm = engine(path, 2, **kw)
+        assert generate(llm, [ps[1]]) == base
+        again = llm.generate([{"prompt_token_ids": ps[1]}], PARAMS, use_tqdm=False)[0]
+        assert [again.outputs[0].token_ids] == base
+        if "kv_cache_dtype" not in kw:  # FP8 pages (unit scales) round K/V: equal to FP8 without drafts only
+            assert base == [want[1]] and again.num_cached_tokens > 0
 
 
 def test_mtp_on_a_checkpoint_without_the_head_is_refused(tmp_path):
