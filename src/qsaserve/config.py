@@ -155,6 +155,10 @@ class EngineConfig:
             raise InvalidRequestError("async_scheduling", f"must be true or false, got {self.async_scheduling!r}")
         self.cuda_graph_sizes = _normalize_sizes(self.cuda_graph_sizes)
         self.speculative_config = parse_speculative_config(self.speculative_config)
+        if (self.speculative_config is not None and self.speculative_config.method == "mtp"
+                and self.tensor_parallel_size > 1):  # the draft head runs in the engine's own rank only
+            raise InvalidRequestError("speculative_config.method",
+                                      f"mtp: runs with tensor_parallel_size 1, got {self.tensor_parallel_size}")
 
     def _check_kv_cache(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

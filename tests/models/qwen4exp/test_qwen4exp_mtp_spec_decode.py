@@ -119,3 +119,9 @@ def test_mtp_on_a_checkpoint_without_the_head_is_refused(tmp_path):
     with pytest.raises(InvalidRequestError) as err:
         engine(str(tmp_path), 2)
     assert err.value.param == "speculative_config.method" and "MTP" in str(err.value)
+
+
+def test_mtp_with_tensor_parallelism_is_refused_before_any_rank_starts(checkpoint):
+    with pytest.raises(InvalidRequestError) as err:
+        engine(checkpoint[1], 2, tensor_parallel_size=2)
+    assert err.value.param == "speculative_config.method" and "tensor_parallel_size" in str(err.value)
