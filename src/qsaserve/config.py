@@ -107,8 +107,8 @@ class EngineConfig:
     # Speculative decoding (engine/spec_decode.py, docs/speculative.md).
     speculative_config: SpeculativeConfig | dict | str | None = _option(
         None, 'speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3, '
-              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}; methods: ngram (every model), mtp (models with an '
-              'MTP head); num_speculative_tokens 1..8')
+              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}; methods: ngram (every model), mtp (Qwen4Exp '
+              'checkpoints with an MTP head, tensor_parallel_size 1); num_speculative_tokens 1..8')
 
     def __post_init__(self) -> None:
         if isinstance(self.tokenizer, os.PathLike):

@@ -125,3 +125,19 @@ def test_mtp_with_tensor_parallelism_is_refused_before_any_rank_starts(checkpoin
     with pytest.raises(InvalidRequestError) as err:
         engine(checkpoint[1], 2, tensor_parallel_size=2)
     assert err.value.param == "speculative_config.method" and "tensor_parallel_size" in str(err.value)
+
+
+@pytest.mark.gpu
+def test_mtp_drafts_equal_plain_decoding_on_gpu():
+    """On a GPU (float32, dummy weights with a random head; the plain engine replays its decode
+    graphs, the MTP engine runs eagerly with the Triton kernels): the tokens of the plain run."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (none on this machine)")
+    kw = dict(load_format="dummy", device="cuda", dtype="float32", max_model_len=256, kv_cache_memory=64 << 20,
+              ple_placement="gpu", max_num_seqs=8, progress=False)
+    ps = prompts(3, [45, 61, 38])
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    want = generate(LLM("qwen4exp-tiny-mtp", **kw), ps, params)
+    llm = LLM("qwen4exp-tiny-mtp", speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **kw)
+    assert generate(llm, ps, params) == want
+    assert llm.engine.spec.stats.drafted > 0
