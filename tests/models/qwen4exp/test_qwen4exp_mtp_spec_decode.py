@@ -141,3 +141,58 @@ def test_mtp_drafts_equal_plain_decoding_on_gpu():
     llm = LLM("qwen4exp-tiny-mtp", speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **kw)
     assert generate(llm, ps, params) == want
     assert llm.engine.spec.stats.drafted > 0
+
+
+def test_engine_drafts_are_the_reference_heads(checkpoint, monkeypatch):
+    """Every draft the engine's head makes for one request equals the plain-torch head's
+    (mtp_reference.py) over the same target hidden rows: catch-up rows chained over the steps
+    (chunked prompt, verifies), then draft rows from the head's own output, up to the first draft
+    position past the sequence's blocks (not stored there, so later drafts see less)."""
+    import itertools
+
+    import qsaserve.engine.model_runner as runner_module
+    from qsaserve.models.qwen4exp.mtp_reference import mtp_draft_reference
+    from qsaserve.ops.qsa_indexer import rope_inv_freq
+
+    from qwen4exp_testing import random_mtp_tensors
+
+    model, path, ps, want, _ = checkpoint
+    llm = engine(path, 3)
+    block = llm.engine.executor.block_size
+    log, real = [], runner_module.run_mtp_drafts
+
+    def spy(m, batch, hidden, request, block_size):
+        out = real(m, batch, hidden, request, block_size)
+        starts = list(itertools.accumulate(batch.query_lens[:-1], initial=0))
+        for i, rows in enumerate(request.rows):
+            if rows:
+                a = starts[i]
+                log.append((batch.positions[a], hidden[a:a + rows].clone(), request.next_ids[i], out[i],
+                            len(request.tables[i]) * block))
+        return out
+
+    monkeypatch.setattr(runner_module, "run_mtp_drafts", spy)
+    assert generate(llm, [ps[0]]) == [want[0]]
+    cfg = model.config
+    p = {k.removeprefix("mtp."): v for k, v in random_mtp_tensors(cfg, seed=11).items()}
+    rot = int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"])
+    inv = rope_inv_freq(cfg.head_dim, rot / cfg.head_dim, cfg.rope_parameters["rope_theta"])
+    embed, lm_head = model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach()
+    caches, checked = None, 0
+    for start, hid, nxt, drafts, stored in log:
+        n = len(nxt)
+        logits, out, caches = mtp_draft_reference(hid, torch.tensor(nxt), torch.arange(start, start + n), p, embed,
+                                                  lm_head, cfg, inv, caches)
+        if not drafts:
+            continue
+        assert int(logits[-1].argmax()) == drafts[0]
+        checked += 1
+        h, c, pos = out[-1:], caches, start + n
+        for prev, d in zip(drafts, drafts[1:]):
+            if pos >= stored:
+                break
+            lg, h, c = mtp_draft_reference(h, torch.tensor([prev]), torch.tensor([pos]), p, embed, lm_head, cfg, inv, c)
+            assert int(lg[-1].argmax()) == d
+            checked += 1
+            pos += 1
+    assert checked > NEW // 2
