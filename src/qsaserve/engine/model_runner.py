@@ -400,7 +400,8 @@ class ModelRunner:
         Triton (graph capture builds only the ones its buckets replay)."""
         if self.device.type != "cuda":
             return
-        launches = sum(layer.warm_up(self.dtype) for layer in self.attention_layers)
+        head = [self.model.mtp_attention_layer()] if self.mtp else []
+        launches = sum(layer.warm_up(self.dtype) for layer in [*self.attention_layers, *head])
         launches += sum(m.warm_up_kernels(self.dtype, self.config.token_budget)
                         for m in self.model.modules() if warms_up_kernels(m))
         launches += warm_up_fp8_layers(self.model, self.dtype)

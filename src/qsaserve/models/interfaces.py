@@ -344,6 +344,10 @@ class HasMtpHead(Protocol):
         """[T, V] float32 draft logits of mtp_forward rows."""
         ...
 
+    def mtp_attention_layer(self) -> AttentionLayer:
+        """The head's attention layer (its pages bound by allocate_mtp; the runner warms it up)."""
+        ...
+
     def mtp_state_tensors(self) -> list[torch.Tensor]:
         """The head's per-slot state tensors ([slots, ...]): draft rows past the verified tokens
         are undone by copying the drafting slots' rows back."""

@@ -85,7 +85,8 @@ class Qwen4ExpForCausalLM(nn.Module, HasMtpHead, HasRecurrentState, HasRoutedExp
         self.mtp_weights: dict[str, torch.Tensor] = {}
         self._states: list[slot_state.SlotState] = []  # slot_states(), once allocated
         self._snapshots: StateSnapshotPool | None = None  # the prefix cache's state snapshots
-        for layer in self.qsa_layers.values():  # the widest selection a step can score (its warm-up)
+        # The widest selection a step can score (the layers' warm-up), the draft head's included.
+        for layer in [*self.qsa_layers.values(), *([self.mtp.attention_layer] if self.mtp is not None else [])]:
             layer.max_groups = max_positions // cfg.indexer_compress_ratio
         _plain_attribute_reads(self)
 
@@ -197,6 +198,9 @@ class Qwen4ExpForCausalLM(nn.Module, HasMtpHead, HasRecurrentState, HasRoutedExp
     def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return self.mtp.compute_logits(hidden, head.weight)
+
+    def mtp_attention_layer(self) -> QSACacheLayer:
+        return self.mtp.attention_layer
 
     def mtp_state_tensors(self) -> list[torch.Tensor]:
         return [t for s in self.mtp.states() for t in s.tensors()]
