@@ -196,3 +196,16 @@ def test_engine_drafts_are_the_reference_heads(checkpoint, monkeypatch):
             checked += 1
             pos += 1
     assert checked > NEW // 2
+
+
+def test_sampled_requests_with_mtp_drafts_repeat_themselves(checkpoint):
+    """temperature > 0: the head's one-hot drafts go through rejection sampling; a seeded request
+    gives the same tokens in two engines (the distribution itself: the rejection sampler's test)."""
+    path, ps = checkpoint[1], checkpoint[2]
+    params = SamplingParams(temperature=0.8, max_tokens=NEW, ignore_eos=True, seed=5)
+    runs = []
+    for _ in range(2):
+        llm = engine(path, 3)
+        runs.append(generate(llm, ps[:2], params))
+        assert llm.engine.spec.stats.drafted > 0
+    assert runs[0] == runs[1] and all(len(t) == NEW for t in runs[0])
