@@ -8,10 +8,13 @@ tok/s per mode: plain B / t_plain; verify at the measured acceptance length L (r
 ~1) B * L / t_verify, and at L = 2.98 (the published MTP3 figure for Qwen3.8-Flash-Next), the
 figure random weights cannot measure. --force-accept makes every verify accept all its drafts
 (the target is told its drafts were its own tokens: outputs are meaningless, times are those of
-the all-accepted path, no rollback). Prints one JSON line per row, then the document.
+the all-accepted path, no rollback). --method mtp (a preset with the head, e.g.
+qwen4exp-small-mtp): the drafts are the MTP head's, run after each step (engine/mtp_drafter.py,
+eager: no CUDA graphs), k of them; its "plain" rows carry no drafts but still run the head's
+catch-up row. Prints one JSON line per row, then the document.
 
     PYTHONPATH=src python benchmarks/bench_spec_decode.py --model qwen4exp-small --batches 1,8,64 \
-        --context 8192 [--force-accept] [--repeat-unit 64] [--out f.json]
+        --context 8192 [--force-accept] [--repeat-unit 64] [--method mtp] [--out f.json]
 """
 from __future__ import annotations
 
@@ -38,10 +41,11 @@ def max_new_tokens(steps: int) -> int:
     return (steps + 2) * sum(k + 1 for k in (0, *KS)) + 2 * (max(KS) + 1)
 
 
-def build(model: str, batch: int, context: int, steps: int, force_accept: bool, enforce_eager: bool) -> LLMEngine:
+def build(model: str, batch: int, context: int, steps: int, force_accept: bool, enforce_eager: bool,
+          method: str = "ngram") -> LLMEngine:
     config = EngineConfig(model=model, load_format="dummy", max_num_seqs=batch, max_model_len=context + max_new_tokens(steps) + 1,
                           enforce_eager=enforce_eager, ple_placement="gpu",
-                          speculative_config={"method": "ngram", "num_speculative_tokens": max(KS)})
+                          speculative_config={"method": method, "num_speculative_tokens": max(KS)})
     engine = LLMEngine(config, progress=False)
     if force_accept:
         spec, verify = engine.spec, engine.spec.verify
@@ -58,6 +62,10 @@ def build(model: str, batch: int, context: int, steps: int, force_accept: bool, 
 def timed_steps(engine: LLMEngine, k: int, steps: int, rng: random.Random) -> list[float]:
     spec, vocab = engine.spec, engine.vocab_size
     propose = type(spec).propose
+    if spec.model_drafts:  # the head drafts min(k, room) after each step
+        room = type(spec).room
+        spec.room = lambda seq, running: min(k, room(spec, seq, running))
+        return _steps(engine, steps)
 
     def exactly_k(seq, *running):
         propose(spec, seq)
@@ -66,6 +74,10 @@ def timed_steps(engine: LLMEngine, k: int, steps: int, rng: random.Random) -> li
     spec.propose = exactly_k if k else (lambda seq, *running: setattr(seq, "draft_token_ids", []))
     for seq in engine.scheduler.running:
         spec.propose(seq)
+    return _steps(engine, steps)
+
+
+def _steps(engine: LLMEngine, steps: int) -> list[float]:
     times = []
     for i in range(steps + 2):  # two warm-up steps (a verify step's first shapes build kernels)
         if engine.config.torch_device.type == "cuda":
@@ -87,8 +99,8 @@ def prompt(rng: random.Random, vocab: int, context: int, repeat_unit: int) -> li
 
 
 def run(model: str, batch: int, context: int, steps: int, force_accept: bool, enforce_eager: bool,
-        repeat_unit: int = 0) -> list[dict]:
-    engine = build(model, batch, context, steps, force_accept, enforce_eager)
+        repeat_unit: int = 0, method: str = "ngram") -> list[dict]:
+    engine = build(model, batch, context, steps, force_accept, enforce_eager, method)
     rng = random.Random(batch)
     for i in range(batch):
         ids = prompt(rng, engine.vocab_size, context, repeat_unit)
@@ -107,7 +119,7 @@ def run(model: str, batch: int, context: int, steps: int, force_accept: bool, en
         length = 1 + accepted / verifies if verifies else 1.0
         if force_accept and k:  # every verify emitted its k drafts and the target's token
             length = k + 1.0
-        row = {"model": model, "batch": batch, "context": context, "repeat_unit": repeat_unit,
+        row = {"model": model, "method": method, "batch": batch, "context": context, "repeat_unit": repeat_unit,
                "mode": "plain" if k == 0 else f"verify{k}",
                "k": k, "step_ms": round(ms, 3), "force_accept": force_accept}
         if k == 0:
@@ -137,13 +149,14 @@ def main() -> None:
     ap.add_argument("--force-accept", action="store_true")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--repeat-unit", type=int, default=0, help="prompts repeat a random unit of this many ids")
+    ap.add_argument("--method", default="ngram", choices=("ngram", "mtp"))
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     start = time.perf_counter()
     rows, config = [], None
     for b in (int(x) for x in args.batches.split(",")):
         got, config = run(args.model, b, args.context, args.steps, args.force_accept, args.enforce_eager,
-                          args.repeat_unit)
+                          args.repeat_unit, args.method)
         rows += got
     doc = {"bench": "spec_decode", **provenance(config), "rows": rows, "wall_s": round(time.perf_counter() - start, 1)}
     emit_report(doc, args.out)

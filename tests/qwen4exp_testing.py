@@ -125,3 +125,46 @@ def assert_tracks_like_cpu_bf16(gpu, cpu, label=""):
     print(f"{label}: GPU bf16 mean|dlogprob|={g_mean:.4f} top1={g_top1:.3f}; CPU bf16 {c_mean:.4f} / {c_top1:.3f}")
     assert g_mean < max(BF16_MAX_MEAN_DLOGPROB, BF16_GPU_OVER_CPU * c_mean), label
     assert g_top1 >= c_top1 - BF16_TOP1_SLACK, label
+
+
+def random_mtp_tensors(cfg, seed: int) -> dict:
+    """A random MTP draft head for `cfg` (which must declare it, e.g. mtp_num_hidden_layers=1),
+    by checkpoint name with `mtp.`, drawn as build_random_model draws the target's tensors."""
+    from qsaserve.models.qwen4exp.mtp import mtp_weight_shapes
+
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape in mtp_weight_shapes(cfg).items():
+        if "norm" in name:
+            t = torch.empty(shape).uniform_(-0.5, 0.5, generator=gen)
+        else:
+            t = torch.randn(shape, generator=gen) * (1.5 / shape[-1] ** 0.5)
+        out[f"mtp.{name}"] = t
+    return out
+
+
+def save_with_mtp(model, path, seed: int = 0) -> str:
+    """save_pretrained, plus a random mtp.* head (mtp_num_hidden_layers=1 in the config) in its
+    own safetensors file beside the target's (transformers ignores mtp.* as it does on real checkpoints)."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    model.config.mtp_num_hidden_layers = 1
+    model.save_pretrained(path)
+    tensors = random_mtp_tensors(model.config, seed)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "mtp.safetensors"))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            data = json.load(f)
+    else:  # two files: an index names both
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+            data = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in f.keys()}}
+    data["weight_map"].update({k: "mtp.safetensors" for k in tensors})
+    with open(index, "w") as f:
+        json.dump(data, f)
+    return str(path)

@@ -317,7 +317,13 @@ class LLMEngine:
         filled = self._advance(sched)
         if verified:
             self._roll_back(sched, verified)
-        return results + self._complete(_InFlight(sched, plan, None, filled), sampled, errored, outputs, verified)
+        results += self._complete(_InFlight(sched, plan, None, filled), sampled, errored, outputs, verified)
+        if self.spec is not None and self.spec.model_drafts:  # the MTP head, in this step (mtp_drafter.py)
+            starts = itertools.accumulate(batch.query_lens[:-1], initial=0)
+            request = self.spec.mtp_request(sched.chunks, [batch.positions[i] for i in starts], len(self.scheduler.running))
+            if request is not None:
+                self.spec.set_drafts(sched.chunks, self.executor.mtp_draft(request))
+        return results
 
     def _roll_back(self, sched: SchedulerOutput, verified: dict[int, tuple[list[int], bool]]) -> None:
         """The rejected drafts of the step's verify chunks (spec_decode.py)."""

@@ -22,6 +22,7 @@ from qsaserve.cache.kv_cache import LayerCache, allocate_kv_cache, usable_blocks
 from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, StateSnapshotPlan, TokenFeed
 from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata
+from qsaserve.engine.mtp_drafter import MtpDraftRequest, check_draft_method, run_mtp_drafts
 from qsaserve.engine.host_copies import RankHostTier, host_split
 from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization.fp8 import warm_up_fp8_layers
@@ -108,11 +109,14 @@ class ModelRunner:
         # Speculative decoding on a model with recurrent state: k per-position state rows per slot,
         # after the prefix cache's snapshot rows (engine/spec_decode.py).
         self.spec_state_rows = 0
+        self.mtp = False
         spec = config.speculative_config
         if spec is not None:
-            _check_draft_method(model, spec.method)
+            check_draft_method(model, spec.method, self.parallel)
+            self.mtp = spec.method == "mtp"  # the draft head runs after each step (mtp_draft)
             if supports_state_snapshots(model):
                 self.spec_state_rows = config.num_state_slots * spec.num_speculative_tokens
+        self._last_step: tuple[BatchInput, torch.Tensor] | None = None  # MTP: the step's batch and hidden rows
         self._stage64 = PinnedStaging(torch.long, 4096, self.device)
         self._stage_snapshots = PinnedStaging(torch.long, 256, self.device)
         self._stage32 = PinnedStaging(torch.int32, 4096, self.device)
@@ -158,6 +162,8 @@ class ModelRunner:
             return "not a CUDA device"
         if self.config.enforce_eager:
             return "enforce_eager"
+        if self.mtp:  # the draft head reads the forward's hidden rows, which a replay does not keep
+            return "speculative_config.method mtp runs eagerly"
         name = type(self.model).__name__
         if self.parallel.dcp.enabled and not supports_dcp_cuda_graph(self.model):
             return (f"decode context parallelism: {name} builds its DCP step plan on the host each step "
@@ -334,7 +340,10 @@ class ModelRunner:
         spec = self.kv_spec
         if self.spec_state_rows:
             budget_bytes -= self.spec_state_rows * self.model.state_snapshot_bytes()
-        return split_cache_budget(budget_bytes, spec.bytes_per_block, spec.block_size, self.state_snapshot_bytes,
+        per_block = spec.bytes_per_block
+        if self.mtp:  # the draft head's pages (one QSA layer, in the model dtype) in every block
+            per_block += dataclasses.replace(spec, num_layers=1, kv_dtype=None).bytes_per_block
+        return split_cache_budget(budget_bytes, per_block, spec.block_size, self.state_snapshot_bytes,
                                   self.state_interval)
 
     def init_kv_cache(self, num_blocks: int, num_state_snapshots: int = 0) -> None:
@@ -347,6 +356,9 @@ class ModelRunner:
                 torch.cuda.empty_cache()
         before = _allocated(self.device)
         self.bind_kv_cache(self.kv_quant.attach(allocate_kv_cache(self.kv_spec, num_blocks, self.device)))
+        if self.mtp:
+            self.memory["mtp"] = self.model.allocate_mtp(num_blocks, self.kv_spec.block_size, self.config.num_state_slots,
+                                                         self.device)
         self.memory["kv"] = _allocated(self.device) - before if self.device.type == "cuda" else \
             num_blocks * self.kv_spec.bytes_per_block
         self.memory["kv_tokens"] = usable_blocks(num_blocks) * self.kv_spec.block_size
@@ -388,7 +400,8 @@ class ModelRunner:
         Triton (graph capture builds only the ones its buckets replay)."""
         if self.device.type != "cuda":
             return
-        launches = sum(layer.warm_up(self.dtype) for layer in self.attention_layers)
+        head = [self.model.mtp_attention_layer()] if self.mtp else []
+        launches = sum(layer.warm_up(self.dtype) for layer in [*self.attention_layers, *head])
         launches += sum(m.warm_up_kernels(self.dtype, self.config.token_budget)
                         for m in self.model.modules() if warms_up_kernels(m))
         launches += warm_up_fp8_layers(self.model, self.dtype)
@@ -441,6 +454,12 @@ class ModelRunner:
         if snapshots is not None and snapshots[3].numel():  # after the step (and outside any graph)
             self.model.save_state_snapshots(snapshots[2], snapshots[3])
         return logits
+
+    def mtp_draft(self, request: MtpDraftRequest) -> list[list[int]]:
+        """The MTP head over the last step's rows, then its drafts (engine/mtp_drafter.py)."""
+        batch, hidden = self._last_step
+        self._last_step = None
+        return run_mtp_drafts(self.model, batch, hidden, request, self.kv_spec.block_size)
 
     def _stage_snapshot_plan(self, plan: StateSnapshotPlan | None):
         """Uploads the plan's rows and slots (one non_blocking copy) and launches its restores;
@@ -501,6 +520,8 @@ class ModelRunner:
             meta.dcp = self.parallel.dcp.step_plan(batch.positions, batch.query_lens, batch.seq_lens, batch.block_tables,
                                                    self.device)
         hidden = self.model(ids, positions, meta)
+        if self.mtp:
+            self._last_step = (batch, hidden)
         rows = d64[at64[3] : at64[3] + n_rows]
         if n_rows == t and batch.logits_indices == list(range(t)):
             return self.model.compute_logits(hidden)
@@ -520,15 +541,6 @@ def format_memory_plan(plan: dict[str, int]) -> str:
     if "kv_tokens" in plan:
         parts.append(f"{plan['kv_tokens']} KV tokens")
     return ", ".join(parts)
-
-
-def _check_draft_method(model: CausalLM, method: str) -> None:
-    """Every model drafts with n-grams (the host looks them up); "mtp" needs a model's own
-    multi-token-prediction head, which no model of this engine runs yet."""
-    if method == "mtp":
-        raise InvalidRequestError("speculative_config.method",
-                                  f"mtp: {type(model).__name__} has no MTP draft head this engine can run; "
-                                  "use method 'ngram'")
 
 
 def warm_up_batches(max_model_len: int, num_blocks: int, block_size: int, token_budget: int,

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from qsaserve.engine.block_manager import BlockManager, StateSnapshotPlan
+from qsaserve.engine.mtp_drafter import MtpDraftRequest
 from qsaserve.engine.ngram_proposer import propose_ngram
 from qsaserve.engine.rejection_sampler import verify_drafts
 from qsaserve.engine.scheduler import ScheduledChunk
@@ -64,6 +65,7 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.state_rows_base = state_rows_base
         self.stats = SpecDecodeStats(self.k)
+        self.model_drafts = config.method == "mtp"
         # Each drafting sequence's token ids as an int64 array, extended by the tokens appended
         # since (converting the whole list would cost its length, every sequence, every step).
         self._ids: weakref.WeakKeyDictionary[Sequence, tuple[np.ndarray, int]] = weakref.WeakKeyDictionary()
@@ -80,17 +82,42 @@ class SpecDecoder:
         """Sets seq.draft_token_ids for its next step; never more than the request may still emit
         (one token is always the target's) nor past max_model_len; none while more than
         disable_by_batch_size sequences run."""
+        k = self.room(seq, num_running)
+        c = self.config
+        seq.draft_token_ids = propose_ngram(self._token_array(seq), k, c.prompt_lookup_max, c.prompt_lookup_min) \
+            if k > 0 and not self.model_drafts else []  # the model's drafts come after the step (mtp_request)
+
+    def room(self, seq: Sequence, num_running: int) -> int:
+        """Drafts seq may take next step (0: none)."""
         limit = self.config.disable_by_batch_size
         if seq.is_finished or not self.eligible(seq) or (limit is not None and num_running > limit):
-            seq.draft_token_ids = []
-            return
+            return 0
         room = self.max_model_len - seq.num_tokens - 1
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
-        k = min(self.k, room)
-        c = self.config
-        seq.draft_token_ids = propose_ngram(self._token_array(seq), k, c.prompt_lookup_max, c.prompt_lookup_min) \
-            if k > 0 else []
+        return max(0, min(self.k, room))
+
+    # ---- drafts of the model's own head (method "mtp", engine/mtp_drafter.py) ----
+    def mtp_request(self, chunks: list[ScheduledChunk], first_positions: list[int],
+                    num_running: int) -> MtpDraftRequest | None:
+        """After a step's tokens are appended: per chunk, its rows whose next token is known (a
+        rejected draft's rows never are) and the drafts wanted once they reach the last token.
+        Sequences that can never draft (eligible() is fixed per request) are left out."""
+        rows, next_ids, drafts, tables = [], [], [], []
+        for chunk, start in zip(chunks, first_positions):
+            seq = chunk.seq
+            m = 0 if seq.is_finished or not self.eligible(seq) else min(chunk.num_new_tokens, seq.num_tokens - start - 1)
+            rows.append(m)
+            next_ids.append(seq.token_ids[start + 1 : start + 1 + m])
+            drafts.append(self.room(seq, num_running) if m and start + m == seq.num_tokens - 1 else 0)
+            tables.append(list(seq.block_table))
+        return MtpDraftRequest(rows, next_ids, drafts, tables) if any(rows) else None
+
+    @staticmethod
+    def set_drafts(chunks: list[ScheduledChunk], drafts: list[list[int]]) -> None:
+        for chunk, d in zip(chunks, drafts):
+            if not chunk.seq.is_finished:
+                chunk.seq.draft_token_ids = d
 
     def _token_array(self, seq: Sequence) -> np.ndarray:
         """seq.token_ids as an int64 array view (token ids are only ever appended to a drafting

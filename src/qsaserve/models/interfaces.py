@@ -316,3 +316,43 @@ class HasRoutedExperts(Protocol):
 
 def has_routed_experts(model: object) -> TypeIs[HasRoutedExperts]:
     return getattr(model, "has_routed_experts", False)
+
+
+@runtime_checkable
+class HasMtpHead(Protocol):
+    """A multi-token-prediction draft head (speculative_config.method "mtp"). After each target
+    forward the runner feeds it the forward's hidden rows and the token after each row; it keeps
+    its own K/V pages (the target's block tables address them) and a state slot per sequence."""
+
+    has_mtp_head_class: ClassVar[Literal[True]] = True
+
+    def has_mtp_head(self) -> bool:
+        """Whether this checkpoint holds the head (the class may run one, a checkpoint may lack it)."""
+        ...
+
+    def allocate_mtp(self, num_blocks: int, block_size: int, num_slots: int, device: torch.device) -> int:
+        """Allocates the head's pages and state slots; returns their bytes."""
+        ...
+
+    def mtp_forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                    meta: "AttentionMetadata") -> torch.Tensor:
+        """hidden [T, ...] (rows of forward's output, or of a previous mtp_forward), next_ids [T],
+        positions [T] -> the head's hidden [T, ...]; writes its pages at `meta.slot_mapping`."""
+        ...
+
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, V] float32 draft logits of mtp_forward rows."""
+        ...
+
+    def mtp_attention_layer(self) -> AttentionLayer:
+        """The head's attention layer (its pages bound by allocate_mtp; the runner warms it up)."""
+        ...
+
+    def mtp_state_tensors(self) -> list[torch.Tensor]:
+        """The head's per-slot state tensors ([slots, ...]): draft rows past the verified tokens
+        are undone by copying the drafting slots' rows back."""
+        ...
+
+
+def supports_mtp_drafts(model: object) -> TypeIs[HasMtpHead]:
+    return getattr(model, "has_mtp_head_class", False) and model.has_mtp_head()

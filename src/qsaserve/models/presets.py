@@ -71,6 +71,9 @@ PRESETS["qwen4exp-flash-12l"] = dict(
 # The decode-context-parallel shape: one KV head, so TP2 would otherwise duplicate it on both ranks.
 PRESETS["qwen4exp-small-1kv"] = dict(PRESETS["qwen4exp-small"], num_key_value_heads=1)
 PRESETS["qwen4exp-tiny-1kv"] = dict(PRESETS["qwen4exp-tiny"], num_key_value_heads=1)
+# With the one-layer MTP draft head (mtp_num_hidden_layers, models/qwen4exp/mtp.py), as the real checkpoints have.
+PRESETS["qwen4exp-tiny-mtp"] = dict(PRESETS["qwen4exp-tiny"], mtp_num_hidden_layers=1)
+PRESETS["qwen4exp-small-mtp"] = dict(PRESETS["qwen4exp-small"], mtp_num_hidden_layers=1)
 
 
 def preset_config(name: str) -> dict:

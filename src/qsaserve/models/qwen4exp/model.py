@@ -9,13 +9,15 @@ Parameters are this rank's shards (weights.py); per-request state lives in the b
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
-from qsaserve.cache.kv_cache import KVCacheSpec
+from qsaserve.cache.kv_cache import KVCacheSpec, allocate_kv_cache
 from qsaserve.layers.attention import AttentionMetadata
 from qsaserve.layers.vocab_parallel import vocab_parallel_embedding, vocab_parallel_logits
-from qsaserve.models.interfaces import (HasRecurrentState, HasRoutedExperts, HasSideTables, RowTable, SideTableSpec,
+from qsaserve.models.interfaces import (HasMtpHead, HasRecurrentState, HasRoutedExperts, HasSideTables, RowTable, SideTableSpec,
                                         SupportsCudaGraphs, SupportsDcpCudaGraphs, SupportsDummyWeights,
                                         SupportsLayerProfile, SupportsStateSnapshots)
 from qsaserve.models.qwen4exp import state as slot_state
@@ -23,6 +25,7 @@ from qsaserve.models.qwen4exp.snapshots import StateSnapshotPool, slot_bytes
 from qsaserve.models.qwen4exp.config import parse_config, validate_config
 from qsaserve.models.qwen4exp.decoder_layer import Qwen4ExpDecoderLayer
 from qsaserve.models.qwen4exp.hyper_connection import HyperConnection, hc_expand
+from qsaserve.models.qwen4exp.mtp import Qwen4ExpMTP, mtp_num_layers
 from qsaserve.models.qwen4exp.ple import PLE
 from qsaserve.models.qwen4exp.qsa_attention import QSACacheLayer
 from qsaserve.models.qwen4exp.sharding import RankLayout
@@ -32,6 +35,8 @@ from qsaserve.ops.hyper_connection import hc_inject
 from qsaserve.ops.qsa_indexer import rope_inv_freq
 from qsaserve.parallel.state import ParallelContext
 from qsaserve.parallel.tp import vocab_shard_rows
+
+logger = logging.getLogger("qsaserve")
 
 
 class Qwen4ExpModel(nn.Module):
@@ -55,7 +60,7 @@ class Qwen4ExpModel(nn.Module):
         return hc_inject(hyper, *pending) if pending is not None else hyper
 
 
-class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasRoutedExperts, HasSideTables, SupportsCudaGraphs,
+class Qwen4ExpForCausalLM(nn.Module, HasMtpHead, HasRecurrentState, HasRoutedExperts, HasSideTables, SupportsCudaGraphs,
                           SupportsDcpCudaGraphs, SupportsDummyWeights, SupportsLayerProfile, SupportsStateSnapshots):
     # CUDA graphs: steps where every sequence decodes one token take a path free of host syncs and
     # of data-dependent shapes (state.build_step), DCP slots included (derived on the device).
@@ -74,10 +79,14 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasRoutedExperts, HasSid
         self.num_kv_heads = layout.num_kv_heads
         rotary = int(cfg.head_dim * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
         self.inv_freq = rope_inv_freq(cfg.head_dim, rotary / cfg.head_dim, cfg.rope_parameters["rope_theta"])
-        self.mtp_weights: dict[str, torch.Tensor] = {}  # the MTP draft head, for speculative decoding
+        # The MTP draft head (mtp.py) when the config declares one; mtp_weights keeps the mtp.*
+        # tensors of a checkpoint whose config does not (nothing runs them).
+        self.mtp = Qwen4ExpMTP(cfg, self.ctx) if mtp_num_layers(cfg) else None
+        self.mtp_weights: dict[str, torch.Tensor] = {}
         self._states: list[slot_state.SlotState] = []  # slot_states(), once allocated
         self._snapshots: StateSnapshotPool | None = None  # the prefix cache's state snapshots
-        for layer in self.qsa_layers.values():  # the widest selection a step can score (its warm-up)
+        # The widest selection a step can score (the layers' warm-up), the draft head's included.
+        for layer in [*self.qsa_layers.values(), *([self.mtp.attention_layer] if self.mtp is not None else [])]:
             layer.max_groups = max_positions // cfg.indexer_compress_ratio
         _plain_attribute_reads(self)
 
@@ -165,14 +174,55 @@ class Qwen4ExpForCausalLM(nn.Module, HasRecurrentState, HasRoutedExperts, HasSid
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head
         return vocab_parallel_logits(final, head.weight, self.config.vocab_size, self.ctx)
 
+    # ---- the MTP draft head (mtp.py) ----
+    def has_mtp_head(self) -> bool:
+        return self.mtp is not None
+
+    def allocate_mtp(self, num_blocks: int, block_size: int, num_slots: int, device: torch.device) -> int:
+        """The head's QSA pages (one layer, this rank's KV heads) and its index-tail slots."""
+        c, dtype = self.config, self.model.embed_tokens.weight.dtype
+        spec = KVCacheSpec(1, self.num_kv_heads, c.head_dim, dtype, block_size, index_head_dim=c.indexer_head_dim,
+                           index_ratio=c.indexer_compress_ratio)
+        cache = allocate_kv_cache(spec, num_blocks, device)[0]
+        self.mtp.attention_layer.cache = cache
+        self.mtp.allocate_state(num_slots, dtype, device)
+        return cache.kv.nbytes + cache.block_keys.nbytes + sum(t.nbytes for t in self.mtp_state_tensors())
+
+    def mtp_forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                    meta: AttentionMetadata) -> torch.Tensor:
+        """hidden [T, hc * H]: forward's streams (before the final mixer) or the head's own."""
+        self.inv_freq = self.inv_freq.to(next_ids.device)
+        step = slot_state.build_step(next_ids, positions, meta, self.inv_freq, self.ctx.dcp, self.mtp.states())
+        return self.mtp(hidden, next_ids, self.model.embed_tokens.weight, step, meta)
+
+    def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return self.mtp.compute_logits(hidden, head.weight)
+
+    def mtp_attention_layer(self) -> QSACacheLayer:
+        return self.mtp.attention_layer
+
+    def mtp_state_tensors(self) -> list[torch.Tensor]:
+        return [t for s in self.mtp.states() for t in s.tensors()]
+
     # ---- weights ----
     def init_dummy_weights(self, seed: int) -> None:
         """Random weights for load_format="dummy" (weights.init_dummy_weights)."""
         init_dummy_weights(self, self.config, seed, self.model.embed_tokens.weight.device)
+        if self.mtp is not None:
+            self.mtp.init_dummy_weights(seed)
 
     def load_weights(self, weights) -> None:
-        """HF-named checkpoint tensors (weights.load_checkpoint); mtp.* go to mtp_weights."""
-        self.mtp_weights = load_checkpoint(self, self.config, weights, self.model.embed_tokens.weight.device, self.quant)
+        """HF-named checkpoint tensors (weights.load_checkpoint); mtp.* go to the draft head when
+        the config declares one (a checkpoint without them drops it), else to mtp_weights."""
+        mtp = load_checkpoint(self, self.config, weights, self.model.embed_tokens.weight.device, self.quant)
+        if self.mtp is None:
+            self.mtp_weights = mtp
+        elif mtp:
+            self.mtp.load_weights(mtp)
+        else:
+            logger.info("Qwen4Exp: the config declares an MTP head but the checkpoint has no mtp.* tensors")
+            self.mtp = None
 
 
 def _plain_attribute_reads(root: nn.Module) -> None:

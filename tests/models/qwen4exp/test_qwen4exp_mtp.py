@@ -1,0 +1,186 @@
+"""Qwen4Exp's MTP draft head (models/qwen4exp/mtp.py) on its paged pages and state slot against
+its plain-torch reference (mtp_reference.py, contiguous caches), float32 CPU, tiny random
+weights; its checkpoint names, the single-`fc` form, refusals, and dummy weights."""
+import pytest
+import torch
+
+from qsaserve.cache.kv_cache import KVCacheSpec, allocate_kv_cache
+from qsaserve.layers.attention import AttentionMetadata
+from qsaserve.models.qwen4exp.mtp import Qwen4ExpMTP, mtp_num_layers, mtp_weight_shapes
+from qsaserve.models.qwen4exp.mtp_reference import mtp_draft_reference
+from qsaserve.models.qwen4exp.state import build_step
+from qsaserve.ops.qsa_indexer import rope_inv_freq
+from qsaserve.parallel.state import ParallelContext
+
+from qwen4exp_testing import make_config, random_mtp_tensors
+
+BLOCK = 8
+
+
+def _config(**kw):
+    cfg = make_config(**kw)
+    cfg.mtp_num_hidden_layers = 1
+    return cfg
+
+
+def _inv_freq(cfg):
+    rot = int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"])
+    return rope_inv_freq(cfg.head_dim, rot / cfg.head_dim, cfg.rope_parameters["rope_theta"])
+
+
+def _head(cfg, tensors, slots=4, blocks=16):
+    head = Qwen4ExpMTP(cfg, ParallelContext())
+    head.load_weights({k.removeprefix("mtp."): v for k, v in tensors.items()})
+    head.allocate_state(slots, torch.float32, torch.device("cpu"))
+    spec = KVCacheSpec(1, cfg.num_key_value_heads, cfg.head_dim, torch.float32, BLOCK,
+                       index_head_dim=cfg.indexer_head_dim, index_ratio=cfg.indexer_compress_ratio)
+    head.attention_layer.cache = allocate_kv_cache(spec, blocks, torch.device("cpu"))[0]
+    return head
+
+
+def _meta(rows):
+    """rows: (query_len, seq_len, block table, state slot) per sequence."""
+    width = max(len(t) for _, _, t, _ in rows)
+    slots, cu, positions = [], [0], []
+    for n, length, table, _ in rows:
+        pos = list(range(length - n, length))
+        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in pos]
+        positions += pos
+        cu.append(cu[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for _, _, t, _ in rows], dtype=torch.int32),
+        seq_lens=torch.tensor([r[1] for r in rows], dtype=torch.int32), cu_query_lens=torch.tensor(cu, dtype=torch.int32),
+        query_lens=[r[0] for r in rows], seq_lens_list=[r[1] for r in rows], state_slots=[r[3] for r in rows])
+    return meta, torch.tensor(positions)
+
+
+def test_paged_head_equals_reference_through_chunks_and_decodes():
+    """Two sequences: unaligned prompt chunks (a mixed step among them), then decode steps; every
+    row's draft logits and output streams equal the reference's over the whole sequence."""
+    cfg = _config(budget=12)  # 3 groups of 4 < the 7 groups of 30 positions: the indexer decides
+    tensors = random_mtp_tensors(cfg, seed=1)
+    head, inv = _head(cfg, tensors), _inv_freq(cfg)
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(4)
+    lengths = [30, 21]
+    seqs = [{"hyper": torch.randn(n, cfg.hc_count * cfg.hidden_size, generator=g),
+             "ids": torch.randint(4, cfg.vocab_size, (n,), generator=g), "slot": i + 1,
+             "table": list(range(1 + 4 * i, 5 + 4 * i))} for i, n in enumerate(lengths)]
+    steps = [[(0, 9), (1, 6)], [(0, 7)], [(0, 1), (1, 10)], [(0, 5), (1, 1)]] + [[(0, 1), (1, 1)]] * 4
+    done, got_logits, got_hyper = [0, 0], [[], []], [[], []]
+    p = {k.removeprefix("mtp."): v for k, v in tensors.items()}
+    for step in steps:
+        rows, hyper, ids = [], [], []
+        for s, n in step:
+            done[s] += n
+            rows.append((n, done[s], seqs[s]["table"], seqs[s]["slot"]))
+            hyper.append(seqs[s]["hyper"][done[s] - n:done[s]])
+            ids.append(seqs[s]["ids"][done[s] - n:done[s]])
+        meta, positions = _meta(rows)
+        ids = torch.cat(ids)
+        st = build_step(ids, positions, meta, inv, head.ctx.dcp, head.states())
+        assert st.decode == all(n == 1 for _, n in step)
+        with torch.inference_mode():
+            out = head(torch.cat(hyper), ids, embed, st, meta)
+            logits = head.compute_logits(out, lm_head)
+        a = 0
+        for s, n in step:
+            got_logits[s].append(logits[a:a + n])
+            got_hyper[s].append(out[a:a + n])
+            a += n
+    for s, n in enumerate(done):
+        ref_logits, ref_hyper, _ = mtp_draft_reference(seqs[s]["hyper"][:n], seqs[s]["ids"][:n], torch.arange(n), p,
+                                                       embed, lm_head, cfg, inv)
+        torch.testing.assert_close(torch.cat(got_logits[s]), ref_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.cat(got_hyper[s]), ref_hyper, atol=1e-5, rtol=1e-5)
+
+
+def test_single_fc_tensor_is_split_into_embedding_and_hidden_halves():
+    cfg = _config()
+    tensors = random_mtp_tensors(cfg, seed=5)
+    fused = dict(tensors)
+    fused["mtp.fc.weight"] = torch.cat([fused.pop("mtp.fc_embedding.weight"), fused.pop("mtp.fc_hidden.weight")], 1)
+    a, b = _head(cfg, tensors), _head(cfg, fused)
+    for (n, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(x, y), n
+
+
+def test_checkpoint_names():
+    cfg = _config()
+    names = set(mtp_weight_shapes(cfg))
+    H, HC = cfg.hidden_size, cfg.hc_count * cfg.hidden_size
+    assert mtp_weight_shapes(cfg)["pre_fc_norm_hidden.weight"] == (HC,)
+    assert mtp_weight_shapes(cfg)["fc_hidden.weight"] == (H, H)
+    for n in ("pre_fc_norm_embedding.weight", "fc_embedding.weight", "layers.0.self_attn.q_proj.weight",
+              "layers.0.self_attn.indexer.index_qk_proj.weight", "layers.0.attn_hyper_connection.hc_norm.weight",
+              "layers.0.mlp.experts.gate_up_proj", "layers.0.mlp.shared_expert_gate.weight",
+              "hyper_connection_mixer.input_mix_weight_up.weight"):
+        assert n in names, n
+    assert not any(n.startswith("layers.1.") or "linear_attn" in n or "ple" in n for n in names)
+    assert mtp_num_layers(make_config()) == 0 and mtp_num_layers(cfg) == 1
+
+
+def test_missing_unknown_and_misshapen_tensors_are_refused_by_name():
+    cfg = _config()
+    tensors = {k.removeprefix("mtp."): v for k, v in random_mtp_tensors(cfg, seed=6).items()}
+    head = Qwen4ExpMTP(cfg)
+    with pytest.raises(ValueError, match="mtp.fc_hidden.weight"):
+        head.load_weights({k: v for k, v in tensors.items() if k != "fc_hidden.weight"})
+    with pytest.raises(ValueError, match="mtp.layers.1.foo"):
+        head.load_weights({**tensors, "layers.1.foo": torch.zeros(1)})
+    with pytest.raises(ValueError, match="mtp.fc_embedding.weight.*shape"):
+        head.load_weights({**tensors, "fc_embedding.weight": torch.zeros(3, 3)})
+
+
+def test_dummy_weights_are_deterministic_and_nontrivial():
+    cfg = _config()
+    a, b = Qwen4ExpMTP(cfg), Qwen4ExpMTP(cfg)
+    a.init_dummy_weights(7)
+    b.init_dummy_weights(7)
+    for (n, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(x, y), n
+        assert torch.isfinite(x).all(), n
+    assert a.fc_hidden.weight.std() > 0.01 and torch.equal(a.pre_fc_norm_hidden.weight, torch.zeros_like(a.pre_fc_norm_hidden.weight))
+
+
+def _runner_model(llm):
+    return llm.engine.executor.runner.model
+
+
+def test_tiny_checkpoint_with_a_head_loads_it_and_keeps_the_target(tmp_path):
+    """save_with_mtp's mtp.* land in the head's parameters; the target's greedy tokens are those of
+    the same checkpoint without the head."""
+    from qsaserve import LLM, SamplingParams
+    from qwen4exp_testing import build_random_model, save_with_mtp
+
+    from qsaserve.models.qwen4exp.weights import checkpoint_targets, checkpoint_tensor
+
+    model = build_random_model(make_config(), seed=3)
+    plain = str(tmp_path / "plain")
+    model.save_pretrained(plain)
+    path = save_with_mtp(model, str(tmp_path / "mtp"), seed=8)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    kw = dict(dtype="float32", device="cpu", max_model_len=128, block_size=8, progress=False)
+    with_head = LLM(path, **kw)
+    head = _runner_model(with_head).mtp
+    assert head is not None
+    targets = checkpoint_targets(head, tied=False)
+    for name, t in random_mtp_tensors(model.config, seed=8).items():
+        assert torch.equal(checkpoint_tensor(targets, name.removeprefix("mtp.")), t), name
+    prompt = [{"prompt_token_ids": list(range(5, 30))}]
+    a = with_head.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    b = LLM(plain, **kw).generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert a == b
+
+
+def test_dummy_preset_with_a_head_draws_it():
+    from qsaserve import LLM
+
+    llm = LLM("qwen4exp-tiny-mtp", load_format="dummy", dtype="float32", device="cpu", max_model_len=64,
+              progress=False)
+    head = _runner_model(llm).mtp
+    assert head is not None and head.fc_hidden.weight.abs().sum() > 0
+    assert _runner_model(LLM("qwen4exp-tiny", load_format="dummy", dtype="float32", device="cpu", max_model_len=64,
+                             progress=False)).mtp is None

@@ -1,0 +1,211 @@
+"""Speculative decoding with Qwen4Exp's own MTP head (speculative_config.method "mtp",
+engine/mtp_drafter.py): greedy tokens equal transformers' qwen4_exp and the engine without drafts
+for k = 1, 2, 3, and the target's states after each request equal a plain run's, with the random
+head of the tiny checkpoint (its drafts are mostly rejected) and with its drafts replaced by the
+reference continuation after the head ran (every draft accepted); through batched chunked
+prefill and preemption. float32 CPU; the fixture of test_qwen4exp_spec_decode.py."""
+import dataclasses
+
+import pytest
+import torch
+
+from qsaserve import LLM, InvalidRequestError, SamplingParams
+
+from qwen4exp_testing import build_random_model, make_config, save_with_mtp
+from test_qwen4exp_spec_decode import NEW, PARAMS, generate, hf_greedy, prompts, states
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    model = build_random_model(make_config(budget=12, ple_layer_ids=(1, 4)), seed=7)
+    path = save_with_mtp(model, str(tmp_path_factory.mktemp("mtp_qwen4exp")), seed=11)
+    ps = prompts(3, [45, 61, 38])
+    plain = engine(path)
+    plain_states = []
+    for p in ps:
+        generate(plain, [p])
+        plain_states.append(states(plain))
+    return model, path, ps, [hf_greedy(model, p, NEW) for p in ps], plain_states
+
+
+def engine(path, k=None, **kw):
+    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
+    args = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=20,
+                block_size=8, progress=False, speculative_config=spec)
+    return LLM(path, **{**args, **kw})
+
+
+def accept_all(llm, reference):
+    """The head runs (catch-up and draft rows), then its drafts become the reference's next tokens."""
+    ex, calls = llm.engine.executor, []
+    draft = ex.mtp_draft
+
+    def planted(request):
+        out = draft(request)
+        calls.append(sum(len(d) for d in out))
+        seqs = list(llm.engine.scheduler.running)  # a live sequence is known by its blocks
+        for i, n in enumerate(request.drafts):
+            if n:
+                seq = next(s for s in seqs if list(s.block_table) == request.tables[i])
+                ref = reference[tuple(seq.token_ids[: seq.num_prompt_tokens])]
+                done = seq.num_output_tokens
+                out[i] = ref[done : done + min(n, len(ref) - done - 1)]
+        return out
+
+    ex.mtp_draft = planted
+    return calls
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("mode", ["head", "accept"])
+def test_mtp_drafts_equal_transformers_and_leave_the_states_of_a_plain_run(checkpoint, k, mode):
+    model, path, ps, want, plain_states = checkpoint
+    llm = engine(path, k)
+    calls = accept_all(llm, {tuple(q): w for q, w in zip(ps, want)}) if mode == "accept" else None
+    for p, w, plain in zip(ps, want, plain_states):  # one at a time, each in state slot 1
+        assert generate(llm, [p]) == [w]
+        for a, b in zip(plain, states(llm), strict=True):
+            torch.testing.assert_close(b[1], a[1], rtol=1e-5, atol=1e-5)
+    st = llm.engine.spec.stats
+    assert st.verifies > 0 and st.drafted > 0
+    if mode == "accept":
+        assert st.accepted == st.drafted and sum(calls) > 0  # the head's own drafts were made
+    else:
+        assert st.accepted < st.drafted  # a random head: mostly rejected
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_batched_chunked_and_preempted(checkpoint, k):
+    """Three requests at once with 20-token steps (prefill chunks beside verify rows), one with a
+    penalty (never drafts: a plain row in the same batch); then a KV pool small enough to preempt."""
+    model, path, ps, want, _ = checkpoint
+    params = [PARAMS, PARAMS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, repetition_penalty=1.0001)]
+    runner = engine(path, k).engine.executor.runner
+    # 18 blocks of 8 tokens (the head's pages: one more QSA layer's share of each): one request of
+    # max_model_len fits, the three (25 blocks) do not.
+    spec = runner.kv_spec
+    per_block = spec.bytes_per_block + dataclasses.replace(spec, num_layers=1, kv_dtype=None).bytes_per_block
+    small = 18 * per_block + 9 * k * runner.model.state_snapshot_bytes()
+    for kw in ({}, dict(kv_cache_memory=small, max_model_len=128)):
+        base = generate(engine(path, **kw), ps, params)
+        llm = engine(path, k, **kw)
+        accept_all(llm, {tuple(q): w for q, w in zip(ps, base)})
+        assert generate(llm, ps, params) == base
+        assert base[:2] == want[:2]
+        assert llm.engine.spec.stats.accepted > 0
+        if "kv_cache_memory" in kw:
+            assert llm.engine.scheduler.num_preemptions > 0
+        bm = llm.engine.block_manager
+        assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_prefix_cache_hits_and_fp8_pages(checkpoint):
+    """A prompt served twice (the second hits the prefix cache: the head's state is not among the
+    snapshots, its pages are those of the blocks) and FP8 K/V pages: tokens of the plain engine."""
+    model, path, ps, want, _ = checkpoint
+    for kw in (dict(enable_prefix_caching=True), dict(kv_cache_dtype="fp8_e4m3")):
+        base = generate(engine(path, **kw), [ps[1]])
+        llm = engine(path, 2, **kw)
+        assert generate(llm, [ps[1]]) == base
+        again = llm.generate([{"prompt_token_ids": ps[1]}], PARAMS, use_tqdm=False)[0]
+        assert [again.outputs[0].token_ids] == base
+        if "kv_cache_dtype" not in kw:  # FP8 pages (unit scales) round K/V: equal to FP8 without drafts only
+            assert base == [want[1]] and again.num_cached_tokens > 0
+
+
+def test_mtp_on_a_checkpoint_without_the_head_is_refused(tmp_path):
+    model = build_random_model(make_config(), seed=1)
+    model.save_pretrained(str(tmp_path))
+    with pytest.raises(InvalidRequestError) as err:
+        engine(str(tmp_path), 2)
+    assert err.value.param == "speculative_config.method" and "MTP" in str(err.value)
+
+
+def test_mtp_with_tensor_parallelism_is_refused_before_any_rank_starts(checkpoint):
+    with pytest.raises(InvalidRequestError) as err:
+        engine(checkpoint[1], 2, tensor_parallel_size=2)
+    assert err.value.param == "speculative_config.method" and "tensor_parallel_size" in str(err.value)
+
+
+@pytest.mark.gpu
+def test_mtp_drafts_equal_plain_decoding_on_gpu():
+    """On a GPU (float32, dummy weights with a random head; the plain engine replays its decode
+    graphs, the MTP engine runs eagerly with the Triton kernels): the tokens of the plain run."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (none on this machine)")
+    kw = dict(load_format="dummy", device="cuda", dtype="float32", max_model_len=256, kv_cache_memory=64 << 20,
+              ple_placement="gpu", max_num_seqs=8, progress=False)
+    ps = prompts(3, [45, 61, 38])
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    want = generate(LLM("qwen4exp-tiny-mtp", **kw), ps, params)
+    llm = LLM("qwen4exp-tiny-mtp", speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **kw)
+    assert generate(llm, ps, params) == want
+    assert llm.engine.spec.stats.drafted > 0
+
+
+def test_engine_drafts_are_the_reference_heads(checkpoint, monkeypatch):
+    """Every draft the engine's head makes for one request equals the plain-torch head's
+    (mtp_reference.py) over the same target hidden rows: catch-up rows chained over the steps
+    (chunked prompt, verifies), then draft rows from the head's own output, up to the first draft
+    position past the sequence's blocks (not stored there, so later drafts see less)."""
+    import itertools
+
+    import qsaserve.engine.model_runner as runner_module
+    from qsaserve.models.qwen4exp.mtp_reference import mtp_draft_reference
+    from qsaserve.ops.qsa_indexer import rope_inv_freq
+
+    from qwen4exp_testing import random_mtp_tensors
+
+    model, path, ps, want, _ = checkpoint
+    llm = engine(path, 3)
+    block = llm.engine.executor.block_size
+    log, real = [], runner_module.run_mtp_drafts
+
+    def spy(m, batch, hidden, request, block_size):
+        out = real(m, batch, hidden, request, block_size)
+        starts = list(itertools.accumulate(batch.query_lens[:-1], initial=0))
+        for i, rows in enumerate(request.rows):
+            if rows:
+                a = starts[i]
+                log.append((batch.positions[a], hidden[a:a + rows].clone(), request.next_ids[i], out[i],
+                            len(request.tables[i]) * block))
+        return out
+
+    monkeypatch.setattr(runner_module, "run_mtp_drafts", spy)
+    assert generate(llm, [ps[0]]) == [want[0]]
+    cfg = model.config
+    p = {k.removeprefix("mtp."): v for k, v in random_mtp_tensors(cfg, seed=11).items()}
+    rot = int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"])
+    inv = rope_inv_freq(cfg.head_dim, rot / cfg.head_dim, cfg.rope_parameters["rope_theta"])
+    embed, lm_head = model.model.embed_tokens.weight.detach(), model.lm_head.weight.detach()
+    caches, checked = None, 0
+    for start, hid, nxt, drafts, stored in log:
+        n = len(nxt)
+        logits, out, caches = mtp_draft_reference(hid, torch.tensor(nxt), torch.arange(start, start + n), p, embed,
+                                                  lm_head, cfg, inv, caches)
+        if not drafts:
+            continue
+        assert int(logits[-1].argmax()) == drafts[0]
+        checked += 1
+        h, c, pos = out[-1:], caches, start + n
+        for prev, d in zip(drafts, drafts[1:]):
+            if pos >= stored:
+                break
+            lg, h, c = mtp_draft_reference(h, torch.tensor([prev]), torch.tensor([pos]), p, embed, lm_head, cfg, inv, c)
+            assert int(lg[-1].argmax()) == d
+            checked += 1
+            pos += 1
+    assert checked > NEW // 2
+
+
+def test_sampled_requests_with_mtp_drafts_repeat_themselves(checkpoint):
+    """temperature > 0: the head's one-hot drafts go through rejection sampling; a seeded request
+    gives the same tokens in two engines (the distribution itself: the rejection sampler's test)."""
+    path, ps = checkpoint[1], checkpoint[2]
+    params = SamplingParams(temperature=0.8, max_tokens=NEW, ignore_eos=True, seed=5)
+    runs = []
+    for _ in range(2):
+        llm = engine(path, 3)
+        runs.append(generate(llm, ps[:2], params))
+        assert llm.engine.spec.stats.drafted > 0
+    assert runs[0] == runs[1] and all(len(t) == NEW for t in runs[0])
