@@ -81,8 +81,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=1024, help="held-out tokens scored (512-token windows)")
-    p.add_argument("--keep-layers", default="29;0,1,29;" + ",".join(str(i) for i in range(0, 30, 2)),
-                   help="';'-separated sets of decoder layers kept float, each scored with the rest quantized")
+    p.add_argument("--keep-layers", default=None,
+                   help="';'-separated sets of decoder layers kept float, each scored with the rest quantized "
+                        "(default: the last; the first two and the last; every even layer)")
     p.add_argument("--out")
     args = p.parse_args()
     torch.manual_seed(0)
@@ -135,7 +136,9 @@ def main() -> int:
                                 for i in sorted(set(layer_of.values()))},
         "layers_kept_float": {}, "per_linear": per_linear,
     }
-    for spec in filter(None, args.keep_layers.split(";")):
+    last = max(layer_of.values())
+    specs = args.keep_layers or f"{last};0,1,{last};" + ",".join(str(i) for i in range(0, last + 1, 2))
+    for spec in filter(None, specs.split(";")):
         keep = {int(i) for i in spec.split(",")}
         report["layers_kept_float"][spec] = score([n for n in linears if layer_of[n] not in keep])
     text = json.dumps(report, indent=1)
