@@ -286,3 +286,18 @@ def test_quantize_command_writes_the_checkpoint_and_prints_its_quality(tmp_path,
     quality = json.loads(out[out.index("\n") + 1:])
     assert quality["positions"] > 0 and 0 <= quality["top1_agreement"] <= 1 and quality["kl_mean"] >= 0
     assert quality["candidate"] == {"model": str(tmp_path / "fp8")}
+
+
+def test_quantize_command_keep_layers_flag(tmp_path, capsys):
+    from qsaserve.cli import main
+
+    _save_llama(tmp_path / "src")
+    assert main(["quantize", str(tmp_path / "src"), "-o", str(tmp_path / "fp8"), "--keep-layers", "0",
+                 "--no-quality-check"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["quantized_tensors"] == 7
+    kept = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert "model.layers.0.mlp.down_proj" in kept and "model.layers.1.mlp.down_proj" not in kept
+    for bad in ("one", "5"):
+        assert main(["quantize", str(tmp_path / "src"), "-o", str(tmp_path / "bad"), "--keep-layers", bad,
+                     "--no-quality-check"]) == 2
+        assert "keep_layers" in capsys.readouterr().err
