@@ -5,9 +5,8 @@ config.json's `quantization_config` {quant_method fp8, fmt e4m3, activation_sche
 weight_block_size [128, 128], modules_to_not_convert [lm_head]}. The quantization is the one
 `--quantization fp8` applies at load (ops.fp8_gemm.quantize_weight_block), so a written checkpoint
 serves exactly what online quantization serves. `keep_layers` leaves whole decoder layers in `dtype`
-(their projections named in modules_to_not_convert): E4M3's rounding error is the same in every
-projection, so on a small model the loss spreads over all layers and the last one costs most
-(docs/weight_quantization.md)."""
+(their projections named in modules_to_not_convert), for small models where FP8's rounding costs
+too much (docs/weight_quantization.md, Quality)."""
 from __future__ import annotations
 
 import json
