@@ -21,6 +21,7 @@ from qsaserve.quant.weights.fp8_checkpoint import quantizable, write_fp8_checkpo
 
 PROMPT = [3, 17, 42, 99, 5, 64, 23, 7, 11, 250]
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJ_MODULES = [("self_attn." if p[0] in "qkvo" else "mlp.") + p for p in PROJ]
 
 
 def _save_llama(directory, tied=False, **shape):
@@ -101,6 +102,27 @@ def test_quantize_writes_the_standard_layout_and_loads_back_to_the_online_model(
     for name in a:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name].float(), b[name].float()), name
     assert _greedy(out) == _greedy(src, quantization="fp8")
+
+
+def test_quantize_keep_layers_leaves_those_layers_float(tmp_path):
+    src, out = tmp_path / "src", tmp_path / "fp8"
+    hf = _save_llama(src)
+    summary = write_fp8_checkpoint(load_checkpoint(str(src)), str(out), dtype=torch.float32, keep_layers=[1])
+    assert summary["quantized_tensors"] == 7 and summary["kept_tensors"] > 7
+    kept = json.loads((out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert kept[0] == "lm_head" and sorted(kept[1:]) == sorted(f"model.layers.1.{p}" for p in PROJ_MODULES)
+    stored = load_file(str(out / "model.safetensors"))
+    assert stored["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    assert stored["model.layers.1.mlp.down_proj.weight"].dtype == torch.float32
+    assert "model.layers.1.mlp.down_proj.weight_scale_inv" not in stored
+    model = _loaded_model(out)
+    assert isinstance(model.layers[0].mlp.down_proj, Fp8Linear)
+    assert not isinstance(model.layers[1].mlp.down_proj, Fp8Linear)
+    assert _greedy(out) == _greedy_hf(_dequantized_hf(hf, lambda n, w: w if ".layers.1." in n else _block_dequant(n, w)),
+                                      PROMPT)
+    with pytest.raises(InvalidRequestError) as e:
+        write_fp8_checkpoint(load_checkpoint(str(src)), str(tmp_path / "bad"), keep_layers=[2])
+    assert e.value.param == "keep_layers"
 
 
 def _write_quantized(src, dst, quantization_config, quantize):
@@ -264,3 +286,18 @@ def test_quantize_command_writes_the_checkpoint_and_prints_its_quality(tmp_path,
     quality = json.loads(out[out.index("\n") + 1:])
     assert quality["positions"] > 0 and 0 <= quality["top1_agreement"] <= 1 and quality["kl_mean"] >= 0
     assert quality["candidate"] == {"model": str(tmp_path / "fp8")}
+
+
+def test_quantize_command_keep_layers_flag(tmp_path, capsys):
+    from qsaserve.cli import main
+
+    _save_llama(tmp_path / "src")
+    assert main(["quantize", str(tmp_path / "src"), "-o", str(tmp_path / "fp8"), "--keep-layers", "0",
+                 "--no-quality-check"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["quantized_tensors"] == 7
+    kept = json.loads((tmp_path / "fp8" / "config.json").read_text())["quantization_config"]["modules_to_not_convert"]
+    assert "model.layers.0.mlp.down_proj" in kept and "model.layers.1.mlp.down_proj" not in kept
+    for bad in ("one", "5"):
+        assert main(["quantize", str(tmp_path / "src"), "-o", str(tmp_path / "bad"), "--keep-layers", bad,
+                     "--no-quality-check"]) == 2
+        assert "keep_layers" in capsys.readouterr().err

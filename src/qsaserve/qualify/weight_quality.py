@@ -1,7 +1,7 @@
 """The quality of quantized weights against their source: qualify's teacher-forced stage (stage 1)
 with the source model as baseline and the quantized one as candidate, on the held-out text.
 Used by `qsaserve quantize` after it writes a checkpoint, and for the committed SmolLM2 figures
-(benchmarks/results/weight_fp8_quality_smollm2_cpu.json)."""
+(benchmarks/results/weight_fp8_quality_smollm2_cpu_*.json)."""
 from __future__ import annotations
 
 import os

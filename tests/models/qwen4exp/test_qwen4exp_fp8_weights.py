@@ -131,3 +131,20 @@ def test_fp8_tensors_of_unquantized_layers_are_paired_with_their_scales_and_dequ
         assert "without their weight / scale" in str(e)
     else:
         raise AssertionError("an FP8 tensor without its scale was accepted")
+
+
+def test_quantize_keep_layers_leaves_those_mixers_float(tmp_path):
+    src, out = tmp_path / "src", tmp_path / "fp8"
+    hf = build_random_model(make_config(), seed=6)
+    hf.save_pretrained(src)
+    write_fp8_checkpoint(load_checkpoint(str(src)), str(out), dtype=torch.float32, keep_layers=[0, 1])
+    llm = LLM(str(out), dtype="float32", device="cpu", kv_cache_memory=1 << 24, progress=False, max_model_len=256)
+    got = llm.generate({"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    fp8 = [n for n, m in llm.engine.executor.runner.model.named_modules() if isinstance(m, Fp8PackedWeight)]
+    assert len(fp8) == 2 * 3 and not any(".0." in f".{n}." or ".1." in f".{n}." for n in fp8)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if quantizable(name, frozenset({0, 1})):
+                p.copy_(dequantize_weight(*quantize_weight_block(p), 128))
+    assert got == _hf_greedy(hf, PROMPT, 6)

@@ -18,6 +18,9 @@ def add_quantize_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--method", default="fp8", choices=("fp8",), help="quantization method (default: fp8)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
                    help="dtype of the tensors left unquantized (default: bfloat16)")
+    p.add_argument("--keep-layers", default="", metavar="I,J,...",
+                   help="decoder layers (0-based, comma-separated) whose projections stay in --dtype, listed in "
+                        "modules_to_not_convert; on SmolLM2 the last layer costs the most (default: none)")
     p.add_argument("--no-quality-check", action="store_true", help="skip the perplexity / agreement comparison")
     p.add_argument("--quality-tokens", type=int, default=4096, help="held-out tokens the quality check scores")
     p.set_defaults(func=cmd_quantize)
@@ -30,7 +33,14 @@ def cmd_quantize(args) -> int:
     from qsaserve.loader import load_checkpoint
     from qsaserve.quant.weights.fp8_checkpoint import write_fp8_checkpoint
 
-    summary = write_fp8_checkpoint(load_checkpoint(args.model), args.output, dtype=getattr(torch, args.dtype))
+    from qsaserve.errors import InvalidRequestError
+
+    try:
+        keep = [int(i) for i in args.keep_layers.split(",") if i.strip()]
+    except ValueError:
+        raise InvalidRequestError("keep_layers", f"expected comma-separated layer indices, got {args.keep_layers!r}")
+    summary = write_fp8_checkpoint(load_checkpoint(args.model), args.output, dtype=getattr(torch, args.dtype),
+                                   keep_layers=keep)
     print(json.dumps({"written": args.output, **summary}))
     if not args.no_quality_check:
         from qsaserve.qualify.weight_quality import compare_weights
