@@ -31,8 +31,8 @@ from qsaserve.models.qwen4exp.hyper_connection import HyperConnection
 from qsaserve.models.qwen4exp.qsa_attention import QSACacheLayer
 from qsaserve.models.qwen4exp.sharding import RankLayout
 from qsaserve.models.qwen4exp.state import SlotState, Step
-from qsaserve.models.qwen4exp.weights import (ShapeMismatch, Weight, _per_expert, checkpoint_targets,
-                                              checkpoint_tensor, weight_shapes)
+from qsaserve.models.qwen4exp.weights import (Weight, checkpoint_targets, checkpoint_tensor, load_tensor,
+                                              weight_shapes)
 from qsaserve.ops.fused import one_centred_rms_norm
 from qsaserve.ops.hyper_connection import hc_inject
 from qsaserve.parallel.state import ParallelContext
@@ -136,21 +136,7 @@ class Qwen4ExpMTP(nn.Module):
         targets = checkpoint_targets(self, tied=False)
         loaded: set[str] = set()
         for name, tensor in tensors.items():
-            expert = _per_expert(name)
-            if expert is not None:
-                prefix, e, proj = expert
-                param, _ = targets[f"{prefix}.mlp.experts.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}"]
-                param.weight_loader(param, tensor, (e, proj))
-                loaded.add(f"{prefix}.mlp.experts.{e}.{proj}")
-                continue
-            if name not in targets:
-                raise ValueError(f"model: checkpoint tensor 'mtp.{name}' has no place in the MTP head")
-            param, shard_id = targets[name]
-            try:
-                param.weight_loader(param, tensor, shard_id)
-            except ShapeMismatch as err:
-                raise ValueError(f"model: tensor 'mtp.{name}' has shape {err.got}, expected {err.expected}") from None
-            loaded.add(name)
+            load_tensor(targets, name, tensor, loaded, "the MTP head", f"'mtp.{name}'")
         missing = [n for n in mtp_weight_shapes(self.config) if n not in loaded and not _experts_loaded(n, loaded, self.config)]
         if missing:
             raise ValueError(f"model: the MTP head is missing {len(missing)} tensors, e.g. {['mtp.' + n for n in missing[:5]]}")

@@ -268,6 +268,28 @@ def _per_expert(name: str) -> tuple[str, int, str] | None:
 
 
 # ---- loading ----
+def load_tensor(targets: dict, name: str, tensor: torch.Tensor, loaded: set, owner: str, shown: str) -> None:
+    """Hands one checkpoint tensor to its parameter's weight_loader (a per-expert tensor to its
+    slice of the fused experts) and records it in `loaded`; errors name the tensor as `shown`
+    and the model part as `owner`."""
+    expert = _per_expert(name)
+    if expert is not None:
+        layer_prefix, e, proj = expert
+        fused = "down_proj" if proj == "down_proj" else "gate_up_proj"
+        param, _ = targets[f"{layer_prefix}.mlp.experts.{fused}"]
+        param.weight_loader(param, tensor, (e, proj))
+        loaded.add(f"{layer_prefix}.mlp.experts.{e}.{proj}")
+        return
+    if name not in targets:
+        raise ValueError(f"model: checkpoint tensor {shown} has no place in {owner}")
+    param, shard_id = targets[name]
+    try:
+        param.weight_loader(param, tensor, shard_id)
+    except ShapeMismatch as err:
+        raise ValueError(f"model: tensor {shown} has shape {err.got}, expected {err.expected}") from None
+    loaded.add(name)
+
+
 def load_checkpoint(model: nn.Module, cfg, weights, device: torch.device, quant=None) -> dict[str, torch.Tensor]:
     """Accepts HF names with `model.`, `model.language_model.` or no prefix. Per-expert tensors
     are fused; PLE table shards are left to their own loader; FP8 tensors of layers kept in the
@@ -305,22 +327,7 @@ def _load(model: nn.Module, cfg, targets: dict, weights, device: torch.device) -
             continue
         if ".ple_embedding." in name:
             continue
-        expert = _per_expert(name)
-        if expert is not None:
-            layer_prefix, e, proj = expert
-            fused = "down_proj" if proj == "down_proj" else "gate_up_proj"
-            param, _ = targets[f"{layer_prefix}.mlp.experts.{fused}"]
-            param.weight_loader(param, tensor, (e, proj))
-            loaded.add(f"{layer_prefix}.mlp.experts.{e}.{proj}")
-            continue
-        if name not in targets:
-            raise ValueError(f"model: checkpoint tensor {name!r} has no place in Qwen4Exp")
-        param, shard_id = targets[name]
-        try:
-            param.weight_loader(param, tensor, shard_id)
-        except ShapeMismatch as e:
-            raise ValueError(f"model: tensor {name!r} has shape {e.got}, expected {e.expected}") from None
-        loaded.add(name)
+        load_tensor(targets, name, tensor, loaded, "Qwen4Exp", repr(name))
     missing = []
     for name in weight_shapes(cfg):
         if name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
