@@ -18,7 +18,6 @@ def serve_args(*argv):
 
 
 @pytest.mark.parametrize("argv, param", [
-    (["--quantization", "fp8"], "quantization"),
     (["--enable-auto-tool-choice"], "enable_auto_tool_choice"),
     (["--chat-template", "no-such-file.jinja"], "chat_template"),
 ])
@@ -26,6 +25,17 @@ def test_refused_before_the_model_loads(argv, param):
     with pytest.raises(InvalidRequestError) as e:
         _check_args(serve_args(*argv))
     assert e.value.param == param
+
+
+def test_quantization_is_the_engine_argument():
+    """--quantization reaches EngineConfig: fp8 is taken, a method this engine does not serve is
+    refused naming `quantization`, before any model loads."""
+    from qsaserve.engine_args import engine_config_from_args
+
+    assert engine_config_from_args(serve_args("--quantization", "fp8")).quantization == "fp8"
+    with pytest.raises(InvalidRequestError) as e:
+        engine_config_from_args(serve_args("--quantization", "awq"))
+    assert e.value.param == "quantization"
 
 
 def test_accepted_flags(tmp_path):
