@@ -11,7 +11,6 @@ import logging
 import os
 import sys
 
-from qsaserve.config import EngineConfig
 from qsaserve.errors import InvalidRequestError
 from qsaserve.server.limits import DEFAULT_MAX_REQUEST_BYTES, DEFAULT_TOKENIZER_POOL_SIZE
 
@@ -81,9 +80,6 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     chat.add_argument("--trust-remote-code", action="store_true",
                       help="accepted for vLLM command lines; changes nothing: qsaserve runs no code from a checkpoint "
                            "(its models and tokenizers are built in)")
-    if "quantization" not in EngineConfig.field_names():
-        chat.add_argument("--quantization", "-q", default=None,
-                          help="weight quantization: none is implemented in this build, so any value is refused")
     group.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"],
                        help="uvicorn's log level (default: info)")
 
@@ -118,10 +114,6 @@ def _check_args(args: argparse.Namespace) -> None:
     from qsaserve.server.app import load_chat_template
 
     args.chat_template = load_chat_template(args.chat_template)  # checked before the model loads
-    # Without an EngineConfig.quantization field, --quantization is the server's own flag.
-    if getattr(args, "quantization", None) is not None and "quantization" not in EngineConfig.field_names():
-        raise InvalidRequestError("quantization", f"{args.quantization!r} is not supported: this build implements no "
-                                                  "weight quantization (the KV cache has --kv-cache-dtype fp8_e4m3)")
 
 
 def is_loopback(host: str) -> bool:
