@@ -99,14 +99,14 @@ def _llama_like():
     return _Llama()
 
 
-def _off_reason(model, tp=1, dcp=1, device="cuda", enforce_eager=False, sizes=(1, 2, 4), side_tables=None):
+def _off_reason(model, tp=1, dcp=1, device="cuda", enforce_eager=False, sizes=(1, 2, 4), side_tables=None, mtp=None):
     """ModelRunner._graphs_off_reason on a stand-in runner (no GPU, no weights needed)."""
     from qsaserve.engine.model_runner import ModelRunner
     from qsaserve.parallel.dcp import DcpGeometry
     from qsaserve.parallel.state import ParallelContext
 
     runner = SimpleNamespace(
-        device=torch.device(device), model=model, side_tables=side_tables or {},
+        device=torch.device(device), model=model, side_tables=side_tables or {}, mtp=mtp,
         config=SimpleNamespace(enforce_eager=enforce_eager, cuda_graph_capture_sizes=list(sizes)),
         parallel=ParallelContext(tp_size=tp, tp_rank=0, dcp=DcpGeometry(size=dcp, rank=0)))
     return ModelRunner._graphs_off_reason(runner)
@@ -132,6 +132,7 @@ def test_graphs_off_reasons_kept():
     assert _off_reason(_GraphSafeModel(), tp=2, dcp=2, enforce_eager=True) == "enforce_eager"
     assert _off_reason(_PlainModel(), tp=2) == "_PlainModel does not declare supports_cuda_graph"
     assert _off_reason(_GraphSafeModel(), tp=2, sizes=()) == "no capture size <= max_num_seqs"
+    assert _off_reason(_GraphSafeModel(), mtp=object()) == "speculative_config.method mtp runs eagerly"
     from qsaserve.models.ple_table import GpuRowTable, HostRowTable
 
     # The runner's placed PLE tables: gpu, a host/disk table the device reads (page-locked: a
