@@ -13,6 +13,7 @@ from qsaserve import LLM, InvalidRequestError, SamplingParams
 
 from qwen4exp_testing import build_random_model, make_config, save_with_mtp
 from test_qwen4exp_spec_decode import NEW, PARAMS, generate, hf_greedy, prompts, states
+from test_qwen4exp_spec_decode import engine as ngram_or_mtp_engine
 
 
 @pytest.fixture(scope="module")
@@ -29,10 +30,7 @@ def checkpoint(tmp_path_factory):
 
 
 def engine(path, k=None, **kw):
-    spec = {"method": "mtp", "num_speculative_tokens": k} if k else None
-    args = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=20,
-                block_size=8, progress=False, speculative_config=spec)
-    return LLM(path, **{**args, **kw})
+    return ngram_or_mtp_engine(path, k, method="mtp", **kw)
 
 
 def accept_all(llm, reference):

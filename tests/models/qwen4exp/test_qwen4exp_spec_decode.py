@@ -55,8 +55,8 @@ def checkpoint(tmp_path_factory):
     return model, path, ps, [hf_greedy(model, p, NEW) for p in ps], plain_states
 
 
-def engine(path, k=None, **kw):
-    spec = {"method": "ngram", "num_speculative_tokens": k} if k else None
+def engine(path, k=None, method="ngram", **kw):
+    spec = {"method": method, "num_speculative_tokens": k} if k else None
     args = dict(dtype="float32", device="cpu", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=20,
                 block_size=8, progress=False, speculative_config=spec)
     return LLM(path, **{**args, **kw})

@@ -27,6 +27,17 @@ from qsaserve.layers.quantization.shard import TensorShard, take_shard
 from qsaserve.ops.fp8_gemm import FP8, dequantize_weight, fp8_linear, quantize_weight_block, quantize_weight_rows
 
 
+@torch.no_grad()
+def warm_up_row_counts(layer: nn.Module, dtype: torch.dtype) -> int:
+    """Runs a quantized linear layer (in_features, weight, WARM_UP_ROWS) once at each of its
+    warm-up row counts, so that every kernel variant a step may take is built; returns the launches."""
+    rows_list = layer.WARM_UP_ROWS
+    x = torch.zeros(max(rows_list), layer.in_features, dtype=dtype, device=layer.weight.device)
+    for rows in rows_list:
+        layer(x[:rows])
+    return len(rows_list)
+
+
 class Fp8Linear(nn.Module):
     def __init__(self, in_features: int, parts: list[int], bias: bool, quant: WeightQuantConfig, name: str = ""):
         super().__init__()
@@ -50,13 +61,9 @@ class Fp8Linear(nn.Module):
     # without Triton's divisible-by-16 specialization, 1, and the W8A8 GEMM on both sides of it.
     WARM_UP_ROWS = (1, 2, 16, 17, 32, 33, 64, 65, 128)
 
-    @torch.no_grad()
     def warm_up(self, dtype: torch.dtype) -> int:
         """Builds this layer's FP8 kernels at every row count class a step may bring (launches made)."""
-        x = torch.zeros(max(self.WARM_UP_ROWS), self.in_features, dtype=dtype, device=self.weight.device)
-        for rows in self.WARM_UP_ROWS:
-            self(x[:rows])
-        return len(self.WARM_UP_ROWS)
+        return warm_up_row_counts(self, dtype)
 
     def linear_part(self, x: torch.Tensor, part: int) -> torch.Tensor:
         """x [T, K] -> x @ W_part^T [T, rows of the part]: one part's rows, alone."""

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from qsaserve.errors import InvalidRequestError
+from qsaserve.layers.quantization.fp8 import warm_up_row_counts
 from qsaserve.layers.quantization.shard import TensorShard, take_shard
 from qsaserve.ops.nvfp4_gemm import GROUP, nvfp4_linear, quantize_nvfp4
 
@@ -37,12 +38,8 @@ class Nvfp4Linear(nn.Module):
         """x [T, K] -> [T, N] in x's dtype."""
         return nvfp4_linear(x, self.weight, self.weight_scale, self.row_scale, self.bias)
 
-    @torch.no_grad()
     def warm_up(self, dtype: torch.dtype) -> int:
-        x = torch.zeros(max(self.WARM_UP_ROWS), self.in_features, dtype=dtype, device=self.weight.device)
-        for rows in self.WARM_UP_ROWS:
-            self(x[:rows])
-        return len(self.WARM_UP_ROWS)
+        return warm_up_row_counts(self, dtype)
 
     def missing(self) -> list[str]:
         kinds = ("weight", "scale", "global") + (("bias",) if self.bias is not None else ())
