@@ -25,7 +25,7 @@ from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata
 from qsaserve.engine.mtp_drafter import MtpDraftRequest, check_draft_method, run_mtp_drafts
 from qsaserve.engine.host_copies import RankHostTier, host_split
 from qsaserve.errors import InvalidRequestError
-from qsaserve.layers.quantization.fp8 import warm_up_fp8_layers
+from qsaserve.layers.quantization import warm_up_quantized_layers
 from qsaserve.engine.profiling import layer_ranges
 from qsaserve.models.interfaces import (CausalLM, RowTable, has_routed_experts, side_tables_cuda_graph_block_reason,
                                         supports_cuda_graph, supports_dcp_cuda_graph, supports_dummy_weights,
@@ -404,7 +404,7 @@ class ModelRunner:
         launches = sum(layer.warm_up(self.dtype) for layer in [*self.attention_layers, *head])
         launches += sum(m.warm_up_kernels(self.dtype, self.config.token_budget)
                         for m in self.model.modules() if warms_up_kernels(m))
-        launches += warm_up_fp8_layers(self.model, self.dtype)
+        launches += warm_up_quantized_layers(self.model, self.dtype)
         if launches:
             torch.cuda.synchronize(self.device)
 

@@ -24,18 +24,8 @@ from torch import nn
 from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization.config import BLOCK, WeightQuantConfig
 from qsaserve.layers.quantization.shard import TensorShard, take_shard
+from qsaserve.layers.quantization.warm_up import warm_up_row_counts
 from qsaserve.ops.fp8_gemm import FP8, dequantize_weight, fp8_linear, quantize_weight_block, quantize_weight_rows
-
-
-@torch.no_grad()
-def warm_up_row_counts(layer: nn.Module, dtype: torch.dtype) -> int:
-    """Runs a quantized linear layer (in_features, weight, WARM_UP_ROWS) once at each of its
-    warm-up row counts, so that every kernel variant a step may take is built; returns the launches."""
-    rows_list = layer.WARM_UP_ROWS
-    x = torch.zeros(max(rows_list), layer.in_features, dtype=dtype, device=layer.weight.device)
-    for rows in rows_list:
-        layer(x[:rows])
-    return len(rows_list)
 
 
 class Fp8Linear(nn.Module):
@@ -56,10 +46,6 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] -> [T, N] in x's dtype."""
         return fp8_linear(x, self.weight, self.weight_scale, self.block_n, self.bias)
-
-    # Row counts whose kernel variants a step may build: the W8A16 row blocks (16, 32, 64) with and
-    # without Triton's divisible-by-16 specialization, 1, and the W8A8 GEMM on both sides of it.
-    WARM_UP_ROWS = (1, 2, 16, 17, 32, 33, 64, 65, 128)
 
     def warm_up(self, dtype: torch.dtype) -> int:
         """Builds this layer's FP8 kernels at every row count class a step may bring (launches made)."""
@@ -157,33 +143,4 @@ class Fp8Linear(nn.Module):
                           for (a, b), (d, e) in zip(blocks, shard.ranges)])
 
 
-def warm_up_fp8_layers(model: nn.Module, dtype: torch.dtype) -> int:
-    """Warms one quantized linear layer (FP8 or NVFP4) of each distinct shape and scale layout (the
-    kernels specialize on these, not on the layer); returns the launches made."""
-    from qsaserve.layers.quantization.nvfp4 import Nvfp4Linear
-
-    seen, launches = set(), 0
-    for m in model.modules():
-        if isinstance(m, (Fp8Linear, Nvfp4Linear)):
-            key = (type(m), m.out_features, m.in_features, getattr(m, "block_n", 0), tuple(m.weight_scale.shape),
-                   m.bias is not None)
-            if key not in seen:
-                seen.add(key)
-                launches += m.warm_up(dtype)
-    return launches
-
-
-def make_linear(in_features: int, parts: list[int], bias: bool, quant: WeightQuantConfig | None,
-                name: str) -> nn.Module:
-    """nn.Linear, or an Fp8Linear / Nvfp4Linear when `quant` quantizes module `name` (HF name of its
-    first part)."""
-    if quant is not None and quant.is_quantized(name):
-        if quant.method == "nvfp4":
-            from qsaserve.layers.quantization.nvfp4 import Nvfp4Linear
-
-            return Nvfp4Linear(in_features, parts, bias, name)
-        return Fp8Linear(in_features, parts, bias, quant, name)
-    return nn.Linear(in_features, sum(parts), bias=bias)
-
-
-__all__ = ["Fp8Linear", "TensorShard", "make_linear", "warm_up_fp8_layers"]
+__all__ = ["Fp8Linear", "TensorShard"]

@@ -10,14 +10,12 @@ import torch
 from torch import nn
 
 from qsaserve.errors import InvalidRequestError
-from qsaserve.layers.quantization.fp8 import warm_up_row_counts
 from qsaserve.layers.quantization.shard import TensorShard, take_shard
+from qsaserve.layers.quantization.warm_up import warm_up_row_counts
 from qsaserve.ops.nvfp4_gemm import GROUP, nvfp4_linear, quantize_nvfp4
 
 
 class Nvfp4Linear(nn.Module):
-    WARM_UP_ROWS = (1, 2, 16, 17, 32, 33, 64, 65, 128)
-
     def __init__(self, in_features: int, parts: list[int], bias: bool, name: str = ""):
         super().__init__()
         if in_features % GROUP:
@@ -39,6 +37,7 @@ class Nvfp4Linear(nn.Module):
         return nvfp4_linear(x, self.weight, self.weight_scale, self.row_scale, self.bias)
 
     def warm_up(self, dtype: torch.dtype) -> int:
+        """Builds this layer's NVFP4 kernels at every row count class a step may bring (launches made)."""
         return warm_up_row_counts(self, dtype)
 
     def missing(self) -> list[str]:
