@@ -27,10 +27,11 @@ EOS = 3
 
 
 def make_config(budget=12, ple_layer_ids=(1,), hc_count=3, num_experts=4, top_k=2, layers=5, indexer_heads=2,
-                compress_ratio=4):
-    """A tiny 5-layer Qwen4Exp (GDN, QSA, GDN, GDN, QSA) whose knobs the tests vary."""
+                compress_ratio=4, **sizes):
+    """A tiny 5-layer Qwen4Exp (GDN, QSA, GDN, GDN, QSA) whose knobs the tests vary; sizes override
+    the config's dimensions (e.g. moe_intermediate_size=128 for block-FP8 experts)."""
     types = ["linear_attention", QSA_TYPE, "linear_attention", "linear_attention", QSA_TYPE][:layers]
-    return Qwen4ExpTextConfig(
+    return Qwen4ExpTextConfig(**{**dict(
         vocab_size=120, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
         linear_num_value_heads=4, moe_intermediate_size=16, shared_expert_intermediate_size=24,
@@ -40,7 +41,7 @@ def make_config(budget=12, ple_layer_ids=(1,), hc_count=3, num_experts=4, top_k=
         indexer_n_heads=indexer_heads, indexer_kv_heads=1, indexer_head_dim=12, indexer_budget=budget, indexer_compress_ratio=compress_ratio,
         eos_token_id=EOS, max_position_embeddings=512,
         rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
-    )
+    ), **sizes})
 
 
 def build_random_model(cfg, seed: int, lm_head_scale: float = 0.2 * 25) -> Qwen4ExpForCausalLM:

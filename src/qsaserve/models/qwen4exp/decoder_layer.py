@@ -33,7 +33,7 @@ class Qwen4ExpDecoderLayer(nn.Module):
         else:
             self.self_attn = QSAAttention(cfg, layout, quant, f"model.layers.{layer_idx}.self_attn.")
         self.mlp_hyper_connection = HyperConnection(cfg)
-        self.mlp = SparseMoE(cfg, layout)
+        self.mlp = SparseMoE(cfg, layout, quant, f"model.layers.{layer_idx}.mlp.")
 
     @property
     def mixer(self) -> GatedDeltaNet | QSAAttention:

@@ -1,13 +1,22 @@
 """The sparse MoE block: routed experts plus a sigmoid-gated shared expert, after a softmax
 top-k router. The router, the shared expert's gate/up projections and its gate read the same
-input: one packed parameter, one GEMM on the fused path."""
+input: one packed parameter, one GEMM on the fused path.
+
+With FP8 weights (layers/quantization) the routed experts are block-FP8 (quantized.Fp8RoutedExperts,
+run by ops.moe with their scales) and the shared expert's gate | up and down are Fp8Linear layers;
+the router and the shared-expert gate stay in the model dtype (as vLLM and SGLang keep them),
+packed together."""
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qsaserve.layers.quantization.fp8_moe import fits_blocks
 from qsaserve.models.interfaces import WarmsUpKernels
+from qsaserve.models.qwen4exp.quantized import Fp8RoutedExperts, packed, project
 from qsaserve.models.qwen4exp.reference import sparse_moe_block
 from qsaserve.models.qwen4exp.sharding import REPLICATED, RankLayout
 from qsaserve.models.qwen4exp.state import Step
@@ -15,6 +24,9 @@ from qsaserve.models.qwen4exp.weights import ExpertLoader, PackedWeight, Weight,
 from qsaserve.ops.dispatch import use_triton
 from qsaserve.ops.fused import sigmoid_gated_add, silu_mul
 from qsaserve.ops.moe import moe_experts, moe_experts_sync_free, moe_route, warm_up as warm_up_moe
+from qsaserve.ops.moe.reference import activation_fn
+
+logger = logging.getLogger("qsaserve")
 
 
 class Experts(nn.Module):
@@ -28,11 +40,33 @@ class Experts(nn.Module):
         self.down_proj = parameter((e, h, inter), ExpertLoader(layout.experts_down(), layout))
 
 
+def make_experts(cfg, layout: RankLayout, quant, name: str) -> nn.Module:
+    """Block-FP8 routed experts when `quant` quantizes module `name` (`model.layers.N.mlp.experts`)
+    and their intermediate size stacks gate | up by 128-row blocks, else Experts in the model dtype
+    (an FP8 checkpoint's experts then dequantized at load, quantized.DequantizeAtLoad)."""
+    if quant is None or quant.method != "fp8" or quant.scheme != "block" or not quant.is_quantized(name):
+        return Experts(cfg, layout)
+    if not fits_blocks(cfg.moe_intermediate_size):
+        logger.warning("%s: moe_intermediate_size %d is not a multiple of 128, so the routed experts stay in the "
+                       "model dtype (block-FP8 experts stack gate and up by 128-row blocks)", name,
+                       cfg.moe_intermediate_size)
+        return Experts(cfg, layout)
+    return Fp8RoutedExperts(cfg, layout, name)
+
+
 class SharedExpert(nn.Module):
-    def __init__(self, cfg, layout: RankLayout):
+    """The shared expert's down_proj (model dtype: a Weight; FP8: an Fp8PackedWeight) and, with FP8
+    weights, its gate | up (`gate_up_proj`, otherwise packed with the router in SparseMoE.input_proj)."""
+
+    def __init__(self, cfg, layout: RankLayout, quant=None, prefix: str = ""):
         super().__init__()
         inter = layout.shared_inter[1] - layout.shared_inter[0]
-        self.down_proj = Weight((cfg.hidden_size, inter), layout.shared_down())
+        self.down_proj = packed(inter, [(None, cfg.hidden_size, layout.shared_down())], quant, prefix + "down_proj",
+                                lambda: Weight((cfg.hidden_size, inter), layout.shared_down()))
+        parts = [(f"shared_{p}", inter, layout.shared_gate_up()) for p in ("gate_proj", "up_proj")]
+        gate_up = packed(cfg.hidden_size, parts, quant, prefix + "gate_proj", lambda: None)
+        if gate_up is not None or not isinstance(self.down_proj, Weight):
+            self.gate_up_proj = PackedWeight(cfg.hidden_size, parts) if gate_up is None else gate_up
 
 
 class SparseMoE(nn.Module, WarmsUpKernels):
@@ -47,19 +81,32 @@ class SparseMoE(nn.Module, WarmsUpKernels):
                     "shared_expert.up_proj.weight": ("input_proj.weight", "shared_up_proj"),
                     "shared_expert_gate.weight": ("input_proj.weight", "shared_expert_gate")}
 
-    def __init__(self, cfg, layout: RankLayout):
+    def __init__(self, cfg, layout: RankLayout, quant=None, prefix: str = ""):
+        """quant, prefix: FP8 weights (WeightQuantConfig) and the HF name of the block (`model.layers.N.mlp.`)."""
         super().__init__()
         self.ctx = layout.ctx
         self.top_k, self.norm_topk_prob, self.activation = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act
+        self.experts = make_experts(cfg, layout, quant, prefix + "experts")
+        self.shared_expert = SharedExpert(cfg, layout, quant, prefix + "shared_expert.")
         shared = layout.shared_inter[1] - layout.shared_inter[0]
-        self.input_proj = PackedWeight(cfg.hidden_size, [
-            ("router", cfg.num_experts, REPLICATED), ("shared_gate_proj", shared, layout.shared_gate_up()),
-            ("shared_up_proj", shared, layout.shared_gate_up()), ("shared_expert_gate", 1, REPLICATED)])
-        self.experts = Experts(cfg, layout)
-        self.shared_expert = SharedExpert(cfg, layout)
+        self.quantized = hasattr(self.shared_expert, "gate_up_proj") or isinstance(self.experts, Fp8RoutedExperts)
+        if not self.quantized:
+            self.input_proj = PackedWeight(cfg.hidden_size, [
+                ("router", cfg.num_experts, REPLICATED), ("shared_gate_proj", shared, layout.shared_gate_up()),
+                ("shared_up_proj", shared, layout.shared_gate_up()), ("shared_expert_gate", 1, REPLICATED)])
+            return
+        # the router and the shared-expert gate stay in the model dtype, packed; the shared expert's
+        # gate | up is its own layer (FP8 unless the checkpoint keeps it)
+        self.input_proj = PackedWeight(cfg.hidden_size, [("router", cfg.num_experts, REPLICATED),
+                                                         ("shared_expert_gate", 1, REPLICATED)])
+        self.packed_names = {k: v for k, v in self.packed_names.items() if k.split(".")[0] != "shared_expert"}
+        self.packed_names.update({f"shared_expert.{p}.weight": ("shared_expert.gate_up_proj.weight", f"shared_{p}")
+                                  for p in ("gate_proj", "up_proj")})
 
     def forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
-        if self._fused_path(x):
+        if self.quantized:
+            out = self._quantized_forward(x, step)
+        elif self._fused_path(x):
             out = self._fused_forward(x, step)
         else:
             out = sparse_moe_block(x, self.reference_weights(), self.top_k, self.norm_topk_prob, self.activation,
@@ -79,13 +126,33 @@ class SparseMoE(nn.Module, WarmsUpKernels):
         shared = F.linear(silu_mul(gate_up), self.shared_expert.down_proj.weight)
         return sigmoid_gated_add(routed, shared, shared_gate)  # routed + sigmoid(gate) * shared
 
+    def _quantized_forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """The block with FP8 layers, on either path (ops.moe and ops.fp8_gemm dispatch themselves)."""
+        flat = x.reshape(-1, x.shape[-1])
+        logits, shared_gate = torch.split(F.linear(flat, self.input_proj.weight), self.input_proj.sizes(), dim=-1)
+        top_w, top_i = moe_route(logits, self.top_k, self.norm_topk_prob)
+        experts = moe_experts_sync_free if step.decode else moe_experts
+        scales = self.experts.scales() if isinstance(self.experts, Fp8RoutedExperts) else {}
+        routed = experts(flat, top_i, top_w, self.experts.gate_up_proj, self.experts.down_proj, self.activation,
+                         **scales)
+        gate_up = project(flat, self.shared_expert.gate_up_proj)
+        if self._fused_path(flat):
+            act = silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = activation_fn(self.activation)(gate) * up
+        shared = project(act, self.shared_expert.down_proj)
+        return sigmoid_gated_add(routed, shared, shared_gate).reshape(x.shape)  # routed + sigmoid(gate) * shared
+
     def warm_up_kernels(self, dtype: torch.dtype, max_tokens: int) -> int:
         if not self._fused_path(self.experts.gate_up_proj[0]):
             return 0
-        return warm_up_moe(self.experts.gate_up_proj, self.experts.down_proj, self.top_k, dtype, max_tokens)
+        scales = self.experts.scales() if isinstance(self.experts, Fp8RoutedExperts) else {}
+        return warm_up_moe(self.experts.gate_up_proj, self.experts.down_proj, self.top_k, dtype, max_tokens, **scales)
 
     def reference_weights(self) -> dict[str, torch.Tensor]:
-        """This rank's weights by checkpoint name relative to `mlp.` (sparse_moe_block's keys)."""
+        """This rank's weights by checkpoint name relative to `mlp.` (sparse_moe_block's keys; model
+        dtype weights only)."""
         p = self.input_proj.part
         return {"gate.weight": p("router"), "experts.gate_up_proj": self.experts.gate_up_proj,
                 "experts.down_proj": self.experts.down_proj, "shared_expert.gate_proj.weight": p("shared_gate_proj"),

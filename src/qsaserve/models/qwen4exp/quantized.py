@@ -1,12 +1,9 @@
 """Qwen4Exp with FP8 weights (layers/quantization): the projections of the token mixers (QSA's packed
-q | k | v | index_qk and o_proj, GDN's packed in_proj and out_proj) as Fp8Linear layers with the
-PackedWeight / Weight interface and weight loaders, and the FP8 tensors of every other layer
-(routed and shared experts, router, PLE projections) dequantized to the model dtype as they load.
-
-The routed experts stay in the model dtype until ops/moe's `moe_experts` takes FP8 experts (its
-optional w13_scale / w2_scale, another branch): they will then be held as [E, N, K] E4M3 with
-[E, ceil(N/128), ceil(K/128)] float32 scales. The MoE block's forward is not changed here, so its
-shared expert and router (packed with the shared gate/up projections) stay unquantized too."""
+q | k | v | index_qk and o_proj, GDN's packed in_proj and out_proj) and of the shared expert (gate |
+up, down) as Fp8Linear layers with the PackedWeight / Weight interface and weight loaders, the
+routed experts as block-FP8 Fp8Experts (Fp8RoutedExperts: the ExpertLoader interface), and the FP8
+tensors of every other layer (router, shared-expert gate, PLE projections, the MTP head, experts
+whose intermediate size does not stack by 128-row blocks) dequantized to the model dtype as they load."""
 from __future__ import annotations
 
 import logging
@@ -17,6 +14,7 @@ from torch import nn
 
 from qsaserve.layers.quantization import Fp8Linear, WeightQuantConfig
 from qsaserve.layers.quantization.fp8 import TensorShard
+from qsaserve.layers.quantization.fp8_moe import Fp8Experts
 from qsaserve.ops.fp8_gemm import FP8, dequantize_weight
 
 logger = logging.getLogger("qsaserve")
@@ -72,6 +70,39 @@ class Fp8PackedWeight(Fp8Linear):
         return self.dequantized(self.ids.index(shard_id), self.dtype)
 
 
+class _Fp8ExpertLoader:
+    """weight_loader of an Fp8RoutedExperts parameter; shard_id as weights.ExpertLoader's: None, the
+    fused checkpoint tensor [E, ...]; an int e, expert e as a [1, ...] slice of it; (e, proj), the
+    checkpoint's per-expert gate_proj / up_proj / down_proj tensor (or its scale) of expert e."""
+
+    def __init__(self, module: "Fp8RoutedExperts", kind: str, fused: str, rule):
+        self.module, self.kind, self.fused, self.rule = module, kind, fused, rule
+
+    def shard(self, shard_id=None):
+        return self.rule
+
+    def view(self, param: torch.Tensor, shard_id=None) -> torch.Tensor:
+        return param
+
+    def __call__(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
+        if shard_id is None or isinstance(shard_id, int):
+            self.module.load_stacked(self.kind, loaded, self.fused, shard_id or 0)
+        else:
+            expert, proj = shard_id
+            self.module.load(self.kind, loaded, expert, proj)
+
+
+class Fp8RoutedExperts(Fp8Experts):
+    """Experts (moe.py) with block-FP8 weights: gate_up_proj / down_proj E4M3 beside their
+    `_scale_inv` block scales, this rank keeping layout.expert_inter of every expert."""
+
+    def __init__(self, cfg, layout, name: str):
+        super().__init__(cfg.num_experts, cfg.hidden_size, layout.expert_inter, cfg.moe_intermediate_size, name)
+        for fused, rule in (("gate_up_proj", layout.experts_gate_up()), ("down_proj", layout.experts_down())):
+            getattr(self, fused).weight_loader = _Fp8ExpertLoader(self, "weight", fused, rule)
+            getattr(self, fused + "_scale_inv").weight_loader = _Fp8ExpertLoader(self, "scale", fused, rule)
+
+
 def packed(in_features: int, parts: list, quant: WeightQuantConfig | None, name: str, plain):
     """Fp8PackedWeight when `quant` quantizes module `name` (the HF name of the first part), else plain()."""
     if quant is not None and quant.is_quantized(name):
@@ -97,11 +128,12 @@ def add_scale_targets(model: nn.Module, targets: dict) -> None:
 
 def is_fp8_target(targets: dict, name: str) -> bool:
     """Whether checkpoint tensor `name` goes to an FP8 layer (its weight or its scale)."""
-    return name in targets and isinstance(getattr(targets[name][0], "weight_loader", None), _Fp8Loader)
+    return name in targets and isinstance(getattr(targets[name][0], "weight_loader", None),
+                                          (_Fp8Loader, _Fp8ExpertLoader))
 
 
 def missing_fp8_parts(model: nn.Module) -> list[str]:
-    return [m for mod in model.modules() if isinstance(mod, Fp8PackedWeight) for m in mod.missing()]
+    return [m for mod in model.modules() if isinstance(mod, (Fp8PackedWeight, Fp8Experts)) for m in mod.missing()]
 
 
 class DequantizeAtLoad:
@@ -141,10 +173,10 @@ class DequantizeAtLoad:
         if left:
             raise ValueError(f"model: FP8 checkpoint tensors without their weight / scale: {left[:5]}")
         if self.count:
-            logger.warning("Qwen4Exp: %d FP8 checkpoint tensors of the MoE blocks (routed and shared experts) and other "
-                           "unquantized layers were dequantized to %s at load: ops/moe does not take FP8 experts yet",
-                           self.count, self.dtype)
+            logger.warning("Qwen4Exp: %d FP8 checkpoint tensors of layers held in the model dtype (router, shared-"
+                           "expert gate, MTP head, experts that do not stack by 128-row blocks) were dequantized to %s "
+                           "at load", self.count, self.dtype)
 
 
-__all__ = ["DequantizeAtLoad", "Fp8PackedWeight", "add_scale_targets", "is_fp8_target", "missing_fp8_parts", "packed",
+__all__ = ["DequantizeAtLoad", "Fp8PackedWeight", "Fp8RoutedExperts", "add_scale_targets", "is_fp8_target", "missing_fp8_parts", "packed",
            "project"]

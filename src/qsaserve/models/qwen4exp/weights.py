@@ -257,14 +257,28 @@ def checkpoint_shard(targets: dict, name: str) -> Shard:
     return param.weight_loader.shard(shard_id)
 
 
-def _per_expert(name: str) -> tuple[str, int, str] | None:
-    """(layer prefix, expert, projection) of a checkpoint's per-expert tensor, else None."""
+def _per_expert(name: str) -> tuple[str, int, str, str] | None:
+    """(layer prefix, expert, projection, tensor: weight / weight_scale_inv / weight_scale) of a
+    checkpoint's per-expert tensor, else None."""
     if ".mlp.experts." not in name:
         return None
     layer_prefix, rest = name.split(".mlp.experts.")
-    if not rest.split(".")[0].isdigit():
+    parts = rest.split(".")
+    if not parts[0].isdigit() or len(parts) != 3:
         return None
-    return layer_prefix, int(rest.split(".")[0]), rest.split(".")[1]
+    return layer_prefix, int(parts[0]), parts[1], parts[2]
+
+
+def _expert_target(name: str) -> str:
+    """The fused parameter's name a checkpoint tensor loads into: a per-expert `gate_proj` /
+    `up_proj` / `down_proj` weight into `gate_up_proj` / `down_proj`, its scale into their
+    `_scale_inv` (FP8 experts); any other name is its own."""
+    expert = _per_expert(name)
+    if expert is None:
+        return name
+    layer_prefix, _, proj, tensor = expert
+    fused = "down_proj" if proj == "down_proj" else "gate_up_proj"
+    return f"{layer_prefix}.mlp.experts.{fused}" + ("" if tensor == "weight" else "_scale_inv")
 
 
 # ---- loading ----
@@ -274,11 +288,14 @@ def load_tensor(targets: dict, name: str, tensor: torch.Tensor, loaded: set, own
     and the model part as `owner`."""
     expert = _per_expert(name)
     if expert is not None:
-        layer_prefix, e, proj = expert
-        fused = "down_proj" if proj == "down_proj" else "gate_up_proj"
-        param, _ = targets[f"{layer_prefix}.mlp.experts.{fused}"]
+        layer_prefix, e, proj, kind = expert
+        target = _expert_target(name)
+        if target not in targets:
+            raise ValueError(f"model: checkpoint tensor {shown} has no place in {owner}")
+        param, _ = targets[target]
         param.weight_loader(param, tensor, (e, proj))
-        loaded.add(f"{layer_prefix}.mlp.experts.{e}.{proj}")
+        if kind == "weight":
+            loaded.add(f"{layer_prefix}.mlp.experts.{e}.{proj}")
         return
     if name not in targets:
         raise ValueError(f"model: checkpoint tensor {shown} has no place in {owner}")
@@ -306,7 +323,7 @@ def load_checkpoint(model: nn.Module, cfg, weights, device: torch.device, quant=
                 continue
             if name.endswith(".input_scale"):  # activations are quantized dynamically, or not at all
                 continue
-            for n, t in dequantize(name, tensor, is_fp8_target(targets, name)):
+            for n, t in dequantize(name, tensor, is_fp8_target(targets, _expert_target(name))):
                 yield (n if n.startswith("mtp.") else raw), n, t  # the MTP head's FP8 tensors too
         dequantize.finish()
 
