@@ -55,17 +55,18 @@ def make_experts(cfg, layout: RankLayout, quant, name: str) -> nn.Module:
 
 
 class SharedExpert(nn.Module):
-    """The shared expert's down_proj (model dtype: a Weight; FP8: an Fp8PackedWeight) and, with FP8
-    weights, its gate | up (`gate_up_proj`, otherwise packed with the router in SparseMoE.input_proj)."""
+    """The shared expert's down_proj (model dtype: a Weight; FP8: an Fp8PackedWeight) and, when the
+    block holds FP8 weights (`own_gate_up`, or its own are FP8), its gate | up as `gate_up_proj`
+    (otherwise packed with the router in SparseMoE.input_proj)."""
 
-    def __init__(self, cfg, layout: RankLayout, quant=None, prefix: str = ""):
+    def __init__(self, cfg, layout: RankLayout, quant=None, prefix: str = "", own_gate_up: bool = False):
         super().__init__()
         inter = layout.shared_inter[1] - layout.shared_inter[0]
         self.down_proj = packed(inter, [(None, cfg.hidden_size, layout.shared_down())], quant, prefix + "down_proj",
                                 lambda: Weight((cfg.hidden_size, inter), layout.shared_down()))
         parts = [(f"shared_{p}", inter, layout.shared_gate_up()) for p in ("gate_proj", "up_proj")]
         gate_up = packed(cfg.hidden_size, parts, quant, prefix + "gate_proj", lambda: None)
-        if gate_up is not None or not isinstance(self.down_proj, Weight):
+        if gate_up is not None or own_gate_up or not isinstance(self.down_proj, Weight):
             self.gate_up_proj = PackedWeight(cfg.hidden_size, parts) if gate_up is None else gate_up
 
 
@@ -87,7 +88,8 @@ class SparseMoE(nn.Module, WarmsUpKernels):
         self.ctx = layout.ctx
         self.top_k, self.norm_topk_prob, self.activation = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act
         self.experts = make_experts(cfg, layout, quant, prefix + "experts")
-        self.shared_expert = SharedExpert(cfg, layout, quant, prefix + "shared_expert.")
+        self.shared_expert = SharedExpert(cfg, layout, quant, prefix + "shared_expert.",
+                                          own_gate_up=isinstance(self.experts, Fp8RoutedExperts))
         shared = layout.shared_inter[1] - layout.shared_inter[0]
         self.quantized = hasattr(self.shared_expert, "gate_up_proj") or isinstance(self.experts, Fp8RoutedExperts)
         if not self.quantized:

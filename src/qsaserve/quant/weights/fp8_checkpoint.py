@@ -2,7 +2,11 @@
 each decoder projection `<proj>.weight` as E4M3 [N, K] beside `<proj>.weight_scale_inv` float32
 [ceil(N/128), ceil(K/128)] (the dequantization multiplier), every other tensor in `dtype`, and
 config.json's `quantization_config` {quant_method fp8, fmt e4m3, activation_scheme dynamic,
-weight_block_size [128, 128], modules_to_not_convert [lm_head]}. The quantization is the one
+weight_block_size [128, 128], modules_to_not_convert [lm_head]}. Qwen4Exp's routed experts, fused
+`experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I] in its HF checkpoints, are written
+in the per-expert layout of DeepSeek-V3 / Qwen3 FP8 checkpoints (`experts.E.gate_proj.weight` +
+`.weight_scale_inv`, up_proj, down_proj) when I is a multiple of 128 (otherwise they stay in `dtype`,
+named in modules_to_not_convert, as the engine keeps them: layers/quantization/fp8_moe.py). The quantization is the one
 `--quantization fp8` applies at load (ops.fp8_gemm.quantize_weight_block), so a written checkpoint
 serves exactly what online quantization serves. `keep_layers` leaves whole decoder layers in `dtype`
 (their projections named in modules_to_not_convert), for small models where FP8's rounding costs
@@ -16,15 +20,18 @@ import re
 import torch
 
 from qsaserve.errors import InvalidRequestError
+from qsaserve.layers.quantization.fp8_moe import fits_blocks
 from qsaserve.loader.checkpoint import Checkpoint
 from qsaserve.ops.fp8_gemm import quantize_weight_block
 
-# Decoder projections: the Llama family's, and Qwen4Exp's token-mixer and shared-expert projections
-# (its routed experts, fused [E, N, K], stay in `dtype`: the standard layout has per-expert tensors).
+# Decoder projections: the Llama family's, and Qwen4Exp's token-mixer and shared-expert projections.
 _PROJ = re.compile(r"^(model\.(language_model\.)?)?layers\.(?P<layer>\d+)\.("
                    r"self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj|self_attn\.indexer\.index_qk_proj|"
                    r"linear_attn\.(in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|out_proj)|"
                    r"mlp\.shared_expert\.(gate|up|down)_proj)\.weight$")
+# Qwen4Exp's fused routed experts (written per expert) and per-expert ones (written as they are).
+_EXPERTS = re.compile(r"^(?P<prefix>(model\.(language_model\.)?)?layers\.(?P<layer>\d+)\.mlp\.experts)\."
+                      r"(?P<fused>gate_up_proj|down_proj|\d+\.(gate|up|down)_proj\.weight)$")
 QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                        "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
 SHARD_BYTES = 4 << 30
@@ -34,6 +41,30 @@ def quantizable(name: str, keep_layers: frozenset[int] = frozenset()) -> bool:
     """Whether checkpoint tensor `name` is written as block FP8 (not in one of `keep_layers`)."""
     m = _PROJ.match(name)
     return bool(m) and int(m.group("layer")) not in keep_layers
+
+
+def experts_quantizable(hf_config: dict) -> bool:
+    """Whether the model's routed experts are written (and served) in block FP8: their intermediate
+    size stacks gate | up by 128-row blocks."""
+    text = hf_config.get("text_config") or {}
+    inter = hf_config.get("moe_intermediate_size") or text.get("moe_intermediate_size")
+    return inter is not None and fits_blocks(inter)
+
+
+def _quantized_experts(match: re.Match, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A fused experts tensor [E, ...] (or one per-expert weight) -> its per-expert E4M3 weights and
+    block scales, by checkpoint name."""
+    prefix, fused = match.group("prefix"), match.group("fused")
+    if not fused.endswith("_proj"):  # already per expert: experts.E.<proj>.weight
+        q, s = quantize_weight_block(tensor)
+        return {f"{prefix}.{fused}": q, f"{prefix}.{fused}_scale_inv": s}
+    out = {}
+    for e, expert in enumerate(tensor):
+        pieces = zip(("gate_proj", "up_proj"), expert.chunk(2)) if fused == "gate_up_proj" else [("down_proj", expert)]
+        for proj, w in pieces:
+            q, s = quantize_weight_block(w)
+            out[f"{prefix}.{e}.{proj}.weight"], out[f"{prefix}.{e}.{proj}.weight_scale_inv"] = q, s
+    return out
 
 
 def fp8_config(hf_config: dict, kept_modules: list[str] = ()) -> dict:
@@ -68,10 +99,22 @@ def write_fp8_checkpoint(checkpoint: Checkpoint, out_dir: str, dtype: torch.dtyp
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     summary = {"quantized_tensors": 0, "kept_tensors": 0, "fp8_bytes": 0, "scale_bytes": 0, "other_bytes": 0}
+    experts_fp8 = experts_quantizable(checkpoint.hf_config)
     for name, tensor in checkpoint.weights(torch.float32):
         if quantizable(name) and not quantizable(name, keep):
             kept_modules.append(name.removesuffix(".weight"))
-        if quantizable(name, keep) and tensor.dim() == 2:
+        experts = _EXPERTS.match(name)
+        if experts and (not experts_fp8 or int(experts.group("layer")) in keep):
+            if experts.group("prefix") not in kept_modules:
+                kept_modules.append(experts.group("prefix"))
+            experts = None
+        if experts:
+            out = _quantized_experts(experts, tensor)
+            fp8 = [t for n, t in out.items() if not n.endswith("_scale_inv")]
+            summary["quantized_tensors"] += len(fp8)
+            summary["fp8_bytes"] += sum(t.numel() for t in fp8)
+            summary["scale_bytes"] += sum(t.numel() * 4 for n, t in out.items() if n.endswith("_scale_inv"))
+        elif quantizable(name, keep) and tensor.dim() == 2:
             q, s = quantize_weight_block(tensor)
             out = {name: q, name + "_scale_inv": s}
             summary["quantized_tensors"] += 1
@@ -108,4 +151,5 @@ def write_fp8_checkpoint(checkpoint: Checkpoint, out_dir: str, dtype: torch.dtyp
     return summary
 
 
-__all__ = ["QUANTIZATION_CONFIG", "check_keep_layers", "fp8_config", "quantizable", "write_fp8_checkpoint"]
+__all__ = ["QUANTIZATION_CONFIG", "check_keep_layers", "experts_quantizable", "fp8_config", "quantizable",
+           "write_fp8_checkpoint"]
