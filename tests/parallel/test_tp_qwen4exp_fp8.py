@@ -1,6 +1,7 @@
 """Tensor parallel Qwen4Exp with FP8 weights (CPU, gloo): `--quantization fp8` at TP2 gives the greedy
 tokens of TP1, block-FP8 routed experts (each rank's 128-row slices, test_qwen4exp_fp8_weights.py),
-shared experts and token mixers included. Logprobs agree within TOL (2e-4 measured on this model):
+shared experts and token mixers included. The intermediate sizes are 3 blocks of 128, so the ranks
+hold 256 and 128 rows of each (sharding.block_range): no rank cuts a block. Logprobs agree within TOL (2e-4 measured on this model):
 prompts stay within ops.fp8_gemm.DECODE_ROWS, so only the expert GEMMs round their inputs to E4M3,
 and the row-parallel sums' reordering (~1e-7) flips none of those roundings here; longer W8A8
 prefills would need test_tp_llama_fp8.py's looser bound."""
@@ -15,9 +16,9 @@ PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=0
 ENGINE = dict(max_model_len=128, kv_cache_memory=1 << 22, block_size=16, distributed_timeout_s=120,
               quantization="fp8")
 # every split dimension on 128-wide FP8 blocks at TP2: QSA o_proj 2 heads x 64, GDN out_proj 2 value
-# heads x 64, expert and shared-expert intermediate 128 per rank
+# heads x 64, expert and shared-expert intermediate 256 | 128
 BLOCKS = dict(head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64, indexer_head_dim=32,
-              moe_intermediate_size=256, shared_expert_intermediate_size=256)
+              moe_intermediate_size=384, shared_expert_intermediate_size=384)
 
 
 def test_tp2_fp8_moe_matches_tp1(tmp_path):

@@ -212,7 +212,16 @@ def test_quantize_keeps_experts_that_do_not_stack_by_blocks_float(tmp_path):
         assert torch.equal(p.view(torch.uint8), q.view(torch.uint8)), name
 
 
-def test_tp_slice_that_splits_an_expert_block_is_refused():
+def test_tp_slices_fall_on_whole_blocks_or_are_refused():
+    """With FP8 weights the MoE intermediate dimensions split on whole 128-row blocks, unevenly when
+    the blocks do not divide (the real model's 640 at TP2 / TP4); fewer blocks than ranks would cut
+    one, which is refused naming tensor_parallel_size."""
+    from qsaserve.models.qwen4exp.sharding import block_range
+
+    assert [block_range(640, 2, r, 128) for r in range(2)] == [(0, 384), (384, 640)]
+    assert [block_range(640, 4, r, 128) for r in range(4)] == [(0, 256), (256, 384), (384, 512), (512, 640)]
+    assert block_range(640, 8, 7, 128) == (560, 640)  # 5 blocks over 8 ranks: even rows, cutting blocks
+    assert block_range(640, 4, 1, 1) == (160, 320)  # model-dtype weights: even
     hf = {**make_config(**MOE).to_dict(), "architectures": ["Qwen4ExpForCausalLM"]}
     with pytest.raises(InvalidRequestError) as err:
         Qwen4ExpForCausalLM(hf, 256, ParallelContext(tp_size=2, tp_rank=0), weight_quant_config(hf, "fp8"))

@@ -45,11 +45,25 @@ class VocabShard(Shard):
         return shard_vocab(full, self.vocab_size, self.tp_size, self.tp_rank)
 
 
+def block_range(n: int, tp_size: int, rank: int, block: int) -> tuple[int, int]:
+    """This rank's part of a dimension of n split on whole `block`s, the first (n / block) % tp_size
+    ranks one block more (n 640 in blocks of 128 at TP2: 384 | 256); an even split when n is not a
+    whole number of at least tp_size blocks."""
+    blocks = n // block
+    if block == 1 or n % block or blocks < tp_size:
+        return even_range(n, tp_size, rank)
+    per, extra = divmod(blocks, tp_size)
+    start = rank * per + min(rank, extra)
+    return start * block, (start + per + (rank < extra)) * block
+
+
 class RankLayout:
     """This rank's part of every split dimension, and the Shard of each kind of weight. KV heads
-    and GDN key heads are duplicated when there are fewer than ranks."""
+    and GDN key heads are duplicated when there are fewer than ranks. block: the MoE intermediate
+    dimensions (routed and shared experts) split on whole blocks of this many rows (128 with
+    block-FP8 weights, so no rank cuts a weight block: block_range), else evenly."""
 
-    def __init__(self, cfg, ctx: ParallelContext):
+    def __init__(self, cfg, ctx: ParallelContext, block: int = 1):
         self.config, self.ctx = cfg, ctx
         n, r = ctx.tp_size, ctx.tp_rank
         self.split = n > 1
@@ -58,8 +72,8 @@ class RankLayout:
         self.num_kv_heads = kv_heads_per_rank(cfg.num_key_value_heads, n)  # KV heads of this rank's pages
         self.gdn_key_heads = kv_head_range(cfg.linear_num_key_heads, n, r)
         self.gdn_value_heads = even_range(cfg.linear_num_value_heads, n, r)
-        self.expert_inter = even_range(cfg.moe_intermediate_size, n, r)
-        self.shared_inter = even_range(cfg.shared_expert_intermediate_size, n, r)
+        self.expert_inter = block_range(cfg.moe_intermediate_size, n, r, block)
+        self.shared_inter = block_range(cfg.shared_expert_intermediate_size, n, r, block)
 
     def _rows(self, dim: int, *ranges: tuple[int, int]) -> Shard:
         return Shard(dim, tuple(ranges)) if self.split else REPLICATED
