@@ -187,7 +187,8 @@ def test_online_fp8_moe_equals_the_quantize_output(tmp_path):
     online, offline = dict(_loaded(src, "fp8").named_parameters()), dict(_loaded(out).named_parameters())
     assert online.keys() == offline.keys()
     for name, p in online.items():
-        assert p.dtype == offline[name].dtype and torch.equal(p.view(torch.uint8), offline[name].view(torch.uint8)), name
+        q = offline[name]
+        assert p.dtype == q.dtype and torch.equal(p.view(torch.uint8), q.view(torch.uint8)), name
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     def greedy(path, **engine):

@@ -42,8 +42,8 @@ class Fp8Experts(nn.Module):
             raise InvalidRequestError("quantization", f"{name}: moe_intermediate_size {intermediate_size} is not a "
                                       f"multiple of {BLOCK}: block-FP8 experts stack gate and up by {BLOCK}-row blocks")
         if a % BLOCK or b % BLOCK:
-            raise InvalidRequestError("tensor_parallel_size", f"{name}: this rank's expert intermediate rows [{a}, {b}) "
-                                      f"of {intermediate_size} split a {BLOCK}x{BLOCK} FP8 weight block; block-FP8 "
+            raise InvalidRequestError("tensor_parallel_size", f"{name}: this rank's expert intermediate rows "
+                                      f"[{a}, {b}) of {intermediate_size} split a {BLOCK}x{BLOCK} FP8 weight block; block-FP8 "
                                       f"experts shard their intermediate dimension on multiples of {BLOCK}")
         self.name, self.num_experts, self.hidden = name, num_experts, hidden
         self.inter, self.intermediate_size = (a, b), intermediate_size

@@ -178,5 +178,5 @@ class DequantizeAtLoad:
                            "at load", self.count, self.dtype)
 
 
-__all__ = ["DequantizeAtLoad", "Fp8PackedWeight", "Fp8RoutedExperts", "add_scale_targets", "is_fp8_target", "missing_fp8_parts", "packed",
-           "project"]
+__all__ = ["DequantizeAtLoad", "Fp8PackedWeight", "Fp8RoutedExperts", "add_scale_targets", "is_fp8_target",
+           "missing_fp8_parts", "packed", "project"]
