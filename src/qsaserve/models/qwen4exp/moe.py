@@ -74,7 +74,9 @@ class SparseMoE(nn.Module, WarmsUpKernels):
     """`Qwen4ExpTextSparseMoeBlock` on this rank's expert and shared-expert intermediate slice
     (outputs summed over the TP ranks). `sparse_moe_block` is the reference and the CPU path.
     Fused path (CUDA): the packed GEMM, SiLU-mul fused, the routed experts through ops.moe's
-    sync-free kernels (decode kernels or grouped GEMMs, by the step's size)."""
+    sync-free kernels (decode kernels or grouped GEMMs, by the step's size). With FP8 layers
+    (`quantized`): _quantized_forward on either device, the router | shared-expert gate GEMM in the
+    model dtype, the experts with their block scales, the shared expert through its FP8 layers."""
 
     # checkpoint tensors stored as row ranges of input_proj
     packed_names = {"gate.weight": ("input_proj.weight", "router"),
