@@ -106,9 +106,9 @@ def _write_block_fp8(src, out, not_convert):
 
 
 def test_block_fp8_checkpoint_loader_contract(tmp_path):
-    """Per-expert E4M3 weights and scales land in their stacked rows exactly; modules_to_not_convert
-    keeps layer 2's experts and layer 3's shared expert float; the router stays float; a missing
-    expert scale is refused naming it."""
+    """Per-expert E4M3 weights and scales land in their stacked rows exactly (and so do fused ones);
+    modules_to_not_convert keeps layer 2's experts and layer 3's shared expert float; the router
+    stays float; a missing expert scale is refused naming it."""
     src, out = tmp_path / "src", tmp_path / "fp8"
     out.mkdir()
     build_random_model(make_config(**MOE), seed=11).save_pretrained(src)
@@ -138,6 +138,20 @@ def test_block_fp8_checkpoint_loader_contract(tmp_path):
         q = written[f"model.layers.{i}.mlp.shared_expert.gate_proj.weight"]
         sc = written[f"model.layers.{i}.mlp.shared_expert.gate_proj.weight_scale_inv"]
         assert torch.equal(shared.part("shared_gate_proj"), dequantize_weight(q, sc, 128))
+
+    # the fused layout (experts.gate_up_proj [E, 2I, H] + gate_up_proj_scale_inv) loads the same
+    fused = dict(written)
+    prefix = "model.layers.0.mlp.experts"
+    for kind in ("weight", "weight_scale_inv"):
+        suffix = "" if kind == "weight" else "_scale_inv"
+        per = {p: torch.stack([fused.pop(f"{prefix}.{e}.{p}.{kind}") for e in range(4)])
+               for p in ("gate_proj", "up_proj", "down_proj")}
+        fused[f"{prefix}.gate_up_proj{suffix}"] = torch.cat([per["gate_proj"], per["up_proj"]], 1)
+        fused[f"{prefix}.down_proj{suffix}"] = per["down_proj"]
+    save_file(fused, str(out / "model.safetensors"))
+    again = _loaded(out).model.layers[0].mlp.experts
+    for name, p in layers[0].mlp.experts.named_parameters():
+        assert torch.equal(p.view(torch.uint8), getattr(again, name).view(torch.uint8)), name
 
     missing = "model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"
     save_file({k: v for k, v in written.items() if k != missing}, str(out / "model.safetensors"))
