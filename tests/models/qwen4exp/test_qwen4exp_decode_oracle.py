@@ -121,7 +121,8 @@ def test_reported_drift_is_a_tie_at_the_selection_boundary(tmp_path, monkeypatch
             swapped = {t // cfg.indexer_compress_ratio for t in selected ^ oracle}
             bound = scores.sort(descending=True).values[k - 1]
             assert (pos, i % 2) == (19, 0) and all(scores[b] == bound for b in swapped), (pos, swapped, scores)
-            print(f"position {pos}: decode keeps {sorted(selected)}, transformers {sorted(oracle)}; scores {scores.tolist()}")
+            print(f"position {pos}: decode keeps {sorted(selected)}, transformers {sorted(oracle)}; "
+                  f"block scores {scores.tolist()}")
             break
     for i in range(4):  # before the tied selection: the oracle's logprobs
         assert abs(logprobs[i] - ref[len(prompt) - 1 + i, tokens[i]].item()) < TOL
