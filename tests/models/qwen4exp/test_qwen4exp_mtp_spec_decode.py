@@ -119,12 +119,6 @@ def test_mtp_on_a_checkpoint_without_the_head_is_refused(tmp_path):
     assert err.value.param == "speculative_config.method" and "MTP" in str(err.value)
 
 
-def test_mtp_with_tensor_parallelism_is_refused_before_any_rank_starts(checkpoint):
-    with pytest.raises(InvalidRequestError) as err:
-        engine(checkpoint[1], 2, tensor_parallel_size=2)
-    assert err.value.param == "speculative_config.method" and "tensor_parallel_size" in str(err.value)
-
-
 @pytest.mark.gpu
 def test_mtp_drafts_equal_plain_decoding_on_gpu():
     """On a GPU (float32, dummy weights with a random head; the plain engine replays its decode
@@ -159,8 +153,8 @@ def test_engine_drafts_are_the_reference_heads(checkpoint, monkeypatch):
     block = llm.engine.executor.block_size
     log, real = [], runner_module.run_mtp_drafts
 
-    def spy(m, batch, hidden, request, block_size):
-        out = real(m, batch, hidden, request, block_size)
+    def spy(m, batch, hidden, request, block_size, *dcp):
+        out = real(m, batch, hidden, request, block_size, *dcp)
         starts = list(itertools.accumulate(batch.query_lens[:-1], initial=0))
         for i, rows in enumerate(request.rows):
             if rows:
