@@ -63,7 +63,7 @@ def plant_reference(llm, reference):
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_mtp_under_parallelism_matches_tp1_without_drafts(layout, k):
     name, path, ps, want = layout
-    spec = {"method": "mtp", "num_speculative_tokens": k}
+    spec = {"method": "mtp", "num_speculative_tokens": k, "disable_when_slower": False}  # counts not timing-dependent
     got, stats = run(path, ps, speculative_config=spec, **LAYOUTS[name])
     assert got == want
     assert stats.verifies > 0 and stats.accepted < stats.drafted  # the random head's drafts: mostly rejected

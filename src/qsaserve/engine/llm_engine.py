@@ -282,6 +282,7 @@ class LLMEngine:
         batch.host_transfers = self.block_manager.take_host_transfers()
         if self.spec is not None:
             batch.state_snapshots = self.spec.plan_states(sched.chunks, batch.state_snapshots)
+            self.spec.begin_step(sched.chunks)
         logits = self.executor.execute(batch, feed) if feed is not None else self.executor.execute(batch)
         if self.block_manager.state_cache is not None:
             self.block_manager.release_launched_restores()
@@ -323,6 +324,8 @@ class LLMEngine:
             request = self.spec.mtp_request(sched.chunks, [batch.positions[i] for i in starts], len(self.scheduler.running))
             if request is not None:
                 self.spec.set_drafts(sched.chunks, self.executor.mtp_draft(request))
+        if self.spec is not None:
+            self.spec.end_step()
         return results
 
     def _roll_back(self, sched: SchedulerOutput, verified: dict[int, tuple[list[int], bool]]) -> None:

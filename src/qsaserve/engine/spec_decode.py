@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from qsaserve.engine.block_manager import BlockManager, StateSnapshotPlan
+from qsaserve.engine.draft_policy import DraftPolicy
 from qsaserve.engine.mtp_drafter import MtpDraftRequest
 from qsaserve.engine.ngram_proposer import propose_ngram
 from qsaserve.engine.rejection_sampler import verify_drafts
@@ -39,6 +40,9 @@ class SpecDecodeStats:
     accepted: int = 0  # of which accepted
     verifies: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [k]: verifies that accepted draft i
+    # Steps decided by the automatic fallback (draft_policy.py): sequences could draft / were kept from it.
+    drafting_steps: int = 0
+    fallback_steps: int = 0
 
     def __post_init__(self) -> None:
         self.accepted_per_position = [0] * self.num_speculative_tokens
@@ -53,7 +57,8 @@ class SpecDecodeStats:
         return {"drafted": self.drafted, "accepted": self.accepted, "verifies": self.verifies,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "acceptance_length": self.acceptance_length, "accepted_per_position": list(self.accepted_per_position),
-                "acceptance_rate_per_position": per_pos}
+                "acceptance_rate_per_position": per_pos, "drafting_steps": self.drafting_steps,
+                "fallback_steps": self.fallback_steps}
 
 
 class SpecDecoder:
@@ -65,6 +70,7 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.state_rows_base = state_rows_base
         self.stats = SpecDecodeStats(self.k)
+        self.policy = DraftPolicy(on_decision=self._count_decision) if config.disable_when_slower else None
         self.model_drafts = config.method == "mtp"
         # Each drafting sequence's token ids as an int64 array, extended by the tokens appended
         # since (converting the whole list would cost its length, every sequence, every step).
@@ -92,10 +98,29 @@ class SpecDecoder:
         limit = self.config.disable_by_batch_size
         if seq.is_finished or not self.eligible(seq) or (limit is not None and num_running > limit):
             return 0
+        if self.policy is not None and not self.policy.allows(num_running):
+            return 0
         room = self.max_model_len - seq.num_tokens - 1
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
         return max(0, min(self.k, room))
+
+    # ---- the step's timing (the automatic fallback, draft_policy.py) ----
+    def begin_step(self, chunks: list[ScheduledChunk]) -> None:
+        if self.policy is not None:
+            self.policy.step_started(len(chunks), all(c.num_new_tokens == c.num_drafts + 1 for c in chunks),
+                                     any(c.num_drafts for c in chunks))
+
+    def end_step(self) -> None:
+        """After the step's tokens are appended and the next drafts made."""
+        if self.policy is not None:
+            self.policy.step_finished()
+
+    def _count_decision(self, drafts: bool) -> None:
+        if drafts:
+            self.stats.drafting_steps += 1
+        else:
+            self.stats.fallback_steps += 1
 
     # ---- drafts of the model's own head (method "mtp", engine/mtp_drafter.py) ----
     def mtp_request(self, chunks: list[ScheduledChunk], first_positions: list[int],
@@ -182,6 +207,8 @@ class SpecDecoder:
             st.accepted += a
             for i in range(a):
                 st.accepted_per_position[i] += 1
+            if self.policy is not None:
+                self.policy.verified(a)
         return {s.seq_id: (tokens, ok) for s, tokens, ok in zip(seqs, emitted, finite)}
 
     def roll_back(self, seq: Sequence, num_drafts: int, num_accepted: int, block_manager: BlockManager) -> None:
