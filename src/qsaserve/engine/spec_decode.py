@@ -62,10 +62,14 @@ class SpecDecodeStats:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, state_rows_base: int | None):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, state_rows_base: int | None,
+                 prefix_caching: bool = False):
         """state_rows_base: first pool row of the per-position state rows (k per state slot, slot s
-        at base + s * k), None for models without recurrent state."""
+        at base + s * k), None for models without recurrent state. prefix_caching: the MTP head
+        runs on every sequence's rows, so that a cached block holds the head's pages for a later
+        request that hits it (else only sequences that may draft run it)."""
         self.config = config
+        self.head_on_every_sequence = prefix_caching and config.method == "mtp"
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.state_rows_base = state_rows_base
@@ -82,6 +86,11 @@ class SpecDecoder:
         grammar-constrained one does not: its verified rows would each need the grammar's mask
         after the drafts before it, which the step does not build."""
         return seq.simple_sampling and seq.params.structured_outputs is None
+
+    def needs_host_tokens(self, seq: Sequence) -> bool:
+        """Whether a step with seq runs synchronously: its drafts, or the MTP head's rows for it,
+        need its tokens on the host right after the step."""
+        return self.head_on_every_sequence or self.eligible(seq)
 
     # ---- drafting ----
     def propose(self, seq: Sequence, num_running: int = 1) -> None:
@@ -127,11 +136,13 @@ class SpecDecoder:
                     num_running: int) -> MtpDraftRequest | None:
         """After a step's tokens are appended: per chunk, its rows whose next token is known (a
         rejected draft's rows never are) and the drafts wanted once they reach the last token.
-        Sequences that can never draft (eligible() is fixed per request) are left out."""
+        Sequences that can never draft (eligible() is fixed per request) are left out, unless the
+        head's pages are kept for the prefix cache (head_on_every_sequence)."""
         rows, next_ids, drafts, tables = [], [], [], []
         for chunk, start in zip(chunks, first_positions):
             seq = chunk.seq
-            m = 0 if seq.is_finished or not self.eligible(seq) else min(chunk.num_new_tokens, seq.num_tokens - start - 1)
+            m = 0 if seq.is_finished or not self.needs_host_tokens(seq) else \
+                min(chunk.num_new_tokens, seq.num_tokens - start - 1)
             rows.append(m)
             next_ids.append(seq.token_ids[start + 1 : start + 1 + m])
             drafts.append(self.room(seq, num_running) if m and start + m == seq.num_tokens - 1 else 0)
