@@ -36,9 +36,6 @@ class BucketCost:
     plain_step: int = -2  # the policy's step that was last timed as each kind
     verify_step: int = -2
 
-    def as_dict(self) -> dict:
-        return {"plain_s": self.plain, "verify_s": self.verify}
-
 
 def batch_bucket(num_seqs: int) -> int:
     """The power of two at or above num_seqs (1, 2, 4, ...)."""
@@ -123,6 +120,3 @@ class DraftPolicy:
             cost.since_probe = 0
             return not pays
         return pays
-
-    def as_dict(self) -> dict:
-        return {"gain": self.gain, "buckets": {b: c.as_dict() for b, c in sorted(self.buckets.items())}}
