@@ -63,6 +63,7 @@ def test_buckets_are_timed_apart():
     policy = DraftPolicy(clock, probe_interval=8)
     drive(policy, clock, 6, batch=2, accepted=1)  # pays at 2: 2 tokens for 1.5x
     assert policy.pays(batch_bucket(2)) is True and policy.pays(batch_bucket(64)) is None
+    policy.step_started(64, True, False)
     assert policy.allows(64)  # a bucket never timed drafts first
     assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
 

@@ -58,7 +58,7 @@ class DraftPolicy:
         self._step = 0
         self._timing: tuple[float, int, bool] | None = None  # (start, sequences, drafted) of the step
         self._accepted = 0
-        self._decided: tuple[int, int, bool] | None = None  # (step, bucket, drafts)
+        self._decided: tuple[int, bool] | None = None  # (step, drafts)
 
     # ---- timing (the engine's step) ----
     def step_started(self, num_seqs: int, all_decode: bool, drafted: bool) -> None:
@@ -93,11 +93,12 @@ class DraftPolicy:
 
     # ---- the decision (asked for every sequence that may draft; one answer per step) ----
     def allows(self, num_seqs: int) -> bool:
-        bucket = batch_bucket(num_seqs)
-        if self._decided is not None and self._decided[:2] == (self._step, bucket):
-            return self._decided[2]
-        drafts = self._decide(self.buckets.setdefault(bucket, BucketCost()))
-        self._decided = (self._step, bucket, drafts)
+        """Whether sequences draft for the next step, decided at the first ask of a step (for
+        the batch size then: sequences finishing later in the step do not split the decision)."""
+        if self._decided is not None and self._decided[0] == self._step:
+            return self._decided[1]
+        drafts = self._decide(self.buckets.setdefault(batch_bucket(num_seqs), BucketCost()))
+        self._decided = (self._step, drafts)
         if self.on_decision is not None:
             self.on_decision(drafts)
         return drafts
