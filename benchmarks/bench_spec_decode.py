@@ -45,7 +45,8 @@ def build(model: str, batch: int, context: int, steps: int, force_accept: bool, 
           method: str = "ngram") -> LLMEngine:
     config = EngineConfig(model=model, load_format="dummy", max_num_seqs=batch, max_model_len=context + max_new_tokens(steps) + 1,
                           enforce_eager=enforce_eager, ple_placement="gpu",
-                          speculative_config={"method": method, "num_speculative_tokens": max(KS)})
+                          speculative_config={"method": method, "num_speculative_tokens": max(KS),
+                                              "disable_when_slower": False})
     engine = LLMEngine(config, progress=False)
     if force_accept:
         spec, verify = engine.spec, engine.spec.verify

@@ -108,7 +108,7 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | dict | str | None = _option(
         None, 'speculative decoding as JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3, '
               '"prompt_lookup_max": 4, "prompt_lookup_min": 2}; methods: ngram (every model), mtp (Qwen4Exp '
-              'checkpoints with an MTP head, tensor_parallel_size 1); num_speculative_tokens 1..8')
+              'checkpoints with an MTP head); num_speculative_tokens 1..8')
 
     def __post_init__(self) -> None:
         if isinstance(self.tokenizer, os.PathLike):
@@ -155,10 +155,6 @@ class EngineConfig:
             raise InvalidRequestError("async_scheduling", f"must be true or false, got {self.async_scheduling!r}")
         self.cuda_graph_sizes = _normalize_sizes(self.cuda_graph_sizes)
         self.speculative_config = parse_speculative_config(self.speculative_config)
-        if (self.speculative_config is not None and self.speculative_config.method == "mtp"
-                and self.tensor_parallel_size > 1):  # the draft head runs in the engine's own rank only
-            raise InvalidRequestError("speculative_config.method",
-                                      f"mtp: runs with tensor_parallel_size 1, got {self.tensor_parallel_size}")
 
     def _check_kv_cache(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

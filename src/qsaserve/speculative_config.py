@@ -23,6 +23,9 @@ class SpeculativeConfig:
     # No drafts in a step while more sequences than this run (verifying costs more than it saves
     # in large batches; benchmarks/bench_spec_decode.py measures where). None: always draft.
     disable_by_batch_size: int | None = None
+    # No drafts in a step whose batch size measured slower verify steps than plain ones, per token
+    # (engine/draft_policy.py); disable_by_batch_size applies first.
+    disable_when_slower: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -30,6 +33,9 @@ class SpeculativeConfig:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 1, None)
+        if not isinstance(self.disable_when_slower, bool):
+            raise InvalidRequestError(f"{_PREFIX}.disable_when_slower", f"must be true or false, got "
+                                      f"{self.disable_when_slower!r}")
         if self.method != "ngram":
             for name in ("prompt_lookup_max", "prompt_lookup_min"):
                 if getattr(self, name) is not None:

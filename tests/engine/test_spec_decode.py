@@ -57,6 +57,11 @@ def generate(llm, ps, params):
 
 
 def engine(path, spec=None, **kw):
+    """With a spec dict the timing-driven fallback is off unless asked for (test_draft_policy.py
+    drives it with an injected clock): on this machine's real clock it would make the counts of
+    drafts the tests assert depend on its speed."""
+    if isinstance(spec, dict):
+        spec = {"disable_when_slower": False, **spec}
     args = dict(dtype="float32", device="cpu", max_model_len=256, max_num_batched_tokens=24, block_size=16,
                 progress=False, speculative_config=spec)
     return LLM(path, **{**args, **kw})
@@ -248,7 +253,7 @@ def test_metrics_report_the_spec_counters(hf_llama):
     from qsaserve.engine.async_engine import EngineSnapshot, _spec_counters
     from qsaserve.server.metrics import _EngineCollector
 
-    llm = engine(hf_llama[1], {"method": "ngram", "num_speculative_tokens": 3})
+    llm = engine(hf_llama[1], {"method": "ngram", "num_speculative_tokens": 3, "disable_when_slower": True})
     generate(llm, repetitive_prompts(), SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True))
     st = llm.engine.spec.stats
 
@@ -269,6 +274,8 @@ def test_metrics_report_the_spec_counters(hf_llama):
     assert samples[("qsaserve:spec_decode_mean_acceptance_length", None)] == pytest.approx(st.acceptance_length)
     for pos in range(3):
         assert samples[("qsaserve:spec_decode_num_accepted_tokens_per_pos_total", str(pos))] == st.accepted_per_position[pos]
+    assert samples[("qsaserve:spec_decode_drafting_steps_total", None)] == st.drafting_steps > 0
+    assert samples[("qsaserve:spec_decode_fallback_steps_total", None)] == st.fallback_steps
 
 
 @pytest.mark.gpu

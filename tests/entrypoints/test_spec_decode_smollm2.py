@@ -21,7 +21,7 @@ def engines():
     plain = LLM(dtype="float32", max_model_len=512, progress=False)
     spec = LLM(dtype="float32", max_model_len=512, progress=False,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
-                                   "prompt_lookup_min": 2})
+                                   "prompt_lookup_min": 2, "disable_when_slower": False})
     return plain, spec
 
 

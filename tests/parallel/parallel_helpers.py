@@ -56,10 +56,11 @@ def assert_same_outputs(a, b, tol, rel=1e-5):
             assert abs(u - v) <= tol + rel * abs(u), (u, v)
 
 
-def tiny_qwen4exp(path, *, kv_heads=2, budget=12, seed=0):
+def tiny_qwen4exp(path, *, kv_heads=2, budget=12, seed=0, mtp_seed=None):
     """A random Qwen4Exp (2 GDN + 2 QSA layers, PLE, MoE, hyper-connections) with every parameter
-    overwritten by non-trivial values (transformers' init zeroes 1-centred norms) and a scaled LM head."""
-    from qwen4exp_testing import build_random_model
+    overwritten by non-trivial values (transformers' init zeroes 1-centred norms) and a scaled LM
+    head; with a random MTP draft head (mtp.*) drawn from mtp_seed when one is given."""
+    from qwen4exp_testing import build_random_model, save_with_mtp
     from transformers import Qwen4ExpTextConfig
 
     qsa = next(t for t in Qwen4ExpTextConfig().layer_types if t != "linear_attention")  # the installed release's name
@@ -74,5 +75,7 @@ def tiny_qwen4exp(path, *, kv_heads=2, budget=12, seed=0):
         rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.5},
     )
     model = build_random_model(cfg, seed, lm_head_scale=5.0)
+    if mtp_seed is not None:
+        return save_with_mtp(model, str(path), seed=mtp_seed)
     model.save_pretrained(path)
     return str(path)

@@ -97,7 +97,10 @@ def _spec_delta(before: dict, after: dict) -> dict:
     per_pos = [a - b for a, b in zip(after["accepted_per_position"], before["accepted_per_position"])]
     return {"drafted": after["drafted"] - before["drafted"], "accepted": accepted, "verifies": verifies,
             "acceptance_length": round(1 + accepted / verifies, 4) if verifies else None,
-            "acceptance_rate_per_position": [round(a / verifies, 4) if verifies else None for a in per_pos]}
+            "acceptance_rate_per_position": [round(a / verifies, 4) if verifies else None for a in per_pos],
+            # the automatic fallback's decisions (engine/draft_policy.py)
+            "drafting_steps": after["drafting_steps"] - before["drafting_steps"],
+            "fallback_steps": after["fallback_steps"] - before["fallback_steps"]}
 
 
 def _ttft(engine: LLMEngine, length: int, trials: int, rng: random.Random) -> dict:

@@ -78,6 +78,9 @@ class EngineSnapshot:
     spec_accepted: int = 0
     spec_verifies: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # Steps the automatic fallback let sequences draft in / kept them from it (draft_policy.py).
+    spec_drafting_steps: int = 0
+    spec_fallback_steps: int = 0
 
 
 def _spec_counters(spec) -> dict:
@@ -85,7 +88,8 @@ def _spec_counters(spec) -> dict:
         return {}
     st = spec.stats
     return dict(spec_drafted=st.drafted, spec_accepted=st.accepted, spec_verifies=st.verifies,
-                spec_accepted_per_position=tuple(st.accepted_per_position))
+                spec_accepted_per_position=tuple(st.accepted_per_position), spec_drafting_steps=st.drafting_steps,
+                spec_fallback_steps=st.fallback_steps)
 
 
 def _state_cache_counters(cache) -> dict:

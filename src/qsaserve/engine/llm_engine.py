@@ -95,7 +95,7 @@ class LLMEngine:
         if config.speculative_config is not None:
             # Hybrid models keep k per-position state rows per slot after the prefix cache's rows.
             base = self.executor.num_state_snapshots if is_hybrid(hf) else None
-            self.spec = SpecDecoder(config.speculative_config, self.max_model_len, base)
+            self.spec = SpecDecoder(config.speculative_config, self.max_model_len, base, prefix_caching)
 
     def _check_kv_capacity(self) -> int:
         """Refuses a cache that cannot hold one max-length request, logs the capacity (per rank under
@@ -282,6 +282,7 @@ class LLMEngine:
         batch.host_transfers = self.block_manager.take_host_transfers()
         if self.spec is not None:
             batch.state_snapshots = self.spec.plan_states(sched.chunks, batch.state_snapshots)
+            self.spec.begin_step(sched.chunks)
         logits = self.executor.execute(batch, feed) if feed is not None else self.executor.execute(batch)
         if self.block_manager.state_cache is not None:
             self.block_manager.release_launched_restores()
@@ -298,7 +299,7 @@ class LLMEngine:
                 and not any(s.uses_penalties for s in plan.sample_seqs)
                 # A sequence that drafts needs its tokens on the host before the next step (the
                 # drafter reads them), so such steps run synchronously under async scheduling.
-                and not (self.spec is not None and any(self.spec.eligible(s) for s in plan.sample_seqs))):
+                and not (self.spec is not None and any(self.spec.needs_host_tokens(s) for s in plan.sample_seqs))):
             tokens = sample_deferred(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator, mask)
             if prev is not None:
                 results += self._complete_in_flight(prev, outputs)
@@ -323,6 +324,8 @@ class LLMEngine:
             request = self.spec.mtp_request(sched.chunks, [batch.positions[i] for i in starts], len(self.scheduler.running))
             if request is not None:
                 self.spec.set_drafts(sched.chunks, self.executor.mtp_draft(request))
+        if self.spec is not None:
+            self.spec.end_step()
         return results
 
     def _roll_back(self, sched: SchedulerOutput, verified: dict[int, tuple[list[int], bool]]) -> None:

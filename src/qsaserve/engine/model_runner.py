@@ -112,7 +112,7 @@ class ModelRunner:
         self.mtp = False
         spec = config.speculative_config
         if spec is not None:
-            check_draft_method(model, spec.method, self.parallel)
+            check_draft_method(model, spec.method)
             self.mtp = spec.method == "mtp"  # the draft head runs after each step (mtp_draft)
             if supports_state_snapshots(model):
                 self.spec_state_rows = config.num_state_slots * spec.num_speculative_tokens
@@ -459,7 +459,7 @@ class ModelRunner:
         """The MTP head over the last step's rows, then its drafts (engine/mtp_drafter.py)."""
         batch, hidden = self._last_step
         self._last_step = None
-        return run_mtp_drafts(self.model, batch, hidden, request, self.kv_spec.block_size)
+        return run_mtp_drafts(self.model, batch, hidden, request, self.kv_spec.block_size, self.parallel.dcp)
 
     def _stage_snapshot_plan(self, plan: StateSnapshotPlan | None):
         """Uploads the plan's rows and slots (one non_blocking copy) and launches its restores;

@@ -23,6 +23,7 @@ from qsaserve.engine.batch import BatchInput
 from qsaserve.layers.attention import AttentionMetadata
 from qsaserve.errors import InvalidRequestError
 from qsaserve.models.interfaces import HasMtpHead, supports_mtp_drafts
+from qsaserve.parallel.dcp import DcpGeometry
 
 
 @dataclass
@@ -35,24 +36,22 @@ class MtpDraftRequest:
     tables: list[list[int]]  # each sequence's block table now (for the draft rows' positions)
 
 
-def check_draft_method(model: object, method: str, parallel) -> None:
+def check_draft_method(model: object, method: str) -> None:
     """Every model drafts with n-grams (the host looks them up); "mtp" needs the checkpoint's own
-    multi-token-prediction head (engine/mtp_drafter.py), on one rank."""
-    if method != "mtp":
-        return
-    if not supports_mtp_drafts(model):
+    multi-token-prediction head (engine/mtp_drafter.py)."""
+    if method == "mtp" and not supports_mtp_drafts(model):
         raise InvalidRequestError("speculative_config.method",
                                   f"mtp: {type(model).__name__} has no MTP draft head in this checkpoint "
                                   "(no mtp.* tensors, or a model without one); use method 'ngram'")
-    if parallel.tp_size > 1 or parallel.dcp.enabled:
-        raise InvalidRequestError("speculative_config.method",
-                                  "mtp: runs on one rank (tensor_parallel_size 1, no decode context parallelism)")
 
 
 def _meta(positions: list[int], query_lens: list[int], slots: list[int], tables: list[list[int]],
-          state_slots: list[int], block_size: int, device: torch.device) -> AttentionMetadata:
+          state_slots: list[int], block_size: int, dcp: DcpGeometry, device: torch.device) -> AttentionMetadata:
     """Rows of consecutive positions per sequence, each sequence's context ending at its last row;
-    tables padded with the null block up to the last row's page (draft rows may pass the blocks)."""
+    tables padded with the null block up to the last row's page (draft rows may pass the blocks).
+    Under DCP the head's K/V pages are token-sharded as the target's (the step's write plan);
+    catch-up rows lie inside the blocks, and draft rows (one per sequence: the decode path) store
+    nothing past them, as on one rank."""
     cu = np.zeros(len(query_lens) + 1, dtype=np.int32)
     np.cumsum(query_lens, out=cu[1:])
     seq_lens = [positions[cu[i + 1] - 1] + 1 for i in range(len(query_lens))]
@@ -63,7 +62,8 @@ def _meta(positions: list[int], query_lens: list[int], slots: list[int], tables:
         block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         cu_query_lens=torch.tensor(cu, device=device), query_lens=list(query_lens), seq_lens_list=seq_lens,
-        state_slots=list(state_slots))
+        state_slots=list(state_slots),
+        dcp=dcp.step_plan(positions, list(query_lens), seq_lens, padded, device) if dcp.enabled else None)
 
 
 def _slot(table: list[int], position: int, block_size: int) -> int:
@@ -74,8 +74,11 @@ def _slot(table: list[int], position: int, block_size: int) -> int:
 
 @torch.inference_mode()
 def run_mtp_drafts(model: HasMtpHead, batch: BatchInput, hidden: torch.Tensor, request: MtpDraftRequest,
-                   block_size: int) -> list[list[int]]:
-    """hidden: the step's forward output, one row per batch row. Returns each sequence's drafts."""
+                   block_size: int, dcp: DcpGeometry = DcpGeometry()) -> list[list[int]]:
+    """hidden: the step's forward output, one row per batch row; block_size: tokens per engine
+    block. Returns each sequence's drafts. Under tensor parallelism every rank runs this with the
+    same request (rank 0 sends it): the head's collectives pair up, and every rank reads the same
+    gathered logits, so all draft the same tokens."""
     device = hidden.device
     cu = np.zeros(len(batch.query_lens) + 1, dtype=np.int64)
     np.cumsum(batch.query_lens, out=cu[1:])
@@ -87,7 +90,7 @@ def run_mtp_drafts(model: HasMtpHead, batch: BatchInput, hidden: torch.Tensor, r
     positions = [int(batch.positions[r]) for r in rows]
     meta = _meta(positions, [request.rows[i] for i in seqs], [int(batch.slot_mapping[r]) for r in rows],
                  [request.tables[i] for i in seqs],
-                 [batch.state_slots[i] for i in seqs], block_size, device)
+                 [batch.state_slots[i] for i in seqs], block_size, dcp, device)
     next_ids = torch.tensor([t for i in seqs for t in request.next_ids[i]], dtype=torch.long, device=device)
     h = model.mtp_forward(hidden[torch.tensor(rows, device=device)], next_ids,
                           torch.tensor(positions, dtype=torch.long, device=device), meta)
@@ -108,7 +111,8 @@ def run_mtp_drafts(model: HasMtpHead, batch: BatchInput, hidden: torch.Tensor, r
         pos = [positions[int(ends[j])] + 1 for j, _ in drafting]  # the row after the last verified one
         for step in range(1, longest):
             meta = _meta(pos, [1] * len(ids), [_slot(request.tables[i], p, block_size) for i, p in zip(ids, pos)],
-                         [request.tables[i] for i in ids], [batch.state_slots[i] for i in ids], block_size, device)
+                         [request.tables[i] for i in ids], [batch.state_slots[i] for i in ids], block_size, dcp,
+                         device)
             h = model.mtp_forward(h, token, torch.tensor(pos, dtype=torch.long, device=device), meta)
             token = model.mtp_logits(h).argmax(-1)
             for i, t in zip(ids, token.tolist()):

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from qsaserve.engine.block_manager import BlockManager, StateSnapshotPlan
+from qsaserve.engine.draft_policy import DraftPolicy
 from qsaserve.engine.mtp_drafter import MtpDraftRequest
 from qsaserve.engine.ngram_proposer import propose_ngram
 from qsaserve.engine.rejection_sampler import verify_drafts
@@ -39,6 +40,9 @@ class SpecDecodeStats:
     accepted: int = 0  # of which accepted
     verifies: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [k]: verifies that accepted draft i
+    # Steps decided by the automatic fallback (draft_policy.py): sequences could draft / were kept from it.
+    drafting_steps: int = 0
+    fallback_steps: int = 0
 
     def __post_init__(self) -> None:
         self.accepted_per_position = [0] * self.num_speculative_tokens
@@ -53,18 +57,24 @@ class SpecDecodeStats:
         return {"drafted": self.drafted, "accepted": self.accepted, "verifies": self.verifies,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "acceptance_length": self.acceptance_length, "accepted_per_position": list(self.accepted_per_position),
-                "acceptance_rate_per_position": per_pos}
+                "acceptance_rate_per_position": per_pos, "drafting_steps": self.drafting_steps,
+                "fallback_steps": self.fallback_steps}
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, state_rows_base: int | None):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, state_rows_base: int | None,
+                 prefix_caching: bool = False):
         """state_rows_base: first pool row of the per-position state rows (k per state slot, slot s
-        at base + s * k), None for models without recurrent state."""
+        at base + s * k), None for models without recurrent state. prefix_caching: the MTP head
+        runs on every sequence's rows, so that a cached block holds the head's pages for a later
+        request that hits it (else only sequences that may draft run it)."""
         self.config = config
+        self.head_on_every_sequence = prefix_caching and config.method == "mtp"
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.state_rows_base = state_rows_base
         self.stats = SpecDecodeStats(self.k)
+        self.policy = DraftPolicy(on_decision=self._count_decision) if config.disable_when_slower else None
         self.model_drafts = config.method == "mtp"
         # Each drafting sequence's token ids as an int64 array, extended by the tokens appended
         # since (converting the whole list would cost its length, every sequence, every step).
@@ -76,6 +86,11 @@ class SpecDecoder:
         grammar-constrained one does not: its verified rows would each need the grammar's mask
         after the drafts before it, which the step does not build."""
         return seq.simple_sampling and seq.params.structured_outputs is None
+
+    def needs_host_tokens(self, seq: Sequence) -> bool:
+        """Whether a step with seq runs synchronously: its drafts, or the MTP head's rows for it,
+        need its tokens on the host right after the step."""
+        return self.head_on_every_sequence or self.eligible(seq)
 
     # ---- drafting ----
     def propose(self, seq: Sequence, num_running: int = 1) -> None:
@@ -92,21 +107,42 @@ class SpecDecoder:
         limit = self.config.disable_by_batch_size
         if seq.is_finished or not self.eligible(seq) or (limit is not None and num_running > limit):
             return 0
+        if self.policy is not None and not self.policy.allows(num_running):
+            return 0
         room = self.max_model_len - seq.num_tokens - 1
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
         return max(0, min(self.k, room))
+
+    # ---- the step's timing (the automatic fallback, draft_policy.py) ----
+    def begin_step(self, chunks: list[ScheduledChunk]) -> None:
+        if self.policy is not None:
+            self.policy.step_started(len(chunks), all(c.num_new_tokens == c.num_drafts + 1 for c in chunks),
+                                     any(c.num_drafts for c in chunks))
+
+    def end_step(self) -> None:
+        """After the step's tokens are appended and the next drafts made."""
+        if self.policy is not None:
+            self.policy.step_finished()
+
+    def _count_decision(self, drafts: bool) -> None:
+        if drafts:
+            self.stats.drafting_steps += 1
+        else:
+            self.stats.fallback_steps += 1
 
     # ---- drafts of the model's own head (method "mtp", engine/mtp_drafter.py) ----
     def mtp_request(self, chunks: list[ScheduledChunk], first_positions: list[int],
                     num_running: int) -> MtpDraftRequest | None:
         """After a step's tokens are appended: per chunk, its rows whose next token is known (a
         rejected draft's rows never are) and the drafts wanted once they reach the last token.
-        Sequences that can never draft (eligible() is fixed per request) are left out."""
+        Sequences that can never draft (eligible() is fixed per request) are left out, unless the
+        head's pages are kept for the prefix cache (head_on_every_sequence)."""
         rows, next_ids, drafts, tables = [], [], [], []
         for chunk, start in zip(chunks, first_positions):
             seq = chunk.seq
-            m = 0 if seq.is_finished or not self.eligible(seq) else min(chunk.num_new_tokens, seq.num_tokens - start - 1)
+            m = 0 if seq.is_finished or not self.needs_host_tokens(seq) else \
+                min(chunk.num_new_tokens, seq.num_tokens - start - 1)
             rows.append(m)
             next_ids.append(seq.token_ids[start + 1 : start + 1 + m])
             drafts.append(self.room(seq, num_running) if m and start + m == seq.num_tokens - 1 else 0)
@@ -182,6 +218,8 @@ class SpecDecoder:
             st.accepted += a
             for i in range(a):
                 st.accepted_per_position[i] += 1
+            if self.policy is not None:
+                self.policy.verified(a)
         return {s.seq_id: (tokens, ok) for s, tokens, ok in zip(seqs, emitted, finite)}
 
     def roll_back(self, seq: Sequence, num_drafts: int, num_accepted: int, block_manager: BlockManager) -> None:

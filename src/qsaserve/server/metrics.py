@@ -70,6 +70,9 @@ class _EngineCollector:
         for pos, n in enumerate(s.spec_accepted_per_position):
             per_pos.add_metric([self.model_name, str(pos)], n)
         yield per_pos
+        yield counter("qsaserve:spec_decode_drafting_steps", "Steps the automatic fallback let sequences draft in.", s.spec_drafting_steps)
+        yield counter("qsaserve:spec_decode_fallback_steps", "Steps the automatic fallback kept from drafting: verify "
+                      "steps were slower per token than plain ones at that batch size.", s.spec_fallback_steps)
         yield gauge("qsaserve:engine_healthy", "1 while the engine loop runs, 0 once it died.", 1.0 if self.engine.is_healthy() else 0.0)
 
 

@@ -111,18 +111,38 @@ def test_prefix_cache_hits_and_fp8_pages(checkpoint):
             assert base == [want[1]] and again.num_cached_tokens > 0
 
 
+def test_prefix_cache_hit_on_the_blocks_of_a_request_that_never_drafted(checkpoint):
+    """A request with a penalty (it never drafts) computes a prompt's blocks; a greedy request
+    of the same prompt hits them. With prefix caching the head runs on every sequence's rows, so
+    the hit blocks hold its pages: its drafts equal those of the request run alone without the
+    prefix cache, and so do its tokens (steps of 64 tokens: each prompt is one chunk, so both runs
+    draft first after the prompt's last row)."""
+    model, path, ps, want, _ = checkpoint
+    penalty = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, repetition_penalty=1.0001)
+
+    def drafts(llm):
+        log, draft = [], llm.engine.executor.mtp_draft
+        llm.engine.executor.mtp_draft = lambda request: log.append(draft(request)) or log[-1]
+        return log
+
+    fresh = engine(path, 2, max_num_batched_tokens=64)
+    alone = drafts(fresh)
+    assert generate(fresh, [ps[1]]) == [want[1]]
+    cached = engine(path, 2, enable_prefix_caching=True, max_num_batched_tokens=64)
+    generate(cached, [ps[1]], penalty)
+    assert cached.engine.spec.stats.drafted == 0
+    after_hit = drafts(cached)
+    out = cached.generate([{"prompt_token_ids": ps[1]}], PARAMS, use_tqdm=False)[0]
+    assert out.num_cached_tokens > 0 and out.outputs[0].token_ids == want[1]
+    assert [d for d in after_hit if any(d)] == [d for d in alone if any(d)]
+
+
 def test_mtp_on_a_checkpoint_without_the_head_is_refused(tmp_path):
     model = build_random_model(make_config(), seed=1)
     model.save_pretrained(str(tmp_path))
     with pytest.raises(InvalidRequestError) as err:
         engine(str(tmp_path), 2)
     assert err.value.param == "speculative_config.method" and "MTP" in str(err.value)
-
-
-def test_mtp_with_tensor_parallelism_is_refused_before_any_rank_starts(checkpoint):
-    with pytest.raises(InvalidRequestError) as err:
-        engine(checkpoint[1], 2, tensor_parallel_size=2)
-    assert err.value.param == "speculative_config.method" and "tensor_parallel_size" in str(err.value)
 
 
 @pytest.mark.gpu
@@ -159,8 +179,8 @@ def test_engine_drafts_are_the_reference_heads(checkpoint, monkeypatch):
     block = llm.engine.executor.block_size
     log, real = [], runner_module.run_mtp_drafts
 
-    def spy(m, batch, hidden, request, block_size):
-        out = real(m, batch, hidden, request, block_size)
+    def spy(m, batch, hidden, request, block_size, *dcp):
+        out = real(m, batch, hidden, request, block_size, *dcp)
         starts = list(itertools.accumulate(batch.query_lens[:-1], initial=0))
         for i, rows in enumerate(request.rows):
             if rows:

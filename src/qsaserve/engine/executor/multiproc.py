@@ -36,6 +36,7 @@ from qsaserve.engine.executor.processes import WorkerProcess, stop_workers, wait
 from qsaserve.engine.executor.rank import (TEARDOWN_TIMEOUT_S, WorkerSpec, build_runner, destroy_process_group_bounded,
                                            init_rank, master_endpoint)
 from qsaserve.engine.executor.step_channel import FactsCommand, GlooBroadcast, PipeSender, ProfileCommand
+from qsaserve.engine.mtp_drafter import MtpDraftRequest
 from qsaserve.errors import EngineDeadError
 
 logger = logging.getLogger("qsaserve")
@@ -134,10 +135,18 @@ class MultiprocExecutor(Rank0Views):
     def execute(self, batch, feed=None) -> torch.Tensor:
         """feed (async scheduling): rank 0's TokenFeed; the workers are told to take their input
         ids from rank 0's broadcast instead."""
+        return self._on_every_rank((batch, feed is not None), lambda: self.runner.execute(batch, feed))
+
+    def mtp_draft(self, request: MtpDraftRequest) -> list[list[int]]:
+        """The MTP head after the last step, on every rank (its layer is sharded as the target's);
+        rank 0's drafts (every rank computes the same)."""
+        return self._on_every_rank(request, lambda: self.runner.mtp_draft(request))
+
+    def _on_every_rank(self, message, run):
         self.check_health()
         try:
-            self._steps.send((batch, feed is not None))
-            return self.runner.execute(batch, feed)
+            self._steps.send(message)
+            return run()
         except Exception as e:
             # Ranks are out of step now whatever the cause; name a dead worker if there is one.
             self._declare_dead(self._find_dead_worker(wait=2.0) or f"step failed on rank 0: {type(e).__name__}: {e}")

@@ -12,8 +12,9 @@ so rank 0 cannot mix it with pipes).
 A closed pipe ends a worker (EOF: rank 0 is gone); a dead worker makes rank 0's write fail
 (BrokenPipeError), which the executor reports as a dead engine.
 
-Messages: (BatchInput, fed by rank 0) for each step, a ProfileCommand or FactsCommand between
-steps, None to stop.
+Messages: (BatchInput, fed by rank 0) for each step, an MtpDraftRequest after a step (the MTP
+draft head's rows, engine/mtp_drafter.py), a ProfileCommand or FactsCommand between steps, None
+to stop.
 """
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from qsaserve.engine.batch import FedByRank0
 from qsaserve.engine.executor.rank import WorkerSpec, build_runner, destroy_process_group_bounded, init_rank
 from qsaserve.engine.executor.process_facts import process_facts
 from qsaserve.engine.executor.step_channel import FactsCommand, GlooBroadcast, PipeReceiver, ProfileCommand
+from qsaserve.engine.mtp_drafter import MtpDraftRequest
 from qsaserve.engine.profiling import summarize_events
 
 
@@ -99,6 +100,9 @@ def worker_main(spec: WorkerSpec, error_fd: int) -> None:
             if isinstance(step, FactsCommand):
                 write_json_whole(os.path.join(step.directory, f"rank{spec.rank}.facts.json"),
                                  {"rank": spec.rank, **process_facts(device)})
+                continue
+            if isinstance(step, MtpDraftRequest):  # the draft head after the step (its drafts: rank 0's)
+                runner.mtp_draft(step)
                 continue
             batch, fed = step
             runner.execute(batch, FedByRank0() if fed else None)

@@ -180,10 +180,11 @@ class Qwen4ExpForCausalLM(nn.Module, HasMtpHead, HasRecurrentState, HasRoutedExp
         return self.mtp is not None
 
     def allocate_mtp(self, num_blocks: int, block_size: int, num_slots: int, device: torch.device) -> int:
-        """The head's QSA pages (one layer, this rank's KV heads) and its index-tail slots."""
-        c, dtype = self.config, self.model.embed_tokens.weight.dtype
-        spec = KVCacheSpec(1, self.num_kv_heads, c.head_dim, dtype, block_size, index_head_dim=c.indexer_head_dim,
-                           index_ratio=c.indexer_compress_ratio)
+        """The head's QSA pages (one layer, this rank's KV heads; block_size: tokens per engine
+        block, whose K/V pages DCP token-shards as the target's) and its index-tail slots."""
+        c, dtype, dcp = self.config, self.model.embed_tokens.weight.dtype, self.ctx.dcp
+        spec = dcp.scale_spec(KVCacheSpec(1, self.num_kv_heads, c.head_dim, dtype, block_size // dcp.size,
+                                          index_head_dim=c.indexer_head_dim, index_ratio=c.indexer_compress_ratio))
         cache = allocate_kv_cache(spec, num_blocks, device)[0]
         self.mtp.attention_layer.cache = cache
         self.mtp.allocate_state(num_slots, dtype, device)

@@ -58,16 +58,23 @@ def pool_completed_groups(tails: torch.Tensor, slots: torch.Tensor, raw: torch.T
 def select_decode(index_q: torch.Tensor, block_key_cache: torch.Tensor, block_tables: torch.Tensor,
                   positions: torch.Tensor, ratio: int, budget: int, dcp=None) -> torch.Tensor:
     """One query per sequence, index_q [B, Hi, Di] at positions [B] (-1: padding row) -> token
-    positions [B, budget + r - 1] (-1 padded): the top budget // r visible groups (ties: lower group
-    first), each group's tokens ascending, then the open tail. dcp: a `parallel.dcp.DcpGeometry`;
-    when enabled, the positions come localized to this rank's rows (`dcp.localize`). Device tensors
-    only (CUDA-graph safe)."""
+    positions [B, budget + r - 1] (-1 padded): the top budget // r visible groups, each group's
+    tokens ascending, then the open tail. dcp: a `parallel.dcp.DcpGeometry`; when enabled, the
+    positions come localized to this rank's rows (`dcp.localize`).
+
+    Ties follow `select_prefill`'s rule for the device, so a row selects the same groups whether it
+    decodes alone or is one of a multi-row chunk (a verify step's rows, a decode row of a mixed
+    step, a preempted sequence's recompute): on CUDA the lower group first (device tensors only,
+    CUDA-graph safe); on CPU transformers' per-query 1-D torch.topk order (a host loop over rows)."""
     local = dcp is not None and dcp.enabled
-    if use_triton(index_q):
+    if use_triton(index_q) and index_q.is_cuda:
         return triton_score.select_decode_tokens_triton(index_q, block_key_cache, block_tables, positions, ratio,
                                                         budget, dcp=dcp if local else None)
     scores = paged.decode_index_scores(index_q, block_key_cache, block_tables, positions, ratio)
-    selected = paged.select_decode_tokens(scores, positions, ratio, budget)
+    if index_q.is_cuda:
+        selected = paged.select_decode_tokens(scores, positions, ratio, budget)
+    else:
+        selected = select_tokens(scores, positions, ratio, budget, "torch")[0]
     return dcp.localize(selected) if local else selected
 
 

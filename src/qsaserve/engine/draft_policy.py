@@ -1,0 +1,123 @@
+"""Whether speculative decoding drafts in the next step (speculative_config.disable_when_slower).
+
+Verifying k + 1 rows costs little more than one row while decode is memory-bound, but not in
+large batches (the step turns compute-bound) or when few drafts are accepted; then a verify step
+emits fewer tokens per second than a plain one. The policy times the engine's decode steps (host
+timestamps around each step whose chunks all decode: a verify step holds at least one
+sequence's drafts, a plain step none) per batch-size bucket (powers of two), keeps a running mean
+of the tokens a verify step emits per sequence (`gain`: 1 + accepted drafts / sequences; the
+acceptance length diluted by the sequences without drafts), and lets sequences draft iff
+
+    gain * t_plain(bucket) >= t_verify(bucket)
+
+(a verify step's tokens per second at least a plain step's). A bucket without a verify time
+drafts (to time one), then takes one plain step (to time that). Every `probe_interval`-th decision
+of a bucket takes the other kind once, so changed costs (longer contexts) or acceptance are seen:
+drafting that stopped paying turns off, and turns back on once it pays again. Times and gain of
+consecutive steps of a kind are exponential moving averages; a time after a gap (a probe)
+replaces the old one, which is stale by then (a wrong probe is corrected by the steps it starts).
+Whatever it decides, the tokens are those of decoding without drafts (verification keeps the
+target's), so it changes speed only.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class BucketCost:
+    """Smoothed step times (seconds) at one batch-size bucket; None until timed."""
+
+    plain: float | None = None
+    verify: float | None = None
+    since_probe: int = 0  # decisions since this bucket last took the kind it does not prefer
+    plain_step: int = -2  # the policy's step that was last timed as each kind
+    verify_step: int = -2
+
+
+def batch_bucket(num_seqs: int) -> int:
+    """The power of two at or above num_seqs (1, 2, 4, ...)."""
+    return 1 << max(0, num_seqs - 1).bit_length()
+
+
+class DraftPolicy:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, probe_interval: int = 32,
+                 smoothing: float = 0.3, on_decision: Callable[[bool], None] | None = None):
+        """clock: seconds (injected by tests); on_decision(drafts): called once per step decided."""
+        if probe_interval < 2:
+            raise ValueError(f"probe_interval: must be >= 2, got {probe_interval}")
+        if not 0 < smoothing <= 1:
+            raise ValueError(f"smoothing: must be in (0, 1], got {smoothing}")
+        self.clock, self.probe_interval, self.smoothing = clock, probe_interval, smoothing
+        self.on_decision = on_decision
+        self.buckets: dict[int, BucketCost] = {}
+        self.gain: float | None = None
+        self._gain_step = -2
+        self._step = 0
+        self._timing: tuple[float, int, bool] | None = None  # (start, sequences, drafted) of the step
+        self._accepted = 0
+        self._decided: tuple[int, bool] | None = None  # (step, drafts)
+
+    # ---- timing (the engine's step) ----
+    def step_started(self, num_seqs: int, all_decode: bool, drafted: bool) -> None:
+        """A step begins: timed when every chunk decodes (one row, or a verify's k + 1)."""
+        self._step += 1
+        self._accepted = 0
+        self._timing = (self.clock(), num_seqs, drafted) if all_decode and num_seqs else None
+
+    def verified(self, accepted: int) -> None:
+        """Drafts this step accepted (one sequence's verify)."""
+        self._accepted += accepted
+
+    def step_finished(self) -> None:
+        if self._timing is None:
+            return
+        start, n, drafted = self._timing
+        self._timing = None
+        elapsed = self.clock() - start
+        cost, step = self.buckets.setdefault(batch_bucket(n), BucketCost()), self._step
+        if drafted:
+            cost.verify = self._smooth(cost.verify, elapsed, cost.verify_step)
+            self.gain = self._smooth(self.gain, 1.0 + self._accepted / n, self._gain_step)
+            cost.verify_step = self._gain_step = step
+        else:
+            cost.plain = self._smooth(cost.plain, elapsed, cost.plain_step)
+            cost.plain_step = step
+
+    def _smooth(self, old: float | None, new: float, last_step: int) -> float:
+        if old is None or last_step != self._step - 1:
+            return new
+        return old + self.smoothing * (new - old)
+
+    # ---- the decision (asked for every sequence that may draft; one answer per step) ----
+    def allows(self, num_seqs: int) -> bool:
+        """Whether sequences draft for the next step, decided at the first ask of a step (for
+        the batch size then: sequences finishing later in the step do not split the decision)."""
+        if self._decided is not None and self._decided[0] == self._step:
+            return self._decided[1]
+        drafts = self._decide(self.buckets.setdefault(batch_bucket(num_seqs), BucketCost()))
+        self._decided = (self._step, drafts)
+        if self.on_decision is not None:
+            self.on_decision(drafts)
+        return drafts
+
+    def pays(self, bucket: int) -> bool | None:
+        """Whether verify steps out-emit plain ones at this bucket (None: not both timed yet)."""
+        cost = self.buckets.get(bucket)
+        if cost is None or cost.plain is None or cost.verify is None or self.gain is None:
+            return None
+        return self.gain * cost.plain >= cost.verify
+
+    def _decide(self, cost: BucketCost) -> bool:
+        if cost.verify is None:
+            return True
+        if cost.plain is None:
+            return False
+        pays = self.gain * cost.plain >= cost.verify
+        cost.since_probe += 1
+        if cost.since_probe >= self.probe_interval:
+            cost.since_probe = 0
+            return not pays
+        return pays

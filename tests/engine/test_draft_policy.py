@@ -1,0 +1,117 @@
+"""The automatic per-step fallback of speculative decoding (engine/draft_policy.py,
+speculative_config.disable_when_slower): with an injected clock whose verify steps cost more than
+their accepted drafts save, drafting turns off; once verifying pays it turns back on. Greedy
+tokens stay those of the engine without drafts throughout. The n-gram Llama of
+test_spec_decode.py."""
+import pytest
+
+from qsaserve import SamplingParams
+from qsaserve.engine.draft_policy import DraftPolicy, batch_bucket
+from qsaserve.errors import InvalidRequestError
+from qsaserve.speculative_config import parse_speculative_config
+
+from test_spec_decode import engine, generate, hf_llama, repetitive_prompts  # noqa: F401 (fixture)
+
+
+class StepClock:
+    """Seconds that advance only inside a timed step: `plain` or `verify` per step."""
+
+    def __init__(self, plain: float, verify: float):
+        self.now, self.plain, self.verify = 0.0, plain, verify
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def drive(policy: DraftPolicy, clock: StepClock, steps: int, batch: int, accepted: int,
+          drafting: bool = True) -> list[bool]:
+    """Steps as the engine runs them: each drafts iff the previous one's decision said so (drafts
+    are made after a step for the next), every verifying sequence accepting `accepted` drafts."""
+    decisions = []
+    for _ in range(steps):
+        policy.step_started(batch, True, drafting)
+        clock.now += clock.verify if drafting else clock.plain
+        if drafting:
+            for _ in range(batch):
+                policy.verified(accepted)
+        drafting = policy.allows(batch)
+        assert policy.allows(batch) == drafting  # one decision per step
+        decisions.append(drafting)
+        policy.step_finished()
+    return decisions
+
+
+def test_drafting_follows_the_measured_costs_and_probes_the_other_kind():
+    clock = StepClock(plain=1.0, verify=5.0)  # 1 + 2 accepted = 3 tokens per verify, for 5x the time
+    policy = DraftPolicy(clock, probe_interval=4)
+    d = drive(policy, clock, 12, batch=8, accepted=2)
+    # A decision is made during a step, before that step's time is in: step 1's (no time yet)
+    # drafts; steps 2 and 3 decide before a plain step was timed; then plain, with a verify probe
+    # every 4th decision.
+    assert d == [True, False, False, False, False, False, True, False, False, False, True, False]
+    assert policy.pays(8) is False and policy.gain == 3.0
+    clock.verify = 2.0  # verifying pays now: the next probe's time replaces the stale one
+    d = drive(policy, clock, 12, batch=8, accepted=2, drafting=d[-1])
+    # The probe (decision 3) is timed in the step after it, whose decision still sees the stale
+    # verify time; from then on drafting, with a plain probe every 4th decision.
+    assert d == [False, False, True, False, True, True, False, True, True, True, False, True]
+    assert policy.pays(8) is True
+
+
+def test_buckets_are_timed_apart():
+    clock = StepClock(plain=1.0, verify=1.5)
+    policy = DraftPolicy(clock, probe_interval=8)
+    drive(policy, clock, 6, batch=2, accepted=1)  # pays at 2: 2 tokens for 1.5x
+    assert policy.pays(batch_bucket(2)) is True and policy.pays(batch_bucket(64)) is None
+    policy.step_started(64, True, False)
+    assert policy.allows(64)  # a bucket never timed drafts first
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
+
+
+def test_steps_with_prompt_chunks_are_not_timed():
+    clock = StepClock(plain=1.0, verify=9.0)
+    policy = DraftPolicy(clock)
+    policy.step_started(3, False, True)
+    clock.now += 100.0
+    policy.step_finished()
+    assert policy.buckets.get(4) is None and policy.gain is None
+
+
+def test_policy_arguments_and_the_config_field():
+    with pytest.raises(ValueError, match="probe_interval"):
+        DraftPolicy(probe_interval=1)
+    with pytest.raises(ValueError, match="smoothing"):
+        DraftPolicy(smoothing=0)
+    assert parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2}).disable_when_slower is True
+    with pytest.raises(InvalidRequestError) as err:
+        parse_speculative_config({"method": "ngram", "num_speculative_tokens": 2, "disable_when_slower": "no"})
+    assert err.value.param == "speculative_config.disable_when_slower"
+
+
+def test_engine_falls_back_when_verifying_does_not_pay_and_returns_when_it_does(hf_llama):
+    _, path = hf_llama
+    ps = repetitive_prompts()
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    want = generate(engine(path), ps, params)
+    # One sequence at a time: every decision in one batch-size bucket.
+    llm = engine(path, {"method": "ngram", "num_speculative_tokens": 3, "disable_when_slower": True}, max_num_seqs=1)
+    spec = llm.engine.spec
+    clock = StepClock(plain=1.0, verify=50.0)  # no acceptance length makes this pay
+    spec.policy.clock, spec.policy.probe_interval = clock, 4
+    started = spec.policy.step_started
+
+    def timed(num_seqs, all_decode, drafted):
+        started(num_seqs, all_decode, drafted)
+        clock.now += clock.verify if drafted else clock.plain
+
+    spec.policy.step_started = timed
+    assert generate(llm, ps, params) == want
+    st = spec.stats
+    assert st.fallback_steps > 2 * st.drafting_steps > 0 and st.verifies > 0
+    assert st.as_dict()["fallback_steps"] == st.fallback_steps
+    before = (st.verifies, st.drafting_steps, st.fallback_steps)
+    clock.verify = 1.0  # verifying costs a plain step: it pays whenever a draft is accepted
+    assert generate(llm, ps, params) == want
+    verifies, drafting, fallback = (st.verifies - before[0], st.drafting_steps - before[1],
+                                    st.fallback_steps - before[2])
+    assert drafting > 2 * fallback and verifies > before[0]
