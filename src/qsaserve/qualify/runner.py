@@ -4,7 +4,7 @@ holds one tensor-parallel world at a time); the comparisons run on the records a
 
 A configuration is the common engine arguments plus its own overrides (EngineConfig fields), so
 any engine feature a candidate needs (a KV dtype, a parallel layout, a PLE placement, another
-checkpoint, and later speculation or prefix caching of hybrid models) is just more KEY=VALUE.
+checkpoint, speculative decoding) is just more KEY=VALUE.
 """
 from __future__ import annotations
 
@@ -153,7 +153,8 @@ def describe_engine(llm) -> dict:
             "kv_cache_dtype": quant.name, "kv_dtype_reason": quant.reason, "kv_bytes_per_token": ex.kv_spec.bytes_per_token,
             "tensor_parallel_size": c.tensor_parallel_size, "decode_context_parallel_size": c.decode_context_parallel_size,
             "max_model_len": engine.max_model_len, "prefix_caching": engine.block_manager.enable_prefix_caching,
-            "model_format": engine.checkpoint.format}
+            "model_format": engine.checkpoint.format,
+            "speculative_config": c.speculative_config.to_dict() if c.speculative_config is not None else None}
 
 
 def _collect(llm, cfg: Configuration, inp: Inputs, stages, scratch: str, s: Settings) -> dict:
