@@ -77,7 +77,7 @@ def _comparable(a: dict, b: dict) -> bool:
     return strip(a) == strip(b)
 
 
-def _line(name: str, spec: dict | None, s: dict | None) -> str:
+def line(name: str, spec: dict | None, s: dict | None) -> str:
     if s is None:
         return f"{name}: {describe(spec)}"
     return (f"{name} ({describe(spec)}): {s['accepted']} of {s['drafted']} drafts accepted in {s['verifies']} verifies, "
@@ -89,7 +89,7 @@ def judge(base: dict, cand: dict, identical: list[str], rules: Rules) -> dict:
     """base, cand: the configurations' token-gate records; identical: the prompts both continued alike.
     -> {"status": PASS | FAIL | INCONCLUSIVE | None (not judged), "reasons", "summary", "identical_prompts"}."""
     bs, cs = base.get("speculation"), cand.get("speculation")
-    summary = "; ".join(_line(n, r["speculation"]["config"] if r.get("speculation") else None,
+    summary = "; ".join(line(n, r["speculation"]["config"] if r.get("speculation") else None,
                               r["speculation"]["total"] if r.get("speculation") else None)
                         for n, r in (("baseline", base), ("candidate", cand)))
     out = {"status": None, "reasons": [], "summary": summary}

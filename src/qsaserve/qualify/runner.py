@@ -14,7 +14,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
-from qsaserve.qualify import capacity, health, oracle, provenance, tasks, teacher_forced, token_gate
+from qsaserve.qualify import acceptance, capacity, health, oracle, provenance, tasks, teacher_forced, token_gate
 from qsaserve.qualify.inputs import Corpus, build_corpus, codec_for, gate_prompts
 from qsaserve.qualify.logits import record_logprobs, scored_positions
 from qsaserve.qualify.rules import NOT_RUN, Rules, result
@@ -183,8 +183,10 @@ def _collect(llm, cfg: Configuration, inp: Inputs, stages, scratch: str, s: Sett
     if "token_gate" in stages:
         rec["token_gate"] = timed("token_gate", lambda: token_gate.collect(llm, inp.gate, s.gate_tokens))
     if "tasks" in stages:
+        before = acceptance.snapshot(llm)
         rec["tasks"] = timed("tasks", lambda: tasks.collect(llm, inp.items, inp.codec, temperature=s.task_temperature,
                                                             seed=s.seed))
+        rec["tasks_acceptance"] = acceptance.delta(before, acceptance.snapshot(llm))
     if "health" in stages:
         rec["health"] = timed("health", lambda: health.collect(llm, inp.corpus))
     if "capacity" in stages:
@@ -233,6 +235,10 @@ def _compare(configs, records, inp: Inputs, stages, rules: Rules, s: Settings) -
             if inp.items:
                 m = tasks.compare(base["tasks"], cand["tasks"], rules)
                 st["tasks"] = {**tasks.judge(m, rules), "metrics": m, "skipped": inp.skipped_tasks}
+                if base.get("tasks_acceptance") or cand.get("tasks_acceptance"):
+                    st["tasks"]["speculation"] = "; ".join(
+                        acceptance.line(side, r["speculative_config"], r.get("tasks_acceptance"))
+                        for side, r in (("baseline", base), ("candidate", cand)))
             else:
                 st["tasks"] = result(NOT_RUN, ["no task items fit this model"], skipped=inp.skipped_tasks)
         if "health" in stages:
