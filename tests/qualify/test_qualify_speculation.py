@@ -174,7 +174,7 @@ def test_qwen4exp_mtp_candidate_passes(tmp_path):
     model = build_random_model(make_config(budget=12, ple_layer_ids=(1, 4)), seed=7)
     path = save_with_mtp(model, str(tmp_path / "ckpt"), seed=11)
     out = tmp_path / "report"
-    rc = main(["qualify", path, *ENGINE, "--max-num-seqs", "4", *SMALL, "--stages", "token_gate,tasks,capacity",
+    rc = main(["qualify", path, *ENGINE, "--max-num-seqs", "4", *SMALL, "--stages", "token_gate,capacity",
                "--rule", "speed_ratio_min=0", "--rule", "kv_tokens_ratio_min=0.5",
                "--candidate", 'mtp2:ple_placement=host,speculative_config={"method":"mtp","num_speculative_tokens":2}',
                "-o", str(out)])
