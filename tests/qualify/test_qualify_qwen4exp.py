@@ -78,9 +78,9 @@ def test_the_h200_command_on_the_tiny_preset(tmp_path):
     on the character stand-in's ids, bf16 KV and GPU PLE vs calibrated FP8 KV, host PLE and MTP k=3.
     Random weights: the oracle is not run, and says why; the random head's drafts are rejected, so
     speculation only costs time here (eager MTP steps on a 2-core CPU): speed is excepted by rule.
-    The head's pages (one QSA layer in the model dtype, beside this preset's two in FP8) and its
-    state rows take most of the 4 MiB: the KV-token loss is accepted by rule, and checked to be
-    what the default rule fails on."""
+    The head's pages (one QSA layer in the model dtype, float32 here, beside the preset's one in
+    FP8) and its state rows take most of the 4 MiB: the KV-token loss is accepted by rule, and
+    checked to be what the default rule fails on."""
     from qsaserve import LLM
     from qsaserve.quant.calibrate import calibrate_windows
     from qsaserve.quant.dataset import pydoc_topics
