@@ -153,10 +153,13 @@ def test_identical_candidate_with_ngram_passes_every_stage(ngram_report):
 
 
 def test_both_sides_drafting_alike_compare_acceptance(tiny_llama, tmp_path):
-    ngram = "speculative_config.method=ngram,speculative_config.num_speculative_tokens=3"
-    rc = main(["qualify", tiny_llama, *ENGINE, *SMALL, "--stages", "token_gate", "--baseline", ngram,
-               "--candidate", f"same:{ngram}", "-o", str(tmp_path)])
+    """The common --speculative-config flag: every configuration drafts (the report keeps it as a dict)."""
+    rc = main(["qualify", tiny_llama, *ENGINE, *SMALL, "--stages", "token_gate", "--speculative-config",
+               '{"method": "ngram", "num_speculative_tokens": 3}', "--candidate", "same:",
+               "-o", str(tmp_path)])
     doc = json.loads((tmp_path / "report.json").read_text())
+    assert doc["common_engine_args"]["speculative_config"] == NGRAM3
+    assert all(c["speculative_config"] == NGRAM3 for c in doc["configurations"].values())
     gate = doc["results"]["candidates"]["same"]["token_gate"]
     assert rc == 0 and gate["status"] == PASS, gate
     acc = gate["acceptance"]
