@@ -1,9 +1,9 @@
 """`qsaserve qualify` with speculative decoding: the speculative_config spellings of a
 configuration; stage 2's acceptance rule on hand-made counters; an identical candidate with n-gram
-k=3 against a baseline without speculation passes every stage on the tiny Llama, with acceptance
-per position in report.json and report.html; two configurations drafting alike have their
-acceptance compared; a tiny Qwen4Exp with an MTP head (k=2, host PLE) passes against the plain
-target, and stage 6 counts the head's pages against it."""
+k=3 against a baseline without speculation passes every stage on the tiny Llama (speed excepted
+by rule), with acceptance per position in report.json and report.html; two configurations
+drafting alike have their acceptance compared; a tiny Qwen4Exp with an MTP head (k=2, host PLE)
+passes against the plain target, and stage 6 counts the head's pages against it."""
 import json
 
 import pytest
