@@ -10,6 +10,8 @@ import pytest
 
 from qualify_settings import SMALL
 from qsaserve.cli import main
+from qsaserve.qualify import capacity
+from qsaserve.qualify.rules import Rules
 
 ENGINE = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "512", "--kv-cache-memory", str(1 << 21),
           "--block-size", "8", "--distributed-timeout-s", "120"]
@@ -72,30 +74,46 @@ def test_worker_with_another_package_version_fails_provenance(tiny_qwen4exp, tmp
 
 
 def test_the_h200_command_on_the_tiny_preset(tmp_path):
-    """docs/qualify.md's qwen4exp-small command, on CPU with qwen4exp-tiny: scales calibrated on the
-    character stand-in's ids, bf16 KV and GPU PLE vs calibrated FP8 KV and host PLE. Random weights:
-    the oracle is not run, and says why."""
+    """docs/qualify.md's qwen4exp-small-mtp command, on CPU with qwen4exp-tiny-mtp: scales calibrated
+    on the character stand-in's ids, bf16 KV and GPU PLE vs calibrated FP8 KV, host PLE and MTP k=3.
+    Random weights: the oracle is not run, and says why; the random head's drafts are rejected, so
+    speculation only costs time here (eager MTP steps on a 2-core CPU): speed is excepted by rule.
+    The head's pages (one QSA layer in the model dtype, float32 here, beside the preset's one in
+    FP8) and its state rows take most of the 4 MiB: the KV-token loss is accepted by rule, and
+    checked to be what the default rule fails on."""
     from qsaserve import LLM
     from qsaserve.quant.calibrate import calibrate_windows
     from qsaserve.quant.dataset import pydoc_topics
     from qsaserve.qualify.inputs import CharCodec, build_corpus
 
-    llm = LLM("qwen4exp-tiny", load_format="dummy", device="cpu", kv_cache_dtype="bfloat16", ple_placement="gpu",
+    llm = LLM("qwen4exp-tiny-mtp", load_format="dummy", device="cpu", kv_cache_dtype="bfloat16", ple_placement="gpu",
               max_model_len=512, progress=False)
     corpus = build_corpus(CharCodec(llm.engine.vocab_size), pydoc_topics("calibration"))
     scales = tmp_path / "tiny_scales.json"
     calibrate_windows(llm, corpus.windows(256, 1024), str(scales), corpus.description)
     llm.engine.shutdown()
     out = tmp_path / "report"
-    rc = main(["qualify", "qwen4exp-tiny", "--load-format", "dummy", "--device", "cpu", "--kv-cache-memory", str(4 << 20),
-               "--max-model-len", "512", *SMALL, "--baseline", "kv_cache_dtype=bfloat16,ple_placement=gpu",
-               "--candidate", f"fp8_hostple:kv_scales={scales},ple_placement=host", "-o", str(out)])
+    rc = main(["qualify", "qwen4exp-tiny-mtp", "--load-format", "dummy", "--device", "cpu", "--kv-cache-memory",
+               str(4 << 20), "--max-model-len", "512", "--max-num-seqs", "8", *SMALL, "--rule", "speed_ratio_min=0",
+               "--rule", "kv_tokens_ratio_min=0.3",
+               "--baseline", "kv_cache_dtype=bfloat16,ple_placement=gpu",
+               "--candidate", f"fp8_hostple_mtp3:kv_scales={scales},ple_placement=host,"
+                              'speculative_config={"method":"mtp","num_speculative_tokens":3}', "-o", str(out)])
     doc = json.loads((out / "report.json").read_text())
-    v = doc["verdicts"]["fp8_hostple"]
-    assert v["not_run"] == ["oracle"] and "load_format=dummy" in doc["results"]["candidates"]["fp8_hostple"]["oracle"]["reasons"][0]
-    assert doc["configurations"]["fp8_hostple"]["kv_cache_dtype"] == "fp8_e4m3"
+    v = doc["verdicts"]["fp8_hostple_mtp3"]
+    results = doc["results"]["candidates"]["fp8_hostple_mtp3"]
+    assert v["not_run"] == ["oracle"] and "load_format=dummy" in results["oracle"]["reasons"][0]
+    cfg = doc["configurations"]["fp8_hostple_mtp3"]
+    assert cfg["kv_cache_dtype"] == "fp8_e4m3" and cfg["speculative_config"]["method"] == "mtp"
     assert "oracle" not in doc["configurations"]
-    # calibrated E4M3 pages and host-resident PLE rows keep this model's distributions (KL < 0.01)
+    # calibrated E4M3 pages and host-resident PLE rows keep this model's distributions (KL < 0.01);
+    # the drafts leave every greedy token as the baseline's
     assert rc == 0 and v["verdict"] == "PASS", v
     assert all(v["stages"][s] == "PASS" for s in ("teacher_forced", "token_gate", "tasks", "health", "capacity",
                                                    "provenance"))
+    assert all(r["identical"] for r in results["token_gate"]["prompts"].values())
+    assert len(cfg["token_gate"]["speculation"]["total"]["acceptance_rate_per_position"]) == 3
+    cap, base_cap = cfg["capacity"], doc["configurations"]["baseline"]["capacity"]
+    assert cap["mtp_head_bytes"] > 0 and cap["kv_tokens"] < base_cap["kv_tokens"]
+    default = capacity.judge(base_cap, cap, Rules(speed_ratio_min=0))
+    assert default["status"] == "FAIL" and "the MTP head's pages take" in default["reasons"][0]

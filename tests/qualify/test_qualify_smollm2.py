@@ -47,3 +47,17 @@ def test_identical_passes_and_crushed_fp8_scales_fail(smollm2_gguf_path, smollm2
     m = doc["results"]["candidates"]["fp8_div50"]["teacher_forced"]["metrics"]
     assert m["kl_mean"] > 0.1 and m["top1_agreement"] < 0.9
     assert (tmp_path / "report.html").stat().st_size < 2 << 20
+
+
+@pytest.mark.slow
+def test_identical_candidate_with_ngram_passes_the_token_gate(smollm2_gguf_path, tmp_path):
+    """Real text: the n-gram drafts find matches (the long prompt repeats its filler), every
+    continuation stays identical to the baseline's without drafts."""
+    rc = main(["qualify", smollm2_gguf_path, *ENGINE, *SMALL, "--gate-tokens", "24", "--stages", "token_gate",
+               "--candidate", 'ng3:speculative_config={"method": "ngram", "num_speculative_tokens": 3}', "-o", str(tmp_path)])
+    doc = json.loads((tmp_path / "report.json").read_text())
+    assert rc == 0 and doc["verdicts"]["ng3"]["verdict"] == "PASS", doc["verdicts"]
+    assert all(r["identical"] for r in doc["results"]["candidates"]["ng3"]["token_gate"]["prompts"].values())
+    total = doc["configurations"]["ng3"]["token_gate"]["speculation"]["total"]
+    assert total["accepted"] > 0 and len(total["acceptance_rate_per_position"]) == 3, total
+    assert "acceptance rate at the position" in (tmp_path / "report.html").read_text()

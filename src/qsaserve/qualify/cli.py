@@ -23,18 +23,47 @@ from qsaserve.errors import InvalidRequestError
 logger = logging.getLogger("qsaserve")
 
 
+SPEC = "speculative_config"
+
+
+def split_items(text: str) -> list[str]:
+    """Splits on the commas outside braces, brackets and double quotes (a JSON value keeps its own)."""
+    items, depth, quoted, start = [], 0, False, 0
+    for i, ch in enumerate(text):
+        if ch == '"' and (i == 0 or text[i - 1] != "\\"):
+            quoted = not quoted
+        elif not quoted and ch in "{[":
+            depth += 1
+        elif not quoted and ch in "}]":
+            depth -= 1
+        elif not quoted and not depth and ch == ",":
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [s.strip() for s in items if s.strip()]
+
+
 def parse_overrides(text: str, what: str) -> dict:
-    """'k=v,k=v' -> {k: typed v}, typed by EngineConfig's field types ('none' -> None)."""
+    """'k=v,k=v' -> {k: typed v}, typed by EngineConfig's field types ('none' -> None).
+
+    speculative_config takes vLLM's JSON (`speculative_config={"method":"mtp","num_speculative_tokens":3}`,
+    single-quoted in a shell) or one key per field (`speculative_config.method=mtp,
+    speculative_config.num_speculative_tokens=3`, no quoting needed); either becomes the validated dict."""
     types = {f.name: str(f.type) for f in fields(EngineConfig)}
-    out = {}
-    for item in filter(None, (s.strip() for s in text.split(","))):
+    out, spec_fields = {}, {}
+    for item in split_items(text):
         key, sep, value = item.partition("=")
         key = key.strip().replace("-", "_")
+        if sep and key.startswith(SPEC + "."):
+            spec_fields[key.removeprefix(SPEC + ".")] = value.strip()
+            continue
         if not sep or key not in types:
             raise InvalidRequestError(what, f"expected KEY=VALUE with an engine argument as KEY, got {item!r}")
         kind = types[key]
         if value.lower() == "none":
             out[key] = None
+        elif key == SPEC:
+            out[key] = _speculative_config(value, what)
         elif "bool" in kind:
             if value.lower() not in ("true", "false"):
                 raise InvalidRequestError(what, f"{key} must be true or false, got {value!r}")
@@ -45,7 +74,42 @@ def parse_overrides(text: str, what: str) -> dict:
             out[key] = float(value)
         else:
             out[key] = value
+    if spec_fields:
+        if SPEC in out:
+            raise InvalidRequestError(what, f"give {SPEC} either as JSON or as {SPEC}.FIELD=VALUE items, not both")
+        out[SPEC] = _speculative_config(_typed_spec_fields(spec_fields, what), what)
     return out
+
+
+def _typed_spec_fields(values: dict[str, str], what: str) -> dict:
+    """speculative_config.FIELD=VALUE strings typed by SpeculativeConfig's field types."""
+    from qsaserve.speculative_config import SpeculativeConfig
+
+    types = {f.name: str(f.type) for f in fields(SpeculativeConfig)}
+    out = {}
+    for name, value in values.items():
+        if name not in types:
+            raise InvalidRequestError(what, f"{SPEC}.{name}: unknown field; known: {', '.join(sorted(types))}")
+        if value.lower() == "none":
+            out[name] = None
+        elif "int" in types[name]:
+            try:
+                out[name] = int(value)
+            except ValueError:
+                raise InvalidRequestError(what, f"{SPEC}.{name}: must be an integer, got {value!r}") from None
+        else:
+            out[name] = value
+    return out
+
+
+def _speculative_config(value, what: str) -> dict:
+    """JSON text or a dict -> the validated speculative_config as a plain dict (reports show it)."""
+    from qsaserve.speculative_config import parse_speculative_config
+
+    try:
+        return parse_speculative_config(value).to_dict()
+    except InvalidRequestError as exc:  # its message names the field: speculative_config.FIELD: ...
+        raise InvalidRequestError(what, str(exc)) from None
 
 
 def parse_candidate(spec: str) -> tuple[str, dict]:
@@ -127,6 +191,8 @@ def cmd_qualify(args) -> int:
     defaults = EngineConfig()
     config = engine_config_from_args(args)
     common = {k: v for k, v in config.__dict__.items() if v != getattr(defaults, k)}
+    if common.get(SPEC) is not None:  # --speculative-config JSON: every configuration speculates (the oracle not)
+        common[SPEC] = common[SPEC].to_dict()
     candidates = dict(parse_candidate(spec) for spec in args.candidate)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     rules = Rules.parse(args.rule)

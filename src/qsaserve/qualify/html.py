@@ -7,6 +7,7 @@ import json
 import jinja2
 
 from qsaserve.qualify import plots
+from qsaserve.qualify.acceptance import describe
 from qsaserve.qualify.provenance import CODE_FACTS
 from qsaserve.qualify.verdict import STAGE_TITLES
 
@@ -15,8 +16,12 @@ RULE_TEXT = {
                       "tf_ppl_change_max_pct, or more than tf_wide_flip_rate_max of the positions flip a baseline "
                       "top-1 that led by >= wide_margin nats; INCONCLUSIVE with fewer than 1 / tf_wide_flip_rate_max "
                       "positions.",
-    "token_gate": "FAIL when a greedy continuation diverges where the baseline led by >= gate_margin nats, or a "
-                  "configuration continues the same prompt two ways.",
+    "token_gate": "FAIL when a greedy continuation diverges where the baseline led by >= gate_margin nats, a "
+                  "configuration continues the same prompt two ways, or its speculative tokens leave its own "
+                  "non-speculative ones where those led by >= gate_margin. Both speculating with the same "
+                  "speculative_config: FAIL when the candidate's acceptance length on the identically continued "
+                  "prompts is below the baseline's by more than gate_acceptance_length_drop_max, INCONCLUSIVE when "
+                  "no draft was verified there; acceptance is only reported when one side speculates.",
     "oracle": "PASS when KL(oracle || candidate) <= oracle_factor x KL(oracle || baseline), or <= oracle_kl_floor.",
     "tasks": "FAIL when the candidate is significantly worse, pooled or on a task (McNemar exact p < task_alpha with "
              "more losses), its pooled interval lies below -task_margin, or it has new non-finite logprobs; PASS when "
@@ -24,8 +29,9 @@ RULE_TEXT = {
              "equivalence; else INCONCLUSIVE.",
     "health": "FAIL on any NaN/inf logit, a non-finite logprob at max_model_len - 1, an accepted max_model_len "
               "prompt, or an engine that cannot serve after refusing it.",
-    "capacity": "FAIL when the candidate holds fewer KV tokens at the same budget or is slower than speed_ratio_min "
-                "x the baseline; INCONCLUSIVE when the budgets differ.",
+    "capacity": "FAIL when the candidate holds fewer than kv_tokens_ratio_min x the baseline's KV tokens at the same "
+                "budget or is slower than speed_ratio_min x the baseline (tok/s as served, speculation included); "
+                "INCONCLUSIVE when the budgets differ.",
     "provenance": "FAIL when any process's qsaserve version, source hash, Python or library versions differ from the "
                   "baseline's rank 0 (shadowed imports and dirty checkouts are warnings, failures with "
                   "--strict-provenance).",
@@ -52,10 +58,11 @@ code,pre{font-size:12px}.rule{color:#555;font-style:italic}.note{color:#a33}
 </table>
 <h2>Configurations</h2>
 <table><tr><th>name</th><th>role</th><th>overrides</th><th>model dtype</th><th>KV dtype</th><th>KV bytes/token</th>
-<th>TP / DCP</th><th>device</th><th>measured in (s)</th></tr>
+<th>TP / DCP</th><th>speculative_config</th><th>device</th><th>measured in (s)</th></tr>
 {% for name, c in r.configurations.items() %}<tr><td>{{ name }}</td><td>{{ c.role }}</td><td><code>{{ c.engine_args }}</code></td>
 <td>{{ c.model_dtype }}</td><td>{{ c.kv_cache_dtype }}<br><small>{{ c.kv_dtype_reason }}</small></td><td>{{ c.kv_bytes_per_token }}</td>
-<td>{{ c.tensor_parallel_size }} / {{ c.decode_context_parallel_size }}</td><td>{{ c.device }}</td>
+<td>{{ c.tensor_parallel_size }} / {{ c.decode_context_parallel_size }}</td>
+<td>{% if c.speculative_config %}<code>{{ c.speculative_config }}</code>{% else %}none{% endif %}</td><td>{{ c.device }}</td>
 <td>{{ r.timings_s.get(name) }}</td></tr>{% endfor %}
 </table>
 <p>Common engine arguments: <code>{{ r.common_engine_args }}</code>. Rules: <code>{{ r.rules }}</code>.</p>
@@ -99,14 +106,32 @@ def _tf_table(cands):
     return [{"head": head, "rows": rows}]
 
 
-def _gate_table(cands):
+def _gate_table(cands, records):
     head = ["candidate", "prompt", "prompt tokens", "identical", "first divergence", "baseline margin",
-            "candidate margin", "baseline logprob of candidate token", "cached tokens (baseline / candidate)"]
+            "candidate margin", "baseline logprob of candidate token", "cached tokens (baseline / candidate)",
+            "acceptance length (baseline / candidate)"]
     rows = [[name, p, r["prompt_tokens"], r["identical"], r.get("first_divergence", ""), _f(r.get("baseline_margin")),
              _f(r.get("candidate_margin")), _f(r.get("baseline_logprob_of_candidate_token")),
-             f"{r['baseline_cached_tokens']} / {r['candidate_cached_tokens']}"]
+             f"{r['baseline_cached_tokens']} / {r['candidate_cached_tokens']}",
+             f"{_f(r.get('baseline_acceptance_length'))} / {_f(r.get('candidate_acceptance_length'))}"]
             for name, st in cands.items() for p, r in st.get("prompts", {}).items()]
-    return [{"head": head, "rows": rows}]
+    return [{"head": head, "rows": rows}, *_acceptance_tables(records)]
+
+
+def _acceptance_tables(records):
+    """Every configuration that speculated: its totals over the gate prompts, then a row per draft position."""
+    spec = {n: r["token_gate"]["speculation"] for n, r in records.items() if (r.get("token_gate") or {}).get("speculation")}
+    if not spec:
+        return []
+    totals = [[n, describe(s["config"]), s["total"]["drafted"], s["total"]["accepted"], s["total"]["verifies"],
+               _f(s["total"]["acceptance_rate"]), _f(s["total"]["acceptance_length"])] for n, s in spec.items()]
+    per_pos = [[n, i + 1, a, s["total"]["verifies"], _f(rate)] for n, s in spec.items()
+               for i, (a, rate) in enumerate(zip(s["total"]["accepted_per_position"],
+                                                 s["total"]["acceptance_rate_per_position"]))]
+    return [{"head": ["configuration", "speculation", "drafted", "accepted", "verifies", "acceptance rate",
+                      "acceptance length"], "rows": totals},
+            {"head": ["configuration", "draft position", "verifies that accepted it", "verifies",
+                      "acceptance rate at the position"], "rows": per_pos}]
 
 
 def _oracle_table(distances):
@@ -151,10 +176,14 @@ def _health_table(results, records):
 
 
 def _capacity_table(records):
-    head = ["configuration", "KV budget (MiB)", "KV dtype", "bytes/token", "KV tokens", "max-length requests",
-            "prefill tok/s", "decode tok/s (batch)"]
+    head = ["configuration", "KV budget (MiB)", "KV dtype", "bytes/token", "KV tokens", "budget outside K/V pages (MiB)",
+            "max-length requests", "prefill tok/s", "decode tok/s (batch)", "speculation (acceptance length)"]
     rows = [[n, f"{c['kv_budget_bytes'] / 2**20:.1f}", c["kv_cache_dtype"], c["kv_bytes_per_token"], c["kv_tokens"],
-             f"{c['max_len_requests']:.2f}", f"{c['prefill_tok_s']:.1f}", f"{c['decode_tok_s']:.1f} ({c['decode_batch']})"]
+             f"{c.get('budget_outside_kv_pages_bytes', 0) / 2**20:.2f}"
+             + (f" (MTP head {c['mtp_head_bytes'] / 2**20:.2f})" if c.get("mtp_head_bytes") else ""),
+             f"{c['max_len_requests']:.2f}", f"{c['prefill_tok_s']:.1f}", f"{c['decode_tok_s']:.1f} ({c['decode_batch']})",
+             describe(c.get("speculative_config")) + (f" ({c['decode_acceptance']['acceptance_length']:.3f})"
+                                                      if c.get("decode_acceptance") else "")]
             for n, r in records.items() if (c := r.get("capacity"))]
     return [{"head": head, "rows": rows}]
 
@@ -180,6 +209,11 @@ def _provenance(records):
     return [{"head": head, "rows": rows}], (plots.provenance(matrix, labels) if matrix else None)
 
 
+def _acceptance_curves(records) -> dict[str, list[float]]:
+    return {n: r["token_gate"]["speculation"]["total"]["acceptance_rate_per_position"] for n, r in records.items()
+            if (r.get("token_gate") or {}).get("speculation")}
+
+
 def render_html(report: dict, clean: dict) -> str:
     res, recs = report["results"], report["configurations"]
     cands = res["candidates"]
@@ -191,14 +225,14 @@ def render_html(report: dict, clean: dict) -> str:
     ran = {k: any(st[k]["status"] != "NOT_RUN" for st in cands.values()) for k in STAGE_TITLES}
     plot_of = {
         "teacher_forced": lambda: plots.teacher_forced(per("teacher_forced")),
-        "token_gate": lambda: plots.token_gate(per("token_gate")),
+        "token_gate": lambda: plots.token_gate(per("token_gate"), _acceptance_curves(recs)),
         "oracle": lambda: plots.oracle(res["oracle_distances"]) if res.get("oracle_distances") else None,
         "tasks": lambda: plots.tasks(per("tasks")),
         "health": lambda: plots.health(recs) if res.get("health") else None,
         "capacity": lambda: plots.capacity(recs),
         "provenance": lambda: prov_plot,
     }
-    tables = {"teacher_forced": _tf_table(per("teacher_forced")), "token_gate": _gate_table(per("token_gate")),
+    tables = {"teacher_forced": _tf_table(per("teacher_forced")), "token_gate": _gate_table(per("token_gate"), recs),
               "oracle": _oracle_table(res.get("oracle_distances", {})), "tasks": _task_table(per("tasks")),
               "health": _health_table(res, recs), "capacity": _capacity_table(recs), "provenance": prov_tables}
     sections = {k: (tables[k], plot_of[k]() if ran[k] else None) for k in STAGE_TITLES}

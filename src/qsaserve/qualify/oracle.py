@@ -25,7 +25,8 @@ from qsaserve.qualify.teacher_forced import ROWS_PER_CHUNK, _kl
 # Engine arguments of the oracle, over the common ones (a candidate's parallel layout is not the
 # oracle's: it runs as one rank).
 ORACLE_ARGS = {"dtype": "float64", "device": "cpu", "kv_cache_dtype": "auto", "kv_scales": None, "kv_rotation": None,
-               "tensor_parallel_size": 1, "decode_context_parallel_size": 1, "enforce_eager": True}
+               "tensor_parallel_size": 1, "decode_context_parallel_size": 1, "enforce_eager": True,
+               "speculative_config": None}  # it only teacher-forces: drafts would be verified by nothing
 
 
 def distance(oracle: LogprobRecord, other: LogprobRecord, window_positions: list[int]) -> dict:

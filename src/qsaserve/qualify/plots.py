@@ -62,9 +62,12 @@ def teacher_forced(cands: dict[str, dict]) -> str | None:
 
 
 @_plot
-def token_gate(cands: dict[str, dict]) -> str | None:
-    """Tokens that match the baseline before the first divergence, per prompt."""
-    fig, ax = plt.subplots(figsize=(11, 3.4))
+def token_gate(cands: dict[str, dict], acceptance: dict[str, list[float]] | None = None) -> str | None:
+    """Tokens that match the baseline before the first divergence, per prompt; beside it, with
+    speculation, each speculating configuration's acceptance rate per draft position."""
+    fig, axes = plt.subplots(1, 2 if acceptance else 1, figsize=(11, 3.4), squeeze=False,
+                             gridspec_kw={"width_ratios": [2, 1]} if acceptance else None)
+    ax = axes[0][0]
     names = None
     width = 0.8 / max(len(cands), 1)
     for k, (name, st) in enumerate(cands.items()):
@@ -76,6 +79,15 @@ def token_gate(cands: dict[str, dict]) -> str | None:
         ax.set_xticks(np.arange(len(names)) + 0.4 - width / 2, names, rotation=20, fontsize=8)
     ax.set_ylabel("tokens equal to the baseline's")
     ax.legend(fontsize=8)
+    if acceptance:
+        b = axes[0][1]
+        for name, rates in acceptance.items():
+            b.plot(np.arange(1, len(rates) + 1), rates, marker="o", label=name)
+        b.set_xlabel("draft position")
+        b.set_ylabel("acceptance rate")
+        b.set_ylim(0, 1.05)
+        b.xaxis.get_major_locator().set_params(integer=True)
+        b.legend(fontsize=8)
     return _png(fig)
 
 

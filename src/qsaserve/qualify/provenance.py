@@ -3,8 +3,8 @@
 Each rank's process reports on itself (engine/executor/process_facts.py, through the executor:
 rank 0 in this process, each worker from its own interpreter): qsaserve's version and source
 hash, where it was imported from and whether that is the installed distribution, the git commit,
-library versions, the device. The configuration adds its model identity and the SHA-256 of its
-KV scales file (and key-transform sidecar).
+library versions, the device. The configuration adds its model identity, the SHA-256 of its
+KV scales file (and key-transform sidecar) and its speculative_config.
 
 Pass rule: FAIL when any process's code facts (CODE_FACTS) differ from the baseline's rank 0;
 the import being shadowed (a source checkout ahead of the installed package), a dirty checkout
@@ -46,6 +46,7 @@ def collect(llm) -> dict:
                   "format": engine.checkpoint.format},
         "kv_scales": {"path": scales, "sha256": file_sha256(scales), "key_transforms_sha256": file_sha256(sidecar)}
         if scales else None,
+        "speculative_config": config.speculative_config.to_dict() if config.speculative_config is not None else None,
     }
 
 

@@ -20,6 +20,9 @@ class Rules:
     tf_wide_flip_rate_max: float = 0.001  # share of positions whose confident baseline top-1 the candidate flips
     # 2. fixed-prompt token gate: a greedy divergence where the baseline was confident fails
     gate_margin: float = 1.0  # nats (baseline top-1 minus top-2 at the first divergent token)
+    # both speculating alike: the candidate's acceptance length (1 + accepted / verifies) on the
+    # prompts continued identically may fall short of the baseline's by this many tokens per verify
+    gate_acceptance_length_drop_max: float = 0.1
     # 3. FP64 oracle: KL(oracle || candidate) <= factor * KL(oracle || baseline), or below the floor
     oracle_factor: float = 1.5
     oracle_kl_floor: float = 0.005  # nats: a distance to exact arithmetic small enough whatever the baseline's
@@ -28,6 +31,8 @@ class Rules:
     task_alpha: float = 0.05  # TOST and McNemar level
     # 6. capacity and speed at the same memory budget
     speed_ratio_min: float = 0.5  # candidate tok/s over baseline tok/s, prefill and decode
+    # candidate KV tokens over the baseline's; below 1 accepts a stated loss (e.g. an MTP head's pages)
+    kv_tokens_ratio_min: float = 1.0
 
     @classmethod
     def parse(cls, items: list[str] | None) -> "Rules":

@@ -4,7 +4,7 @@ holds one tensor-parallel world at a time); the comparisons run on the records a
 
 A configuration is the common engine arguments plus its own overrides (EngineConfig fields), so
 any engine feature a candidate needs (a KV dtype, a parallel layout, a PLE placement, another
-checkpoint, and later speculation or prefix caching of hybrid models) is just more KEY=VALUE.
+checkpoint, speculative decoding) is just more KEY=VALUE.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 
-from qsaserve.qualify import capacity, health, oracle, provenance, tasks, teacher_forced, token_gate
+from qsaserve.qualify import acceptance, capacity, health, oracle, provenance, tasks, teacher_forced, token_gate
 from qsaserve.qualify.inputs import Corpus, build_corpus, codec_for, gate_prompts
 from qsaserve.qualify.logits import record_logprobs, scored_positions
 from qsaserve.qualify.rules import NOT_RUN, Rules, result
@@ -153,7 +153,8 @@ def describe_engine(llm) -> dict:
             "kv_cache_dtype": quant.name, "kv_dtype_reason": quant.reason, "kv_bytes_per_token": ex.kv_spec.bytes_per_token,
             "tensor_parallel_size": c.tensor_parallel_size, "decode_context_parallel_size": c.decode_context_parallel_size,
             "max_model_len": engine.max_model_len, "prefix_caching": engine.block_manager.enable_prefix_caching,
-            "model_format": engine.checkpoint.format}
+            "model_format": engine.checkpoint.format,
+            "speculative_config": c.speculative_config.to_dict() if c.speculative_config is not None else None}
 
 
 def _collect(llm, cfg: Configuration, inp: Inputs, stages, scratch: str, s: Settings) -> dict:
@@ -182,8 +183,10 @@ def _collect(llm, cfg: Configuration, inp: Inputs, stages, scratch: str, s: Sett
     if "token_gate" in stages:
         rec["token_gate"] = timed("token_gate", lambda: token_gate.collect(llm, inp.gate, s.gate_tokens))
     if "tasks" in stages:
+        before = acceptance.snapshot(llm)
         rec["tasks"] = timed("tasks", lambda: tasks.collect(llm, inp.items, inp.codec, temperature=s.task_temperature,
                                                             seed=s.seed))
+        rec["tasks_acceptance"] = acceptance.delta(before, acceptance.snapshot(llm))
     if "health" in stages:
         rec["health"] = timed("health", lambda: health.collect(llm, inp.corpus))
     if "capacity" in stages:
@@ -232,6 +235,10 @@ def _compare(configs, records, inp: Inputs, stages, rules: Rules, s: Settings) -
             if inp.items:
                 m = tasks.compare(base["tasks"], cand["tasks"], rules)
                 st["tasks"] = {**tasks.judge(m, rules), "metrics": m, "skipped": inp.skipped_tasks}
+                if base.get("tasks_acceptance") or cand.get("tasks_acceptance"):
+                    st["tasks"]["speculation"] = "; ".join(
+                        acceptance.line(side, r["speculative_config"], r.get("tasks_acceptance"))
+                        for side, r in (("baseline", base), ("candidate", cand)))
             else:
                 st["tasks"] = result(NOT_RUN, ["no task items fit this model"], skipped=inp.skipped_tasks)
         if "health" in stages:

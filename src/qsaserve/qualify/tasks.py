@@ -173,8 +173,11 @@ def generate_tasks(codec, max_model_len: int, *, arithmetic_items: int, long_ite
 def collect(llm, items: list[Item], codec, *, temperature: float, seed: int) -> list[dict]:
     """One record per item, in item order. Each item carries its own seed (seed + position).
     Each task runs as its own batch: its items have similar lengths, and a batch that mixes 8K
-    prompts with short ones pads every row to the long ones in the CPU attention reference."""
-    params = [SamplingParams(temperature=temperature, max_tokens=it.max_tokens, seed=seed + k, logprobs=0)
+    prompts with short ones pads every row to the long ones in the CPU attention reference.
+    A configuration that speculates asks for no logprobs (a request that does would not draft):
+    its items run as served, and a non-finite row shows as the engine's finish_reason "error"."""
+    logprobs = None if llm.engine.config.speculative_config is not None else 0
+    params = [SamplingParams(temperature=temperature, max_tokens=it.max_tokens, seed=seed + k, logprobs=logprobs)
               for k, it in enumerate(items)]
     outs: list = [None] * len(items)
     for task in dict.fromkeys(it.task for it in items):

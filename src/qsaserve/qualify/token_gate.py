@@ -7,31 +7,66 @@ Per prompt the candidate's tokens are identical to the baseline's, or the report
 divergent position with both configurations' top-1 minus top-2 margin there and the baseline's
 logprob of the candidate's token (when in its top LOGPROBS).
 
+Speculation. A sequence that asks for logprobs never drafts, so a configuration that speculates
+runs each prompt twice: first as served (no logprobs: drafted and verified, with its spec-decode
+counters read around the request, acceptance.py), whose tokens are the ones compared and whose
+cached-token count is reported; then with logprobs (not drafting), which gives the top-5 at each
+position and, compared with the served tokens, shows whether speculation changed a greedy token
+of its own configuration. Served first, so that a later prompt hitting the prefix cache finds
+blocks computed by a drafting request (an MTP head writes no pages for a request that never
+drafts, docs/speculative.md).
+
 Pass rule: FAIL when a divergence happens where the baseline's margin was >= gate_margin (a
-confident choice changed), or when a configuration gives the same prompt two different
-continuations; divergences at near-ties are reported, not failed. Speculative decoding would add
-acceptance per position against the baseline; no configuration of this engine speculates yet, and
-the report says so instead of a number.
+confident choice changed), when a configuration gives the same prompt two different
+continuations, or when a configuration's speculative tokens leave its own non-speculative ones
+where those led by >= gate_margin; divergences at near-ties are reported, not failed. With both
+configurations speculating alike, the acceptance rule of acceptance.py joins (the worse status
+wins).
 """
 from __future__ import annotations
 
-from qsaserve.qualify.rules import FAIL, PASS, Rules, result
+from qsaserve.qualify import acceptance
+from qsaserve.qualify.rules import FAIL, INCONCLUSIVE, PASS, Rules, result
 from qsaserve.sampling_params import SamplingParams
 
 LOGPROBS = 5
 
 
 def collect(llm, prompts, new_tokens: int) -> dict:
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=LOGPROBS)
+    scored = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=LOGPROBS)
+    served = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    spec = acceptance.config_of(llm)
     out = {}
     for prompt in prompts:
-        res = llm.generate([{"prompt_token_ids": prompt.ids}], params, use_tqdm=False)[0]
+        request = [{"prompt_token_ids": prompt.ids}]
+        rec = {"prompt_tokens": len(prompt.ids)}
+        if spec is not None:  # as served: drafts verified (a request with logprobs would not draft)
+            before = acceptance.snapshot(llm)
+            res = llm.generate(request, served, use_tqdm=False)[0]
+            rec["speculation"] = acceptance.delta(before, acceptance.snapshot(llm))
+            rec.update(tokens=list(res.outputs[0].token_ids), cached_tokens=res.num_cached_tokens or 0,
+                       finish_reason=res.outputs[0].finish_reason)
+        res = llm.generate(request, scored, use_tqdm=False)[0]
         c = res.outputs[0]
         steps = [sorted(((t, lp.logprob) for t, lp in entry.items()), key=lambda kv: -kv[1])[:LOGPROBS]
                  for entry in (c.logprobs or [])]
-        out[prompt.name] = {"prompt_tokens": len(prompt.ids), "tokens": list(c.token_ids), "top": steps,
-                            "cached_tokens": res.num_cached_tokens or 0, "finish_reason": c.finish_reason}
-    return {"prompts": out, "speculation": None}
+        rec["top"] = steps
+        if spec is None:
+            rec.update(tokens=list(c.token_ids), cached_tokens=res.num_cached_tokens or 0, finish_reason=c.finish_reason)
+        else:
+            rec["unspeculated_tokens"] = list(c.token_ids)
+        out[prompt.name] = rec
+    speculation = None
+    if spec is not None:
+        speculation = {"config": spec, "total": acceptance.total([r["speculation"] for r in out.values()])}
+    return {"prompts": out, "speculation": speculation}
+
+
+def _first_difference(a: list, b: list) -> int | None:
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if first is None and len(a) != len(b):
+        first = min(len(a), len(b))
+    return first
 
 
 def _margin(top: list) -> float:
@@ -42,11 +77,12 @@ def compare(base: dict, cand: dict) -> dict:
     rows = {}
     for name, b in base["prompts"].items():
         c = cand["prompts"][name]
-        first = next((i for i, (x, y) in enumerate(zip(b["tokens"], c["tokens"])) if x != y), None)
-        if first is None and len(b["tokens"]) != len(c["tokens"]):
-            first = min(len(b["tokens"]), len(c["tokens"]))
+        first = _first_difference(b["tokens"], c["tokens"])
         row = {"identical": first is None, "tokens": len(b["tokens"]), "prompt_tokens": b["prompt_tokens"],
                "baseline_cached_tokens": b["cached_tokens"], "candidate_cached_tokens": c["cached_tokens"]}
+        for side, rec in (("baseline", b), ("candidate", c)):
+            if rec.get("speculation") is not None:
+                row[f"{side}_acceptance_length"] = rec["speculation"]["acceptance_length"]
         if first is not None:
             btop = b["top"][first] if first < len(b["top"]) else []
             ctop = c["top"][first] if first < len(c["top"]) else []
@@ -66,6 +102,23 @@ def self_consistency(rec: dict) -> list[str]:
     return []
 
 
+def speculation_changes(rec: dict, rules: Rules) -> tuple[list[str], list[str]]:
+    """Where a configuration's served (speculative) tokens leave its own non-speculative ones:
+    (confident changes, near-tie changes), each as text. Greedy speculation is exact, so the first
+    list must be empty; the second is arithmetic noise (a verify's rows computed together)."""
+    confident, near = [], []
+    for name, r in rec["prompts"].items():
+        if "unspeculated_tokens" not in r:
+            continue
+        first = _first_difference(r["unspeculated_tokens"], r["tokens"])
+        if first is None:
+            continue
+        margin = _margin(r["top"][first]) if first < len(r["top"]) else float("inf")
+        text = f"{name}: speculation changed token {first}, where the run without drafts led by {margin:.3f} nats"
+        (confident if margin >= rules.gate_margin else near).append(text)
+    return confident, near
+
+
 def judge(rows: dict, base: dict, cand: dict, rules: Rules) -> dict:
     reasons = []
     for name, row in rows.items():
@@ -74,11 +127,18 @@ def judge(rows: dict, base: dict, cand: dict, rules: Rules) -> dict:
                            f"{row['baseline_margin']:.3f} nats (>= {rules.gate_margin:g})")
     reasons += [f"candidate: {r}" for r in self_consistency(cand)]
     reasons += [f"baseline: {r}" for r in self_consistency(base)]
-    identical = sum(r["identical"] for r in rows.values())
-    speculation = "no speculative decoding in either configuration: acceptance per position not measured"
-    if reasons:
-        return result(FAIL, reasons, speculation=speculation)
     near = [f"{n} at token {r['first_divergence']} (baseline margin {r['baseline_margin']:.3f})"
             for n, r in rows.items() if not r["identical"]]
+    for side, rec in (("candidate", cand), ("baseline", base)):
+        confident, ties = speculation_changes(rec, rules)
+        reasons += [f"{side}: {r} (>= {rules.gate_margin:g})" for r in confident]
+        near += [f"{side} {r}" for r in ties]
+    acc = acceptance.judge(base, cand, [n for n, r in rows.items() if r["identical"]], rules)
+    extra = {"speculation": acc["summary"], "acceptance": {k: v for k, v in acc.items() if k not in ("summary",)}}
+    if reasons:
+        return result(FAIL, reasons + (acc["reasons"] if acc["status"] == FAIL else []), **extra)
+    identical = sum(r["identical"] for r in rows.values())
     text = f"{identical} of {len(rows)} prompts identical" + (f"; near-tie divergences: {', '.join(near)}" if near else "")
-    return result(PASS, [text], speculation=speculation)
+    if acc["status"] in (FAIL, INCONCLUSIVE):
+        return result(acc["status"], acc["reasons"] + [text], **extra)
+    return result(PASS, [text] + acc["reasons"], **extra)
