@@ -17,7 +17,9 @@ ENGINE = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "512", "--
 def report(tiny_llama, scales_div50, perturbed_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("qualify_llama_report")
     _, div50 = scales_div50
-    rc = main(["qualify", tiny_llama, *ENGINE, *SMALL, "--baseline", "kv_cache_dtype=bfloat16",
+    # Tok/s of two runs on a shared CPU differ by x2 from load alone: the speed rule is checked on
+    # hand-made figures (test_stage_rules.py), not on these timings.
+    rc = main(["qualify", tiny_llama, *ENGINE, *SMALL, "--rule", "speed_ratio_min=0", "--baseline", "kv_cache_dtype=bfloat16",
                "--candidate", "same:kv_cache_dtype=bfloat16",
                "--candidate", f"fp8_div50:kv_cache_dtype=fp8_e4m3,kv_scales={div50}",
                "--candidate", f"perturbed:model={perturbed_llama},kv_cache_dtype=bfloat16", "-o", str(out)])
