@@ -16,13 +16,18 @@ from qsaserve.qualify.cli import parse_candidate, parse_overrides
 from qsaserve.qualify.rules import FAIL, INCONCLUSIVE, PASS, Rules
 
 ENGINE = ["--dtype", "float32", "--device", "cpu", "--max-model-len", "512", "--kv-cache-memory", str(4 << 20)]
-NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+NGRAM3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 1,
+          "disable_when_slower": False}  # qualify counts every draft unless told otherwise
 
 
 def test_speculative_config_spellings_and_errors():
     # vLLM's JSON, as a shell user single-quotes it: the commas inside it do not split the overrides
     assert parse_candidate('mtp3:speculative_config={"method": "mtp", "num_speculative_tokens": 3},block_size=8') == (
-        "mtp3", {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3}, "block_size": 8})
+        "mtp3", {"speculative_config": {"method": "mtp", "num_speculative_tokens": 3, "disable_when_slower": False},
+                 "block_size": 8})
+    # the engine's per-step fallback stays as the configuration sets it
+    assert parse_overrides('speculative_config={"method": "mtp", "num_speculative_tokens": 1, "disable_when_slower": true}',
+                           "candidate")["speculative_config"]["disable_when_slower"] is True
     # one key per field, nothing to quote; typed by SpeculativeConfig and given its defaults
     assert parse_overrides("speculative_config.method=ngram,speculative_config.num_speculative_tokens=3",
                            "candidate") == {"speculative_config": NGRAM3}
@@ -186,7 +191,7 @@ def test_qwen4exp_mtp_candidate_passes(tmp_path):
     v = doc["verdicts"]["mtp2"]
     assert rc == 0 and v["verdict"] == "PASS", v
     cfg = doc["configurations"]["mtp2"]
-    assert cfg["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2}
+    assert cfg["speculative_config"] == {"method": "mtp", "num_speculative_tokens": 2, "disable_when_slower": False}
     spec = cfg["token_gate"]["speculation"]["total"]
     assert spec["verifies"] > 0 and len(spec["acceptance_rate_per_position"]) == 2
     assert all(p["tokens"] == p["unspeculated_tokens"] for p in cfg["token_gate"]["prompts"].values())

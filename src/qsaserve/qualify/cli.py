@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import logging
 import os
 import shlex
@@ -24,6 +25,7 @@ logger = logging.getLogger("qsaserve")
 
 
 SPEC = "speculative_config"
+FALLBACK = "disable_when_slower"
 
 
 def split_items(text: str) -> list[str]:
@@ -103,13 +105,21 @@ def _typed_spec_fields(values: dict[str, str], what: str) -> dict:
 
 
 def _speculative_config(value, what: str) -> dict:
-    """JSON text or a dict -> the validated speculative_config as a plain dict (reports show it)."""
+    """JSON text or a dict -> the validated speculative_config as a plain dict (reports show it).
+
+    Unless the configuration sets it, the engine's per-step fallback (disable_when_slower) is off:
+    with it, how many steps draft depends on this machine's timings, and so would the acceptance
+    that stage 2 compares; qualify measures every draft (docs/qualify.md)."""
     from qsaserve.speculative_config import parse_speculative_config
 
     try:
-        return parse_speculative_config(value).to_dict()
+        out = parse_speculative_config(value).to_dict()
     except InvalidRequestError as exc:  # its message names the field: speculative_config.FIELD: ...
         raise InvalidRequestError(what, str(exc)) from None
+    given = json.loads(value) if isinstance(value, str) else value
+    if FALLBACK not in given:
+        out[FALLBACK] = False
+    return out
 
 
 def parse_candidate(spec: str) -> tuple[str, dict]:
@@ -192,7 +202,7 @@ def cmd_qualify(args) -> int:
     config = engine_config_from_args(args)
     common = {k: v for k, v in config.__dict__.items() if v != getattr(defaults, k)}
     if common.get(SPEC) is not None:  # --speculative-config JSON: every configuration speculates (the oracle not)
-        common[SPEC] = common[SPEC].to_dict()
+        common[SPEC] = _speculative_config(args.speculative_config, "speculative_config")
     candidates = dict(parse_candidate(spec) for spec in args.candidate)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     rules = Rules.parse(args.rule)
