@@ -1,6 +1,17 @@
 """Fixtures shared by all test packages."""
 
+import os
+
 import pytest
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # `pytest -n N` (pytest-xdist): each worker, and the processes its tests start, get an equal
+    # share of the cores, so N workers do not oversubscribe them with N x cores threads.
+    _threads = str(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    os.environ["OMP_NUM_THREADS"] = _threads
+    import torch
+
+    torch.set_num_threads(int(_threads))
 
 
 @pytest.fixture(scope="session")
