@@ -10,6 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from fp8_engine_checks import check_cuda_fp8_against_cpu_and_graphs_against_eager
 from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization import Fp8Linear, weight_quant_config
 from qsaserve.loader import load_checkpoint
@@ -254,24 +255,10 @@ def test_fp8_kernels_on_gpu_match_the_cpu_reference_and_cuda_graphs_match_eager(
     """The Triton FP8 path (W8A16 for the short prompt and decode, W8A8 for the 100-token prompt)
     against the CPU reference path: the prompt tokens' logprobs; decode replayed in CUDA graphs
     against eager steps: the same greedy tokens."""
-    from qsaserve import LLM, SamplingParams
-
     _save_llama(tmp_path, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
     prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": [(7 * i) % 300 for i in range(100)]}]
 
-    def run(params, **engine):
-        llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory=1 << 24, progress=False, quantization="fp8", **engine)
-        return llm.generate(prompts, params, use_tqdm=False)
-
-    def prompt_logprobs(outs):
-        return [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])] for o in outs]
-
-    scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
-    for cpu, gpu in zip(prompt_logprobs(run(scored, device="cpu")), prompt_logprobs(run(scored, device="cuda"))):
-        torch.testing.assert_close(torch.tensor(gpu), torch.tensor(cpu), rtol=0, atol=2e-3)
-    greedy = SamplingParams(temperature=0, max_tokens=8)
-    eager = [o.outputs[0].token_ids for o in run(greedy, device="cuda", enforce_eager=True)]
-    assert [o.outputs[0].token_ids for o in run(greedy, device="cuda")] == eager
+    check_cuda_fp8_against_cpu_and_graphs_against_eager(str(tmp_path), prompts)
 
 
 def test_quantize_command_writes_the_checkpoint_and_prints_its_quality(tmp_path, capsys):

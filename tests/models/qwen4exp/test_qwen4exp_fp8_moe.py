@@ -24,6 +24,7 @@ from qsaserve.ops.fp8_gemm import dequantize_weight, quantize_weight_block
 from qsaserve.parallel.state import ParallelContext
 from qsaserve.quant.weights.fp8_checkpoint import quantizable, write_fp8_checkpoint
 
+from fp8_engine_checks import check_cuda_fp8_against_cpu_and_graphs_against_eager
 from qwen4exp_testing import build_random_model, make_config, oracle_logprobs
 
 PROMPT = [5, 17, 42, 99, 8, 64, 23, 7, 11, 100, 31, 12, 3, 77, 54, 9]
@@ -252,17 +253,4 @@ def test_fp8_moe_on_gpu_matches_the_cpu_reference_and_cuda_graphs_match_eager(tm
     build_random_model(make_config(**MOE), seed=15).save_pretrained(tmp_path)
     prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": [4 + (7 * i) % 110 for i in range(100)]}]
 
-    def run(params, **engine):
-        llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory=1 << 24, progress=False, max_model_len=256,
-                  quantization="fp8", **engine)
-        return llm.generate(prompts, params, use_tqdm=False)
-
-    def prompt_logprobs(outs):
-        return [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])] for o in outs]
-
-    scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    for cpu, gpu in zip(prompt_logprobs(run(scored, device="cpu")), prompt_logprobs(run(scored, device="cuda"))):
-        torch.testing.assert_close(torch.tensor(gpu), torch.tensor(cpu), rtol=0, atol=2e-3)
-    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    eager = [o.outputs[0].token_ids for o in run(greedy, device="cuda", enforce_eager=True)]
-    assert [o.outputs[0].token_ids for o in run(greedy, device="cuda")] == eager
+    check_cuda_fp8_against_cpu_and_graphs_against_eager(str(tmp_path), prompts, max_model_len=256)
