@@ -1,9 +1,12 @@
 """One rank's half of the host KV tier: its pinned host rows for KV blocks and state snapshots and
 the copies a step's HostTransferPlan asks for (engine/host_kv_tier.py decides, once, for every
-rank; each rank moves its own tensors: its TP shard, its DCP pages, FP8 pages as raw bytes)."""
+rank; each rank moves its own tensors: its TP shard, its DCP pages, FP8 pages as raw bytes).
+A block's host row holds every page the block's id addresses: the attention layers' and, with MTP
+drafts, the draft head's own QSA pages, so a restored block drafts as it did before eviction."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -27,6 +30,11 @@ def kv_rows(caches: list[LayerCache]) -> list[tuple[torch.Tensor, int]]:
     return rows + [(c.block_keys, 0) for c in caches if c.block_keys is not None]
 
 
+def host_block_bytes(caches: list[LayerCache]) -> int:
+    """Bytes of one block's host row: its page in every one of `caches`."""
+    return row_bytes(kv_rows(caches))
+
+
 class RankHostTier:
     def __init__(self, device: torch.device, num_blocks: int, block_bytes: int, num_snapshots: int = 0,
                  snapshot_bytes: int = 0):
@@ -38,12 +46,15 @@ class RankHostTier:
     def nbytes(self) -> int:
         return self.kv.nbytes + (self.snapshots.nbytes if self.snapshots else 0)
 
-    def apply(self, plan: HostTransferPlan, caches: list[LayerCache],
-              snapshot_pools: list[tuple[torch.Tensor, int]]) -> None:
-        """Runs the plan's copies, out before in, ordered before the step's forward (host_pool.py)."""
+    def apply(self, plan: HostTransferPlan, caches: list[LayerCache], snapshot_pools: Callable[[], list[torch.Tensor]]
+              ) -> None:
+        """Runs the plan's copies, out before in, ordered before the step's forward (host_pool.py);
+        caches: the pages a block row holds (host_block_bytes), snapshot_pools: the model's
+        snapshot pools (rows along dim 1), asked for only when this tier keeps snapshots."""
         rows = kv_rows(caches)
         if row_bytes(rows) != self.kv.row_bytes:
             raise RuntimeError(f"host KV tier: a block is {row_bytes(rows)} bytes, the host rows {self.kv.row_bytes}")
+        snapshot_pools = [(pool, 1) for pool in snapshot_pools()] if self.snapshots is not None else []
         with self.stream.ordered():
             if plan.kv_out_blocks:
                 self.kv.offload(rows, plan.kv_out_blocks, plan.kv_out_slots)

@@ -144,11 +144,10 @@ class LLMEngine:
         ex = self.executor
         if not self.config.kv_offload_gib:
             return None
-        tier = HostKVTier(ex.num_host_kv_blocks, ex.kv_spec.bytes_per_block, ex.num_host_snapshots,
-                          ex.state_snapshot_bytes)
+        tier = HostKVTier(ex.num_host_kv_blocks, ex.host_kv_block_bytes, ex.num_host_snapshots, ex.state_snapshot_bytes)
         if not tier.kv.num_slots:
             raise InvalidRequestError("kv_offload_gib", f"{self.config.kv_offload_gib} GiB holds no KV block "
-                                      f"({ex.kv_spec.bytes_per_block} bytes per block)")
+                                      f"({ex.host_kv_block_bytes} bytes per block)")
         per_rank = " per rank" if self.config.tensor_parallel_size > 1 else ""
         snapshots = f" + {ex.num_host_snapshots} state snapshots" if ex.num_host_snapshots else ""
         logger.info("host KV tier: %d blocks (%d tokens)%s = %.1f MiB of pinned host memory%s", tier.kv.num_slots,

@@ -23,7 +23,7 @@ from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, StateSnapshotPlan, TokenFeed
 from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata
 from qsaserve.engine.mtp_drafter import MtpDraftRequest, check_draft_method, run_mtp_drafts
-from qsaserve.engine.host_copies import RankHostTier, host_split
+from qsaserve.engine.host_copies import RankHostTier, host_block_bytes, host_split
 from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization import warm_up_quantized_layers
 from qsaserve.engine.profiling import layer_ranges
@@ -377,21 +377,19 @@ class ModelRunner:
                 return
             self.graphs = graphs
 
+    def host_tier_caches(self) -> list[LayerCache]:
+        """The pages a block's host row carries: every attention layer's, then the MTP head's."""
+        return self.kv_caches + ([self.model.mtp_attention_layer().cache] if self.mtp else [])
+
     def host_tier_split(self) -> CacheSplit:
         """KV blocks and state snapshots --kv-offload-gib of host memory holds on this rank."""
-        spec = self.kv_spec
-        return host_split(self.config.kv_offload_gib, spec.bytes_per_block, spec.block_size, self.state_snapshot_bytes,
-                          self.state_interval)
+        return host_split(self.config.kv_offload_gib, host_block_bytes(self.host_tier_caches()), self.kv_spec.block_size,
+                          self.state_snapshot_bytes, self.state_interval)
 
     def init_host_tier(self, num_blocks: int, num_snapshots: int) -> None:
         """Allocates the pinned host rows (after init_kv_cache)."""
-        self.host_tier = RankHostTier(self.device, num_blocks, self.kv_spec.bytes_per_block,
+        self.host_tier = RankHostTier(self.device, num_blocks, host_block_bytes(self.host_tier_caches()),
                                       num_snapshots if self.state_interval else 0, self.state_snapshot_bytes)
-
-    def _snapshot_pools(self) -> list[tuple[torch.Tensor, int]]:
-        if not self.state_interval:
-            return []
-        return [(pool, 1) for pool in self.model.state_snapshot_pools()]
 
     @torch.inference_mode()
     def _warm_up_kernels(self) -> None:
@@ -442,7 +440,7 @@ class ModelRunner:
         if feed is not None and self.parallel.tp_size > 1:
             feed = FeedAcrossRanks(feed, self.parallel)
         if batch.host_transfers is not None:  # before the snapshot restores, which may read restored rows
-            self.host_tier.apply(batch.host_transfers, self.kv_caches, self._snapshot_pools())
+            self.host_tier.apply(batch.host_transfers, self.host_tier_caches(), lambda: self.model.state_snapshot_pools())
         snapshots = self._stage_snapshot_plan(batch.state_snapshots)
         logits = None
         if self.graphs is not None and not self._observing() and not self._layer_profiling:

@@ -11,7 +11,7 @@ import torch
 
 from qsaserve import LLM, InvalidRequestError, SamplingParams
 
-from qwen4exp_testing import build_random_model, make_config, save_with_mtp
+from qwen4exp_testing import build_random_model, make_config, prompt_tokens, save_with_mtp
 from test_qwen4exp_spec_decode import NEW, PARAMS, generate, hf_greedy, prompts, states
 from test_qwen4exp_spec_decode import engine as ngram_or_mtp_engine
 
@@ -111,6 +111,13 @@ def test_prefix_cache_hits_and_fp8_pages(checkpoint):
             assert base == [want[1]] and again.num_cached_tokens > 0
 
 
+def draft_log(llm):
+    """Every step's drafts of the head from now on (a list the engine's executor appends to)."""
+    log, draft = [], llm.engine.executor.mtp_draft
+    llm.engine.executor.mtp_draft = lambda request: log.append(draft(request)) or log[-1]
+    return log
+
+
 def test_prefix_cache_hit_on_the_blocks_of_a_request_that_never_drafted(checkpoint):
     """A request with a penalty (it never drafts) computes a prompt's blocks; a greedy request
     of the same prompt hits them. With prefix caching the head runs on every sequence's rows, so
@@ -120,21 +127,42 @@ def test_prefix_cache_hit_on_the_blocks_of_a_request_that_never_drafted(checkpoi
     model, path, ps, want, _ = checkpoint
     penalty = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, repetition_penalty=1.0001)
 
-    def drafts(llm):
-        log, draft = [], llm.engine.executor.mtp_draft
-        llm.engine.executor.mtp_draft = lambda request: log.append(draft(request)) or log[-1]
-        return log
-
     fresh = engine(path, 2, max_num_batched_tokens=64)
-    alone = drafts(fresh)
+    alone = draft_log(fresh)
     assert generate(fresh, [ps[1]]) == [want[1]]
     cached = engine(path, 2, enable_prefix_caching=True, max_num_batched_tokens=64)
     generate(cached, [ps[1]], penalty)
     assert cached.engine.spec.stats.drafted == 0
-    after_hit = drafts(cached)
+    after_hit = draft_log(cached)
     out = cached.generate([{"prompt_token_ids": ps[1]}], PARAMS, use_tqdm=False)[0]
     assert out.num_cached_tokens > 0 and out.outputs[0].token_ids == want[1]
     assert [d for d in after_hit if any(d)] == [d for d in alone if any(d)]
+
+
+def test_host_tier_carries_the_heads_pages(checkpoint):
+    """--kv-offload-gib with MTP: a prompt's cached blocks are evicted to the host tier by a
+    longer request through a small GPU pool, and a greedy request of the prompt copies them back
+    (into blocks the longer request's pages last held). The head's pages travel with the
+    target's, so the drafts after the host hit equal those after a GPU hit in a pool that never
+    evicted, and so do the tokens (steps of 64 tokens: the uncached suffix is one chunk in both)."""
+    model, path, ps, want, _ = checkpoint
+    penalty = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, repetition_penalty=1.0001)
+    other = prompt_tokens(118, seed=3)
+    runs = []
+    for pool in ({}, dict(kv_cache_memory=420_000)):
+        llm = engine(path, 2, enable_prefix_caching=True, max_num_batched_tokens=64, max_model_len=128,
+                     kv_offload_gib=0.01, **pool)
+        generate(llm, [ps[1]], penalty)
+        generate(llm, [other], penalty)
+        log = draft_log(llm)
+        out = llm.generate([{"prompt_token_ids": ps[1]}], PARAMS, use_tqdm=False)[0]
+        assert out.num_cached_tokens > 0 and out.outputs[0].token_ids == want[1]
+        stats, ex = llm.engine.block_manager.host_tier.stats, llm.engine.executor
+        assert stats.blocks_restored > 0 if pool else stats.hits == 0
+        head = dataclasses.replace(ex.kv_spec, num_layers=1, kv_dtype=None).bytes_per_block  # one QSA layer's pages
+        assert ex.host_kv_block_bytes == ex.kv_spec.bytes_per_block + head
+        runs.append([d for d in log if any(d)])
+    assert runs[0] and runs[1] == runs[0]
 
 
 def test_mtp_on_a_checkpoint_without_the_head_is_refused(tmp_path):

@@ -37,6 +37,11 @@ class Rank0Views:
         return self.runner.host_tier.kv.num_rows if self.runner.host_tier is not None else 0
 
     @property
+    def host_kv_block_bytes(self) -> int:
+        """Bytes of one KV block's host row on each rank (its pages, the MTP head's included; 0: no host tier)."""
+        return self.runner.host_tier.kv.row_bytes if self.runner.host_tier is not None else 0
+
+    @property
     def num_host_snapshots(self) -> int:
         """State snapshots the host tier holds on each rank (0: none)."""
         tier = self.runner.host_tier
