@@ -28,6 +28,12 @@ def test_speculative_config_spellings_and_errors():
     # the engine's per-step fallback stays as the configuration sets it
     assert parse_overrides('speculative_config={"method": "mtp", "num_speculative_tokens": 1, "disable_when_slower": true}',
                            "candidate")["speculative_config"]["disable_when_slower"] is True
+    assert parse_overrides("speculative_config.method=mtp,speculative_config.num_speculative_tokens=1,"
+                           "speculative_config.disable_when_slower=true", "candidate")["speculative_config"][
+        "disable_when_slower"] is True
+    with pytest.raises(InvalidRequestError, match=r"^candidate: speculative_config\.disable_when_slower: must be true or false"):
+        parse_overrides("speculative_config.method=mtp,speculative_config.num_speculative_tokens=1,"
+                        "speculative_config.disable_when_slower=yes", "candidate")
     # one key per field, nothing to quote; typed by SpeculativeConfig and given its defaults
     assert parse_overrides("speculative_config.method=ngram,speculative_config.num_speculative_tokens=3",
                            "candidate") == {"speculative_config": NGRAM3}
@@ -102,6 +108,12 @@ def test_acceptance_rule_on_hand_made_counters():
     # nothing drafted on the baseline's side: no evidence either way
     idle = _record(NGRAM3, [_spec(0, 0, 0, [0, 0, 0]), _spec(0, 0, 0, [0, 0, 0])])
     assert _judge(idle, worse)["status"] == INCONCLUSIVE
+    # nor on the candidate's (its per-step fallback may have kept it from drafting): not a drop
+    res = _judge(base, idle)
+    assert res["status"] == INCONCLUSIVE and "the candidate verified no draft" in res["reasons"][0]
+    # the fallback setting decides when to draft, not what a draft is: still compared
+    worse_with_fallback = _record({**NGRAM3, "disable_when_slower": True}, [_spec(30, 10, 10, [6, 3, 1])] * 2)
+    assert _judge(base, worse_with_fallback)["status"] == FAIL
     # speculation that changed a confident greedy token of its own configuration fails
     changed = _record(NGRAM3, good, unspeculated=(5, 9, 7))
     res = _judge(base, changed)

@@ -72,8 +72,9 @@ def describe(spec: dict | None) -> str:
 
 
 def _comparable(a: dict, b: dict) -> bool:
-    """Same drafter: the batch-size cut-off does not matter to one request at a time."""
-    strip = lambda s: {k: v for k, v in s.items() if k != "disable_by_batch_size"}  # noqa: E731
+    """Same drafter: the batch-size cut-off and the per-step fallback decide when to draft, not
+    what a draft is."""
+    strip = lambda s: {k: v for k, v in s.items() if k not in ("disable_by_batch_size", "disable_when_slower")}  # noqa: E731
     return strip(a) == strip(b)
 
 
@@ -109,9 +110,10 @@ def judge(base: dict, cand: dict, identical: list[str], rules: Rules) -> dict:
     if not identical:
         return {**out, "status": INCONCLUSIVE, "reasons": ["acceptance: no prompt continued identically on both sides, "
                                                              "so no text was verified by both"]}
-    if b["verifies"] == 0:
-        return {**out, "status": INCONCLUSIVE, "reasons": [f"acceptance: the baseline verified no draft on the "
-                                                             f"{len(identical)} identical prompts"]}
+    for side, counts in (("baseline", b), ("candidate", c)):
+        if counts["verifies"] == 0:  # e.g. the per-step fallback kept it from drafting
+            return {**out, "status": INCONCLUSIVE, "reasons": [f"acceptance: the {side} verified no draft on the "
+                                                                 f"{len(identical)} identical prompts"]}
     drop = b["acceptance_length"] - c["acceptance_length"]
     text = (f"acceptance length on the {len(identical)} identical prompts {c['acceptance_length']:.3f} vs the "
             f"baseline's {b['acceptance_length']:.3f}")

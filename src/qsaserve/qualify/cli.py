@@ -99,6 +99,10 @@ def _typed_spec_fields(values: dict[str, str], what: str) -> dict:
                 out[name] = int(value)
             except ValueError:
                 raise InvalidRequestError(what, f"{SPEC}.{name}: must be an integer, got {value!r}") from None
+        elif "bool" in types[name]:
+            if value.lower() not in ("true", "false"):
+                raise InvalidRequestError(what, f"{SPEC}.{name}: must be true or false, got {value!r}")
+            out[name] = value.lower() == "true"
         else:
             out[name] = value
     return out

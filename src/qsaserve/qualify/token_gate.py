@@ -13,8 +13,8 @@ counters read around the request, acceptance.py), whose tokens are the ones comp
 cached-token count is reported; then with logprobs (not drafting), which gives the top-5 at each
 position and, compared with the served tokens, shows whether speculation changed a greedy token
 of its own configuration. Served first, so that a later prompt hitting the prefix cache finds
-blocks computed by a drafting request (an MTP head writes no pages for a request that never
-drafts, docs/speculative.md).
+blocks computed by a drafting request (without prefix caching an MTP head writes no pages for a
+request that never drafts, docs/speculative.md).
 
 Pass rule: FAIL when a divergence happens where the baseline's margin was >= gate_margin (a
 confident choice changed), when a configuration gives the same prompt two different

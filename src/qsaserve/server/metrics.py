@@ -72,7 +72,8 @@ class _EngineCollector:
         yield per_pos
         yield counter("qsaserve:spec_decode_drafting_steps", "Steps the automatic fallback let sequences draft in.", s.spec_drafting_steps)
         yield counter("qsaserve:spec_decode_fallback_steps", "Steps the automatic fallback kept from drafting: verify "
-                      "steps were slower per token than plain ones at that batch size.", s.spec_fallback_steps)
+                      "steps slower per token than plain ones at that batch size, and the plain steps it takes to "
+                      "time or re-time a batch size.", s.spec_fallback_steps)
         yield gauge("qsaserve:engine_healthy", "1 while the engine loop runs, 0 once it died.", 1.0 if self.engine.is_healthy() else 0.0)
 
 
