@@ -62,17 +62,24 @@ def _quantize_group(a):
     return q, scale
 
 
+@triton.jit
+def _block_choices(sorted_ids_ptr, expert_ids_ptr, num_choices, BLOCK_M: tl.constexpr):
+    """This program's block of the aligned order -> (its expert, -1 for an unused block; its
+    token-choice ids [BLOCK_M]; which of them are real, not padding)."""
+    b = tl.program_id(0)
+    e = tl.load(expert_ids_ptr + b).to(tl.int64)
+    rows = tl.load(sorted_ids_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
+    return e, rows, rows < num_choices
+
+
 @triton.jit(do_not_specialize=["num_choices"])
 def _grouped_gate_up_kernel(x_ptr, w_ptr, ws_ptr, act_ptr, sorted_ids_ptr, expert_ids_ptr, num_choices, H, I, top_k,
                     stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_a,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
                     FP8: tl.constexpr):
-    b = tl.program_id(0)
-    e = tl.load(expert_ids_ptr + b).to(tl.int64)
+    e, rows, valid = _block_choices(sorted_ids_ptr, expert_ids_ptr, num_choices, BLOCK_M)
     if e < 0:
         return
-    rows = tl.load(sorted_ids_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = rows < num_choices
     tok = (rows // top_k).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
@@ -115,12 +122,9 @@ def _grouped_down_kernel(act_ptr, w_ptr, ws_ptr, rw_ptr, y_ptr, sorted_ids_ptr, 
                  stride_a, stride_we, stride_wn, stride_se, stride_sn, stride_y,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
                  FP8: tl.constexpr):
-    b = tl.program_id(0)
-    e = tl.load(expert_ids_ptr + b).to(tl.int64)
+    e, rows, valid = _block_choices(sorted_ids_ptr, expert_ids_ptr, num_choices, BLOCK_M)
     if e < 0:
         return
-    rows = tl.load(sorted_ids_ptr + b * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = rows < num_choices
     rows64 = rows.to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < H
