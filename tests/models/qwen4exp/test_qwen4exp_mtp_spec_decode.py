@@ -12,7 +12,7 @@ import torch
 from qsaserve import LLM, InvalidRequestError, SamplingParams
 
 from qwen4exp_testing import build_random_model, make_config, prompt_tokens, save_with_mtp
-from test_qwen4exp_spec_decode import NEW, PARAMS, generate, hf_greedy, prompts, states
+from test_qwen4exp_spec_decode import NEW, PARAMS, assert_preempted_and_freed, generate, hf_greedy, prompts, states
 from test_qwen4exp_spec_decode import engine as ngram_or_mtp_engine
 
 
@@ -91,10 +91,7 @@ def test_batched_chunked_and_preempted(checkpoint, k):
         assert generate(llm, ps, params) == base
         assert base[:2] == want[:2]
         assert llm.engine.spec.stats.accepted > 0
-        if "kv_cache_memory" in kw:
-            assert llm.engine.scheduler.num_preemptions > 0
-        bm = llm.engine.block_manager
-        assert bm.num_free_blocks == bm.num_blocks
+        assert_preempted_and_freed(llm, "kv_cache_memory" in kw)
 
 
 def test_prefix_cache_hits_and_fp8_pages(checkpoint):

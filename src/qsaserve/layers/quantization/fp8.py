@@ -23,7 +23,7 @@ from torch import nn
 
 from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization.config import BLOCK, WeightQuantConfig
-from qsaserve.layers.quantization.shard import TensorShard, take_shard
+from qsaserve.layers.quantization.shard import TensorShard, copy_part, take_shard
 from qsaserve.layers.quantization.warm_up import warm_up_row_counts
 from qsaserve.ops.fp8_gemm import FP8, dequantize_weight, fp8_linear, quantize_weight_block, quantize_weight_rows
 
@@ -92,10 +92,7 @@ class Fp8Linear(nn.Module):
             target, value = self.weight_scale.data[a // self.block_n:(a + rows) // self.block_n], self._scale_rows(tensor, rows, shard)
         else:
             raise ValueError(f"model: {self.name}: unknown tensor kind {kind!r}")
-        if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(f"model: {self.name} {kind} (part {part}) has shape {tuple(value.shape)} for this rank, "
-                             f"expected {tuple(target.shape)}")
-        target.copy_(value.to(target.device))
+        copy_part(self.name, kind, part, target, value)
         self.loaded.add((kind, part))
 
     def quantize(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from qsaserve.errors import InvalidRequestError
-from qsaserve.layers.quantization.shard import TensorShard, take_shard
+from qsaserve.layers.quantization.shard import TensorShard, copy_part, take_shard
 from qsaserve.layers.quantization.warm_up import warm_up_row_counts
 from qsaserve.ops.nvfp4_gemm import GROUP, nvfp4_linear, quantize_nvfp4
 
@@ -69,10 +69,7 @@ class Nvfp4Linear(nn.Module):
             value = take_shard(tensor, shard)
         else:
             raise ValueError(f"model: {self.name}: unknown tensor kind {kind!r}")
-        if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(f"model: {self.name} {kind} (part {part}) has shape {tuple(value.shape)} for this rank, "
-                             f"expected {tuple(target.shape)}")
-        target.copy_(value.to(target.device))
+        copy_part(self.name, kind, part, target, value)
         self.loaded.add((kind, part))
 
 

@@ -23,4 +23,13 @@ def take_shard(tensor: torch.Tensor, shard: TensorShard | None) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts, shard.dim)
 
 
-__all__ = ["TensorShard", "take_shard"]
+def copy_part(name: str, kind: str, part: int, target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copies this rank's slice `value` of a checkpoint tensor into its place `target` in a
+    layer's parameter, refusing a shape mismatch with the layer, tensor kind and part named."""
+    if tuple(value.shape) != tuple(target.shape):
+        raise ValueError(f"model: {name} {kind} (part {part}) has shape {tuple(value.shape)} for this rank, "
+                         f"expected {tuple(target.shape)}")
+    target.copy_(value.to(target.device))
+
+
+__all__ = ["TensorShard", "copy_part", "take_shard"]
