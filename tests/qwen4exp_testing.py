@@ -5,6 +5,7 @@ import transformers.models.qwen4_exp.modeling_qwen4_exp as _hf_qwen4exp
 from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
 from qsaserve import LLM
+from qsaserve.layers.attention import AttentionMetadata
 
 
 def _oracle_uses_torch_gdn() -> None:
@@ -169,3 +170,21 @@ def save_with_mtp(model, path, seed: int = 0) -> str:
     with open(index, "w") as f:
         json.dump(data, f)
     return str(path)
+
+
+def step_metadata(rows, block):
+    """rows: (query_len, seq_len, block table, state slot) of sequences prefilling positions
+    seq_len - query_len .. seq_len - 1."""
+    width = max(len(t) for _, _, t, _ in rows)
+    slots, cu, positions = [], [0], []
+    for n, length, table, _ in rows:
+        pos = list(range(length - n, length))
+        slots += [table[p // block] * block + p % block for p in pos]
+        positions += pos
+        cu.append(cu[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for _, _, t, _ in rows], dtype=torch.int32),
+        seq_lens=torch.tensor([r[1] for r in rows], dtype=torch.int32), cu_query_lens=torch.tensor(cu, dtype=torch.int32),
+        query_lens=[r[0] for r in rows], seq_lens_list=[r[1] for r in rows], state_slots=[r[3] for r in rows])
+    return meta, torch.tensor(positions)

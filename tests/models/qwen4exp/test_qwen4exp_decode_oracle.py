@@ -7,7 +7,6 @@ exact ties common (every indexer head at zero). So a decode run equals the oracl
 tie sits at the selection boundary, and where the two part, the blocks they swap score exactly
 alike. Engine: float32 CPU; oracle: transformers' fp32 full-sequence forward (no cache)."""
 import pytest
-import torch
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextQSAIndexer
 
 import qsaserve.models.qwen4exp.qsa_attention as qsa_attention

@@ -5,14 +5,13 @@ import pytest
 import torch
 
 from qsaserve.cache.kv_cache import KVCacheSpec, allocate_kv_cache
-from qsaserve.layers.attention import AttentionMetadata
 from qsaserve.models.qwen4exp.mtp import Qwen4ExpMTP, mtp_num_layers, mtp_weight_shapes
 from qsaserve.models.qwen4exp.mtp_reference import mtp_draft_reference
 from qsaserve.models.qwen4exp.state import build_step
 from qsaserve.ops.qsa_indexer import rope_inv_freq
 from qsaserve.parallel.state import ParallelContext
 
-from qwen4exp_testing import make_config, random_mtp_tensors
+from qwen4exp_testing import make_config, random_mtp_tensors, step_metadata
 
 BLOCK = 8
 
@@ -38,23 +37,6 @@ def _head(cfg, tensors, slots=4, blocks=16):
     return head
 
 
-def _meta(rows):
-    """rows: (query_len, seq_len, block table, state slot) per sequence."""
-    width = max(len(t) for _, _, t, _ in rows)
-    slots, cu, positions = [], [0], []
-    for n, length, table, _ in rows:
-        pos = list(range(length - n, length))
-        slots += [table[p // BLOCK] * BLOCK + p % BLOCK for p in pos]
-        positions += pos
-        cu.append(cu[-1] + n)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for _, _, t, _ in rows], dtype=torch.int32),
-        seq_lens=torch.tensor([r[1] for r in rows], dtype=torch.int32), cu_query_lens=torch.tensor(cu, dtype=torch.int32),
-        query_lens=[r[0] for r in rows], seq_lens_list=[r[1] for r in rows], state_slots=[r[3] for r in rows])
-    return meta, torch.tensor(positions)
-
-
 def test_paged_head_equals_reference_through_chunks_and_decodes():
     """Two sequences: unaligned prompt chunks (a mixed step among them), then decode steps; every
     row's draft logits and output streams equal the reference's over the whole sequence."""
@@ -78,7 +60,7 @@ def test_paged_head_equals_reference_through_chunks_and_decodes():
             rows.append((n, done[s], seqs[s]["table"], seqs[s]["slot"]))
             hyper.append(seqs[s]["hyper"][done[s] - n:done[s]])
             ids.append(seqs[s]["ids"][done[s] - n:done[s]])
-        meta, positions = _meta(rows)
+        meta, positions = step_metadata(rows, BLOCK)
         ids = torch.cat(ids)
         st = build_step(ids, positions, meta, inv, head.ctx.dcp, head.states())
         assert st.decode == all(n == 1 for _, n in step)

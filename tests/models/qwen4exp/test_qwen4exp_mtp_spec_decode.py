@@ -12,7 +12,8 @@ import torch
 from qsaserve import LLM, InvalidRequestError, SamplingParams
 
 from qwen4exp_testing import build_random_model, make_config, prompt_tokens, save_with_mtp
-from test_qwen4exp_spec_decode import NEW, PARAMS, assert_preempted_and_freed, generate, hf_greedy, prompts, states
+from test_qwen4exp_spec_decode import (NEW, PARAMS, assert_preempted_and_freed, checkpoint_runs, generate, prompts,
+                                       states)
 from test_qwen4exp_spec_decode import engine as ngram_or_mtp_engine
 
 
@@ -20,13 +21,7 @@ from test_qwen4exp_spec_decode import engine as ngram_or_mtp_engine
 def checkpoint(tmp_path_factory):
     model = build_random_model(make_config(budget=12, ple_layer_ids=(1, 4)), seed=7)
     path = save_with_mtp(model, str(tmp_path_factory.mktemp("mtp_qwen4exp")), seed=11)
-    ps = prompts(3, [45, 61, 38])
-    plain = engine(path)
-    plain_states = []
-    for p in ps:
-        generate(plain, [p])
-        plain_states.append(states(plain))
-    return model, path, ps, [hf_greedy(model, p, NEW) for p in ps], plain_states
+    return checkpoint_runs(model, path)  # the plain engine is the same whatever the drafter
 
 
 def engine(path, k=None, **kw):

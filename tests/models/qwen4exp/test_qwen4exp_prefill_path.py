@@ -18,30 +18,11 @@ import pytest
 import torch
 
 from qsaserve import LLM
-from qsaserve.layers.attention import AttentionMetadata
 
-from qwen4exp_testing import make_config
+from qwen4exp_testing import make_config, step_metadata
 from test_qwen4exp_engine import save
 from qwen4exp_testing import build_random_model
 from triton_interpreter import run_under_interpreter
-
-
-def _meta(rows, block):
-    """rows: (query_len, seq_len, block table, state slot) of sequences prefilling positions
-    seq_len - query_len .. seq_len - 1."""
-    width = max(len(t) for _, _, t, _ in rows)
-    slots, cu, positions = [], [0], []
-    for n, length, table, _ in rows:
-        pos = list(range(length - n, length))
-        slots += [table[p // block] * block + p % block for p in pos]
-        positions += pos
-        cu.append(cu[-1] + n)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for _, _, t, _ in rows], dtype=torch.int32),
-        seq_lens=torch.tensor([r[1] for r in rows], dtype=torch.int32), cu_query_lens=torch.tensor(cu, dtype=torch.int32),
-        query_lens=[r[0] for r in rows], seq_lens_list=[r[1] for r in rows], state_slots=[r[3] for r in rows])
-    return meta, torch.tensor(positions)
 
 
 def _prefill(model, steps, prompts, block, device):
@@ -54,7 +35,7 @@ def _prefill(model, steps, prompts, block, device):
             done[s] += n
             rows.append((n, done[s], prompts[s]["table"], prompts[s]["slot"]))
             ids += prompts[s]["ids"][done[s] - n:done[s]]
-        meta, positions = _meta(rows, block)
+        meta, positions = step_metadata(rows, block)
         for f in ("slot_mapping", "block_tables", "seq_lens", "cu_query_lens"):
             setattr(meta, f, getattr(meta, f).to(device))
         with torch.inference_mode():

@@ -46,6 +46,11 @@ def checkpoint(tmp_path_factory):
     model = build_random_model(make_config(budget=12, ple_layer_ids=(1, 4)), seed=7)
     path = str(tmp_path_factory.mktemp("spec_qwen4exp"))
     model.save_pretrained(path)
+    return checkpoint_runs(model, path)
+
+
+def checkpoint_runs(model, path):
+    """The checkpoint fixture's tuple for the model saved at path (its plain runs without drafts)."""
     ps = prompts(3, [45, 61, 38])
     plain = engine(path)
     plain_states = []
