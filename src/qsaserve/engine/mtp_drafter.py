@@ -33,7 +33,7 @@ class MtpDraftRequest:
     rows: list[int]  # catch-up rows: the first `rows` of the sequence's rows in the step
     next_ids: list[list[int]]  # the token after each of those rows
     drafts: list[int]  # drafts wanted (0: none; only when the catch-up reaches the last token)
-    tables: list[list[int]]  # each sequence's block table now (for the draft rows' positions)
+    tables: list[list[int]]  # the block table of each sequence with rows (for the draft rows' positions), else []
 
 
 def check_draft_method(model: object, method: str) -> None:

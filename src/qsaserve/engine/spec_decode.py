@@ -146,7 +146,7 @@ class SpecDecoder:
             rows.append(m)
             next_ids.append(seq.token_ids[start + 1 : start + 1 + m])
             drafts.append(self.room(seq, num_running) if m and start + m == seq.num_tokens - 1 else 0)
-            tables.append(list(seq.block_table))
+            tables.append(list(seq.block_table) if m else [])  # the head reads the tables of its rows only
         return MtpDraftRequest(rows, next_ids, drafts, tables) if any(rows) else None
 
     @staticmethod
