@@ -58,6 +58,26 @@ if [ "$mode" = single ]; then
     # FP8 pages with the Hadamard head rotation (docs/fp8.md): its cost at batch 1 (unit scales).
     part latency_llama1b_fp8_rotation 200 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --batch-sizes 1 --async-scheduling --kv-cache-dtype fp8_e4m3 --kv-rotation hadamard --profile-steps 16 > '$out/latency_llama1b_fp8_rotation.json'"
     part throughput_llama1b_async 200 sh -c "python -m qsaserve.cli bench throughput llama-1b --load-format dummy --max-model-len 4096 --async-scheduling --peer hf > '$out/throughput_llama1b_async.json'"
+    # Quantized weights (issue 26): the FP8 / NVFP4 GEMMs against torch._scaled_mm and cuBLAS, llama-8b
+    # decode and the nano-vllm workload per weight format, the real-shape 12-layer preset in FP8.
+    for w in bf16 fp8 nvfp4; do
+        q=$([ $w = bf16 ] || echo "--quantization $w")
+        part latency_llama8b_w$w 150 sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 $q --profile-steps 16 > '$out/latency_llama8b_w$w.json'"
+    done
+    part bench_fp8_gemm 150 python benchmarks/bench_fp8_gemm.py --out "$out/bench_fp8_gemm.json"
+    for w in bf16 fp8; do
+        q=$([ $w = bf16 ] || echo "--quantization $w")
+        part throughput_llama8b_w$w 240 sh -c "python -m qsaserve.cli bench throughput llama-8b --load-format dummy --max-model-len 4096 $q > '$out/throughput_llama8b_w$w.json'"
+        part latency_flash12l_w$w 300 sh -c "python -m qsaserve.cli bench latency qwen4exp-flash-12l --load-format dummy --max-model-len 9000 --batch-sizes 1,64 --decode-context 8192 --prompt-lens 8192 --ple-placement gpu --async-scheduling $q > '$out/latency_flash12l_w$w.json'"
+    done
+    # Speculative decoding (issue 24): the verify step for k = 1, 2, 3 against the plain decode step.
+    part spec_q4small_ngram 240 python benchmarks/bench_spec_decode.py --model qwen4exp-small --batches 1,8,64 --context 8192 --force-accept --out "$out/spec_q4small_ngram.json"
+    part spec_q4small_mtp 240 python benchmarks/bench_spec_decode.py --model qwen4exp-small-mtp --method mtp --batches 1,8,64 --context 8192 --force-accept --out "$out/spec_q4small_mtp.json"
+    part spec_llama1b_ngram 180 python benchmarks/bench_spec_decode.py --model llama-1b --batches 1,8,64 --context 8192 --repeat-unit 64 --out "$out/spec_llama1b_ngram.json"
+    part gpu_tests_quant_spec 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_quant_spec.xml" \
+        tests/ops/test_fp8_gemm_triton.py tests/ops/test_nvfp4_gemm_triton.py tests/ops/test_moe_grouped_fp8.py \
+        tests/models/test_llama_fp8_weights.py tests/models/qwen4exp/test_qwen4exp_fp8_moe.py tests/engine/test_spec_decode.py \
+        tests/models/qwen4exp/test_qwen4exp_mtp_spec_decode.py
     # Qwen4Exp at speed (issue 22): grouped MoE, PLE gathers over UVA, the prefill profile, the
     # 12-layer real-shape preset. QWEN_LAT is the shared latency command line.
     part gpu_tests_qwen_speed 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_qwen_speed.xml" \
