@@ -37,8 +37,13 @@ KS = (1, 2, 3)
 
 def max_new_tokens(steps: int) -> int:
     """Every request's output budget: the modes' steps (two warm-up each) at up to k + 1 tokens a
-    step, plus room, so no request finishes (and the batch shrinks) before the last timed step."""
-    return (steps + 2) * sum(k + 1 for k in (0, *KS)) + 2 * (max(KS) + 1)
+    step, plus room for the decode steps that sequences prefilled early take while the others'
+    prompts are still being computed, so no request finishes (and the batch shrinks) before the
+    last timed step."""
+    return (steps + 2) * sum(k + 1 for k in (0, *KS)) + 2 * (max(KS) + 1) + PREFILL_ROOM
+
+
+PREFILL_ROOM = 256
 
 
 def build(model: str, batch: int, context: int, steps: int, force_accept: bool, enforce_eager: bool,
