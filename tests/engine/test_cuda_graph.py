@@ -72,6 +72,71 @@ def test_pad_decode_layout():
         pad_decode(batch, 2)
 
 
+def _verify_batch(b: int, n: int, interior: bool) -> BatchInput:
+    """b sequences verifying n - 1 drafts each (rows sequence-major; logits order: the sample
+    rows, then the draft rows, as batch.build_batch lays a verify step out)."""
+    from qsaserve.engine.block_manager import StateSnapshotPlan
+
+    t = b * n
+    logits = [i * n for i in range(b)] + [i * n + j for i in range(b) for j in range(1, n)]
+    rows = [1000 + i * 10 + j for i in range(b) for j in range(n - 1)] if interior else []
+    plan = StateSnapshotPlan([], [], [], [], [list(range(1, n)) if interior else [] for _ in range(b)], rows)
+    return BatchInput(input_ids=list(range(10, 10 + t)), positions=[50 + i for i in range(t)],
+                      slot_mapping=[200 + i for i in range(t)], query_lens=[n] * b,
+                      seq_lens=[50 + (i + 1) * n for i in range(b)], block_tables=[[i + 1] for i in range(b)],
+                      logits_indices=logits, state_slots=[i + 1 for i in range(b)], state_snapshots=plan,
+                      verify_rows=n)
+
+
+def test_verify_layout_pads_rows_snapshots_and_logits_order():
+    from qsaserve.engine.cuda_graph import Layout
+
+    batch = _verify_batch(3, 4, interior=True)
+    p = pad_decode(batch, 4, rows=4, pad_snapshot_rows=[7, 8, 9])
+    lay = Layout(4, 4)
+    assert all(start % 2 == 0 for start in lay.starts)  # 16-byte aligned segments
+    ids, pos, slots, states, snaps, order = (lay.segment(p.int64, i).tolist() for i in range(6))
+    assert ids == list(range(10, 22)) + [0] * 4 and pos == list(range(50, 62)) + [0] * 4
+    assert slots == list(range(200, 212)) + [PAD_SLOT] * 4
+    assert states == [1, 2, 3, PAD_STATE_SLOT]
+    assert snaps == [1000, 1001, 1002, 1010, 1011, 1012, 1020, 1021, 1022, 7, 8, 9]  # padding: the scratch slot's rows
+    assert order == batch.logits_indices + [12, 13, 14, 15]
+    assert p.int32[:4].tolist() == [54, 58, 62, 0]
+    llama = pad_decode(_verify_batch(2, 3, interior=False), 2, rows=3)  # no state rows: zeros, unread
+    assert Layout(2, 3).segment(llama.int64, 4).tolist() == [0] * 4
+
+
+def test_verify_graph_choice():
+    graphs = DecodeGraphs.__new__(DecodeGraphs)
+    graphs.sizes, graphs.verify_sizes = [1, 2, 4, 8], {4: [1, 2, 4]}
+    assert graphs.bucket_for(_decode_batch(3)) == (4, 1)
+    assert graphs.bucket_for(_verify_batch(3, 4, interior=True)) == (4, 4)
+    assert graphs.bucket_for(_verify_batch(5, 4, interior=True)) is None  # past the verify sizes
+    assert graphs.bucket_for(_verify_batch(2, 3, interior=True)) is None  # no graph of 3 rows
+    tail = _verify_batch(2, 4, interior=False)  # a prompt's 4-token tails: same shape, not a verify
+    tail.verify_rows = 0
+    assert graphs.bucket_for(tail) is None
+    short = _verify_batch(2, 4, interior=True)
+    short.logits_indices = short.logits_indices[:-1]
+    assert graphs.bucket_for(short) is None
+
+
+def test_verify_graph_plan():
+    from qsaserve.engine.cuda_graph import verify_graph_plan
+    from qsaserve.layers.attention import Attention
+    from qsaserve.speculative_config import SpeculativeConfig
+
+    config = EngineConfig(device="cpu", max_num_seqs=128)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+    sizes, pad = verify_graph_plan(spec, config, [Attention(32, 8, 64, 1.0)], state_rows_base=40)
+    assert list(sizes) == [4] and max(sizes[4]) == 64 and sizes[4] == [b for b in config.cuda_graph_capture_sizes if b <= 64]
+    assert pad == [40, 41, 42]
+    assert verify_graph_plan(None, config, [], 0) == ({}, [])
+    pytest.importorskip("triton")
+    wide = SpeculativeConfig(method="ngram", num_speculative_tokens=8)  # 9 rows > the kernel's 8 at group 8
+    assert verify_graph_plan(wide, config, [Attention(64, 8, 64, 1.0)], 0) == ({}, [])
+
+
 def test_cpu_runner_has_no_graphs():
     from qsaserve.engine.llm_engine import LLMEngine
 
@@ -132,7 +197,7 @@ def test_graphs_off_reasons_kept():
     assert _off_reason(_GraphSafeModel(), tp=2, dcp=2, enforce_eager=True) == "enforce_eager"
     assert _off_reason(_PlainModel(), tp=2) == "_PlainModel does not declare supports_cuda_graph"
     assert _off_reason(_GraphSafeModel(), tp=2, sizes=()) == "no capture size <= max_num_seqs"
-    assert _off_reason(_GraphSafeModel(), mtp=object()) == "speculative_config.method mtp runs eagerly"
+    assert _off_reason(_GraphSafeModel(), mtp=object()) is None  # MTP engines replay graphs (hidden rows kept)
     from qsaserve.models.ple_table import GpuRowTable, HostRowTable
 
     # The runner's placed PLE tables: gpu, a host/disk table the device reads (page-locked: a
@@ -169,7 +234,7 @@ def _generate(model: str, enforce_eager: bool, batch: int, replays: list | None 
     assert (runner.graphs is None) == enforce_eager
     if runner.graphs is not None and replays is not None:
         original = runner.graphs.replay
-        runner.graphs.replay = lambda b, bucket, feed=None: (replays.append(bucket), original(b, bucket, feed))[1]
+        runner.graphs.replay = lambda b, key, feed=None: (replays.append(key), original(b, key, feed))[1]
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
     for i in range(batch):
@@ -197,7 +262,7 @@ def test_graph_equals_eager(model, batch):
     graph = _generate(model, enforce_eager=False, batch=batch, replays=replays, counts=graph_counts)
     eager = _generate(model, enforce_eager=True, batch=batch)
     expected_bucket = pick_bucket(batch, [1, 2, 4, 8, 16, 24])
-    assert replays and set(replays) == {expected_bucket}  # decode steps replayed the padded bucket
+    assert replays and set(replays) == {(expected_bucket, 1)}  # decode steps replayed the padded bucket
     assert graph_counts == {expected_bucket: len(replays)}  # DecodeGraphs.replays counts the same
     for g, e in zip(graph, eager):
         assert g.token_ids == e.token_ids
@@ -213,6 +278,6 @@ def test_graph_memory_is_released_on_rebind():
     engine = LLMEngine(EngineConfig(model="smollm2-135m", load_format="dummy", device="cuda", max_model_len=256,
                                     kv_cache_memory=64 << 20, cuda_graph_sizes="1,2"), progress=False)
     runner = engine.executor.runner
-    assert isinstance(runner.graphs, DecodeGraphs) and sorted(runner.graphs.graphs) == [1, 2]
+    assert isinstance(runner.graphs, DecodeGraphs) and sorted(runner.graphs.graphs) == [(1, 1), (2, 1)]
     engine.shutdown()
     assert runner.graphs is None

@@ -328,6 +328,65 @@ them still replay their graphs."""
     plain.shutdown()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["smollm2-135m", "qwen4exp-tiny"])
+def test_verify_steps_replay_graphs_and_equal_plain_decoding_on_gpu(model):
+    """On a GPU (float32): every sequence carries exactly k = 3 drafts while its budget allows,
+    correct up to a random position (planted from the run without drafts), so the verify steps
+    replay their verify graphs (Qwen4Exp: its decode rows, the per-position states into the
+    snapshot rows and the rejected ones restored from them); the tokens are those of the run
+    without drafts, and a prompt's tail chunk of 4 tokens never replays a verify graph."""
+    import random
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (none on this machine)")
+    from qsaserve.engine.llm_engine import LLMEngine
+
+    kw = dict(model=model, load_format="dummy", device="cuda", dtype="float32", max_model_len=256,
+              kv_cache_memory=64 << 20, ple_placement="gpu", max_num_seqs=8, max_num_batched_tokens=64)
+    ps = [p[:40] for p in repetitive_prompts()] + [list(range(3, 3 + 68))]  # 68 = 64 + a 4-token tail chunk
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+
+    def drain(eng):
+        for i, p in enumerate(ps):
+            eng.add_request(str(i), {"prompt_token_ids": p}, params)
+        done = {}
+        while eng.has_unfinished_requests():
+            for o in eng.step(outputs="finished"):
+                done[o.request_id] = o.outputs[0].token_ids
+        return [done[str(i)] for i in range(len(ps))]
+
+    plain = LLMEngine(EngineConfig(**kw), progress=False)
+    want = drain(plain)
+    plain.shutdown()
+    eng = LLMEngine(EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                     "disable_when_slower": False}, **kw), progress=False)
+    ref, rng = {tuple(p): w for p, w in zip(ps, want)}, random.Random(0)
+    graphs = eng.executor.runner.graphs
+    assert graphs is not None and 4 in graphs.verify_sizes
+    tails, replay = [], graphs.replay
+
+    def watched(batch, key, feed=None):
+        if batch.verify_rows == 0 and key[1] > 1:
+            tails.append(batch)
+        return replay(batch, key, feed)
+
+    graphs.replay = watched
+
+    def planted(seq, *running):
+        room = max(0, min(3, NEW - seq.num_output_tokens - 1))
+        good = ref[tuple(seq.token_ids[: seq.num_prompt_tokens])][seq.num_output_tokens:][:room]
+        cut = rng.randint(0, len(good))
+        seq.draft_token_ids = good[:cut] + [(t + 1) % 100 for t in good[cut:]]
+
+    eng.spec.propose = planted
+    assert drain(eng) == want
+    st = eng.spec.stats
+    assert 0 < st.accepted < st.drafted
+    assert sum(graphs.verify_replays.values()) > 0 and not tails
+    eng.shutdown()
+
+
 def test_block_manager_rollback_frees_the_blocks_past_the_next_token():
     from qsaserve.engine.block_manager import BlockManager
 

@@ -30,6 +30,9 @@ class BatchInput:
     # chunk starts at position 0 begins from a fresh state
     state_snapshots: StateSnapshotPlan | None = None  # the hybrid prefix cache's copies this step
     host_transfers: HostTransferPlan | None = None  # the host KV tier's copies, before everything else
+    # n when every sequence verifies n - 1 drafts (its last token and the drafts, logits of every
+    # row): a verify step, which a verify CUDA graph may serve (engine/cuda_graph.py); else 0.
+    verify_rows: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_tables, np.ndarray):
@@ -189,6 +192,10 @@ def _build_general(chunks: list[ScheduledChunk], tables: BlockTables, block_size
     block_tables = tables.gather(rows, width)
     batch = BatchInput(input_ids, positions, kv_slots(block_tables, query_lens, positions, block_size), query_lens,
                        seq_lens, block_tables, logits_indices, state_slots)
+    n = query_lens[0] if query_lens else 0
+    if n > 1 and len(plan.verify) == len(chunks) and len(logits_indices) == len(input_ids) and \
+            all(m == n for m in query_lens):
+        batch.verify_rows = n
     return batch, plan
 
 

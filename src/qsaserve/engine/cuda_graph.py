@@ -10,6 +10,12 @@ the extra rows are padding that the attention kernels skip: slot -1 (no KV write
 (no KV read), a block table of null blocks, and the scratch recurrent-state slot 0 that the
 block manager never hands to a request.
 
+With speculative decoding a bucket also has a verify graph for n = k + 1 rows per sequence: a
+step where every sequence verifies k drafts (BatchInput.verify_rows; a prompt chunk of the same
+shape is not one). The model serves it as n decode rows (Qwen4Exp: state after each row into the
+verify's per-position snapshot rows, staged like the other inputs); the graph gathers the rows
+in the step's logits order before the LM head, and keeps the hidden rows (the MTP head reads them).
+
 Under tensor / decode-context parallelism the graphs hold the step's NCCL collectives too. Every
 rank captures the same buckets in the same order, so their captured collective sequences match,
 and replays the same bucket at the same step (the bucket is a function of the broadcast batch
@@ -30,7 +36,13 @@ import torch
 
 from qsaserve.cache.kv_cache import KVCacheSpec
 from qsaserve.engine.batch import BatchInput, TokenFeed
-from qsaserve.layers.attention import AttentionMetadata
+from qsaserve.layers.attention import Attention, AttentionMetadata
+
+try:  # CPU-only installs: no Triton, no graphs
+    from qsaserve.ops.attention.decode_triton import decode_qlen_cap
+except ImportError:
+    def decode_qlen_cap(group: int) -> int:
+        return 1
 
 logger = logging.getLogger("qsaserve")
 
@@ -88,6 +100,30 @@ class PinnedStaging:
         return self.dev[:n]
 
 
+# Verify graphs keep [bucket * (k + 1), vocab] logits: capture them up to this many sequences (a
+# larger verify batch runs eagerly, where drafting rarely pays anyway: engine/draft_policy.py).
+MAX_VERIFY_GRAPH_SEQS = 64
+
+
+def verify_graph_plan(spec, config, attention_layers, state_rows_base: int) -> tuple[dict[int, list[int]], list[int]]:
+    """DecodeGraphs' verify_sizes and pad_snapshot_rows for a speculative config (None: none):
+    k + 1 rows per sequence in the decode buckets up to MAX_VERIFY_GRAPH_SEQS whose rows fit the
+    step's token budget, when every paged-attention layer's decode kernel takes k + 1 query rows
+    (ops/attention: decode_qlen_cap); the scratch slot 0's per-position rows start at
+    state_rows_base (engine/spec_decode.py: base + slot * k + j)."""
+    if spec is None:
+        return {}, []
+    n = spec.num_speculative_tokens + 1
+    for layer in attention_layers:
+        if isinstance(layer, Attention) and n > decode_qlen_cap(layer.num_heads // layer.num_kv_heads):
+            logger.info("CUDA graphs: verify steps of %d rows run eagerly (the paged-attention decode kernel "
+                        "takes at most %d query rows per sequence at this head grouping)", n,
+                        decode_qlen_cap(layer.num_heads // layer.num_kv_heads))
+            return {}, []
+    sizes = [b for b in config.cuda_graph_capture_sizes if b <= MAX_VERIFY_GRAPH_SEQS and b * n <= config.token_budget]
+    return {n: sizes}, [state_rows_base + j for j in range(n - 1)]
+
+
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     from qsaserve.config import EngineConfig
 
@@ -108,66 +144,131 @@ def is_pure_decode(batch: BatchInput) -> bool:
 
 @dataclass
 class PaddedDecode:
-    """A decode batch padded to `bucket` rows, laid out as the graph's staging expects."""
+    """A decode or verify batch padded to `bucket` sequences of `rows` rows each, laid out as the
+    graph's staging expects (Layout)."""
 
     bucket: int
+    rows: int
     width: int  # block-table columns uploaded (the batch's longest table)
-    int64: np.ndarray  # [input_ids | positions | slot_mapping | state_slots], bucket each
+    int64: np.ndarray  # Layout(bucket, rows) segments
     int32: np.ndarray  # [seq_lens (bucket) | block tables (bucket x width, row-major)]
 
 
-def pad_decode(batch: BatchInput, bucket: int) -> PaddedDecode:
+@dataclass(frozen=True)
+class Layout:
+    """Where a (bucket, rows) graph's int64 inputs sit in the staging buffer, each segment at a
+    16-byte aligned start (Triton specializes on pointer alignment): input ids, positions and KV
+    slots (bucket * rows each), state slots (bucket), and for verify graphs (rows > 1) the
+    per-position snapshot rows (bucket * (rows - 1), sequence-major) and the logits order
+    (bucket * rows)."""
+
+    bucket: int
+    rows: int
+
+    @property
+    def starts(self) -> list[int]:
+        t, b = self.bucket * self.rows, self.bucket
+        sizes = [t, t, t, b] + ([b * (self.rows - 1), t] if self.rows > 1 else [])
+        out = [0]
+        for n in sizes:
+            out.append(out[-1] + (n + 1) // 2 * 2)
+        return out
+
+    def segment(self, buf: torch.Tensor | np.ndarray, i: int):
+        starts, t, b = self.starts, self.bucket * self.rows, self.bucket
+        sizes = [t, t, t, b, b * (self.rows - 1), t]
+        return buf[starts[i] : starts[i] + sizes[i]]
+
+
+def pad_decode(batch: BatchInput, bucket: int, rows: int = 1, pad_snapshot_rows: list[int] | None = None) -> PaddedDecode:
+    """batch (B <= bucket sequences of `rows` rows) padded with rows that do nothing: token 0 at
+    position 0, slot -1, seq_len 0, a null-block table, the scratch state slot, and (verify)
+    pad_snapshot_rows[j], the scratch slot's row j, for their per-position snapshots."""
     b = len(batch.query_lens)
     if b > bucket:
         raise ValueError(f"bucket: batch of {b} sequences does not fit bucket {bucket}")
+    t = b * rows
     tables = batch.block_tables[:b]
     width = tables.shape[1]
-    int64 = np.zeros(4 * bucket, dtype=np.int64)  # padding: token 0 at position 0
-    int64[:b] = batch.input_ids
-    int64[bucket : bucket + b] = batch.positions
-    int64[2 * bucket : 2 * bucket + b] = batch.slot_mapping
-    int64[2 * bucket + b : 3 * bucket] = PAD_SLOT
-    int64[3 * bucket : 3 * bucket + b] = [PAD_STATE_SLOT if s is None else s for s in batch.state_slots]
-    int64[3 * bucket + b :] = PAD_STATE_SLOT
+    layout = Layout(bucket, rows)
+    int64 = np.zeros(layout.starts[-1], dtype=np.int64)
+    layout.segment(int64, 0)[:t] = batch.input_ids
+    layout.segment(int64, 1)[:t] = batch.positions
+    slots = layout.segment(int64, 2)
+    slots[:t] = batch.slot_mapping
+    slots[t:] = PAD_SLOT
+    states = layout.segment(int64, 3)
+    states[:b] = [PAD_STATE_SLOT if s is None else s for s in batch.state_slots]
+    states[b:] = PAD_STATE_SLOT
+    if rows > 1:
+        snaps = layout.segment(int64, 4).reshape(bucket, rows - 1)
+        interior = batch.state_snapshots.interior_rows if batch.state_snapshots is not None else []
+        if interior:
+            snaps[:b] = np.asarray(interior, dtype=np.int64).reshape(b, rows - 1)
+        snaps[b if interior else 0:] = pad_snapshot_rows or 0
+        order = layout.segment(int64, 5)
+        order[:t] = batch.logits_indices
+        order[t:] = np.arange(t, bucket * rows)
     int32 = np.zeros(bucket + bucket * width, dtype=np.int32)  # padding: seq_len 0, null-block tables
     int32[:b] = batch.seq_lens
     int32[bucket : bucket + b * width] = tables.reshape(-1)
-    return PaddedDecode(bucket, width, int64, int32)
+    return PaddedDecode(bucket, rows, width, int64, int32)
 
 
 class DecodeGraphs:
-    """Captured decode graphs, one per bucket, sharing one memory pool and one set of static
-    input buffers. Logits for every bucket row are computed inside the graph."""
+    """Captured decode graphs, one per bucket (and per bucket and verify row count), sharing one
+    memory pool and one set of static input buffers. Logits for every bucket row are computed
+    inside the graph."""
 
-    def __init__(self, model, sizes: list[int], max_model_len: int, kv_spec: KVCacheSpec, device: torch.device):
+    def __init__(self, model, sizes: list[int], max_model_len: int, kv_spec: KVCacheSpec, device: torch.device,
+                 verify_sizes: dict[int, list[int]] | None = None, pad_snapshot_rows: list[int] | None = None):
+        """verify_sizes: rows per sequence (k + 1) -> the buckets to capture a verify graph for;
+        pad_snapshot_rows: the scratch state slot's per-position snapshot rows (padding rows
+        of a verify graph write their states there)."""
         if not sizes:
             raise ValueError("cuda_graph_sizes: no batch size to capture")
         self.model, self.sizes, self.max_model_len, self.device = model, sorted(sizes), max_model_len, device
+        self.verify_sizes = {n: sorted(b) for n, b in (verify_sizes or {}).items() if b and n > 1}
+        self.pad_snapshot_rows = pad_snapshot_rows
         self.max_bs = self.sizes[-1]
         self.max_blocks = kv_spec.blocks_for(max_model_len)
-        self.stage64 = PinnedStaging(torch.long, 4 * self.max_bs, device, growable=False)
-        self.stage32 = PinnedStaging(torch.int32, self.max_bs * (1 + self.max_blocks), device, growable=False)
-        self.block_tables = torch.zeros(self.max_bs, self.max_blocks, dtype=torch.int32, device=device)
-        self.cu_query_lens = torch.arange(self.max_bs + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        capacity = max([Layout(self.max_bs, 1).starts[-1]]
+                       + [Layout(max(b), n).starts[-1] for n, b in self.verify_sizes.items()])
+        max_seqs = max([self.max_bs] + [max(b) for b in self.verify_sizes.values()])
+        self.stage64 = PinnedStaging(torch.long, capacity, device, growable=False)
+        self.stage32 = PinnedStaging(torch.int32, max_seqs * (1 + self.max_blocks), device, growable=False)
+        self.block_tables = torch.zeros(max_seqs, self.max_blocks, dtype=torch.int32, device=device)
+        self.cu_query_lens = {n: torch.arange(0, (max_seqs + 1) * n, n, dtype=torch.int32, device=device)
+                              for n in (1, *self.verify_sizes)}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.hidden: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
         self.replays: collections.Counter[int] = collections.Counter()  # replays per bucket (tests, benchmarks)
+        self.verify_replays: collections.Counter[tuple[int, int]] = collections.Counter()  # per (bucket, rows)
 
-    def _inputs(self, bucket: int) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
-        """The static views a bucket's graph reads (fixed addresses inside the staging buffers)."""
-        b, d64, d32 = bucket, self.stage64.dev, self.stage32.dev
+    def _keys(self) -> list[tuple[int, int]]:
+        """(bucket, rows) of every graph, largest first."""
+        keys = [(b, 1) for b in self.sizes] + [(b, n) for n, bs in self.verify_sizes.items() for b in bs]
+        return sorted(keys, key=lambda key: key[0] * key[1], reverse=True)
+
+    def _inputs(self, bucket: int, rows: int = 1) -> tuple[torch.Tensor, torch.Tensor, StepMetadata]:
+        """The static views a graph reads (fixed addresses inside the staging buffers)."""
+        b, d64, d32, layout = bucket, self.stage64.dev, self.stage32.dev, Layout(bucket, rows)
         meta = StepMetadata(
-            slot_mapping=d64[2 * b : 3 * b],
+            slot_mapping=layout.segment(d64, 2),
             block_tables=self.block_tables[:b],
             seq_lens=d32[:b],
-            cu_query_lens=self.cu_query_lens[: b + 1],
-            query_lens=[1] * b,
+            cu_query_lens=self.cu_query_lens[rows][: b + 1],
+            query_lens=[rows] * b,
             seq_lens_list=[self.max_model_len] * b,  # a static upper bound; the device lengths are exact
             state_slots=[PAD_STATE_SLOT] * b,
-            state_slots_t=d64[3 * b : 4 * b],
+            state_slots_t=layout.segment(d64, 3),
         )
-        return d64[:b], d64[b : 2 * b], meta
+        if rows > 1:
+            meta.snapshot_offsets = [list(range(1, rows))] * b
+            meta.snapshot_rows = layout.segment(d64, 4)
+        return layout.segment(d64, 0), layout.segment(d64, 1), meta
 
     def _stage(self, padded: PaddedDecode) -> None:
         self.stage64.upload(padded.int64)
@@ -175,13 +276,20 @@ class DecodeGraphs:
         b, w = padded.bucket, padded.width
         self.block_tables[:b, :w].copy_(d32[b:].view(b, w))
 
-    def _forward(self, bucket: int) -> torch.Tensor:
-        input_ids, positions, meta = self._inputs(bucket)
-        return self.model.compute_logits(self.model(input_ids, positions, meta))
+    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
+        bucket, rows = key
+        input_ids, positions, meta = self._inputs(bucket, rows)
+        hidden = self.hidden[key] = self.model(input_ids, positions, meta)
+        if rows == 1:
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden[Layout(bucket, rows).segment(self.stage64.dev, 5)])
+
+    def _pad(self, batch: BatchInput, key: tuple[int, int]) -> PaddedDecode:
+        return pad_decode(batch, key[0], key[1], self.pad_snapshot_rows)
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Warms every bucket up, then captures every bucket; largest first both times, so the
+        """Warms every graph's shape up, then captures every one; largest first both times, so the
         smaller graphs reuse the largest one's pool memory. Inputs are all padding rows while
         capturing; the graphs never depend on their values.
 
@@ -194,36 +302,55 @@ class DecodeGraphs:
             free_before = torch.cuda.mem_get_info()[0]
             start = time.perf_counter()
             empty = BatchInput([], [], [], [], [], [[]], [], [])
-            buckets = list(reversed(self.sizes))
-            for bucket in buckets:
-                self._stage(pad_decode(empty, bucket))
-                self._forward(bucket)
+            keys = self._keys()
+            for key in keys:
+                self._stage(self._pad(empty, key))
+                self._forward(key)
             torch.cuda.synchronize()
             self.pool = torch.cuda.graph_pool_handle()
-            for bucket in buckets:
-                self._stage(pad_decode(empty, bucket))
+            for key in keys:
+                self._stage(self._pad(empty, key))
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: on rank 0 of a parallel engine the capture runs in a startup thread,
                 # and CUDA calls of other threads (NCCL's watchdog) must not invalidate it.
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                    self.logits[bucket] = self._forward(bucket)
-                self.graphs[bucket] = graph
+                    self.logits[key] = self._forward(key)
+                self.graphs[key] = graph
             torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
-        logger.info("CUDA graphs: captured %d decode sizes (1..%d) in %.1f s, %.1f MiB of graph memory",
-                    len(self.sizes), self.max_bs, time.perf_counter() - start, used / 2**20)
+        verify = "".join(f", verify {n} rows x {len(b)} sizes" for n, b in self.verify_sizes.items())
+        logger.info("CUDA graphs: captured %d decode sizes (1..%d)%s in %.1f s, %.1f MiB of graph memory",
+                    len(self.sizes), self.max_bs, verify, time.perf_counter() - start, used / 2**20)
 
-    def bucket_for(self, batch: BatchInput) -> int | None:
-        if not is_pure_decode(batch):
+    def bucket_for(self, batch: BatchInput) -> tuple[int, int] | None:
+        """The (bucket, rows) graph that serves batch, or None (eager)."""
+        if is_pure_decode(batch):
+            bucket = pick_bucket(len(batch.query_lens), self.sizes)
+            return None if bucket is None else (bucket, 1)
+        n, b = batch.verify_rows, len(batch.query_lens)
+        if n not in self.verify_sizes or len(batch.input_ids) != b * n or len(batch.logits_indices) != b * n:
             return None
-        return pick_bucket(len(batch.query_lens), self.sizes)
+        plan = batch.state_snapshots
+        if plan is not None and plan.interior_rows and len(plan.interior_rows) != b * (n - 1):
+            return None
+        bucket = pick_bucket(b, self.verify_sizes[n])
+        return None if bucket is None else (bucket, n)
 
-    def replay(self, batch: BatchInput, bucket: int, feed: TokenFeed | None = None) -> torch.Tensor:
-        """Runs a decode batch through its bucket's graph; returns a view [B, V] of the graph's
-        logits buffer, valid until the next replay. feed: input ids taken on the device."""
-        self._stage(pad_decode(batch, bucket))
-        if feed is not None:  # the graph's input ids are the first bucket values of stage64
-            feed.apply(self.stage64.dev[:bucket])
-        self.graphs[bucket].replay()
-        self.replays[bucket] += 1
-        return self.logits[bucket][: len(batch.query_lens)]
+    def replay(self, batch: BatchInput, key: tuple[int, int], feed: TokenFeed | None = None) -> torch.Tensor:
+        """Runs a batch through its graph; returns a view [N, V] of the graph's logits buffer (rows
+        in the batch's logits order), valid until the next replay. feed: input ids taken on the
+        device."""
+        bucket, rows = key
+        self._stage(self._pad(batch, key))
+        if feed is not None:  # the graph's input ids are the first values of stage64
+            feed.apply(self.stage64.dev[: bucket * rows])
+        self.graphs[key].replay()
+        if rows == 1:
+            self.replays[bucket] += 1
+        else:
+            self.verify_replays[key] += 1
+        return self.logits[key][: len(batch.logits_indices)]
+
+    def hidden_rows(self, key: tuple[int, int], num_rows: int) -> torch.Tensor:
+        """The last replay's hidden rows [num_rows, ...] (the model's forward output, row order)."""
+        return self.hidden[key][:num_rows]

@@ -21,7 +21,7 @@ from qsaserve.cache.geometry import (CacheSplit, check_state_interval, choose_bl
 from qsaserve.cache.kv_cache import LayerCache, allocate_kv_cache, usable_blocks
 from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, StateSnapshotPlan, TokenFeed
-from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata
+from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata, verify_graph_plan
 from qsaserve.engine.mtp_drafter import MtpDraftRequest, check_draft_method, run_mtp_drafts
 from qsaserve.engine.host_copies import RankHostTier, host_block_bytes, host_split
 from qsaserve.errors import InvalidRequestError
@@ -162,8 +162,6 @@ class ModelRunner:
             return "not a CUDA device"
         if self.config.enforce_eager:
             return "enforce_eager"
-        if self.mtp:  # the draft head reads the forward's hidden rows, which a replay does not keep
-            return "speculative_config.method mtp runs eagerly"
         name = type(self.model).__name__
         if self.parallel.dcp.enabled and not supports_dcp_cuda_graph(self.model):
             return (f"decode context parallelism: {name} builds its DCP step plan on the host each step "
@@ -366,8 +364,9 @@ class ModelRunner:
         self._warm_up_kernels()
         self._warm_up_steps(num_blocks)
         if self.graphs_off_reason is None:
+            spec, base = self.config.speculative_config, num_state_snapshots  # the verify rows after the prefix cache's
             graphs = DecodeGraphs(self.model, self.config.cuda_graph_capture_sizes, self.max_model_len, self.kv_spec,
-                                  self.device)
+                                  self.device, *verify_graph_plan(spec, self.config, self.attention_layers, base))
             try:
                 graphs.capture()
             except RuntimeError as exc:  # e.g. an op that syncs inside the capture: serve eagerly, say why
@@ -444,9 +443,11 @@ class ModelRunner:
         snapshots = self._stage_snapshot_plan(batch.state_snapshots)
         logits = None
         if self.graphs is not None and not self._observing() and not self._layer_profiling:
-            bucket = self.graphs.bucket_for(batch)
-            if bucket is not None:
-                logits = self.graphs.replay(batch, bucket, feed)
+            key = self.graphs.bucket_for(batch)
+            if key is not None:
+                logits = self.graphs.replay(batch, key, feed)
+                if self.mtp:
+                    self._last_step = (batch, self.graphs.hidden_rows(key, len(batch.input_ids)))
         if logits is None:
             logits = self._execute_eager(batch, feed, snapshots)
         if snapshots is not None and snapshots[3].numel():  # after the step (and outside any graph)

@@ -167,8 +167,9 @@ def test_mtp_on_a_checkpoint_without_the_head_is_refused(tmp_path):
 
 @pytest.mark.gpu
 def test_mtp_drafts_equal_plain_decoding_on_gpu():
-    """On a GPU (float32, dummy weights with a random head; the plain engine replays its decode
-    graphs, the MTP engine runs eagerly with the Triton kernels): the tokens of the plain run."""
+    """On a GPU (float32, dummy weights with a random head; both engines replay their decode
+    graphs, the MTP engine also its verify graphs, the head reading the replayed hidden rows, and
+    runs the head eagerly with the Triton kernels): the tokens of the plain run."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (none on this machine)")
     kw = dict(load_format="dummy", device="cuda", dtype="float32", max_model_len=256, kv_cache_memory=64 << 20,
@@ -179,6 +180,7 @@ def test_mtp_drafts_equal_plain_decoding_on_gpu():
     llm = LLM("qwen4exp-tiny-mtp", speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **kw)
     assert generate(llm, ps, params) == want
     assert llm.engine.spec.stats.drafted > 0
+    assert sum(llm.engine.executor.runner.graphs.verify_replays.values()) > 0
 
 
 def test_engine_drafts_are_the_reference_heads(checkpoint, monkeypatch):

@@ -8,7 +8,7 @@ from torch import nn
 
 from qsaserve.models.qwen4exp.sharding import RankLayout
 from qsaserve.models.qwen4exp.snapshots import state_windows
-from qsaserve.models.qwen4exp.state import GDNState, Step
+from qsaserve.models.qwen4exp.state import GDNState, Step, by_row
 from qsaserve.models.qwen4exp.quantized import packed, project
 from qsaserve.models.qwen4exp.weights import PackedWeight, ShardLoader, Weight, parameter
 from qsaserve.ops.gdn import (causal_conv1d, conv1d_decode_, delta_rule_decode_, gated_delta_rule,
@@ -61,13 +61,15 @@ class GatedDeltaNet(nn.Module):
         # beta = sigmoid(b); decay g in fp32 (exp(A_log) may overflow half precision).
         beta, g = gdn_gates(b, a, self.A_log, self.dt_bias)
         conv_weight = self.conv1d.weight
-        if step.decode:
-            # One token per sequence from its conv and delta-rule state slots (both advanced in place;
-            # zeros when fresh).
-            conv = conv1d_decode_(mixed, conv_weight, st.conv, slot_idx, step.fresh, self.activation)
-            q, k, v = torch.split(conv, [hk * dk, hk * dk, hv * dv], dim=-1)
-            o = delta_rule_decode_(q.view(t, hk, dk), k.view(t, hk, dk), v.view(t, hv, dv), g, beta, st.recurrent,
-                                   slot_idx, step.fresh)
+        if step.decode and step.rows is None:
+            o = self._decode_token(mixed, g, beta, step)
+        elif step.decode:  # row j of every sequence in turn, its state saved after it for a verify
+            n = len(step.rows)
+            outs = []
+            for j, row in enumerate(step.rows):
+                outs.append(self._decode_token(by_row(mixed, n, j), by_row(g, n, j), by_row(beta, n, j), row))
+                step.save_row_state(st, j)
+            o = torch.stack(outs, dim=1).view(t, hv, dv)
         else:
             old_conv = st.conv[slot_idx]
             conv, new_conv = causal_conv1d(mixed.t()[None], conv_weight, None, old_conv, activation=self.activation,
@@ -86,6 +88,15 @@ class GatedDeltaNet(nn.Module):
             st.recurrent[slot_idx] = final.float()
         o = gated_norm(o, z, self.norm.weight, self.eps, self.output_activation)
         return self.ctx.all_reduce(project(o.reshape(t, hv * dv), self.out_proj))
+
+    def _decode_token(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, step: Step) -> torch.Tensor:
+        """One token per sequence (mixed [B, conv_dim]) from its conv and delta-rule state slots
+        (both advanced in place; zeros when fresh) -> o [B, Hv, Dv]."""
+        hk, hv, dk, dv, st, b = self.key_heads, self.value_heads, self.key_dim, self.value_dim, self.state, mixed.shape[0]
+        conv = conv1d_decode_(mixed, self.conv1d.weight, st.conv, step.slot_idx, step.fresh, self.activation)
+        q, k, v = torch.split(conv, [hk * dk, hk * dk, hv * dv], dim=-1)
+        return delta_rule_decode_(q.view(b, hk, dk), k.view(b, hk, dk), v.view(b, hv, dv), g, beta, st.recurrent,
+                                  step.slot_idx, step.fresh)
 
     def _snapshot_prefill(self, mixed: torch.Tensor, old_conv: torch.Tensor, recurrent: torch.Tensor,
                           step: Step) -> None:

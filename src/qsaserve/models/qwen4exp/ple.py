@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from qsaserve.models.qwen4exp.sharding import REPLICATED
-from qsaserve.models.qwen4exp.state import PLEState, Step
+from qsaserve.models.qwen4exp.state import PLEState, Step, by_row
 from qsaserve.models.qwen4exp.weights import PackedWeight, Weight
 from qsaserve.ops.dispatch import use_triton
 from qsaserve.ops.fused import one_centred_rms_norm
@@ -61,6 +61,10 @@ class PLE(nn.Module):
             return self._decode_reference(hyper, input_ids, step)
         return self._prefill(hyper, input_ids, step)
 
+    def _rows(self, step: Step) -> list[Step]:
+        """The one-token steps of a decode step: itself, or its rows (decode rows)."""
+        return step.rows or [step]
+
     def reference_weights(self) -> dict[str, torch.Tensor]:
         """ple_layer_forward's weights, by checkpoint name relative to `ple.`."""
         part = self.key_value_proj.part
@@ -69,16 +73,24 @@ class PLE(nn.Module):
                 "norm_conv.weight": self.norm_conv.weight, "conv1d.weight": self.conv1d.weight}
 
     def _decode_reference(self, hyper, input_ids, step: Step) -> torch.Tensor:
-        """Every sequence at once: [B, 1] chunks continuing from their slots."""
+        """Every sequence at once: [B, n] chunks (n = 1, or a decode-rows step's n) continuing from
+        their slots, with the states after each of a verify's rows."""
         st, params = self.state, self.hash_params
-        slots, fresh = step.slot_idx, step.fresh[:, None]
+        rows = self._rows(step)
+        n = len(rows)
+        slots, fresh = step.slot_idx, rows[0].fresh[:, None]
         ctx = torch.where(fresh, params.eos_token_id, st.ngram_context[slots])
         conv = torch.where(fresh[:, :, None], 0, st.conv[slots])
-        delta, ctx, conv = ple_layer_forward(hyper[:, None], input_ids[:, None], self.reference_weights(), params,
-                                             self.table, self.hc_count, self.eps, ctx, conv)
+        offsets = list(range(1, n)) if step.row_snapshots is not None else None
+        delta, ctx, conv, *at = ple_layer_forward(hyper.view(-1, n, hyper.shape[-1]), input_ids.view(-1, n),
+                                                  self.reference_weights(), params, self.table, self.hc_count, self.eps,
+                                                  ctx, conv, state_offsets=offsets)
         st.ngram_context[slots] = ctx
         st.conv[slots] = conv
-        return delta[:, 0]
+        for j in range(n - 1 if at else 0):
+            st.snapshot_pools["ngram_context"].index_copy_(0, step.row_snapshots[:, j], at[0][j])
+            st.snapshot_pools["conv"].index_copy_(0, step.row_snapshots[:, j], at[1][j])
+        return delta.reshape(hyper.shape)
 
     def _prefill(self, hyper, input_ids, step: Step) -> torch.Tensor:
         st, w = self.state, self.reference_weights()
@@ -107,12 +119,29 @@ class PLE(nn.Module):
         Triton kernel each on CUDA), the key | value projections as one GEMM, state slots updated
         in place."""
         st, params, h, eps = self.state, self.hash_params, self.hidden_size, self.eps
-        rows = ngram_rows_decode_(input_ids, st.ngram_context, step.slot_idx, step.fresh, params)
+        steps = self._rows(step)
+        n = len(steps)
+        if n == 1:
+            rows = ngram_rows_decode_(input_ids, st.ngram_context, step.slot_idx, step.fresh, params)
+        else:  # decode rows: the n-gram contexts advance row by row, the rows' embeddings go at once
+            per_row = []
+            for j, row in enumerate(steps):
+                per_row.append(ngram_rows_decode_(by_row(input_ids, n, j), st.ngram_context, step.slot_idx, row.fresh,
+                                                  params))
+                step.save_row_state(st, j, ("ngram_context",))
+            rows = torch.stack(per_row, dim=1).flatten(0, 1)
         emb = ple_embed(rows, self.table).to(hyper.dtype)
         key, value = torch.split(F.linear(emb, self.key_value_proj.weight), self.key_value_proj.sizes(), dim=-1)
         key = one_centred_rms_norm(key, self.norm_key.weight, eps, h)
         query = one_centred_rms_norm(hyper, self.norm_query.weight, eps, h)
         gated = stream_gate(key, query, value, self.hc_count)
         normed = one_centred_rms_norm(gated, self.norm_conv.weight, eps, h)
-        return dilated_conv_decode_(normed, gated, self.conv1d.weight, st.conv, step.slot_idx, step.fresh,
-                                    params.ngram_size)
+        if n == 1:
+            return dilated_conv_decode_(normed, gated, self.conv1d.weight, st.conv, step.slot_idx, step.fresh,
+                                        params.ngram_size)
+        outs = []
+        for j, row in enumerate(steps):
+            outs.append(dilated_conv_decode_(by_row(normed, n, j), by_row(gated, n, j), self.conv1d.weight, st.conv,
+                                             step.slot_idx, row.fresh, params.ngram_size))
+            step.save_row_state(st, j, ("conv",))
+        return torch.stack(outs, dim=1).flatten(0, 1)

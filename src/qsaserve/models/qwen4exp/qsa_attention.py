@@ -20,7 +20,7 @@ from qsaserve.cache.kv_cache import LayerCache
 from qsaserve.layers.attention import AttentionMetadata
 from qsaserve.models.qwen4exp.reference import qsa_attention_output, qsa_norm_rope_qk
 from qsaserve.models.qwen4exp.sharding import REPLICATED, RankLayout
-from qsaserve.models.qwen4exp.state import IndexTailState, Step
+from qsaserve.models.qwen4exp.state import IndexTailState, Step, by_row
 from qsaserve.models.qwen4exp.quantized import Fp8PackedWeight, packed, project
 from qsaserve.models.qwen4exp.weights import PackedWeight, Weight
 from qsaserve.ops.attention import write_kv
@@ -213,20 +213,34 @@ class QSAAttention(nn.Module):
         """One token per sequence, all sequences at once: pool the block a token completes, score
         every visible block through the block tables, top-k on device, and attend over only the
         selected tokens (Triton on CUDA, the paged torch references elsewhere)."""
-        idx, cache = self.indexer, self.attn.cache
+        cache = self.attn.cache
         q, gate, k, v, iq, raw = self._inputs(x, step)
         if cache.observer is not None:
             cache.observer(k, v, q)
         _write_kv(cache, k, v, step.kv_slots)
-        # The raw key joins its sequence's open group in the state slot (padding rows: the scratch slot).
+        iq = iq.to(cache.block_keys.dtype)
+        if step.rows is None:
+            attn, lse = self._decode_token(q, iq, raw, step, meta)
+        else:  # decode rows: row j pools and selects before row j + 1's raw key enters the open group
+            n, parts = len(step.rows), []
+            for j, row in enumerate(step.rows):
+                parts.append(self._decode_token(by_row(q, n, j), by_row(iq, n, j), by_row(raw, n, j), row, meta))
+                step.save_row_state(self.state, j)
+            attn = torch.stack([a for a, _ in parts], dim=1).flatten(0, 1)
+            lse = None if parts[0][1] is None else torch.stack([s for _, s in parts], dim=1).flatten(0, 1)
+        return self._output(attn, lse, gate)
+
+    def _decode_token(self, q: torch.Tensor, iq: torch.Tensor, raw: torch.Tensor, step: Step, meta: AttentionMetadata):
+        """One query per sequence, its K/V already in the pages: the raw key joins its sequence's
+        open group in the state slot (padding rows: the scratch slot), pooling a group it
+        completes; then the selection and the sparse attention -> (attn, lse)."""
+        idx, cache = self.indexer, self.attn.cache
         r, tables, pos = idx.ratio, meta.block_tables, step.query_pos
         pool_completed_groups(self.state.index_tail, step.slot_idx, raw, cache.block_keys, tables, pos, step.valid,
                               idx.k_layernorm.weight, step.inv_freq, r, self.eps)
-        iq = iq.to(cache.block_keys.dtype)
         selected = select_decode(iq, cache.block_keys, tables, pos, r, idx.budget, dcp=self.ctx.dcp)
-        attn, lse = sparse_attention_paged(q, cache.kv, tables, selected, self.head_dim**-0.5, None, cache.k_scale,
-                                           cache.v_scale, run=self._run(cache), pack=self.ctx.dcp_pack_size)
-        return self._output(attn, lse, gate)
+        return sparse_attention_paged(q, cache.kv, tables, selected, self.head_dim**-0.5, None, cache.k_scale,
+                                      cache.v_scale, run=self._run(cache), pack=self.ctx.dcp_pack_size)
 
 
 def _row_runs(spans: list[tuple[int, int]], alone: list[bool]) -> list[tuple[int, int]]:

@@ -124,18 +124,57 @@ class Step:
     kv_slots: torch.Tensor | None = None  # decode: this rank's K/V slot of each new token, -1 = none
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # RoPE cos/sin at the step's positions (QSA layers)
     snapshots: InteriorSnapshots | None = None  # prefill: states the prefix cache wants inside the chunks
+    # Decode rows (every sequence brings the same n > 1 tokens, rows sequence-major: a speculative
+    # verify): the stateful blocks advance row j of every sequence through the one-token kernels,
+    # j = 0..n-1 in turn (rows[j] describes row j as a decode step); everything else runs on all
+    # rows at once. row_snapshots [B, n-1]: the pool row taking each sequence's state after its
+    # row j (the state after accepting j + 1 of the step's tokens), or None.
+    rows: list[Step] | None = None
+    row_snapshots: torch.Tensor | None = None
+
+    def save_row_state(self, state: SlotState, j: int, fields: tuple[str, ...] | None = None) -> None:
+        """After row j of a decode-rows step: state's slots (its `fields`, default all) into their
+        snapshot rows for row j. Nothing after the last row (the slot itself holds that state)."""
+        if self.row_snapshots is None or j >= self.row_snapshots.shape[1]:
+            return
+        rows = self.row_snapshots[:, j]
+        for name in fields or state.tensor_fields:
+            state.snapshot_pools[name].index_copy_(0, rows, getattr(state, name).index_select(0, self.slot_idx))
+
+
+# The most rows per sequence a decode step takes (k + 1 of a verify with k <= 8 drafts);
+# longer uniform chunks are prompt chunks, which the packed prefill kernels serve better.
+MAX_DECODE_ROWS = 9
+
+
+def decode_rows(input_ids: torch.Tensor, meta: AttentionMetadata) -> int:
+    """n when every sequence of the step brings the same n <= MAX_DECODE_ROWS tokens (and any
+    interior snapshots asked are each row's, as a verify's: offsets 1..n-1 of every sequence),
+    so the step runs as decode rows; 0 otherwise (the prefill path). Host lists only; CUDA-graph
+    padding rows count as sequences of n tokens."""
+    b = meta.num_seqs
+    n = meta.query_lens[0] if b else 0
+    if not 0 < n <= MAX_DECODE_ROWS or input_ids.shape[0] != b * n or any(m != n for m in meta.query_lens):
+        return 0
+    offsets = getattr(meta, "snapshot_offsets", None)
+    if offsets and any(offsets) and any(o != list(range(1, n)) for o in offsets):
+        return 0
+    return n
 
 
 def is_decode_step(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
     """Every sequence of the step brings one token (host lists only; CUDA-graph padding rows
     count as one-token sequences)."""
-    return input_ids.shape[0] == meta.num_seqs and all(n == 1 for n in meta.query_lens)
+    return decode_rows(input_ids, meta) == 1
 
 
 def build_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, inv_freq: torch.Tensor,
                dcp, states: list[SlotState]) -> Step:
-    if is_decode_step(input_ids, meta):
+    n = decode_rows(input_ids, meta)
+    if n == 1:
         return _decode_step(input_ids, positions, meta, inv_freq, dcp)
+    if n:
+        return _decode_rows_step(n, input_ids, positions, meta, inv_freq, dcp)
     return _prefill_step(input_ids, positions, meta, inv_freq, states)
 
 
@@ -183,3 +222,28 @@ def _decode_step(input_ids, positions, meta: AttentionMetadata, inv_freq, dcp) -
                 query_pos=torch.where(valid, seq_lens - 1, -1))
     step.kv_slots = dcp.decode_slots(meta.slot_mapping) if dcp.enabled else meta.slot_mapping
     return step
+
+
+def _decode_rows_step(n: int, input_ids, positions, meta: AttentionMetadata, inv_freq, dcp) -> Step:
+    """n tokens per sequence (rows sequence-major), as n one-token steps for the stateful blocks:
+    row j of a sequence sits at position seq_len - n + j. Device tensors only, as _decode_step."""
+    slot_idx = _step_slots(input_ids, meta)
+    seq_lens = meta.seq_lens.long()
+    valid = seq_lens > 0
+    kv_slots = dcp.decode_slots(meta.slot_mapping) if dcp.enabled else meta.slot_mapping
+    by_row = positions.view(-1, n), kv_slots.view(-1, n)
+    rows = []
+    for j in range(n):
+        query_pos = torch.where(valid, seq_lens - (n - j), -1)
+        rows.append(Step(decode=True, positions=by_row[0][:, j], inv_freq=inv_freq, slot_idx=slot_idx, valid=valid,
+                         fresh=query_pos <= 0, query_pos=query_pos, kv_slots=by_row[1][:, j]))
+    snapshot_rows = getattr(meta, "snapshot_rows", None)
+    offsets = getattr(meta, "snapshot_offsets", None)
+    row_snapshots = snapshot_rows.view(-1, n - 1) if offsets and any(offsets) else None
+    return Step(decode=True, positions=positions, inv_freq=inv_freq, slot_idx=slot_idx, valid=valid,
+                kv_slots=kv_slots, rows=rows, row_snapshots=row_snapshots)
+
+
+def by_row(t: torch.Tensor, n: int, j: int) -> torch.Tensor:
+    """Row j of every sequence of a decode-rows step's tensor t [B * n, ...] -> [B, ...] (contiguous)."""
+    return t.view(-1, n, *t.shape[1:])[:, j].contiguous()
