@@ -62,7 +62,7 @@ if [ "$mode" = single ]; then
     # decode and the nano-vllm workload per weight format, the real-shape 12-layer preset in FP8.
     for w in bf16 fp8 nvfp4; do
         q=$([ $w = bf16 ] || echo "--quantization $w")
-        part latency_llama8b_w$w 150 sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 $q --profile-steps 16 > '$out/latency_llama8b_w$w.json'"
+        part latency_llama8b_w$w 150 sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling $q --profile-steps 16 > '$out/latency_llama8b_w$w.json'"
     done
     part bench_fp8_gemm 150 python benchmarks/bench_fp8_gemm.py --out "$out/bench_fp8_gemm.json"
     for w in bf16 fp8; do
