@@ -107,7 +107,7 @@ class SpecDecoder:
         limit = self.config.disable_by_batch_size
         if seq.is_finished or not self.eligible(seq) or (limit is not None and num_running > limit):
             return 0
-        if self.policy is not None and not self.policy.allows(num_running):
+        if self.policy is not None and not self.policy.allows():
             return 0
         room = self.max_model_len - seq.num_tokens - 1
         if seq.params.max_tokens is not None:
