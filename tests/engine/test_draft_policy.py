@@ -162,3 +162,56 @@ def test_each_bucket_keeps_its_own_gain():
     assert policy.buckets[8].gain == 1.0 and policy.buckets[2].gain == 4.0
     policy.step_started(8, True, False)
     assert policy.allows() is False  # batch 8 decides on its own gain
+
+
+def test_under_async_scheduling_plain_and_verify_times_are_of_synchronous_steps(hf_llama):
+    """Async scheduling: a step with a sequence that may draft runs synchronously whether or not
+    the policy lets it draft (SpecDecoder.needs_host_tokens does not ask the policy: drafts are
+    made from the step's tokens on the host), so the plain steps the fallback chooses run in the
+    mode of the verify steps it compares them with, and both kinds are timed as such. A step that
+    overlaps (no sequence may draft: here a min_tokens request left alone) never reaches
+    step_finished and is not timed: no bucket mixes the two modes."""
+    _, path = hf_llama
+    ps = repetitive_prompts()[:3]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    params = [greedy, greedy, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, min_tokens=1)]
+
+    def run(llm, on_step=None):
+        eng, done = llm.engine, {}
+        for i, (p, sp) in enumerate(zip(ps, params)):
+            eng.add_request(str(i), {"prompt_token_ids": p}, sp)
+        while eng.has_unfinished_requests():
+            for o in eng.step(outputs="finished"):
+                done[o.request_id] = o.outputs[0].token_ids
+            if on_step is not None:
+                on_step(eng)
+        return [done[str(i)] for i in range(len(ps))]
+
+    want = run(engine(path, async_scheduling=True))
+    llm = engine(path, {"method": "ngram", "num_speculative_tokens": 3, "disable_when_slower": True},
+                 async_scheduling=True)
+    policy = llm.engine.spec.policy
+    clock = StepClock(plain=1.0, verify=50.0)  # verifying never pays: plain steps once timed
+    policy.clock, policy.probe_interval = clock, 4
+    started, finished = policy.step_started, policy.step_finished
+    timed, kinds, overlapped = set(), {}, set()
+
+    def step_started(num_seqs, all_decode, drafted):
+        started(num_seqs, all_decode, drafted)
+        kinds[policy._step] = drafted
+        clock.now += clock.verify if drafted else clock.plain
+
+    def step_finished():
+        if policy._timing is not None:
+            timed.add(policy._step)
+        finished()
+
+    def on_step(eng):  # the step just launched left its tokens on the device: it overlaps the next
+        if eng._in_flight is not None:
+            overlapped.add(policy._step)
+
+    policy.step_started, policy.step_finished = step_started, step_finished
+    assert run(llm, on_step) == want
+    assert overlapped and not overlapped & timed
+    assert any(kinds[s] for s in timed) and sum(not kinds[s] for s in timed) > 5
+    assert llm.engine.spec.stats.fallback_steps > 0
