@@ -17,6 +17,9 @@ step (for the next one) is taken for the same bucket: the next step runs those s
 some finish or join, and a step that admits a prompt is not timed anyway. (The running list at
 the time of the decision would count sequences not scheduled in the step and drop those that
 finished before the decision, so decisions and times would fall into different buckets.)
+Under async scheduling both kinds are synchronous steps: a step with a sequence that may draft
+runs synchronously whether or not it drafts, and an overlapped step (none may draft) returns
+before step_finished, so it is never timed.
 
 (a verify step's tokens per second at least a plain step's). A bucket without a verify time
 drafts (to time one), then takes one plain step (to time that). Every `probe_interval`-th decision
