@@ -11,16 +11,6 @@ draft iff
 
     gain(bucket) * t_plain(bucket) >= t_verify(bucket)
 
-One batch size defines the bucket of both: the number of sequences a step runs (its scheduled
-chunks, given to step_started). A step's time goes to that bucket, and the decision made in the
-step (for the next one) is taken for the same bucket: the next step runs those sequences unless
-some finish or join, and a step that admits a prompt is not timed anyway. (The running list at
-the time of the decision would count sequences not scheduled in the step and drop those that
-finished before the decision, so decisions and times would fall into different buckets.)
-Under async scheduling both kinds are synchronous steps: a step with a sequence that may draft
-runs synchronously whether or not it drafts, and an overlapped step (none may draft) returns
-before step_finished, so it is never timed.
-
 (a verify step's tokens per second at least a plain step's). A bucket without a verify time
 drafts (to time one), then takes one plain step (to time that). Every `probe_interval`-th decision
 of a bucket takes the other kind once, so changed costs (longer contexts) or acceptance are seen:
@@ -29,6 +19,16 @@ consecutive steps of a kind are exponential moving averages; a time after a gap 
 replaces the old one, which is stale by then (a wrong probe is corrected by the steps it starts).
 Whatever it decides, the tokens are those of decoding without drafts (verification keeps the
 target's), so it changes speed only.
+
+One batch size defines the bucket of a time and of a decision: the number of sequences a step runs (its scheduled
+chunks, given to step_started). A step's time goes to that bucket, and the decision made in the
+step (for the next one) is taken for the same bucket: the next step runs those sequences unless
+some finish or join, and a step that admits a prompt is not timed anyway. (The running list at
+the time of the decision would count sequences not scheduled in the step and drop those that
+finished before the decision, so decisions and times would fall into different buckets.)
+Under async scheduling both kinds are synchronous steps: a step with a sequence that may draft
+runs synchronously whether or not it drafts, and an overlapped step (none may draft) returns
+before step_finished, so it is never timed.
 """
 from __future__ import annotations
 
