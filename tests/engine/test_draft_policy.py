@@ -34,8 +34,8 @@ def drive(policy: DraftPolicy, clock: StepClock, steps: int, batch: int, accepte
         if drafting:
             for _ in range(batch):
                 policy.verified(accepted)
-        drafting = policy.allows(batch)
-        assert policy.allows(batch) == drafting  # one decision per step
+        drafting = policy.allows()
+        assert policy.allows() == drafting  # one decision per step
         decisions.append(drafting)
         policy.step_finished()
     return decisions
@@ -64,7 +64,7 @@ def test_buckets_are_timed_apart():
     drive(policy, clock, 6, batch=2, accepted=1)  # pays at 2: 2 tokens for 1.5x
     assert policy.pays(batch_bucket(2)) is True and policy.pays(batch_bucket(64)) is None
     policy.step_started(64, True, False)
-    assert policy.allows(64)  # a bucket never timed drafts first
+    assert policy.allows()  # a bucket never timed drafts first
     assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 64, 65)] == [1, 2, 4, 4, 8, 64, 128]
 
 
@@ -115,3 +115,103 @@ def test_engine_falls_back_when_verifying_does_not_pay_and_returns_when_it_does(
     verifies, drafting, fallback = (st.verifies - before[0], st.drafting_steps - before[1],
                                     st.fallback_steps - before[2])
     assert drafting > 2 * fallback and verifies > before[0]
+
+
+def test_decisions_use_the_bucket_of_the_step_they_are_made_in(hf_llama):
+    """The decision made in a step is for the batch size that step is timed under (its scheduled
+    sequences), also in the steps where a sequence finishes (before the others propose), a request
+    waits for a slot, or it is admitted."""
+    _, path = hf_llama
+    ps = repetitive_prompts()
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (10, 30, 20, 40)]
+    want = [o.outputs[0].token_ids for o in engine(path, max_num_seqs=3).generate(
+        [{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)]
+    llm = engine(path, {"method": "ngram", "num_speculative_tokens": 3, "disable_when_slower": True}, max_num_seqs=3)
+    policy = llm.engine.spec.policy
+    clock = StepClock(plain=1.0, verify=1.2)
+    policy.clock = clock
+    timed_under, decided_for = {}, {}
+    started, decide = policy.step_started, policy._decide
+
+    def step_started(num_seqs, all_decode, drafted):
+        started(num_seqs, all_decode, drafted)
+        timed_under[policy._step] = batch_bucket(num_seqs)
+        clock.now += clock.verify if drafted else clock.plain
+
+    def spy(cost):
+        decided_for[policy._step] = next(b for b, c in policy.buckets.items() if c is cost)
+        return decide(cost)
+
+    policy.step_started, policy._decide = step_started, spy
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ps], params,
+                                                          use_tqdm=False)]
+    assert got == want
+    assert len(decided_for) > 20 and {4, 2, 1} <= set(decided_for.values())
+    assert {step: timed_under[step] for step in decided_for} == decided_for
+
+
+def test_each_bucket_keeps_its_own_gain():
+    """Acceptance differs by batch size (here: 3 drafts accepted per sequence at batch 2, none at
+    batch 8): each bucket compares its times with its own gain, not the last verify's."""
+    clock = StepClock(plain=1.0, verify=1.5)
+    policy = DraftPolicy(clock, probe_interval=100)
+    drive(policy, clock, 4, batch=8, accepted=0)  # 1 token per verify for 1.5x: does not pay at 8
+    assert policy.pays(8) is False
+    drive(policy, clock, 4, batch=2, accepted=3)  # 4 tokens for 1.5x: pays at 2
+    assert policy.pays(2) is True and policy.pays(8) is False
+    assert policy.buckets[8].gain == 1.0 and policy.buckets[2].gain == 4.0
+    policy.step_started(8, True, False)
+    assert policy.allows() is False  # batch 8 decides on its own gain
+
+
+def test_under_async_scheduling_plain_and_verify_times_are_of_synchronous_steps(hf_llama):
+    """Async scheduling: a step with a sequence that may draft runs synchronously whether or not
+    the policy lets it draft (SpecDecoder.needs_host_tokens does not ask the policy: drafts are
+    made from the step's tokens on the host), so the plain steps the fallback chooses run in the
+    mode of the verify steps it compares them with, and both kinds are timed as such. A step that
+    overlaps (no sequence may draft: here a min_tokens request left alone) never reaches
+    step_finished and is not timed: no bucket mixes the two modes."""
+    _, path = hf_llama
+    ps = repetitive_prompts()[:3]
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    params = [greedy, greedy, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, min_tokens=1)]
+
+    def run(llm, on_step=None):
+        eng, done = llm.engine, {}
+        for i, (p, sp) in enumerate(zip(ps, params)):
+            eng.add_request(str(i), {"prompt_token_ids": p}, sp)
+        while eng.has_unfinished_requests():
+            for o in eng.step(outputs="finished"):
+                done[o.request_id] = o.outputs[0].token_ids
+            if on_step is not None:
+                on_step(eng)
+        return [done[str(i)] for i in range(len(ps))]
+
+    want = run(engine(path, async_scheduling=True))
+    llm = engine(path, {"method": "ngram", "num_speculative_tokens": 3, "disable_when_slower": True},
+                 async_scheduling=True)
+    policy = llm.engine.spec.policy
+    clock = StepClock(plain=1.0, verify=50.0)  # verifying never pays: plain steps once timed
+    policy.clock, policy.probe_interval = clock, 4
+    started, finished = policy.step_started, policy.step_finished
+    timed, kinds, overlapped = set(), {}, set()
+
+    def step_started(num_seqs, all_decode, drafted):
+        started(num_seqs, all_decode, drafted)
+        kinds[policy._step] = drafted
+        clock.now += clock.verify if drafted else clock.plain
+
+    def step_finished():
+        if policy._timing is not None:
+            timed.add(policy._step)
+        finished()
+
+    def on_step(eng):  # the step just launched left its tokens on the device: it overlaps the next
+        if eng._in_flight is not None:
+            overlapped.add(policy._step)
+
+    policy.step_started, policy.step_finished = step_started, step_finished
+    assert run(llm, on_step) == want
+    assert overlapped and not overlapped & timed
+    assert any(kinds[s] for s in timed) and sum(not kinds[s] for s in timed) > 5
+    assert llm.engine.spec.stats.fallback_steps > 0

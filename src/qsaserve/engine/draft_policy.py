@@ -4,11 +4,12 @@ Verifying k + 1 rows costs little more than one row while decode is memory-bound
 large batches (the step turns compute-bound) or when few drafts are accepted; then a verify step
 emits fewer tokens per second than a plain one. The policy times the engine's decode steps (host
 timestamps around each step whose chunks all decode: a verify step holds at least one
-sequence's drafts, a plain step none) per batch-size bucket (powers of two), keeps a running mean
-of the tokens a verify step emits per sequence (`gain`: 1 + accepted drafts / sequences; the
-acceptance length diluted by the sequences without drafts), and lets sequences draft iff
+sequence's drafts, a plain step none) per batch-size bucket (powers of two), keeps per bucket a
+running mean of the tokens a verify step emits per sequence (`gain`: 1 + accepted drafts /
+sequences; the acceptance length diluted by the sequences without drafts), and lets sequences
+draft iff
 
-    gain * t_plain(bucket) >= t_verify(bucket)
+    gain(bucket) * t_plain(bucket) >= t_verify(bucket)
 
 (a verify step's tokens per second at least a plain step's). A bucket without a verify time
 drafts (to time one), then takes one plain step (to time that). Every `probe_interval`-th decision
@@ -18,6 +19,16 @@ consecutive steps of a kind are exponential moving averages; a time after a gap 
 replaces the old one, which is stale by then (a wrong probe is corrected by the steps it starts).
 Whatever it decides, the tokens are those of decoding without drafts (verification keeps the
 target's), so it changes speed only.
+
+One batch size defines the bucket of a time and of a decision: the number of sequences a step runs (its scheduled
+chunks, given to step_started). A step's time goes to that bucket, and the decision made in the
+step (for the next one) is taken for the same bucket: the next step runs those sequences unless
+some finish or join, and a step that admits a prompt is not timed anyway. (The running list at
+the time of the decision would count sequences not scheduled in the step and drop those that
+finished before the decision, so decisions and times would fall into different buckets.)
+Under async scheduling both kinds are synchronous steps: a step with a sequence that may draft
+runs synchronously whether or not it drafts, and an overlapped step (none may draft) returns
+before step_finished, so it is never timed.
 """
 from __future__ import annotations
 
@@ -32,6 +43,7 @@ class BucketCost:
 
     plain: float | None = None
     verify: float | None = None
+    gain: float | None = None  # tokens per sequence of this bucket's verify steps (set with verify)
     since_probe: int = 0  # decisions since this bucket last took the kind it does not prefer
     plain_step: int = -2  # the policy's step that was last timed as each kind
     verify_step: int = -2
@@ -53,9 +65,10 @@ class DraftPolicy:
         self.clock, self.probe_interval, self.smoothing = clock, probe_interval, smoothing
         self.on_decision = on_decision
         self.buckets: dict[int, BucketCost] = {}
-        self.gain: float | None = None
+        self.gain: float | None = None  # over every bucket (reported; decisions use the bucket's own)
         self._gain_step = -2
         self._step = 0
+        self._num_seqs = 0  # sequences the current step runs: the bucket of its time and its decision
         self._timing: tuple[float, int, bool] | None = None  # (start, sequences, drafted) of the step
         self._accepted = 0
         self._decided: tuple[int, bool] | None = None  # (step, drafts)
@@ -65,6 +78,7 @@ class DraftPolicy:
         """A step begins: timed when every chunk decodes (one row, or a verify's k + 1)."""
         self._step += 1
         self._accepted = 0
+        self._num_seqs = num_seqs
         self._timing = (self.clock(), num_seqs, drafted) if all_decode and num_seqs else None
 
     def verified(self, accepted: int) -> None:
@@ -79,8 +93,10 @@ class DraftPolicy:
         elapsed = self.clock() - start
         cost, step = self.buckets.setdefault(batch_bucket(n), BucketCost()), self._step
         if drafted:
+            gain = 1.0 + self._accepted / n
             cost.verify = self._smooth(cost.verify, elapsed, cost.verify_step)
-            self.gain = self._smooth(self.gain, 1.0 + self._accepted / n, self._gain_step)
+            cost.gain = self._smooth(cost.gain, gain, cost.verify_step)
+            self.gain = self._smooth(self.gain, gain, self._gain_step)
             cost.verify_step = self._gain_step = step
         else:
             cost.plain = self._smooth(cost.plain, elapsed, cost.plain_step)
@@ -92,12 +108,13 @@ class DraftPolicy:
         return old + self.smoothing * (new - old)
 
     # ---- the decision (asked for every sequence that may draft; one answer per step) ----
-    def allows(self, num_seqs: int) -> bool:
-        """Whether sequences draft for the next step, decided at the first ask of a step (for
-        the batch size then: sequences finishing later in the step do not split the decision)."""
+    def allows(self) -> bool:
+        """Whether sequences draft for the next step, decided at the first ask of a step for the
+        bucket of the step's sequences (step_started), the bucket its time goes to; sequences
+        finishing later in the step do not split the decision."""
         if self._decided is not None and self._decided[0] == self._step:
             return self._decided[1]
-        drafts = self._decide(self.buckets.setdefault(batch_bucket(num_seqs), BucketCost()))
+        drafts = self._decide(self.buckets.setdefault(batch_bucket(self._num_seqs), BucketCost()))
         self._decided = (self._step, drafts)
         if self.on_decision is not None:
             self.on_decision(drafts)
@@ -106,16 +123,16 @@ class DraftPolicy:
     def pays(self, bucket: int) -> bool | None:
         """Whether verify steps out-emit plain ones at this bucket (None: not both timed yet)."""
         cost = self.buckets.get(bucket)
-        if cost is None or cost.plain is None or cost.verify is None or self.gain is None:
+        if cost is None or cost.plain is None or cost.verify is None:
             return None
-        return self.gain * cost.plain >= cost.verify
+        return cost.gain * cost.plain >= cost.verify
 
     def _decide(self, cost: BucketCost) -> bool:
         if cost.verify is None:
             return True
         if cost.plain is None:
             return False
-        pays = self.gain * cost.plain >= cost.verify
+        pays = cost.gain * cost.plain >= cost.verify
         cost.since_probe += 1
         if cost.since_probe >= self.probe_interval:
             cost.since_probe = 0

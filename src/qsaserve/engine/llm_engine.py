@@ -317,12 +317,17 @@ class LLMEngine:
         filled = self._advance(sched)
         if verified:
             self._roll_back(sched, verified)
+        hold = self.spec is not None and self.spec.head_on_every_sequence
+        if hold:  # the head's pages of the rows of sequences finishing now, before their blocks are cached
+            self.scheduler.hold_finished()
         results += self._complete(_InFlight(sched, plan, None, filled), sampled, errored, outputs, verified)
         if self.spec is not None and self.spec.model_drafts:  # the MTP head, in this step (mtp_drafter.py)
             starts = itertools.accumulate(batch.query_lens[:-1], initial=0)
             request = self.spec.mtp_request(sched.chunks, [batch.positions[i] for i in starts], len(self.scheduler.running))
             if request is not None:
                 self.spec.set_drafts(sched.chunks, self.executor.mtp_draft(request))
+        if hold:
+            self.scheduler.release_held()
         if self.spec is not None:
             self.spec.end_step()
         return results

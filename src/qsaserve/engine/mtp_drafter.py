@@ -3,7 +3,8 @@ verified, the model's draft head runs in the same engine step, over
 
 1. catch-up rows: every row of the step whose next token is now known (prompt rows, the sampled
    row, a verify's accepted rows; never a rejected draft), with the target's hidden rows, so the
-   head's pages and state hold every verified position, and
+   head's pages and state hold every verified position (with prefix caching also those of a
+   sequence that finished in the step: its blocks are released after the head ran), and
 2. draft rows: for each drafting sequence, its last catch-up row gives draft 0; draft j > 0 is one
    row at the next position fed the head's own previous hidden row and draft j - 1.
 

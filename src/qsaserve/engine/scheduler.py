@@ -51,6 +51,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.held: list[Sequence] | None = None  # finished sequences keeping their blocks (hold_finished)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -125,10 +126,26 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, cacheable: bool = True) -> None:
-        """Remove a finished or aborted sequence and free its blocks."""
+        """Remove a finished or aborted sequence and free its blocks (after release_held while
+        finished sequences are held; never one that is not cacheable)."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free_seq(seq, cacheable=cacheable)
+        if self.held is not None and cacheable:
+            self.held.append(seq)
+        else:
+            self.block_manager.free_seq(seq, cacheable=cacheable)
         seq.status = SequenceStatus.FINISHED
+
+    def hold_finished(self) -> None:
+        """Until release_held, sequences finishing keep their blocks, block tables and state
+        slots: the MTP head writes its pages of their last step's rows before the blocks go to the
+        prefix cache (engine/spec_decode.py, mtp_request). Nothing is scheduled in between."""
+        self.release_held()
+        self.held = []
+
+    def release_held(self) -> None:
+        held, self.held = self.held or [], None
+        for seq in held:
+            self.block_manager.free_seq(seq)

@@ -107,7 +107,7 @@ class SpecDecoder:
         limit = self.config.disable_by_batch_size
         if seq.is_finished or not self.eligible(seq) or (limit is not None and num_running > limit):
             return 0
-        if self.policy is not None and not self.policy.allows(num_running):
+        if self.policy is not None and not self.policy.allows():
             return 0
         room = self.max_model_len - seq.num_tokens - 1
         if seq.params.max_tokens is not None:
@@ -137,12 +137,16 @@ class SpecDecoder:
         """After a step's tokens are appended: per chunk, its rows whose next token is known (a
         rejected draft's rows never are) and the drafts wanted once they reach the last token.
         Sequences that can never draft (eligible() is fixed per request) are left out, unless the
-        head's pages are kept for the prefix cache (head_on_every_sequence)."""
+        head's pages are kept for the prefix cache (head_on_every_sequence). Then a sequence that
+        finished in the step still holds its blocks (Scheduler.hold_finished) and its rows run
+        too, up to the one before its last token (which has no successor): the blocks it filled
+        go to the prefix cache with the head's pages written."""
         rows, next_ids, drafts, tables = [], [], [], []
         for chunk, start in zip(chunks, first_positions):
             seq = chunk.seq
-            m = 0 if seq.is_finished or not self.needs_host_tokens(seq) else \
-                min(chunk.num_new_tokens, seq.num_tokens - start - 1)
+            released = seq.is_finished and not seq.block_table
+            m = 0 if released or not self.needs_host_tokens(seq) else \
+                max(0, min(chunk.num_new_tokens, seq.num_tokens - start - 1))
             rows.append(m)
             next_ids.append(seq.token_ids[start + 1 : start + 1 + m])
             drafts.append(self.room(seq, num_running) if m and start + m == seq.num_tokens - 1 else 0)

@@ -131,6 +131,46 @@ def test_prefix_cache_hit_on_the_blocks_of_a_request_that_never_drafted(checkpoi
     assert [d for d in after_hit if any(d)] == [d for d in alone if any(d)]
 
 
+def test_prefix_cache_hit_on_the_blocks_a_request_filled_in_its_last_step(checkpoint):
+    """A request (a penalty: it never drafts) fills its last block in the step it finishes in:
+    the head's catch-up rows of that step run before its blocks go to the prefix cache. A greedy
+    request whose prompt is that request's text and a few more tokens hits every block (8-token
+    snapshots); its drafts and tokens equal those of the same request in an engine without the
+    prefix cache (the head computes every prompt row there). The head's pages of those blocks
+    (K/V and index block keys) equal those of a run that went one token further (position 63 was
+    not its last step's row)."""
+    model, path, ps, _, _ = checkpoint
+    kw = dict(enable_prefix_caching=True, max_num_batched_tokens=64, prefix_state_interval=8)
+
+    def head_pages(llm, max_tokens):  # the first request's text and its head pages of blocks 0..7
+        bm, tables = llm.engine.block_manager, []
+        free_seq = bm.free_seq
+        bm.free_seq = lambda seq, *a, **k: tables.append(list(seq.block_table)) or free_seq(seq, *a, **k)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, repetition_penalty=1.0001)
+        text = ps[1] + generate(llm, [ps[1]], params)[0]
+        bm.free_seq = free_seq
+        cache, blocks = llm.engine.executor.runner.model.mtp.attention_layer.cache, tables[0][:8]
+        return text, cache.kv[:, blocks].clone(), cache.block_keys[blocks].clone()
+
+    # 61 prompt tokens + 4 sampled: the last step computes position 63, the end of block 7.
+    cached = engine(path, 2, **kw)
+    text, kv, keys = head_pages(cached, 4)
+    assert len(text) == 65 and cached.engine.spec.stats.drafted == 0
+    longer, want_kv, want_keys = head_pages(engine(path, 2, **kw), 5)
+    assert longer[:65] == text
+    torch.testing.assert_close(kv, want_kv, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(keys, want_keys, rtol=1e-5, atol=1e-5)
+    prompt = text + prompt_tokens(9, seed=5)
+    fresh = engine(path, 2, max_num_batched_tokens=64)
+    alone = draft_log(fresh)
+    want = generate(fresh, [prompt])
+    after_hit = draft_log(cached)
+    out = cached.generate([{"prompt_token_ids": prompt}], PARAMS, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 64 and [out.outputs[0].token_ids] == want
+    assert [d for d in after_hit if any(d)] == [d for d in alone if any(d)]
+    assert cached.engine.block_manager.num_free_blocks == cached.engine.block_manager.num_blocks
+
+
 def test_host_tier_carries_the_heads_pages(checkpoint):
     """--kv-offload-gib with MTP: a prompt's cached blocks are evicted to the host tier by a
     longer request through a small GPU pool, and a greedy request of the prompt copies them back
