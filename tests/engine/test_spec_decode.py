@@ -175,17 +175,20 @@ def test_greedy_verify_accepts_the_longest_matching_prefix():
 def test_ngram_proposer():
     seq = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]
     assert propose_ngram(seq, 3, 4, 1) == [3, 4, 1]  # suffix [3, 4, 1, 2] recurs at 2; three tokens follow it
-    assert propose_ngram(seq, 8, 4, 1) == [3, 4, 1, 2]  # none is followed by 8: the earliest, the most follow
+    # none is followed by 8: the earliest (the most follow), its copy going on over the draft
+    assert propose_ngram(seq, 8, 4, 1) == [3, 4, 1, 2, 3, 4, 1, 2]
+    assert propose_ngram([7, 1, 2, 1, 2], 5, 2, 2) == [1, 2, 1, 2, 1]  # period 2 repeats on
     assert propose_ngram([9, 1, 2, 7, 1, 2, 8, 1, 2], 1, 2, 1) == [8]  # the most recent occurrence
     assert propose_ngram([5, 6, 7, 8], 3, 4, 1) == []  # nothing recurs
     assert propose_ngram([5, 6, 7, 5], 2, 4, 2) == []  # only a 1-token suffix recurs, below lookup_min
     assert propose_ngram([5, 6, 7, 5], 2, 4, 1) == [6, 7]
+    assert propose_ngram([5, 6, 7, 5], 4, 4, 1) == [6, 7, 5, 6]
 
 
 def test_ngram_proposer_against_its_definition():
     """Random short sequences over small vocabularies against a brute-force reading of the rule:
     for n from max down to min, every earlier window equal to the last n tokens; the most recent
-    one that k tokens follow, else the earliest."""
+    one that k tokens follow, else the earliest, copied k tokens on as an overlapping copy."""
     import random
 
     def brute(ids, k, hi, lo):
@@ -194,7 +197,10 @@ def test_ngram_proposer_against_its_definition():
             if starts:
                 full = [i for i in starts if i + n + k <= len(ids)]
                 s = (full[-1] if full else starts[0]) + n
-                return ids[s : s + k]
+                out = list(ids)
+                for i in range(k):  # an overlapping copy: it reads what it has written
+                    out.append(out[s + i])
+                return out[len(ids):]
         return []
 
     rng = random.Random(0)

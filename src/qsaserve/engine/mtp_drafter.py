@@ -87,6 +87,49 @@ def run_mtp_drafts(model: HasMtpHead, batch: BatchInput, hidden: torch.Tensor, r
     out: list[list[int]] = [[] for _ in request.rows]
     if not seqs:
         return out
+    # Every input of every head forward goes to the device first, while the device is idle (the
+    # step's tokens were read back): a copy from pageable host memory waits for the stream, so
+    # none is made between the head's launches, and its drafts are read back once at the end.
+    rows = [r for i in seqs for r in range(cu[i], cu[i] + request.rows[i])]
+    positions = [int(batch.positions[r]) for r in rows]
+    meta = _meta(positions, [request.rows[i] for i in seqs], [int(batch.slot_mapping[r]) for r in rows],
+                 [request.tables[i] for i in seqs],
+                 [batch.state_slots[i] for i in seqs], block_size, dcp, device)
+    next_ids = torch.tensor([t for i in seqs for t in request.next_ids[i]], dtype=torch.long, device=device)
+    row_idx = torch.tensor(rows, device=device)
+    positions_t = torch.tensor(positions, dtype=torch.long, device=device)
+    drafting = [(j, i) for j, i in enumerate(seqs) if request.drafts[i] > 0]
+    ids = [i for _, i in drafting]
+    longest = max((request.drafts[i] for i in ids), default=0)
+    ends = np.cumsum([request.rows[i] for i in seqs]) - 1
+    last = torch.tensor([int(ends[j]) for j, _ in drafting], device=device)
+    draft_steps = []  # (meta, positions) of draft rows 1 .. longest - 1: one row per drafting sequence
+    pos = [positions[int(ends[j])] + 1 for j, _ in drafting]  # the row after the last verified one
+    for _ in range(1, longest):
+        draft_steps.append((_meta(pos, [1] * len(ids), [_slot(request.tables[i], p, block_size) for i, p in zip(ids, pos)],
+                                  [request.tables[i] for i in ids], [batch.state_slots[i] for i in ids], block_size,
+                                  dcp, device), torch.tensor(pos, dtype=torch.long, device=device)))
+        pos = [p + 1 for p in pos]
+    slot_idx = torch.tensor([batch.state_slots[i] for i in ids], device=device) if draft_steps else None
+
+    h = model.mtp_forward(hidden[row_idx], next_ids, positions_t, meta)
+    if not drafting:
+        return out
+    h = h[last]
+    token = model.mtp_logits(h).argmax(-1)
+    tokens = [token]
+    if draft_steps:
+        saved = [t[slot_idx].clone() for t in model.mtp_state_tensors()]
+        for step_meta, step_pos in draft_steps:
+            h = model.mtp_forward(h, token, step_pos, step_meta)
+            token = model.mtp_logits(h).argmax(-1)
+            tokens.append(token)
+        for t, rows_saved in zip(model.mtp_state_tensors(), saved):
+            t[slot_idx] = rows_saved
+    drafted = torch.stack(tokens, dim=1).tolist()  # [drafting sequences, longest]: the one read back
+    for i, got in zip(ids, drafted):
+        out[i] = got[: request.drafts[i]]
+    return out
     rows = [r for i in seqs for r in range(cu[i], cu[i] + request.rows[i])]
     positions = [int(batch.positions[r]) for r in rows]
     meta = _meta(positions, [request.rows[i] for i in seqs], [int(batch.slot_mapping[r]) for r in rows],

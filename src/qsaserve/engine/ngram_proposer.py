@@ -1,8 +1,11 @@
 """N-gram (prompt lookup) drafting on the host, for every model: the sequence's last n tokens
 (n from prompt_lookup_max down to prompt_lookup_min) are looked up earlier in the sequence, prompt
 and output alike, and the tokens that followed an earlier occurrence are the draft: the most
-recent occurrence that k tokens follow, else the earliest (the most tokens follow it). No model
-runs; a sequence without a match drafts nothing that step."""
+recent occurrence that k tokens follow, else the earliest (the most tokens follow it), its copy
+continuing over the draft itself where fewer than k follow (as an overlapping copy does: the
+repeat goes on), so that a matching sequence drafts k tokens and a step of matching sequences
+is a uniform verify (a CUDA graph's). No model runs; a sequence without a match drafts nothing
+that step."""
 from __future__ import annotations
 
 import numpy as np
@@ -33,5 +36,10 @@ def propose_ngram(token_ids: np.ndarray | list[int], k: int, lookup_max: int, lo
             # The most recent occurrence that k tokens follow, else the earliest (the most follow).
             full = hits[hits + 1 + k <= n_tokens]
             start = int(full[-1] if full.size else hits[0]) + 1
-            return arr[start : start + k].tolist()
+            if start + k <= n_tokens:
+                return arr[start : start + k].tolist()
+            # Fewer than k tokens follow: the copy continues over its own output (the repeat of
+            # period n_tokens - start goes on), so a sequence drafts k whenever it matches.
+            period = n_tokens - start
+            return [int(arr[start + i % period]) for i in range(k)]
     return []

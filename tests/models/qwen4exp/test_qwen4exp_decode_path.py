@@ -1,5 +1,5 @@
-"""The vectorized decode step of Qwen4Exp (every sequence brings one token) against the
-per-sequence prefill path, and CUDA-graph style padding rows (seq_len 0, slot -1, null block
+"""The vectorized decode step of Qwen4Exp (every sequence brings one token, or the same n tokens:
+decode rows, a verify) against the per-sequence prefill path, and CUDA-graph style padding rows (seq_len 0, slot -1, null block
 table, scratch state slot 0) that must change neither the real rows' outputs nor any real
 cache or state. The model is driven directly with hand-built metadata on the engine's caches."""
 import pytest
@@ -100,7 +100,7 @@ def test_decode_path_matches_prefill_path_and_ignores_padding(runner, monkeypatc
     fast_state = [t.clone() for t in _real_parts(runner, tables + [[10]], slots + [4])]
 
     _restore(runner, snap)
-    monkeypatch.setattr(slot_state, "is_decode_step", lambda *a: False)
+    monkeypatch.setattr(slot_state, "decode_rows", lambda *a: 0)  # the prefill path
     slow = _run(model, decode_rows, nxt)
     torch.testing.assert_close(fast, slow, atol=2e-4, rtol=1e-4)
     for a, b in zip(fast_state, _real_parts(runner, tables + [[10]], slots + [4])):
@@ -117,6 +117,63 @@ def test_decode_path_matches_prefill_path_and_ignores_padding(runner, monkeypatc
     torch.testing.assert_close(padded[[1, 3, 4, 5]], fast, atol=1e-4, rtol=1e-5)
     for a, b in zip(fast_state, _real_parts(runner, tables + [[10]], slots + [4])):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def spec_runner(tmp_path_factory):
+    """With speculation on, so the model has its per-position snapshot rows (engine/spec_decode.py)."""
+    model = build_random_model(make_config(budget=12, ple_layer_ids=(1, 3)), seed=5)
+    path = save(model, tmp_path_factory.mktemp("decode_rows"))
+    llm = LLM(path, dtype="float32", device="cpu", max_model_len=128, block_size=BLOCK, progress=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    return llm.engine.executor.runner
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_decode_rows_match_prefill_path_with_per_position_states(spec_runner, monkeypatch, n):
+    """n rows per sequence (a verify of n - 1 drafts, per-position states asked for offsets
+    1..n-1), crossing a group boundary and a page boundary, beside padding sequences: the logits,
+    caches, states and snapshot rows equal the prefill path's."""
+    runner, model = spec_runner, spec_runner.model
+    gen = torch.Generator().manual_seed(n)
+    lengths = [14, 23, 9]  # rows 14.. complete the group of 12..15 / cross page 16; 23.. cross 24
+    tables, slots = [[1, 2, 3], [4, 5, 6, 7], [8, 9]], [1, 2, 3]
+    prompts = [torch.randint(4, 120, (m,), generator=gen).tolist() for m in lengths]
+    _run(model, [(m, m, t, s, list(range(m))) for m, t, s in zip(lengths, tables, slots)], sum(prompts, []))
+    rows = [(n, m + n, t, s, list(range(m, m + n))) for m, t, s in zip(lengths, tables, slots)]
+    ids = torch.randint(4, 120, (3 * n,), generator=gen).tolist()
+    pool = runner.model.state_snapshot_pools()
+    snap_rows = torch.arange(3 * (n - 1)) + 2  # sequence by sequence, offsets ascending
+
+    def run(padding: bool):
+        step = ([(n, 0, [], 0, [-1] * n)] if padding else []) + rows
+        meta = _meta(step)
+        meta.snapshot_offsets = [list(range(1, n))] * len(step)
+        meta.snapshot_rows = torch.cat([torch.tensor([0] * (n - 1)), snap_rows]) if padding else snap_rows
+        positions = torch.tensor([max(p, 0) for r in step for p in r[4]])
+        for p in pool:
+            p.zero_()
+        with torch.inference_mode():
+            out = model.compute_logits(model(torch.tensor(([0] * n if padding else []) + ids), positions, meta))
+        parts = _real_parts(runner, tables, slots) + [p[:, snap_rows] for p in pool]
+        return out[n:] if padding else out, [t.clone() for t in parts]
+
+    snap = _snapshot(runner)
+    calls = []
+    decode = QSAAttention._decode
+    monkeypatch.setattr(QSAAttention, "_decode", lambda *a, **k: calls.append(1) or decode(*a, **k))
+    fast, fast_parts = run(padding=False)
+    assert calls, "the decode rows did not run"
+    _restore(runner, snap)
+    padded, padded_parts = run(padding=True)
+    _restore(runner, snap)
+    monkeypatch.setattr(slot_state, "decode_rows", lambda *a: 0)  # the prefill path
+    slow, slow_parts = run(padding=False)
+    torch.testing.assert_close(fast, slow, atol=2e-4, rtol=1e-4)
+    torch.testing.assert_close(padded, fast, atol=1e-4, rtol=1e-5)
+    for a, b, c in zip(fast_parts, slow_parts, padded_parts):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("rows", [3, 40])  # gathered experts (rows * k < E) and every expert at once

@@ -7,7 +7,7 @@ import torch
 from qsaserve.cache.kv_cache import KVCacheSpec, allocate_kv_cache
 from qsaserve.models.qwen4exp.mtp import Qwen4ExpMTP, mtp_num_layers, mtp_weight_shapes
 from qsaserve.models.qwen4exp.mtp_reference import mtp_draft_reference
-from qsaserve.models.qwen4exp.state import build_step
+from qsaserve.models.qwen4exp.state import MAX_DECODE_ROWS, build_step
 from qsaserve.ops.qsa_indexer import rope_inv_freq
 from qsaserve.parallel.state import ParallelContext
 
@@ -63,7 +63,8 @@ def test_paged_head_equals_reference_through_chunks_and_decodes():
         meta, positions = step_metadata(rows, BLOCK)
         ids = torch.cat(ids)
         st = build_step(ids, positions, meta, inv, head.ctx.dcp, head.states())
-        assert st.decode == all(n == 1 for _, n in step)
+        uniform = len({n for _, n in step}) == 1 and step[0][1] <= MAX_DECODE_ROWS  # decode rows (n = 7 here)
+        assert st.decode == uniform and (st.rows is not None) == (uniform and step[0][1] > 1)
         with torch.inference_mode():
             out = head(torch.cat(hyper), ids, embed, st, meta)
             logits = head.compute_logits(out, lm_head)

@@ -148,24 +148,20 @@ MAX_DECODE_ROWS = 9
 
 
 def decode_rows(input_ids: torch.Tensor, meta: AttentionMetadata) -> int:
-    """n when every sequence of the step brings the same n <= MAX_DECODE_ROWS tokens (and any
-    interior snapshots asked are each row's, as a verify's: offsets 1..n-1 of every sequence),
-    so the step runs as decode rows; 0 otherwise (the prefill path). Host lists only; CUDA-graph
+    """n when every sequence of the step brings the same n <= MAX_DECODE_ROWS tokens after
+    earlier ones (and any interior snapshots asked are each row's, as a verify's: offsets 1..n-1
+    of every sequence), so the step runs as decode rows; 0 otherwise (the prefill path). Host lists only; CUDA-graph
     padding rows count as sequences of n tokens."""
     b = meta.num_seqs
     n = meta.query_lens[0] if b else 0
     if not 0 < n <= MAX_DECODE_ROWS or input_ids.shape[0] != b * n or any(m != n for m in meta.query_lens):
         return 0
+    if n > 1 and any(length <= n for length in meta.seq_lens_list):  # a request's first chunk: prefill
+        return 0
     offsets = getattr(meta, "snapshot_offsets", None)
     if offsets and any(offsets) and any(o != list(range(1, n)) for o in offsets):
         return 0
     return n
-
-
-def is_decode_step(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """Every sequence of the step brings one token (host lists only; CUDA-graph padding rows
-    count as one-token sequences)."""
-    return decode_rows(input_ids, meta) == 1
 
 
 def build_step(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, inv_freq: torch.Tensor,
