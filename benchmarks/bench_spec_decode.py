@@ -1,6 +1,7 @@
 """Speculative decoding's verify step against the plain decode step, in one engine and one run:
 B requests of C context tokens each (random ids, dummy weights), then per mode a few timed engine
-steps: "plain" (no drafts: the decode step, CUDA graphs when on) and "verify k" for k = 1, 2, 3
+steps: "plain" (no drafts: the decode step, CUDA graphs when on, captured for batch B alone) and
+"verify k" for k = 1, 2, 3
 (every sequence carries exactly k drafts: its n-gram drafts, topped up with random tokens). A
 step's time is the engine step's wall time (it reads the tokens back, so it includes the device).
 
@@ -9,9 +10,9 @@ tok/s per mode: plain B / t_plain; verify at the measured acceptance length L (r
 figure random weights cannot measure. --force-accept makes every verify accept all its drafts
 (the target is told its drafts were its own tokens: outputs are meaningless, times are those of
 the all-accepted path, no rollback). --method mtp (a preset with the head, e.g.
-qwen4exp-small-mtp): the drafts are the MTP head's, run after each step (engine/mtp_drafter.py,
-eager: no CUDA graphs), k of them; its "plain" rows carry no drafts but still run the head's
-catch-up row. Prints one JSON line per row, then the document.
+qwen4exp-small-mtp): the drafts are the MTP head's, run after each step (engine/mtp_drafter.py;
+the head's rows eager, the target's steps replaying their graphs), k of them; its "plain" rows
+carry no drafts but still run the head's catch-up row. Prints one JSON line per row, then the document.
 
     PYTHONPATH=src python benchmarks/bench_spec_decode.py --model qwen4exp-small --batches 1,8,64 \
         --context 8192 [--force-accept] [--repeat-unit 64] [--method mtp] [--out f.json]
@@ -49,7 +50,7 @@ PREFILL_ROOM = 256
 def build(model: str, batch: int, context: int, steps: int, force_accept: bool, enforce_eager: bool,
           method: str = "ngram") -> LLMEngine:
     config = EngineConfig(model=model, load_format="dummy", max_num_seqs=batch, max_model_len=context + max_new_tokens(steps) + 1,
-                          enforce_eager=enforce_eager, ple_placement="gpu",
+                          enforce_eager=enforce_eager, ple_placement="gpu", cuda_graph_sizes=str(batch),
                           speculative_config={"method": method, "num_speculative_tokens": max(KS),
                                               "disable_when_slower": False})
     engine = LLMEngine(config, progress=False)

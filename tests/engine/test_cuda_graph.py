@@ -92,7 +92,7 @@ def test_verify_layout_pads_rows_snapshots_and_logits_order():
     from qsaserve.engine.cuda_graph import Layout
 
     batch = _verify_batch(3, 4, interior=True)
-    p = pad_decode(batch, 4, rows=4, pad_snapshot_rows=[7, 8, 9])
+    p = pad_decode(batch, 4, rows=4, pad_snapshot_rows=[7, 8, 9, 6])  # the scratch slot's k = 4 rows
     lay = Layout(4, 4)
     assert all(start % 2 == 0 for start in lay.starts)  # 16-byte aligned segments
     ids, pos, slots, states, snaps, order = (lay.segment(p.int64, i).tolist() for i in range(6))
@@ -129,12 +129,15 @@ def test_verify_graph_plan():
     config = EngineConfig(device="cpu", max_num_seqs=128)
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
     sizes, pad = verify_graph_plan(spec, config, [Attention(32, 8, 64, 1.0)], state_rows_base=40)
-    assert list(sizes) == [4] and max(sizes[4]) == 64 and sizes[4] == [b for b in config.cuda_graph_capture_sizes if b <= 64]
+    assert list(sizes) == [2, 3, 4]  # every verify of 1..k drafts
+    assert sizes[4] == [b for b in config.cuda_graph_capture_sizes if b <= 64]
     assert pad == [40, 41, 42]
     assert verify_graph_plan(None, config, [], 0) == ({}, [])
     pytest.importorskip("triton")
     wide = SpeculativeConfig(method="ngram", num_speculative_tokens=8)  # 9 rows > the kernel's 8 at group 8
-    assert verify_graph_plan(wide, config, [Attention(64, 8, 64, 1.0)], 0) == ({}, [])
+    assert list(verify_graph_plan(wide, config, [Attention(64, 8, 64, 1.0)], 0)[0]) == list(range(2, 9))
+    small = EngineConfig(device="cpu", max_num_seqs=128, max_num_batched_tokens=96)
+    assert max(verify_graph_plan(spec, small, [], 0)[0][4]) == 24  # 24 x 4 rows fit the step's 96 tokens
 
 
 def test_cpu_runner_has_no_graphs():

@@ -10,9 +10,9 @@ the extra rows are padding that the attention kernels skip: slot -1 (no KV write
 (no KV read), a block table of null blocks, and the scratch recurrent-state slot 0 that the
 block manager never hands to a request.
 
-With speculative decoding a bucket also has a verify graph for n = k + 1 rows per sequence: a
-step where every sequence verifies k drafts (BatchInput.verify_rows; a prompt chunk of the same
-shape is not one). The model serves it as n decode rows (Qwen4Exp: state after each row into the
+With speculative decoding a bucket also has verify graphs for n = 2 .. k + 1 rows per sequence:
+a step where every sequence verifies n - 1 drafts (BatchInput.verify_rows; a prompt chunk of the
+same shape is not one). The model serves it as n decode rows (Qwen4Exp: state after each row into the
 verify's per-position snapshot rows, staged like the other inputs); the graph gathers the rows
 in the step's logits order before the LM head, and keeps the hidden rows (the MTP head reads them).
 
@@ -107,21 +107,22 @@ MAX_VERIFY_GRAPH_SEQS = 64
 
 def verify_graph_plan(spec, config, attention_layers, state_rows_base: int) -> tuple[dict[int, list[int]], list[int]]:
     """DecodeGraphs' verify_sizes and pad_snapshot_rows for a speculative config (None: none):
-    k + 1 rows per sequence in the decode buckets up to MAX_VERIFY_GRAPH_SEQS whose rows fit the
-    step's token budget, when every paged-attention layer's decode kernel takes k + 1 query rows
+    n = 2 .. k + 1 rows per sequence (a verify of fewer drafts: a request near its max_tokens,
+    a head drafting fewer) in the decode buckets up to MAX_VERIFY_GRAPH_SEQS whose rows fit the
+    step's token budget, where every paged-attention layer's decode kernel takes n query rows
     (ops/attention: decode_qlen_cap); the scratch slot 0's per-position rows start at
     state_rows_base (engine/spec_decode.py: base + slot * k + j)."""
     if spec is None:
         return {}, []
-    n = spec.num_speculative_tokens + 1
-    for layer in attention_layers:
-        if isinstance(layer, Attention) and n > decode_qlen_cap(layer.num_heads // layer.num_kv_heads):
-            logger.info("CUDA graphs: verify steps of %d rows run eagerly (the paged-attention decode kernel "
-                        "takes at most %d query rows per sequence at this head grouping)", n,
-                        decode_qlen_cap(layer.num_heads // layer.num_kv_heads))
-            return {}, []
-    sizes = [b for b in config.cuda_graph_capture_sizes if b <= MAX_VERIFY_GRAPH_SEQS and b * n <= config.token_budget]
-    return {n: sizes}, [state_rows_base + j for j in range(n - 1)]
+    k = spec.num_speculative_tokens
+    cap = min([decode_qlen_cap(layer.num_heads // layer.num_kv_heads) for layer in attention_layers
+               if isinstance(layer, Attention)], default=k + 1)
+    if cap < k + 1:
+        logger.info("CUDA graphs: verify steps of more than %d rows run eagerly (the paged-attention decode "
+                    "kernel takes at most %d query rows per sequence at this head grouping)", cap, cap)
+    sizes = {n: [b for b in config.cuda_graph_capture_sizes if b <= MAX_VERIFY_GRAPH_SEQS and b * n <= config.token_budget]
+             for n in range(2, min(k + 1, cap) + 1)}
+    return sizes, [state_rows_base + j for j in range(k)]
 
 
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -205,7 +206,7 @@ def pad_decode(batch: BatchInput, bucket: int, rows: int = 1, pad_snapshot_rows:
         interior = batch.state_snapshots.interior_rows if batch.state_snapshots is not None else []
         if interior:
             snaps[:b] = np.asarray(interior, dtype=np.int64).reshape(b, rows - 1)
-        snaps[b if interior else 0:] = pad_snapshot_rows or 0
+        snaps[b if interior else 0:] = pad_snapshot_rows[: rows - 1] if pad_snapshot_rows else 0
         order = layout.segment(int64, 5)
         order[:t] = batch.logits_indices
         order[t:] = np.arange(t, bucket * rows)
