@@ -74,10 +74,12 @@ if [ "$mode" = single ]; then
     part spec_q4small_ngram 240 python benchmarks/bench_spec_decode.py --model qwen4exp-small --batches 1,8,64 --context 8192 --force-accept --out "$out/spec_q4small_ngram.json"
     part spec_q4small_mtp 240 python benchmarks/bench_spec_decode.py --model qwen4exp-small-mtp --method mtp --batches 1,8,64 --context 8192 --force-accept --out "$out/spec_q4small_mtp.json"
     part spec_llama1b_ngram 180 python benchmarks/bench_spec_decode.py --model llama-1b --batches 1,8,64 --context 8192 --repeat-unit 64 --out "$out/spec_llama1b_ngram.json"
-    part gpu_tests_quant_spec 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_quant_spec.xml" \
+    part gpu_tests_quant 200 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_quant.xml" \
         tests/ops/test_fp8_gemm_triton.py tests/ops/test_nvfp4_gemm_triton.py tests/ops/test_moe_grouped_fp8.py \
-        tests/models/test_llama_fp8_weights.py tests/models/qwen4exp/test_qwen4exp_fp8_moe.py tests/engine/test_spec_decode.py \
-        tests/models/qwen4exp/test_qwen4exp_mtp_spec_decode.py
+        tests/models/test_llama_fp8_weights.py tests/models/qwen4exp/test_qwen4exp_fp8_moe.py
+    part gpu_tests_verify_graphs 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_verify_graphs.xml" \
+        tests/engine/test_cuda_graph.py tests/engine/test_spec_decode.py tests/models/qwen4exp/test_qwen4exp_mtp_spec_decode.py \
+        tests/models/qwen4exp/test_qwen4exp_decode_path.py
     # Qwen4Exp at speed (issue 22): grouped MoE, PLE gathers over UVA, the prefill profile, the
     # 12-layer real-shape preset. QWEN_LAT is the shared latency command line.
     part gpu_tests_qwen_speed 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_qwen_speed.xml" \

@@ -191,7 +191,8 @@ def test_sync_free_moe_equals_looped_experts(rows):
 
 @pytest.mark.gpu
 def test_decode_step_has_no_host_sync_on_gpu(tmp_path):
-    """A decode step (with padding rows) on CUDA runs under torch's sync debug mode "error"."""
+    """A decode step and a decode-rows step (with padding rows) on CUDA run under torch's sync
+    debug mode "error"."""
     model = build_random_model(make_config(budget=12, ple_layer_ids=(1, 3)), seed=4)
     # PLE rows from a GPU table: host/disk placements gather on the host (and keep graphs off).
     llm = LLM(save(model, tmp_path), dtype="bfloat16", device="cuda", max_model_len=128, block_size=BLOCK, progress=False,
@@ -219,4 +220,9 @@ def test_decode_step_has_no_host_sync_on_gpu(tmp_path):
     run(prompt_rows, list(range(5, 20)) + list(range(5, 14)), False)
     pad = (1, 0, [], 0, [-1])
     logits = run([(1, 16, [1, 2], 1, [15]), pad, (1, 10, [3, 4], 2, [9]), pad], [7, 0, 9, 0], True)
+    assert torch.isfinite(logits).all()
+    # Decode rows (a verify's 3 rows per sequence) beside a padding sequence: no host sync either.
+    pad3 = (3, 0, [], 0, [-1] * 3)
+    logits = run([(3, 19, [1, 2, 5], 1, [16, 17, 18]), pad3, (3, 13, [3, 4], 2, [10, 11, 12])], [7, 8, 9, 0, 0, 0, 9, 8, 7],
+                 True)
     assert torch.isfinite(logits).all()
