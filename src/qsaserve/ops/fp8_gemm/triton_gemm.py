@@ -139,24 +139,29 @@ def w8a16_shared_bytes(block_m: int, block_n: int, k_unroll: int, num_stages: in
     """Shared memory the sm_90 compile of _w8a16_kernel takes (x of x_bytes per element, 4 warps).
     The pipeliner keeps num_stages - 1 iterations of loads in flight, each the x and E4M3 weight
     tiles of its K_UNROLL steps; on top: one step's weight tile widened to x's dtype (the dot
-    operand's layout change) and, at BLOCK_M = 64 (wgmma, both operands from shared memory), a
-    copy of the iteration's x tiles. Measured with tests/triton_compile_check (Triton 3.6, the GPU
-    JIT's divisibility specialization) over BLOCK_M 16/32/64 x BLOCK_N 16-128 x K_UNROLL 1/2/4 x
-    2-4 stages, bf16 and fp32 x: exact at BLOCK_M = 64 and for fp32, an upper bound by at most
-    BLOCK_N * 256 bytes below (e.g. 64 x 128, 4 x 2 steps, 3 stages: 196608; 64 x 64, 4 x 4, 3:
-    278528, the launch the H200 refused; 16 x 128, 4 x 4, 3: 164352 measured, 196608 here)."""
+    operand's layout change) and, at BLOCK_M = 64 with 16-bit x (wgmma, both operands from shared
+    memory), a copy of the iteration's x tiles. Measured with tests/triton_compile_check (Triton
+    3.6, the GPU JIT's divisibility attrs) over BLOCK_M 16/32/64 x BLOCK_N 16-128 x K_UNROLL 1/2/4
+    x 2-4 stages with bf16 x, and BLOCK_M 16/32 (one point at 64) with fp32 x: exact at BLOCK_M 64
+    and for fp32 x, else over by at most BLOCK_N * 256 bytes, never on the wrong side of the
+    sm_90 limit. E.g. 64 x 64 rows, 4 x 128-deep steps, 3 stages: 278528 (the launch the H200
+    refused); 64 x 128, 2 steps, 3 stages: 196608; 16 x 128, 4 steps, 3 stages: 164352 measured,
+    196608 here (tests/ops/test_fp8_gemm_triton.py holds the measurements)."""
     stage = k_unroll * GROUP * (block_m * x_bytes + block_n)
-    extra = GROUP * block_n * x_bytes + (k_unroll * GROUP * block_m * x_bytes if block_m >= 64 else 0)
+    wgmma = block_m >= 64 and x_bytes <= 2  # fp32 x (input_precision "ieee") takes FMA dots
+    extra = GROUP * block_n * x_bytes + (k_unroll * GROUP * block_m * x_bytes if wgmma else 0)
     return (num_stages - 1) * stage + extra
 
 
 def pick_decode_unroll(block_m: int, block_n: int, x_bytes: int, max_shared: int,
                        k_unroll: int | None = None, num_stages: int | None = None) -> tuple[int, int]:
     """(k_unroll, num_stages) for a W8A16 tile, the ones given kept: 4 steps an iteration and 3
-    stages (the benchmarked best at batch 1-32) where w8a16_shared_bytes fits max_shared, else
+    stages (the kernel's fixed defaults before) where w8a16_shared_bytes fits max_shared, else
     half the steps, then fewer stages, until it does. On sm_90 (232448 bytes) with bf16 x only
     BLOCK_M = 64 drops below 4 steps: to 2 at BLOCK_N >= 32 (4 steps need 237568 bytes at
-    BLOCK_N = 32, 278528 at 64, 360448 at 128); fp32 x (tests) drops at BLOCK_N >= 128 too."""
+    BLOCK_N = 32, 278528 at 64, 360448 at 128); fp32 x (tests) drops at BLOCK_N 128 and BLOCK_M 64.
+    Halving the steps before the stages keeps as many bytes in flight as 4 steps x 2 stages
+    (which of the two is faster at 33-64 rows is not measured)."""
     def fits(ku: int, ns: int) -> bool:
         return w8a16_shared_bytes(block_m, block_n, ku, ns, x_bytes) <= max_shared
 
