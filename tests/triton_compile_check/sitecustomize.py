@@ -12,8 +12,8 @@ Each launch is specialized as the GPU JIT would (Triton's own binder, create_fun
 with the CUDA backend): ints equal to 1 become constexprs, ints % 16 == 0 and 16-byte-aligned
 tensors get `tt.divisibility=16` (unless do_not_specialize / do_not_specialize_on_alignment). That
 matters: without the attrs the compiler cannot use async copies and does not pipeline the loads, so
-it reports a fraction of the shared memory the GPU launch needs (the W8A16 decode tile 64 x 128,
-4 x 128-deep K steps, 3 stages: 49152 bytes unspecialized, 278528 on the H200). A tensor counts as
+it reports a fraction of the shared memory the GPU launch needs (the W8A16 decode tile 64 x 64,
+4 x 128-deep K steps, 3 stages: 32768 bytes unspecialized, 278528 on the H200). A tensor counts as
 aligned when its byte offset in its storage is a multiple of 16: CUDA storages start 256-byte
 aligned, so that is what the GPU sees, whatever the CPU allocator's alignment.
 
