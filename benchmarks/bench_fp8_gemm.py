@@ -6,7 +6,9 @@
   bf16 cuBLAS (F.linear), in the same run; TFLOP/s and the ratios the issue asks for (>= 0.9x
   _scaled_mm, >= 1.6x bf16).
 * decode (M = 1 ... 64): the W8A16 kernel (bf16 activations, E4M3 weights; "fp8_w8a16" at its
-  defaults, the others at DECODE_TILES) and the NVFP4 W4A16
+  defaults, the others at DECODE_TILES, 3 stages; a tile whose shared memory
+  (triton_gemm.w8a16_shared_bytes) exceeds the SM's gets a row with "skipped" instead of a time,
+  as launching it would raise OutOfResources) and the NVFP4 W4A16
   kernel (ops/nvfp4_gemm) against bf16 cuBLAS; TB/s counts the weight and scale bytes read, and
   pct_roofline is that over the H200's 4.8 TB/s.
 Times are CUDA-graph replays cycling over enough weight copies to exceed the L2. Prints JSON (one
@@ -24,7 +26,9 @@ import torch.nn.functional as F
 from qsaserve.bench.common import kernel_bench_main
 from qsaserve.bench.gpu_timing import graph_ms
 from qsaserve.ops.fp8_gemm import quantize_weight_block
-from qsaserve.ops.fp8_gemm.triton_gemm import fp8_w8a16_gemm_triton, fp8_w8a8_gemm_triton
+from qsaserve.ops.device import max_shared_bytes, num_sms
+from qsaserve.ops.fp8_gemm.triton_gemm import (decode_block_m, fp8_w8a16_gemm_triton, fp8_w8a8_gemm_triton,
+                                              pick_decode_block_n, pick_decode_unroll, w8a16_shared_bytes)
 from qsaserve.ops.fp8_gemm.triton_quant import per_token_group_quant_triton
 from qsaserve.ops.nvfp4_gemm import quantize_nvfp4
 from qsaserve.ops.nvfp4_gemm.triton_gemm import nvfp4_w4a16_gemm_triton
@@ -110,17 +114,33 @@ def decode(name, n, k, m, dev) -> list[dict]:
     rows = []
     variants = [("bf16_cublas", lambda: [F.linear(x, w) for w, _, _ in ws], 2 * n * k),
                 ("fp8_w8a16", lambda: [fp8_w8a16_gemm_triton(x, q, s, 128) for _, q, s in ws], fp8_bytes)]
-    variants += [(f"fp8_w8a16_bn{t['block_n_tile']}_u{t['k_unroll']}",
-                  lambda t=t: [fp8_w8a16_gemm_triton(x, q, s, 128, **t) for _, q, s in ws], fp8_bytes) for t in DECODE_TILES]
+    max_shared = max_shared_bytes(x.device)
+    skipped = {}
+    for t in DECODE_TILES:
+        variant = f"fp8_w8a16_bn{t['block_n_tile']}_u{t['k_unroll']}"
+        need = w8a16_shared_bytes(decode_block_m(m), t["block_n_tile"], t["k_unroll"], 3, x.element_size())
+        if need > max_shared:  # the launch would raise OutOfResources
+            skipped[variant] = f"needs {need} bytes of shared memory, the SM has {max_shared}"
+        else:
+            variants.append((variant, lambda t=t: [fp8_w8a16_gemm_triton(x, q, s, 128, num_stages=3, **t)
+                                                   for _, q, s in ws], fp8_bytes))
     variants.append(("nvfp4_w4a16", lambda: [nvfp4_w4a16_gemm_triton(x, *f) for f in fp4], fp4_bytes))
+    bn = pick_decode_block_n(n, num_sms(x.device))
+    ku, ns = pick_decode_unroll(decode_block_m(m), bn, x.element_size(), max_shared)
     for variant, fn, nbytes in variants:
         t = graph_ms(fn) * 1e3 / copies
         row = {"phase": "decode", "shape": name, "n": n, "k": k, "m": m, "variant": variant, "us": round(t, 2),
                "tb_s": round(nbytes / t / 1e6, 3), "pct_roofline": round(100 * nbytes / t / 1e6 / HBM_TB_S, 1)}
+        if variant == "fp8_w8a16":
+            row["tile"] = dict(block_n_tile=bn, k_unroll=ku, num_stages=ns)
         print(json.dumps(row), flush=True)
         rows.append(row)
     for row in rows[1:]:
         row["x_vs_bf16"] = round(rows[0]["us"] / row["us"], 3)
+    for variant, why in skipped.items():
+        row = {"phase": "decode", "shape": name, "n": n, "k": k, "m": m, "variant": variant, "skipped": why}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     return rows
 
 

@@ -55,11 +55,11 @@ def _check_w8a16(device, m, n, k, kind, dtype, **tiles):
     torch.testing.assert_close(got, want, **tol)
 
 
-def _launch_w8a16_bf16_for_compile_check():
+def _launch_w8a16_bf16_for_compile_check(m=1, n=72, k=256, **tiles):
     from qsaserve.ops.fp8_gemm.triton_gemm import fp8_w8a16_gemm_triton
 
-    w, ws, bn = _weight(72, 256, "block", torch.Generator().manual_seed(3))
-    assert fp8_w8a16_gemm_triton(torch.ones(1, 256, dtype=torch.bfloat16), w, ws, bn).shape == (1, 72)
+    w, ws, bn = _weight(n, k, "block", torch.Generator().manual_seed(3))
+    assert fp8_w8a16_gemm_triton(torch.ones(m, k, dtype=torch.bfloat16), w, ws, bn, **tiles).shape == (m, n)
 
 
 def _triton_checks(device):
@@ -78,6 +78,14 @@ def _triton_checks(device):
         # are checked on the GPU
         _check_w8a16(device, 1, 72, 256, "block", torch.float32)
         _launch_w8a16_bf16_for_compile_check()
+        # the default k_unroll / num_stages at every row block and weight-row block llama-8b's
+        # projections take (BLOCK_N 128 is what pick_decode_block_n gives N >= 264 x 128 rows on
+        # 132 SMs; given here to keep N small), K over several K iterations so the loads pipeline:
+        # the sm_90 compile check then sees the GPU's shared memory (BLOCK_M 64 at 4 x 128-deep
+        # steps and 3 stages needed 278528 bytes at BLOCK_N 64, over the SM's 232448)
+        for m, bn in ((1, 128), (20, 128), (40, 128), (64, 64), (33, 32), (64, 16)):
+            _launch_w8a16_bf16_for_compile_check(m, 136, 1280, block_n_tile=bn)
+    _check_w8a16(device, 40, 136, 1280, "block", torch.float32, block_n_tile=128)
     if device == "cuda":  # llama-8b's fused q/k/v at prefill and decode
         _check_w8a8(device, 512, 6144, 4096, "block", torch.bfloat16)
         for m in (1, 16, 64):
@@ -85,6 +93,47 @@ def _triton_checks(device):
 
 
 test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)
+
+# _w8a16_kernel's shared memory as tests/triton_compile_check compiles it for sm_90 (Triton 3.6,
+# 4 warps, the GPU JIT's divisibility attrs): (BLOCK_M, BLOCK_N, K_UNROLL, num_stages, x bytes)
+_W8A16_MEASURED_SHARED = {
+    (16, 128, 4, 3, 2): 164352, (16, 128, 4, 4, 2): 246272, (16, 64, 4, 3, 2): 98304,
+    (32, 128, 4, 3, 2): 197120, (32, 128, 4, 4, 2): 295424, (32, 64, 4, 3, 2): 131072,
+    (64, 16, 4, 3, 2): 217088, (64, 32, 4, 3, 2): 237568, (64, 32, 2, 3, 2): 122880,
+    (64, 64, 4, 3, 2): 278528, (64, 64, 2, 3, 2): 147456, (64, 64, 4, 2, 2): 180224,
+    (64, 128, 4, 3, 2): 360448, (64, 128, 2, 3, 2): 196608, (64, 128, 2, 4, 2): 262144,
+    (16, 64, 4, 3, 4): 163840, (16, 128, 2, 3, 4): 163840, (16, 128, 1, 4, 4): 139264,
+    (32, 64, 4, 3, 4): 229376, (32, 128, 2, 4, 4): 262144, (64, 128, 1, 3, 4): 163840,
+}
+
+
+def test_w8a16_shared_bytes_bounds_the_compiled_sizes():
+    from qsaserve.ops.device import SM90_SHARED_BYTES
+    from qsaserve.ops.fp8_gemm.triton_gemm import w8a16_shared_bytes
+
+    for (bm, bn, ku, ns, xb), measured in _W8A16_MEASURED_SHARED.items():
+        est = w8a16_shared_bytes(bm, bn, ku, ns, xb)
+        assert measured <= est <= measured + 128 * bn * xb, (bm, bn, ku, ns, xb)
+        assert (est <= SM90_SHARED_BYTES) == (measured <= SM90_SHARED_BYTES), (bm, bn, ku, ns, xb)
+        if bm == 64 or xb == 4:
+            assert est == measured
+
+
+def test_w8a16_default_tiles_fit_sm90_at_llama_8b_decode_shapes():
+    from qsaserve.layers.quantization.warm_up import WARM_UP_ROWS
+    from qsaserve.ops.device import SM90_SHARED_BYTES
+    from qsaserve.ops.fp8_gemm.triton_gemm import (decode_block_m, pick_decode_block_n, pick_decode_unroll,
+                                                  w8a16_shared_bytes)
+
+    tiles = set()
+    for n in (6144, 4096, 28672):  # qkv, o and down, gate_up
+        for m in WARM_UP_ROWS:
+            bm, bn = decode_block_m(m), pick_decode_block_n(n, 132)
+            ku, ns = pick_decode_unroll(bm, bn, 2, SM90_SHARED_BYTES)
+            assert w8a16_shared_bytes(bm, bn, ku, ns, 2) <= SM90_SHARED_BYTES
+            tiles.add((bm, bn, ku, ns))
+    assert (64, 64, 2, 3) in tiles  # gate_up at 33+ rows: 4 x 128-deep steps need 278528 bytes
+    assert {t[2:] for t in tiles if t[0] <= 32} == {(4, 3)}  # batch 1-32 keep their tile
 
 
 def test_block_quantization_round_trip_and_layout():

@@ -32,6 +32,12 @@ def _triton_checks(device):
         packed, scale, glob = ref.quantize_nvfp4(torch.ones(40, 128))
         y = nvfp4_w4a16_gemm_triton(torch.ones(1, 128, dtype=torch.bfloat16), packed, scale, glob.expand(40).contiguous())
         assert y.shape == (1, 40) and y.dtype == torch.bfloat16
+        # the widest default tile (64 rows x 128 weight rows, 3 stages) over several K steps, so
+        # the compile check sees the pipelined loads' shared memory (98304 bytes on sm_90)
+        packed, scale, glob = ref.quantize_nvfp4(torch.ones(136, 512))
+        y = nvfp4_w4a16_gemm_triton(torch.ones(40, 512, dtype=torch.bfloat16), packed, scale,
+                                    glob.expand(136).contiguous(), block_n=128)
+        assert y.shape == (40, 136)
 
 
 test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)

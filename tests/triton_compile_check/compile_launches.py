@@ -1,6 +1,8 @@
 """Compile each Triton launch recorded by sitecustomize.py (see there) for a GPU target, no GPU
-needed. Prints one line per distinct launch and exits non-zero if any fails to compile or needs
-more shared memory than the SM has.
+needed. Each launch carries the divisibility attrs the GPU JIT would give its arguments
+(sitecustomize.py), so the compiled kernel, its pipelining and its shared memory are the GPU's.
+Prints one line per distinct launch (with its shared-memory bytes) and exits non-zero if any fails
+to compile or needs more shared memory than the SM has.
 
     python tests/triton_compile_check/compile_launches.py LAUNCHES.jsonl [--arch 90]
 """
@@ -26,14 +28,18 @@ def main() -> int:
     for line in lines:
         launch = json.loads(line)
         kernel = getattr(importlib.import_module(launch["module"]), launch["name"])
-        src = ASTSource(fn=kernel, signature=launch["signature"], constexprs=launch["constexprs"])
-        label = f"{launch['module']}.{launch['name']} {launch['constexprs']} {launch['options']}"
+        # the JSON line's keys are sorted: index by the kernel's own parameter order
+        signature = {name: launch["signature"][name] for name in kernel.arg_names}
+        attrs = {(kernel.arg_names.index(k),): v for k, v in launch.get("attrs", {}).items()}
+        src = ASTSource(fn=kernel, signature=signature, constexprs=launch["constexprs"], attrs=attrs)
+        label = (f"{launch['module']}.{launch['name']} {launch['constexprs']} {launch['options']} "
+                 f"divisible-by-16: {sorted(launch.get('attrs', {}))}")
         try:
             compiled = triton.compile(src, target=GPUTarget("cuda", args.arch, 32), options=launch["options"])
             if compiled.metadata.shared > args.max_shared:  # the launch would raise OutOfResources
                 raise RuntimeError(f"needs {compiled.metadata.shared} bytes of shared memory, "
                                    f"the SM has {args.max_shared}")
-            print("ok", label, flush=True)
+            print("ok", compiled.metadata.shared, label, flush=True)
         except Exception:
             failures += 1
             print("FAILED", label, flush=True)

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from qsaserve.ops.device import num_sms
+from qsaserve.ops.device import max_shared_bytes, num_sms
 from qsaserve.ops.fp8_gemm.reference import GROUP
 
 
@@ -130,13 +130,60 @@ def pick_decode_block_n(n: int, sms: int) -> int:
     return 16
 
 
+def decode_block_m(m: int) -> int:
+    """The W8A16 row block: tl.dot needs 16 rows (padding rows are masked), at most 64."""
+    return max(16, min(64, triton.next_power_of_2(m)))
+
+
+def w8a16_shared_bytes(block_m: int, block_n: int, k_unroll: int, num_stages: int, x_bytes: int) -> int:
+    """Shared memory the sm_90 compile of _w8a16_kernel takes (x of x_bytes per element, 4 warps).
+    The pipeliner keeps num_stages - 1 iterations of loads in flight, each the x and E4M3 weight
+    tiles of its K_UNROLL steps; on top: one step's weight tile widened to x's dtype (the dot
+    operand's layout change) and, at BLOCK_M = 64 with 16-bit x (wgmma, both operands from shared
+    memory), a copy of the iteration's x tiles. Measured with tests/triton_compile_check (Triton
+    3.6, the GPU JIT's divisibility attrs) over BLOCK_M 16/32/64 x BLOCK_N 16-128 x K_UNROLL 1/2/4
+    x 2-4 stages with bf16 x, and BLOCK_M 16/32 (one point at 64) with fp32 x: exact at BLOCK_M 64
+    and for fp32 x, else over by at most BLOCK_N * 256 bytes, never on the wrong side of the
+    sm_90 limit. E.g. 64 x 64 rows, 4 x 128-deep steps, 3 stages: 278528 (the launch the H200
+    refused); 64 x 128, 2 steps, 3 stages: 196608; 16 x 128, 4 steps, 3 stages: 164352 measured,
+    196608 here (tests/ops/test_fp8_gemm_triton.py holds the measurements)."""
+    stage = k_unroll * GROUP * (block_m * x_bytes + block_n)
+    wgmma = block_m >= 64 and x_bytes <= 2  # fp32 x (input_precision "ieee") takes FMA dots
+    extra = GROUP * block_n * x_bytes + (k_unroll * GROUP * block_m * x_bytes if wgmma else 0)
+    return (num_stages - 1) * stage + extra
+
+
+def pick_decode_unroll(block_m: int, block_n: int, x_bytes: int, max_shared: int,
+                       k_unroll: int | None = None, num_stages: int | None = None) -> tuple[int, int]:
+    """(k_unroll, num_stages) for a W8A16 tile, the ones given kept: 4 steps an iteration and 3
+    stages (the kernel's fixed defaults before) where w8a16_shared_bytes fits max_shared, else
+    half the steps, then fewer stages, until it does. On sm_90 (232448 bytes) with bf16 x only
+    BLOCK_M = 64 drops below 4 steps: to 2 at BLOCK_N >= 32 (4 steps need 237568 bytes at
+    BLOCK_N = 32, 278528 at 64, 360448 at 128); fp32 x (tests) drops at BLOCK_N 128 and BLOCK_M 64.
+    Halving the steps before the stages keeps as many bytes in flight as 4 steps x 2 stages
+    (which of the two is faster at 33-64 rows is not measured)."""
+    def fits(ku: int, ns: int) -> bool:
+        return w8a16_shared_bytes(block_m, block_n, ku, ns, x_bytes) <= max_shared
+
+    if k_unroll is None:
+        k_unroll = 4
+        while k_unroll > 1 and not fits(k_unroll, num_stages or 3):
+            k_unroll //= 2
+    if num_stages is None:
+        num_stages = 3
+        while num_stages > 1 and not fits(k_unroll, num_stages):
+            num_stages -= 1
+    return k_unroll, num_stages
+
+
 def fp8_w8a16_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
-                          block_n_tile: int | None = None, k_unroll: int = 4, num_warps: int = 4,
-                          num_stages: int = 3) -> torch.Tensor:
+                          block_n_tile: int | None = None, k_unroll: int | None = None, num_warps: int = 4,
+                          num_stages: int | None = None) -> torch.Tensor:
     """x [M, K] bf16/fp16/fp32, w [N, K] E4M3, w_scale [Sn, Sk] -> [M, N] in x's dtype, as
     reference.fp8_w8a16_gemm_reference. Meant for M <= 64 (one row block); larger M runs, as more
     row blocks re-reading the weights. block_n_tile / k_unroll / num_warps / num_stages: the tile
-    (benchmarks/bench_fp8_gemm.py sweeps them)."""
+    (benchmarks/bench_fp8_gemm.py sweeps them); k_unroll and num_stages left None come from
+    pick_decode_unroll, so the tile fits the device's shared memory (given ones are used as is)."""
     _check(x, w, w_scale, block_n, "fp8_w8a16_gemm")
     m, k = x.shape
     n = w.shape[0]
@@ -145,8 +192,11 @@ def fp8_w8a16_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tenso
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    block_m = max(16, min(64, triton.next_power_of_2(m)))  # tl.dot needs 16 rows; padding rows are masked
+    block_m = decode_block_m(m)
     bn = block_n_tile or pick_decode_block_n(n, num_sms(x.device))
+    if k_unroll is None or num_stages is None:
+        k_unroll, num_stages = pick_decode_unroll(block_m, bn, x.element_size(), max_shared_bytes(x.device),
+                                                  k_unroll, num_stages)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, block_m))
     _w8a16_kernel[grid](x, w, w_scale, y, m, n, k, block_n, x.stride(0), w.stride(0), w_scale.stride(0),
                         _scale_k_stride(w_scale), y.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=GROUP,
@@ -155,4 +205,5 @@ def fp8_w8a16_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tenso
     return y
 
 
-__all__ = ["fp8_w8a16_gemm_triton", "fp8_w8a8_gemm_triton", "pick_decode_block_n"]
+__all__ = ["decode_block_m", "fp8_w8a16_gemm_triton", "fp8_w8a8_gemm_triton", "pick_decode_block_n",
+           "pick_decode_unroll", "w8a16_shared_bytes"]
