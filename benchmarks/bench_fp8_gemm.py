@@ -125,8 +125,9 @@ def decode(name, n, k, m, dev) -> list[dict]:
             variants.append((variant, lambda t=t: [fp8_w8a16_gemm_triton(x, q, s, 128, num_stages=3, **t)
                                                    for _, q, s in ws], fp8_bytes))
     variants.append(("nvfp4_w4a16", lambda: [nvfp4_w4a16_gemm_triton(x, *f) for f in fp4], fp4_bytes))
-    bn = pick_decode_block_n(n, num_sms(x.device))
-    ku, ns = pick_decode_unroll(decode_block_m(m), bn, x.element_size(), max_shared)
+    bm = decode_block_m(m)
+    bn = pick_decode_block_n(n, num_sms(x.device), bm)
+    ku, ns = pick_decode_unroll(bm, bn, x.element_size(), max_shared, 1 if bm == 64 else None)
     for variant, fn, nbytes in variants:
         t = graph_ms(fn) * 1e3 / copies
         row = {"phase": "decode", "shape": name, "n": n, "k": k, "m": m, "variant": variant, "us": round(t, 2),

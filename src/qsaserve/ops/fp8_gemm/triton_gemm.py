@@ -122,11 +122,16 @@ def fp8_w8a8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tenso
     return y
 
 
-def pick_decode_block_n(n: int, sms: int) -> int:
-    """The widest weight-row block (up to 128) that still gives >= 2 programs per SM."""
-    for bn in (128, 64, 32):
-        if triton.cdiv(n, bn) >= 2 * sms:
-            return bn
+def pick_decode_block_n(n: int, sms: int, block_m: int = 16) -> int:
+    """The weight-row block of a W8A16 launch. Up to 32 rows (BLOCK_M <= 32): 32 weight rows, or 16
+    where N / 32 programs would leave over half the SMs idle. At BLOCK_M 64: 16. From bench_fp8_gemm on an H200
+    (fp8_gemm_h200_2026-12-02_7d86c33.json, llama-8b's four projections, 4 x 128-deep steps,
+    3 stages): at 1-16 rows BLOCK_N 32 read 27-53% of the HBM bandwidth against 14-15% for the
+    16 that "two programs per SM" gave qkv, o and down and 44-45% for the 64 it gave gate_up; at
+    64 rows 16 (with one step, pick_decode_unroll) led at 16-19% (the kernel is far from the
+    bandwidth either way: docs/weight_quantization.md)."""
+    if block_m <= 32 and 2 * triton.cdiv(n, 32) >= sms:  # o and down's N = 4096: 128 programs, 132 SMs
+        return 32
     return 16
 
 
@@ -193,7 +198,9 @@ def fp8_w8a16_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tenso
     if m == 0 or n == 0:
         return y
     block_m = decode_block_m(m)
-    bn = block_n_tile or pick_decode_block_n(n, num_sms(x.device))
+    bn = block_n_tile or pick_decode_block_n(n, num_sms(x.device), block_m)
+    if k_unroll is None and block_m == 64 and block_n_tile is None:
+        k_unroll = 1  # measured best at 64 rows (pick_decode_block_n)
     if k_unroll is None or num_stages is None:
         k_unroll, num_stages = pick_decode_unroll(block_m, bn, x.element_size(), max_shared_bytes(x.device),
                                                   k_unroll, num_stages)
