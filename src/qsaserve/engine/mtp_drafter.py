@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from qsaserve.engine.batch import BatchInput
+from qsaserve.engine.cuda_graph import StepMetadata
 from qsaserve.layers.attention import AttentionMetadata
 from qsaserve.errors import InvalidRequestError
 from qsaserve.models.interfaces import HasMtpHead, supports_mtp_drafts
@@ -73,6 +74,102 @@ def _slot(table: list[int], position: int, block_size: int) -> int:
     return table[i] * block_size + position % block_size if i < len(table) else -1
 
 
+def uniform_rows(batch: BatchInput, request: MtpDraftRequest, dcp: DcpGeometry) -> int:
+    """n when the head's rows can run over every row of the step at once (mtp_uniform_drafts):
+    every sequence brought the same n rows after its first chunk (decode or verify steps: the
+    model runs them as decode rows), each has at least one row whose next token is known, and
+    some draft; 0 otherwise (run_mtp_drafts' row lists). Not under DCP (its step plan is built
+    from the rows' host lists)."""
+    b = len(batch.query_lens)
+    n = batch.query_lens[0] if b else 0
+    if dcp.enabled or not 0 < n <= MAX_UNIFORM_ROWS or any(q != n for q in batch.query_lens):
+        return 0
+    if any(length <= n for length in batch.seq_lens) or min(request.rows) < 1 or not any(request.drafts):
+        return 0
+    return n
+
+
+# Rows per sequence the uniform path takes: a verify of up to 8 drafts (speculative_config's most).
+MAX_UNIFORM_ROWS = 9
+
+
+@dataclass
+class UniformDraftInputs:
+    """The device inputs of mtp_uniform_drafts (B sequences of n rows, rows sequence-major)."""
+
+    next_ids: torch.Tensor  # [B * n] the token after each row (a dead row's: any)
+    slots: torch.Tensor  # [B * n] each row's page slot, -1 for the dead rows (no next token known)
+    positions: torch.Tensor  # [B * n]
+    seq_lens: torch.Tensor  # [B] int32, the last row's position + 1
+    block_tables: torch.Tensor  # [B, width] int32: the tables after the step's rollback, null-padded
+    table_lens: torch.Tensor  # [B] blocks of each table (a draft row past them stores nothing)
+    state_slots: torch.Tensor  # [B] int64
+    last: torch.Tensor  # [B] int64: the last live row of each sequence, 0..n-1
+    steps: int  # draft rows per sequence: the most any sequence wants
+
+
+def uniform_draft_inputs(batch: BatchInput, request: MtpDraftRequest, n: int, block_size: int,
+                         device: torch.device) -> UniformDraftInputs:
+    """Host lists -> device tensors, one copy each, before the head's first launch."""
+    b = len(batch.query_lens)
+    rows = np.asarray(request.rows, dtype=np.int64)
+    live = np.arange(n)[None, :] < rows[:, None]
+    next_ids = np.zeros((b, n), dtype=np.int64)
+    for i, ids in enumerate(request.next_ids):
+        next_ids[i, : len(ids)] = ids
+    slots = np.where(live, np.asarray(batch.slot_mapping, dtype=np.int64).reshape(b, n), -1)
+    steps = max(request.drafts)
+    # null-block padded up to the last draft row's page: the head's selection reads the pages of
+    # every position before a row's (past a sequence's blocks: the null block, stored nothing)
+    width = max(max(len(t) for t in request.tables), -(-(max(batch.seq_lens) + steps) // block_size))
+    tables = np.zeros((b, width), dtype=np.int32)
+    for i, t in enumerate(request.tables):
+        tables[i, : len(t)] = t
+    as_t = lambda a, dtype=torch.long: torch.as_tensor(a, dtype=dtype).to(device)  # noqa: E731
+    return UniformDraftInputs(
+        next_ids=as_t(next_ids.reshape(-1)), slots=as_t(slots.reshape(-1)), positions=as_t(batch.positions),
+        seq_lens=as_t(batch.seq_lens, torch.int32), block_tables=as_t(tables, torch.int32),
+        table_lens=as_t([len(t) for t in request.tables]), state_slots=as_t(batch.state_slots),
+        last=as_t(rows - 1), steps=steps)
+
+
+def mtp_uniform_drafts(model: HasMtpHead, hidden: torch.Tensor, inp: UniformDraftInputs, block_size: int) -> torch.Tensor:
+    """The head over every row of the step (B sequences x n rows, hidden [B * n, ...]; the rows
+    without a known next token dead: no state, no pages), then its draft rows, all on the device
+    from fixed-shape inputs (no host sync, no data-dependent shape: CUDA-graph safe) -> drafts
+    [B, steps]. Draft row s of a sequence sits at its last live row's position + s."""
+    b, n = inp.seq_lens.shape[0], inp.next_ids.shape[0] // inp.seq_lens.shape[0]
+    cu = torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=hidden.device)
+    meta = StepMetadata(slot_mapping=inp.slots, block_tables=inp.block_tables, seq_lens=inp.seq_lens,
+                        cu_query_lens=cu, query_lens=[n] * b, seq_lens_list=[n + 1] * b,
+                        state_slots=[0] * b, state_slots_t=inp.state_slots)
+    h = model.mtp_forward(hidden, inp.next_ids, inp.positions, meta)
+    pick = torch.arange(b, device=hidden.device) * n + inp.last
+    h = h[pick]
+    token = model.mtp_logits(h).argmax(-1)
+    tokens = [token]
+    if inp.steps > 1:
+        saved = [t[inp.state_slots].clone() for t in model.mtp_state_tensors()]
+        pos = inp.positions[pick] + 1
+        one = torch.arange(b + 1, dtype=torch.int32, device=hidden.device)
+        width = inp.block_tables.shape[1]
+        for _ in range(1, inp.steps):
+            block = pos // block_size
+            inside = block < inp.table_lens
+            page = inp.block_tables.gather(1, block.clamp(max=width - 1)[:, None])[:, 0].long()
+            meta = StepMetadata(slot_mapping=torch.where(inside, page * block_size + pos % block_size, -1),
+                                block_tables=inp.block_tables, seq_lens=(pos + 1).to(torch.int32), cu_query_lens=one,
+                                query_lens=[1] * b, seq_lens_list=[1 << 30] * b, state_slots=[0] * b,
+                                state_slots_t=inp.state_slots)
+            h = model.mtp_forward(h, token, pos, meta)
+            token = model.mtp_logits(h).argmax(-1)
+            tokens.append(token)
+            pos = pos + 1
+        for t, rows_saved in zip(model.mtp_state_tensors(), saved):
+            t[inp.state_slots] = rows_saved
+    return torch.stack(tokens, dim=1)
+
+
 @torch.inference_mode()
 def run_mtp_drafts(model: HasMtpHead, batch: BatchInput, hidden: torch.Tensor, request: MtpDraftRequest,
                    block_size: int, dcp: DcpGeometry = DcpGeometry()) -> list[list[int]]:
@@ -81,10 +178,15 @@ def run_mtp_drafts(model: HasMtpHead, batch: BatchInput, hidden: torch.Tensor, r
     same request (rank 0 sends it): the head's collectives pair up, and every rank reads the same
     gathered logits, so all draft the same tokens."""
     device = hidden.device
+    out: list[list[int]] = [[] for _ in request.rows]
+    n = uniform_rows(batch, request, dcp)
+    if n:  # every row of the step at once (the common decode / verify step)
+        drafted = mtp_uniform_drafts(model, hidden, uniform_draft_inputs(batch, request, n, block_size, device),
+                                     block_size).tolist()
+        return [got[: d] for got, d in zip(drafted, request.drafts)]
     cu = np.zeros(len(batch.query_lens) + 1, dtype=np.int64)
     np.cumsum(batch.query_lens, out=cu[1:])
     seqs = [i for i, m in enumerate(request.rows) if m > 0]
-    out: list[list[int]] = [[] for _ in request.rows]
     if not seqs:
         return out
     # Every input of every head forward goes to the device first, while the device is idle (the

@@ -73,24 +73,22 @@ class PLE(nn.Module):
                 "norm_conv.weight": self.norm_conv.weight, "conv1d.weight": self.conv1d.weight}
 
     def _decode_reference(self, hyper, input_ids, step: Step) -> torch.Tensor:
-        """Every sequence at once: [B, n] chunks (n = 1, or a decode-rows step's n) continuing from
-        their slots, with the states after each of a verify's rows."""
-        st, params = self.state, self.hash_params
-        rows = self._rows(step)
-        n = len(rows)
-        slots, fresh = step.slot_idx, rows[0].fresh[:, None]
-        ctx = torch.where(fresh, params.eos_token_id, st.ngram_context[slots])
-        conv = torch.where(fresh[:, :, None], 0, st.conv[slots])
-        offsets = list(range(1, n)) if step.row_snapshots is not None else None
-        delta, ctx, conv, *at = ple_layer_forward(hyper.view(-1, n, hyper.shape[-1]), input_ids.view(-1, n),
-                                                  self.reference_weights(), params, self.table, self.hc_count, self.eps,
-                                                  ctx, conv, state_offsets=offsets)
-        st.ngram_context[slots] = ctx
-        st.conv[slots] = conv
-        for j in range(n - 1 if at else 0):
-            st.snapshot_pools["ngram_context"].index_copy_(0, step.row_snapshots[:, j], at[0][j])
-            st.snapshot_pools["conv"].index_copy_(0, step.row_snapshots[:, j], at[1][j])
-        return delta.reshape(hyper.shape)
+        """Every sequence at once: [B, 1] chunks continuing from their slots, row by row for a
+        decode-rows step (the state after each of a verify's rows saved)."""
+        st, params, steps = self.state, self.hash_params, self._rows(step)
+        n, out = len(steps), []
+        for j, row in enumerate(steps):
+            slots, fresh = row.slot_idx, row.fresh[:, None]
+            ctx = torch.where(fresh, params.eos_token_id, st.ngram_context[slots])
+            conv = torch.where(fresh[:, :, None], 0, st.conv[slots])
+            delta, ctx, conv = ple_layer_forward(by_row(hyper, n, j)[:, None], by_row(input_ids, n, j)[:, None],
+                                                 self.reference_weights(), params, self.table, self.hc_count, self.eps,
+                                                 ctx, conv)
+            st.ngram_context[slots] = ctx
+            st.conv[slots] = conv
+            step.save_row_state(st, j)
+            out.append(delta[:, 0])
+        return out[0] if n == 1 else torch.stack(out, dim=1).flatten(0, 1)
 
     def _prefill(self, hyper, input_ids, step: Step) -> torch.Tensor:
         st, w = self.state, self.reference_weights()
@@ -126,7 +124,7 @@ class PLE(nn.Module):
         else:  # decode rows: the n-gram contexts advance row by row, the rows' embeddings go at once
             per_row = []
             for j, row in enumerate(steps):
-                per_row.append(ngram_rows_decode_(by_row(input_ids, n, j), st.ngram_context, step.slot_idx, row.fresh,
+                per_row.append(ngram_rows_decode_(by_row(input_ids, n, j), st.ngram_context, row.slot_idx, row.fresh,
                                                   params))
                 step.save_row_state(st, j, ("ngram_context",))
             rows = torch.stack(per_row, dim=1).flatten(0, 1)
@@ -142,6 +140,6 @@ class PLE(nn.Module):
         outs = []
         for j, row in enumerate(steps):
             outs.append(dilated_conv_decode_(by_row(normed, n, j), by_row(gated, n, j), self.conv1d.weight, st.conv,
-                                             step.slot_idx, row.fresh, params.ngram_size))
+                                             row.slot_idx, row.fresh, params.ngram_size))
             step.save_row_state(st, j, ("conv",))
         return torch.stack(outs, dim=1).flatten(0, 1)

@@ -228,11 +228,16 @@ def _decode_rows_step(n: int, input_ids, positions, meta: AttentionMetadata, inv
     valid = seq_lens > 0
     kv_slots = dcp.decode_slots(meta.slot_mapping) if dcp.enabled else meta.slot_mapping
     by_row = positions.view(-1, n), kv_slots.view(-1, n)
+    # A row whose (engine) slot is -1 is dead: it reads and writes no state (the scratch slot
+    # instead) and no pages. The MTP head's catch-up over a verify's rows marks its rejected rows so.
+    live = meta.slot_mapping.view(-1, n) >= 0
     rows = []
     for j in range(n):
-        query_pos = torch.where(valid, seq_lens - (n - j), -1)
-        rows.append(Step(decode=True, positions=by_row[0][:, j], inv_freq=inv_freq, slot_idx=slot_idx, valid=valid,
-                         fresh=query_pos <= 0, query_pos=query_pos, kv_slots=by_row[1][:, j]))
+        row_live = valid & live[:, j]
+        query_pos = torch.where(row_live, seq_lens - (n - j), -1)
+        rows.append(Step(decode=True, positions=by_row[0][:, j], inv_freq=inv_freq,
+                         slot_idx=torch.where(row_live, slot_idx, 0), valid=row_live, fresh=query_pos <= 0,
+                         query_pos=query_pos, kv_slots=by_row[1][:, j]))
     snapshot_rows = getattr(meta, "snapshot_rows", None)
     offsets = getattr(meta, "snapshot_offsets", None)
     row_snapshots = snapshot_rows.view(-1, n - 1) if offsets and any(offsets) else None
