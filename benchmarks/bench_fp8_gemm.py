@@ -8,7 +8,10 @@
 * decode (M = 1 ... 64): the W8A16 kernel (bf16 activations, E4M3 weights; "fp8_w8a16" at its
   defaults, the others at DECODE_TILES, 3 stages; a tile whose shared memory
   (triton_gemm.w8a16_shared_bytes) exceeds the SM's gets a row with "skipped" instead of a time,
-  as launching it would raise OutOfResources) and the NVFP4 W4A16
+  as launching it would raise OutOfResources; each at split_k in DECODE_SPLITS too, named
+  "fp8_w8a16_bn32_u4_s4" and so on: the split adds no shared memory; "fp8_w8a16_rule": the
+  defaults with triton_gemm.pick_decode_split_k's proposed split; rows with a split carry
+  workspace_bytes, the float32 partials written and read back, not counted in TB/s) and the NVFP4 W4A16
   kernel (ops/nvfp4_gemm) against bf16 cuBLAS; TB/s counts the weight and scale bytes read, and
   pct_roofline is that over the H200's 4.8 TB/s.
 Times are CUDA-graph replays cycling over enough weight copies to exceed the L2. Prints JSON (one
@@ -28,7 +31,8 @@ from qsaserve.bench.gpu_timing import graph_ms
 from qsaserve.ops.fp8_gemm import quantize_weight_block
 from qsaserve.ops.device import max_shared_bytes, num_sms
 from qsaserve.ops.fp8_gemm.triton_gemm import (decode_block_m, fp8_w8a16_gemm_triton, fp8_w8a8_gemm_triton,
-                                              pick_decode_block_n, pick_decode_unroll, w8a16_shared_bytes)
+                                              pick_decode_block_n, pick_decode_split_k, pick_decode_unroll,
+                                              w8a16_shared_bytes)
 from qsaserve.ops.fp8_gemm.triton_quant import per_token_group_quant_triton
 from qsaserve.ops.nvfp4_gemm import quantize_nvfp4
 from qsaserve.ops.nvfp4_gemm.triton_gemm import nvfp4_w4a16_gemm_triton
@@ -39,6 +43,7 @@ DECODE_M = (1, 2, 4, 8, 16, 32, 64)
 TILES = [dict(block_m=bm, block_n_tile=bn, num_warps=w, num_stages=s)
          for bm, bn, w, s in ((64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 4, 4), (64, 64, 4, 4), (128, 64, 4, 3))]
 DECODE_TILES = [dict(block_n_tile=bn, k_unroll=u) for bn, u in ((16, 1), (16, 4), (32, 4), (64, 4), (32, 2))]
+DECODE_SPLITS = (1, 2, 4, 8)  # split_k of each decode tile (1: the variant's name has no _s suffix)
 HBM_TB_S = 4.8
 L2_BYTES = 60 << 20
 
@@ -115,25 +120,34 @@ def decode(name, n, k, m, dev) -> list[dict]:
     variants = [("bf16_cublas", lambda: [F.linear(x, w) for w, _, _ in ws], 2 * n * k),
                 ("fp8_w8a16", lambda: [fp8_w8a16_gemm_triton(x, q, s, 128) for _, q, s in ws], fp8_bytes)]
     max_shared = max_shared_bytes(x.device)
+    sms = num_sms(x.device)
     skipped = {}
+    splits = {}
     for t in DECODE_TILES:
-        variant = f"fp8_w8a16_bn{t['block_n_tile']}_u{t['k_unroll']}"
         need = w8a16_shared_bytes(decode_block_m(m), t["block_n_tile"], t["k_unroll"], 3, x.element_size())
-        if need > max_shared:  # the launch would raise OutOfResources
-            skipped[variant] = f"needs {need} bytes of shared memory, the SM has {max_shared}"
-        else:
-            variants.append((variant, lambda t=t: [fp8_w8a16_gemm_triton(x, q, s, 128, num_stages=3, **t)
-                                                   for _, q, s in ws], fp8_bytes))
-    variants.append(("nvfp4_w4a16", lambda: [nvfp4_w4a16_gemm_triton(x, *f) for f in fp4], fp4_bytes))
+        for split in DECODE_SPLITS:
+            variant = f"fp8_w8a16_bn{t['block_n_tile']}_u{t['k_unroll']}" + (f"_s{split}" if split > 1 else "")
+            if need > max_shared:  # the launch would raise OutOfResources
+                skipped[variant] = f"needs {need} bytes of shared memory, the SM has {max_shared}"
+                continue
+            splits[variant] = split
+            variants.append((variant, lambda t=t, split=split: [
+                fp8_w8a16_gemm_triton(x, q, s, 128, num_stages=3, split_k=split, **t) for _, q, s in ws], fp8_bytes))
     bm = decode_block_m(m)
-    bn = pick_decode_block_n(n, num_sms(x.device), bm)
+    bn = pick_decode_block_n(n, sms, bm)
     ku, ns = pick_decode_unroll(bm, bn, x.element_size(), max_shared, 1 if bm == 64 else None)
+    rule_split = splits["fp8_w8a16_rule"] = pick_decode_split_k(n, k, bn, sms)
+    variants.append(("fp8_w8a16_rule", lambda: [fp8_w8a16_gemm_triton(x, q, s, 128, split_k=rule_split)
+                                                for _, q, s in ws], fp8_bytes))
+    variants.append(("nvfp4_w4a16", lambda: [nvfp4_w4a16_gemm_triton(x, *f) for f in fp4], fp4_bytes))
     for variant, fn, nbytes in variants:
         t = graph_ms(fn) * 1e3 / copies
         row = {"phase": "decode", "shape": name, "n": n, "k": k, "m": m, "variant": variant, "us": round(t, 2),
                "tb_s": round(nbytes / t / 1e6, 3), "pct_roofline": round(100 * nbytes / t / 1e6 / HBM_TB_S, 1)}
-        if variant == "fp8_w8a16":
-            row["tile"] = dict(block_n_tile=bn, k_unroll=ku, num_stages=ns)
+        if variant in ("fp8_w8a16", "fp8_w8a16_rule"):
+            row["tile"] = dict(block_n_tile=bn, k_unroll=ku, num_stages=ns, split_k=splits.get(variant, 1))
+        if splits.get(variant, 1) > 1:
+            row["workspace_bytes"] = 2 * splits[variant] * m * n * 4
         print(json.dumps(row), flush=True)
         rows.append(row)
     for row in rows[1:]:
@@ -157,7 +171,7 @@ def make_rows(dev) -> list[dict]:
 
 def main() -> None:
     kernel_bench_main("fp8_gemm", make_rows, shapes=SHAPES, prefill_m=PREFILL_M, decode_m=DECODE_M, tiles=TILES,
-                      decode_tiles=DECODE_TILES, hbm_tb_s=HBM_TB_S)
+                      decode_tiles=DECODE_TILES, decode_splits=DECODE_SPLITS, hbm_tb_s=HBM_TB_S)
 
 
 if __name__ == "__main__":

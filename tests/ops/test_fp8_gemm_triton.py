@@ -1,7 +1,8 @@
 """The FP8-weight GEMM kernels (ops/fp8_gemm) against their torch references, under the Triton
 interpreter (then compiled for sm_90) and on a GPU: the per-token-group activation quantization
 (scales exact, values within one E4M3 rounding), the W8A8 block GEMM and the W8A16 decode GEMM
-at block-128, per-channel and per-tensor scales, N and K not multiples of the tiles."""
+at block-128, per-channel and per-tensor scales, N and K not multiples of the tiles, and split
+over K (split_k: whole 128-column blocks a program, ranges of unequal and zero length)."""
 import torch
 from triton_interpreter import triton_check_tests
 
@@ -69,6 +70,13 @@ def _triton_checks(device):
         _check_w8a8(device, 70, 200, 300, kind, torch.float32, block_m=32, block_n_tile=64)
         _check_w8a16(device, 3, 200, 300, kind, torch.float32, block_n_tile=64)
         _check_w8a16(device, 2, 40, 640, kind, torch.float32, block_n_tile=16, k_unroll=1)
+        # split-K: 5 blocks over 4 programs (1, 1, 1, 2 blocks), over 2 (2, 3: the 4-step
+        # iteration's tail masked), and a ragged last block (3 blocks: 1 and 2 with the 44 columns)
+        _check_w8a16(device, 2, 40, 640, kind, torch.float32, block_n_tile=16, k_unroll=1, split_k=4)
+        _check_w8a16(device, 3, 40, 640, kind, torch.float32, block_n_tile=32, split_k=2)
+        _check_w8a16(device, 1, 24, 300, kind, torch.float32, block_n_tile=16, k_unroll=2, split_k=2)
+    # more programs than blocks: 2 blocks over 4 programs, two of which write zero partials
+    _check_w8a16(device, 17, 24, 256, "block", torch.float32, block_n_tile=16, split_k=4)
     _check_w8a8(device, 20, 72, 128, "block", torch.bfloat16, block_m=16, block_n_tile=32)
     _check_w8a8(device, 130, 130, 128, "block", torch.float32)  # the default tile above 128 rows
     if device == "cuda":
@@ -85,11 +93,18 @@ def _triton_checks(device):
         # steps and 3 stages needed 278528 bytes at BLOCK_N 64, over the SM's 232448)
         for m, bn in ((1, 128), (20, 128), (40, 128), (64, 64), (33, 32), (64, 16)):
             _launch_w8a16_bf16_for_compile_check(m, 136, 1280, block_n_tile=bn)
+        # the split-K variants bench_fp8_gemm sweeps (the proposed rule's 32 x 4 steps, 3 stages
+        # at 1-32 rows; 16 x 1 step at 64) and the partial-sum kernel at each split
+        for m, bn, split in ((1, 32, 2), (1, 32, 4), (20, 32, 8), (64, 16, 4)):
+            _launch_w8a16_bf16_for_compile_check(m, 136, 1280, block_n_tile=bn, split_k=split,
+                                                 k_unroll=1 if m == 64 else 4, num_stages=3)
     _check_w8a16(device, 40, 136, 1280, "block", torch.float32, block_n_tile=128)
     if device == "cuda":  # llama-8b's fused q/k/v at prefill and decode
         _check_w8a8(device, 512, 6144, 4096, "block", torch.bfloat16)
         for m in (1, 16, 64):
             _check_w8a16(device, m, 6144, 4096, "block", torch.bfloat16)
+            _check_w8a16(device, m, 6144, 4096, "block", torch.bfloat16, split_k=4)
+        _check_w8a16(device, 1, 4096, 14336, "block", torch.bfloat16, block_n_tile=32, split_k=8)  # down
 
 
 test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)
@@ -104,6 +119,8 @@ _W8A16_MEASURED_SHARED = {
     (64, 128, 4, 3, 2): 360448, (64, 128, 2, 3, 2): 196608, (64, 128, 2, 4, 2): 262144,
     (16, 64, 4, 3, 4): 163840, (16, 128, 2, 3, 4): 163840, (16, 128, 1, 4, 4): 139264,
     (32, 64, 4, 3, 4): 229376, (32, 128, 2, 4, 4): 262144, (64, 128, 1, 3, 4): 163840,
+    # compiled with split_k 2/4 (16 x 32), 8 (32 x 32), 4 (64 x 16): the split adds no shared memory
+    (16, 32, 4, 3, 2): 65536, (32, 32, 4, 3, 2): 98304, (64, 16, 1, 3, 2): 57344,
 }
 
 
@@ -135,6 +152,19 @@ def test_w8a16_default_tiles_fit_sm90_at_llama_8b_decode_shapes():
     assert {t for t in tiles if t[0] <= 32} == {(16, 32, 4, 3), (32, 32, 4, 3)}  # the measured best decode tile
     assert {t for t in tiles if t[0] == 64} == {(64, 16, 1, 3)}
     assert pick_decode_block_n(576, 132) == 16  # 18 blocks of 32 would leave most SMs idle
+
+
+def test_pick_decode_split_k_proposal_at_llama_8b_shapes():
+    from qsaserve.ops.fp8_gemm.triton_gemm import pick_decode_split_k
+
+    # BLOCK_N 32 on 132 SMs: qkv's 192 programs, o's and down's 128 -> 4 splits (768, 512, 512);
+    # gate_up's 896 already fill the SMs 3 deep
+    assert [pick_decode_split_k(n, k, 32, 132) for n, k in ((6144, 4096), (4096, 4096), (4096, 14336),
+                                                           (28672, 4096))] == [4, 4, 4, 1]
+    assert pick_decode_split_k(4096, 14336, 64, 132) == 8  # 64 programs: 8 x 14 blocks
+    assert pick_decode_split_k(4096, 2048, 32, 132) == 2  # 16 blocks: no split below 8 each
+    assert pick_decode_split_k(4096, 1024, 32, 132) == 1
+    assert pick_decode_split_k(576, 4096, 16, 132) == 4  # 36 programs, capped by the depth at 32 blocks
 
 
 def test_block_quantization_round_trip_and_layout():

@@ -8,7 +8,9 @@
 * `fp8_w8a16_gemm_triton` (decode, 1-64 rows): activations stay bf16 (no quantization kernel, no
   extra error on the path a token's latency waits on); each program streams BLOCK_N weight rows
   once as E4M3 (1 byte a weight: the step's whole cost) and widens them to the activation dtype
-  in registers. The grid has one program per BLOCK_N rows, BLOCK_N chosen so every SM gets >= 2.
+  in registers. The grid has one program per BLOCK_N rows (pick_decode_block_n) and, with
+  split_k > 1, split_k programs per row block over contiguous 128-column ranges of K, whose
+  float32 partial sums a second kernel adds in a fixed order (deterministic).
 
 Scales with Sk == 1 (per-channel, per-tensor) are read with a zero K stride."""
 from __future__ import annotations
@@ -57,9 +59,9 @@ def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, block_n,
 
 @triton.jit
 def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
-                  stride_xm, stride_wn, stride_sn, stride_sk, stride_ym,
+                  stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, stride_ys,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_UNROLL: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  SPLIT_K: tl.constexpr, PRECISION: tl.constexpr):
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -68,19 +70,49 @@ def _w8a16_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn
     s_rows = s_ptr + (offs_n // block_n) * stride_sn
+    y_rows = y_ptr
+    if SPLIT_K == 1:
+        blk_lo = 0
+        n_iter = tl.cdiv(K, BLOCK_K * K_UNROLL)
+    else:  # program pid_k: 128-column blocks [pid_k * nkb // SPLIT_K, (pid_k + 1) * nkb // SPLIT_K)
+        pid_k = tl.program_id(2)
+        nkb = tl.cdiv(K, BLOCK_K)
+        blk_lo = pid_k * nkb // SPLIT_K
+        blk_hi = (pid_k + 1) * nkb // SPLIT_K
+        n_iter = tl.cdiv(blk_hi - blk_lo, K_UNROLL)
+        y_rows += pid_k.to(tl.int64) * stride_ys  # its float32 partial sums, plane pid_k of [SPLIT_K, M, N]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # K_UNROLL independent 128-column steps per iteration: more weight bytes in flight per program,
     # each step still scaled by its own block scale after its dot
-    for kb in range(0, tl.cdiv(K, BLOCK_K * K_UNROLL)):
+    for kb in range(0, n_iter):
         for j in tl.static_range(K_UNROLL):
-            k0 = (kb * K_UNROLL + j) * BLOCK_K
+            blk = blk_lo + kb * K_UNROLL + j
+            k0 = blk * BLOCK_K
             k_ok = offs_k < K - k0
+            s_ok = n_ok & (k0 < K)
+            if SPLIT_K > 1:  # steps past this program's range (its last iteration) read nothing
+                k_ok = k_ok & (blk < blk_hi)
+                s_ok = s_ok & (blk < blk_hi)
             x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_rows + (k0 + offs_k)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            s = tl.load(s_rows + (k0 // BLOCK_K) * stride_sk, mask=n_ok & (k0 < K), other=0.0)
+            s = tl.load(s_rows + blk * stride_sk, mask=s_ok, other=0.0)
             acc += tl.dot(x, w.to(x.dtype), input_precision=PRECISION) * s[None, :]  # exact: E4M3 fits bf16
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    y_ptrs = y_rows + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _split_k_sum_kernel(p_ptr, y_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """y [numel] = sum over s = 0, 1, ... SPLIT_K - 1 of p [SPLIT_K, numel] (float32, in that
+    order: deterministic), rounded once to y's dtype."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    p = p_ptr + offs
+    acc = tl.load(p, mask=ok, other=0.0)
+    for _ in tl.static_range(1, SPLIT_K):
+        p += numel
+        acc += tl.load(p, mask=ok, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int, what: str) -> None:
@@ -181,15 +213,40 @@ def pick_decode_unroll(block_m: int, block_n: int, x_bytes: int, max_shared: int
     return k_unroll, num_stages
 
 
+def pick_decode_split_k(n: int, k: int, block_n: int, sms: int) -> int:
+    """A PROPOSAL, not measured (fp8_w8a16_gemm_triton's default stays split_k = 1; the
+    fp8_w8a16_rule rows of benchmarks/bench_fp8_gemm.py time it against split_k 1/2/4/8): the
+    fewest K splits in 1, 2, 4, 8 that give at least 3 programs per SM (the 16/32 x 32 tile at 4 x
+    128-deep steps and 3 stages takes ~72 KiB of shared memory: 3 fit an SM), without cutting K
+    below 8 blocks of 128 (two 4-step iterations, so the loads still pipeline) a program; the
+    largest split within that depth when none reaches 3 per SM. llama-8b's projections at BLOCK_N 32
+    on 132 SMs: qkv (192 programs), o and down (128) 4, gate_up (896) 1."""
+    programs = triton.cdiv(n, block_n)
+    split = 1
+    while split < 8 and programs * split < 3 * sms and triton.cdiv(k, GROUP) // (2 * split) >= 8:
+        split *= 2
+    return split
+
+
 def fp8_w8a16_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
                           block_n_tile: int | None = None, k_unroll: int | None = None, num_warps: int = 4,
-                          num_stages: int | None = None) -> torch.Tensor:
+                          num_stages: int | None = None, split_k: int = 1) -> torch.Tensor:
     """x [M, K] bf16/fp16/fp32, w [N, K] E4M3, w_scale [Sn, Sk] -> [M, N] in x's dtype, as
     reference.fp8_w8a16_gemm_reference. Meant for M <= 64 (one row block); larger M runs, as more
     row blocks re-reading the weights. block_n_tile / k_unroll / num_warps / num_stages: the tile
     (benchmarks/bench_fp8_gemm.py sweeps them); k_unroll and num_stages left None come from
-    pick_decode_unroll, so the tile fits the device's shared memory (given ones are used as is)."""
+    pick_decode_unroll, so the tile fits the device's shared memory (given ones are used as is).
+
+    split_k > 1: the grid gets a third axis of split_k programs per tile, each over a contiguous
+    range of whole 128-column blocks (ceil(K/128) blocks shared out as evenly as they go: sizes
+    differ by at most one; a program with none writes zeros), writing its float32 partial sums to
+    its plane of a [split_k, M, N] workspace; a second kernel adds the planes in a fixed order and
+    rounds once to x's dtype. Deterministic (no atomics) and CUDA-graph safe (no host sync, shapes
+    from the arguments only); costs 2 x split_k x M x N x 4 bytes of workspace traffic (L2-sized at
+    decode rows) and one more launch. pick_decode_split_k proposes a split_k."""
     _check(x, w, w_scale, block_n, "fp8_w8a16_gemm")
+    if split_k < 1:
+        raise ValueError(f"fp8_w8a16_gemm: split_k must be >= 1, got {split_k}")
     m, k = x.shape
     n = w.shape[0]
     if x.stride(-1) != 1:
@@ -204,13 +261,18 @@ def fp8_w8a16_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tenso
     if k_unroll is None or num_stages is None:
         k_unroll, num_stages = pick_decode_unroll(block_m, bn, x.element_size(), max_shared_bytes(x.device),
                                                   k_unroll, num_stages)
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, block_m))
-    _w8a16_kernel[grid](x, w, w_scale, y, m, n, k, block_n, x.stride(0), w.stride(0), w_scale.stride(0),
-                        _scale_k_stride(w_scale), y.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=GROUP,
-                        K_UNROLL=k_unroll, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+    out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, block_m), split_k)
+    _w8a16_kernel[grid](x, w, w_scale, out, m, n, k, block_n, x.stride(0), w.stride(0), w_scale.stride(0),
+                        _scale_k_stride(w_scale), out.stride(-2), out.stride(0) if split_k > 1 else 0,
+                        BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=GROUP, K_UNROLL=k_unroll, SPLIT_K=split_k,
+                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                         num_warps=num_warps, num_stages=num_stages)
+    if split_k > 1:
+        block = 1024
+        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, SPLIT_K=split_k, BLOCK=block, num_warps=4)
     return y
 
 
 __all__ = ["decode_block_m", "fp8_w8a16_gemm_triton", "fp8_w8a8_gemm_triton", "pick_decode_block_n",
-           "pick_decode_unroll", "w8a16_shared_bytes"]
+           "pick_decode_split_k", "pick_decode_unroll", "w8a16_shared_bytes"]
