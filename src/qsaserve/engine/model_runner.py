@@ -1,9 +1,9 @@
 """Model runner: owns one rank's model weights and KV cache, and runs one step's forward pass.
 
 It turns a BatchInput into device tensors, runs the model and returns the logits rows the
-engine asked for. Sampling stays in the engine (rank 0), so other ranks need no request state.
-Step inputs travel through pinned staging buffers with non_blocking copies, so a step never
-waits on the device; decode-only steps replay CUDA graphs (engine/cuda_graph.py) when enabled.
+engine asked for (sampling stays in the engine, rank 0). Step inputs travel through pinned
+staging buffers with non_blocking copies, so a step never waits on the device; decode and verify
+steps replay CUDA graphs (engine/cuda_graph.py), the MTP head's drafting too (engine/mtp_graphs.py).
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from qsaserve.cache.kv_cache import LayerCache, allocate_kv_cache, usable_blocks
 from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, StateSnapshotPlan, TokenFeed
 from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata, verify_graph_plan
+from qsaserve.engine.mtp_graphs import capture_mtp_draft_graphs
 from qsaserve.engine.mtp_drafter import MtpDraftRequest, check_draft_method, run_mtp_drafts
 from qsaserve.engine.host_copies import RankHostTier, host_block_bytes, host_split
 from qsaserve.errors import InvalidRequestError
@@ -121,6 +122,7 @@ class ModelRunner:
         self._stage_snapshots = PinnedStaging(torch.long, 256, self.device)
         self._stage32 = PinnedStaging(torch.int32, 4096, self.device)
         self.graphs: DecodeGraphs | None = None
+        self.draft_graphs = None  # the MTP head's (engine/mtp_graphs.py), with the decode graphs
         self.graphs_off_reason = self._graphs_off_reason()
         if self.graphs_off_reason and self.device.type == "cuda" and not config.enforce_eager:
             logger.info("CUDA graphs off: %s", self.graphs_off_reason)
@@ -151,13 +153,9 @@ class ModelRunner:
         return tables
 
     def _graphs_off_reason(self) -> str | None:
-        """Why decode steps cannot use CUDA graphs here, or None when they can.
-
-        Tensor parallelism is allowed: the graphs capture the NCCL collectives, every rank
-        captures the same buckets and replays the same one each step (engine/cuda_graph.py).
-        Decode context parallelism only for models declaring supports_dcp_cuda_graph, whose decode
-        step derives this rank's K/V slots on the device; the others read a step plan built on
-        the host each step (meta.dcp), which a graph would freeze."""
+        """Why decode steps cannot use CUDA graphs here, or None when they can. Under TP the graphs
+        capture the collectives (engine/cuda_graph.py); under DCP only models declaring
+        supports_dcp_cuda_graph derive the step's K/V slots on the device (others read a host plan)."""
         if self.device.type != "cuda":
             return "not a CUDA device"
         if self.config.enforce_eager:
@@ -178,7 +176,7 @@ class ModelRunner:
         """Destroys the captured decode graphs now (before the process group, at shutdown): NCCL does
         not destroy a communicator while a CUDA graph that captured one of its collectives is alive,
         so the teardown would wait for the graphs (docs/benchmarks.md, bench_engine_restart.py)."""
-        self.graphs = None
+        self.graphs = self.draft_graphs = None
         gc.collect()  # graphs dropped earlier (bind_kv_cache) may still sit in reference cycles
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -375,6 +373,9 @@ class ModelRunner:
                 logger.warning("CUDA graphs off: %s", self.graphs_off_reason)
                 return
             self.graphs = graphs
+            if self.mtp:  # the head's drafting too (engine/mtp_graphs.py)
+                self.draft_graphs = capture_mtp_draft_graphs(self.model, graphs, self.config, self.kv_spec,
+                                                             self.max_model_len, self.device)
 
     def host_tier_caches(self) -> list[LayerCache]:
         """The pages a block's host row carries: every attention layer's, then the MTP head's."""
@@ -423,7 +424,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def bind_kv_cache(self, caches: list[LayerCache]) -> None:
-        self.graphs = None  # captured graphs point at the old cache
+        self.graphs = self.draft_graphs = None  # captured graphs point at the old cache
         self.kv_caches = caches
         for i, layer in enumerate(self.attention_layers):
             layer.cache = caches[i] if caches else None
@@ -458,7 +459,8 @@ class ModelRunner:
         """The MTP head over the last step's rows, then its drafts (engine/mtp_drafter.py)."""
         batch, hidden = self._last_step
         self._last_step = None
-        return run_mtp_drafts(self.model, batch, hidden, request, self.kv_spec.block_size, self.parallel.dcp)
+        return run_mtp_drafts(self.model, batch, hidden, request, self.kv_spec.block_size, self.parallel.dcp,
+                              self.draft_graphs if self.graphs is not None else None)
 
     def _stage_snapshot_plan(self, plan: StateSnapshotPlan | None):
         """Uploads the plan's rows and slots (one non_blocking copy) and launches its restores;

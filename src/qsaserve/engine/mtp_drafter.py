@@ -151,6 +151,7 @@ def mtp_uniform_drafts(model: HasMtpHead, hidden: torch.Tensor, inp: UniformDraf
     if inp.steps > 1:
         saved = [t[inp.state_slots].clone() for t in model.mtp_state_tensors()]
         pos = inp.positions[pick] + 1
+        real = inp.seq_lens > 0  # a CUDA graph's padding sequences draft nothing
         one = torch.arange(b + 1, dtype=torch.int32, device=hidden.device)
         width = inp.block_tables.shape[1]
         for _ in range(1, inp.steps):
@@ -158,7 +159,8 @@ def mtp_uniform_drafts(model: HasMtpHead, hidden: torch.Tensor, inp: UniformDraf
             inside = block < inp.table_lens
             page = inp.block_tables.gather(1, block.clamp(max=width - 1)[:, None])[:, 0].long()
             meta = StepMetadata(slot_mapping=torch.where(inside, page * block_size + pos % block_size, -1),
-                                block_tables=inp.block_tables, seq_lens=(pos + 1).to(torch.int32), cu_query_lens=one,
+                                block_tables=inp.block_tables, seq_lens=torch.where(real, pos + 1, 0).to(torch.int32),
+                                cu_query_lens=one,
                                 query_lens=[1] * b, seq_lens_list=[1 << 30] * b, state_slots=[0] * b,
                                 state_slots_t=inp.state_slots)
             h = model.mtp_forward(h, token, pos, meta)
@@ -172,14 +174,17 @@ def mtp_uniform_drafts(model: HasMtpHead, hidden: torch.Tensor, inp: UniformDraf
 
 @torch.inference_mode()
 def run_mtp_drafts(model: HasMtpHead, batch: BatchInput, hidden: torch.Tensor, request: MtpDraftRequest,
-                   block_size: int, dcp: DcpGeometry = DcpGeometry()) -> list[list[int]]:
+                   block_size: int, dcp: DcpGeometry = DcpGeometry(), graphs=None) -> list[list[int]]:
     """hidden: the step's forward output, one row per batch row; block_size: tokens per engine
-    block. Returns each sequence's drafts. Under tensor parallelism every rank runs this with the
+    block; graphs: the head's captured drafting (engine/mtp_graphs.py) or None. Returns each
+    sequence's drafts. Under tensor parallelism every rank runs this with the
     same request (rank 0 sends it): the head's collectives pair up, and every rank reads the same
     gathered logits, so all draft the same tokens."""
     device = hidden.device
     out: list[list[int]] = [[] for _ in request.rows]
     n = uniform_rows(batch, request, dcp)
+    if n and graphs is not None and graphs.fits(batch, request, n):  # engine/mtp_graphs.py
+        return graphs.run(batch, hidden, request, n)
     if n:  # every row of the step at once (the common decode / verify step)
         drafted = mtp_uniform_drafts(model, hidden, uniform_draft_inputs(batch, request, n, block_size, device),
                                      block_size).tolist()

@@ -205,11 +205,46 @@ def test_mtp_on_a_checkpoint_without_the_head_is_refused(tmp_path):
     assert err.value.param == "speculative_config.method" and "MTP" in str(err.value)
 
 
+def test_draft_graph_inputs_give_the_uniform_drafts(checkpoint, monkeypatch):
+    """The staged, bucket-padded inputs of the head's draft graphs (engine/mtp_graphs.py; run
+    eagerly here, no CUDA on this machine) give the drafts the engine made for the same steps:
+    verifies of 3 sequences in a bucket of 4, the padding sequence dead, drafts cut per sequence."""
+    import qsaserve.engine.model_runner as runner_module
+    from qsaserve.engine.mtp_drafter import mtp_uniform_drafts, uniform_rows
+    from qsaserve.engine.mtp_graphs import MtpDraftGraphs
+
+    model, path, ps, want, _ = checkpoint
+    llm = engine(path, 3)
+    runner = llm.engine.executor.runner
+    real, checked = runner_module.run_mtp_drafts, []
+
+    def compare(m, batch, hidden, request, block_size, dcp, graphs=None):
+        out = real(m, batch, hidden, request, block_size, dcp, graphs)
+        n, b = uniform_rows(batch, request, dcp), len(batch.query_lens)
+        if n and b == 3:
+            g = MtpDraftGraphs(m, [4], [1, 2, 3, 4], 3, runner.kv_spec.blocks_for(runner.max_model_len + 4),
+                               block_size, hidden.shape[1], hidden.dtype, hidden.device)
+            assert g.fits(batch, request, n)
+            g._stage(4, n, batch, request)
+            g.hidden[: b * n].copy_(hidden[: b * n])
+            # the padding sequence's rows: zeros (on CPU the reference KV write puts a dead row's K/V
+            # in the null block's slot 0, which a draft row past its blocks reads; a GPU writes none)
+            g.hidden[b * n :] = 0.0
+            drafted = mtp_uniform_drafts(m, g.hidden[: 4 * n], g._inputs(4, n), block_size)[:b].tolist()
+            assert [d[: len(o)] for d, o in zip(drafted, out)] == out
+            checked.append(n)
+        return out
+
+    monkeypatch.setattr(runner_module, "run_mtp_drafts", compare)
+    assert generate(llm, ps[:3]) == want[:3]
+    assert len(checked) >= 3 and max(checked) > 1
+
+
 @pytest.mark.gpu
 def test_mtp_drafts_equal_plain_decoding_on_gpu():
     """On a GPU (float32, dummy weights with a random head; both engines replay their decode
-    graphs, the MTP engine also its verify graphs, the head reading the replayed hidden rows, and
-    runs the head eagerly with the Triton kernels): the tokens of the plain run."""
+    graphs, the MTP engine also its verify graphs and the head's drafting graphs, which read the
+    replayed hidden rows): the tokens of the plain run."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (none on this machine)")
     kw = dict(load_format="dummy", device="cuda", dtype="float32", max_model_len=256, kv_cache_memory=64 << 20,
@@ -221,6 +256,7 @@ def test_mtp_drafts_equal_plain_decoding_on_gpu():
     assert generate(llm, ps, params) == want
     assert llm.engine.spec.stats.drafted > 0
     assert sum(llm.engine.executor.runner.graphs.verify_replays.values()) > 0
+    assert llm.engine.executor.runner.draft_graphs.replays > 0  # the head's drafting replayed too
 
 
 def test_engine_drafts_are_the_reference_heads(checkpoint, monkeypatch):

@@ -1,0 +1,143 @@
+"""CUDA graphs of the MTP head's drafting (engine/mtp_drafter.py `mtp_uniform_drafts`): after a
+decode or verify step where every sequence brought n rows, the head's catch-up over those rows
+and its k - 1 draft rows replay as one graph per (bucket, n), k drafts always (a sequence that
+wants fewer keeps its first ones). Eagerly the head is ~60 launches a forward at batch 1, a few
+milliseconds a step in host time, more than the target's replayed step.
+
+Padding sequences of a bucket are dead rows (slot -1, seq_len 0, the scratch state slot, empty
+tables): the head reads and writes nothing for them. The inputs are staged into fixed buffers
+with one non_blocking copy per dtype, the step's hidden rows copied into the graph's own.
+Under tensor parallelism every rank captures the same keys in the same order and replays the
+same one (the request is broadcast), as the decode graphs do.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from qsaserve.engine.batch import BatchInput
+from qsaserve.engine.cuda_graph import PinnedStaging, pick_bucket
+from qsaserve.engine.mtp_drafter import MtpDraftRequest, UniformDraftInputs, mtp_uniform_drafts
+
+logger = logging.getLogger("qsaserve")
+
+
+class MtpDraftGraphs:
+    def __init__(self, model, buckets: list[int], rows: list[int], k: int, max_blocks: int, block_size: int,
+                 hidden_dim: int, dtype: torch.dtype, device: torch.device):
+        """buckets: sequence counts to capture; rows: rows per sequence (1 = decode, 2..k+1 =
+        verifies); max_blocks: block-table columns the longest sequence (and its drafts) needs."""
+        self.model, self.buckets, self.rows, self.k = model, sorted(buckets), sorted(rows), k
+        self.block_size, self.device = block_size, device
+        b, n = self.buckets[-1], self.rows[-1]
+        self.width = max_blocks
+        self.stage64 = PinnedStaging(torch.long, 5 * b * n + 4 * b, device, growable=False)
+        self.stage32 = PinnedStaging(torch.int32, b * (1 + max_blocks), device, growable=False)
+        self.hidden = torch.zeros(b * n, hidden_dim, dtype=dtype, device=device)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.drafts: dict[tuple[int, int], torch.Tensor] = {}
+        self.replays = 0
+
+    def _layout(self, bucket: int, rows: int) -> list[int]:
+        t = bucket * rows
+        sizes = [t, t, t, bucket, bucket, bucket]  # next ids | slots | positions | table lens | state slots | last
+        out = [0]
+        for s in sizes:
+            out.append(out[-1] + (s + 1) // 2 * 2)  # 16-byte aligned segments
+        return out
+
+    def _inputs(self, bucket: int, rows: int) -> UniformDraftInputs:
+        at, d64, d32, t = self._layout(bucket, rows), self.stage64.dev, self.stage32.dev, bucket * rows
+        seg = lambda i, n: d64[at[i] : at[i] + n]  # noqa: E731
+        return UniformDraftInputs(next_ids=seg(0, t), slots=seg(1, t), positions=seg(2, t), seq_lens=d32[:bucket],
+                                  block_tables=d32[bucket : bucket + bucket * self.width].view(bucket, self.width),
+                                  table_lens=seg(3, bucket), state_slots=seg(4, bucket), last=seg(5, bucket), steps=self.k)
+
+    def _stage(self, bucket: int, rows: int, batch: BatchInput | None, request: MtpDraftRequest | None) -> None:
+        """The padded host arrays into the staging buffers (no request: all padding)."""
+        at, t = self._layout(bucket, rows), bucket * rows
+        flat64 = np.zeros(at[-1], dtype=np.int64)
+        flat64[at[1] : at[1] + t] = -1  # padding rows are dead
+        flat32 = np.zeros(bucket + bucket * self.width, dtype=np.int32)
+        if batch is not None:
+            b = len(batch.query_lens)
+            live_rows = np.asarray(request.rows, dtype=np.int64)
+            live = np.arange(rows)[None, :] < live_rows[:, None]
+            ids = np.zeros((b, rows), dtype=np.int64)
+            for i, nxt in enumerate(request.next_ids):
+                ids[i, : len(nxt)] = nxt
+            flat64[at[0] : at[0] + b * rows] = ids.reshape(-1)
+            flat64[at[1] : at[1] + b * rows] = np.where(live, np.asarray(batch.slot_mapping).reshape(b, rows), -1).reshape(-1)
+            flat64[at[2] : at[2] + b * rows] = batch.positions
+            flat64[at[3] : at[3] + b] = [len(tb) for tb in request.tables]
+            flat64[at[4] : at[4] + b] = batch.state_slots
+            flat64[at[5] : at[5] + b] = live_rows - 1
+            flat32[:b] = batch.seq_lens
+            tables = flat32[bucket:].reshape(bucket, self.width)
+            for i, tb in enumerate(request.tables):
+                tables[i, : len(tb)] = tb
+        self.stage64.upload(flat64)
+        self.stage32.upload(flat32)
+
+    def _keys(self) -> list[tuple[int, int]]:
+        return sorted(((b, n) for b in self.buckets for n in self.rows), key=lambda key: key[0] * key[1], reverse=True)
+
+    @torch.inference_mode()
+    def capture(self, pool=None) -> None:
+        """Warms every key up (eager: builds kernels, runs any collective), then captures each,
+        largest first, sharing `pool` (the decode graphs' memory pool)."""
+        with torch.cuda.device(self.device):
+            start = time.perf_counter()
+            keys = self._keys()
+            for bucket, rows in keys:
+                self._stage(bucket, rows, None, None)
+                mtp_uniform_drafts(self.model, self.hidden[: bucket * rows], self._inputs(bucket, rows), self.block_size)
+            torch.cuda.synchronize()
+            for bucket, rows in keys:
+                self._stage(bucket, rows, None, None)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                    self.drafts[(bucket, rows)] = mtp_uniform_drafts(self.model, self.hidden[: bucket * rows],
+                                                                     self._inputs(bucket, rows), self.block_size)
+                self.graphs[(bucket, rows)] = graph
+            torch.cuda.synchronize()
+        logger.info("CUDA graphs: captured the MTP head's drafting for %d sizes x %s rows in %.1f s", len(self.buckets),
+                    self.rows, time.perf_counter() - start)
+
+    def fits(self, batch: BatchInput, request: MtpDraftRequest, rows: int) -> bool:
+        need = -(-(max(batch.seq_lens) + self.k) // self.block_size)
+        return (rows in self.rows and pick_bucket(len(batch.query_lens), self.buckets) is not None
+                and max(request.drafts) <= self.k and need <= self.width)
+
+    def run(self, batch: BatchInput, hidden: torch.Tensor, request: MtpDraftRequest, rows: int) -> list[list[int]]:
+        """The drafts of a uniform step (mtp_drafter.uniform_rows > 0 and fits())."""
+        b = len(batch.query_lens)
+        bucket = pick_bucket(b, self.buckets)
+        self._stage(bucket, rows, batch, request)
+        self.hidden[: b * rows].copy_(hidden[: b * rows])
+        self.graphs[(bucket, rows)].replay()
+        self.replays += 1
+        drafted = self.drafts[(bucket, rows)][:b].tolist()
+        return [got[:d] for got, d in zip(drafted, request.drafts)]
+
+
+def capture_mtp_draft_graphs(model, decode_graphs, config, kv_spec, max_model_len: int, device: torch.device):
+    """The head's draft graphs beside the target's decode graphs (their buckets up to the verify
+    graphs' largest, rows 1..k+1), or None with the reason logged (the head then runs eagerly)."""
+    k = config.speculative_config.num_speculative_tokens
+    buckets = sorted({b for sizes in decode_graphs.verify_sizes.values() for b in sizes})
+    if not buckets:
+        return None
+    rows = next(iter(decode_graphs.hidden.values()))  # the forward's output rows the head reads
+    graphs = MtpDraftGraphs(model, buckets, list(range(1, k + 2)), k, kv_spec.blocks_for(max_model_len + k + 1),
+                            kv_spec.block_size, rows.shape[1], rows.dtype, device)
+    try:
+        graphs.capture(decode_graphs.pool)
+    except RuntimeError as exc:
+        torch.cuda.synchronize(device)
+        logger.warning("CUDA graphs: the MTP head drafts eagerly (capture failed: %s)", exc)
+        return None
+    return graphs
