@@ -11,7 +11,7 @@ figure random weights cannot measure. --force-accept makes every verify accept a
 (the target is told its drafts were its own tokens: outputs are meaningless, times are those of
 the all-accepted path, no rollback). --method mtp (a preset with the head, e.g.
 qwen4exp-small-mtp): the drafts are the MTP head's, run after each step (engine/mtp_drafter.py;
-the head's rows eager, the target's steps replaying their graphs), k of them; its "plain" rows
+its drafting replays its own graphs where the step is uniform, engine/mtp_graphs.py), k of them; its "plain" rows
 carry no drafts but still run the head's catch-up row. Prints one JSON line per row, then the document.
 
     PYTHONPATH=src python benchmarks/bench_spec_decode.py --model qwen4exp-small --batches 1,8,64 \
