@@ -1,11 +1,13 @@
 """The GDN decode step's ops: Triton kernels against their torch references (gates, one-token
 causal conv with per-slot state incl. fresh sequences and a shared padding slot, the one-token
-delta rule with its state updated in its slot, gated RMSNorm), float32 tightly and bf16 within
+delta rule with its state updated in its slot, the multi-row delta rule of a verify's rows with
+its per-row snapshots and dead rows, gated RMSNorm), float32 tightly and bf16 within
 bf16 rounding; under the Triton interpreter on CPU and on a GPU."""
 import torch
 from triton_interpreter import triton_check_tests
 
-from qsaserve.ops.gdn.decode_ops import (conv1d_decode_reference_, delta_rule_decode_reference_, gated_rms_norm,
+from qsaserve.ops.gdn.decode_ops import (conv1d_decode_reference_, delta_rule_decode_reference_,
+                                         delta_rule_decode_rows_reference_, gated_rms_norm,
                                          gdn_gates_reference)
 
 
@@ -65,12 +67,48 @@ def check_delta_rule(device, dtype, step_):
     torch.testing.assert_close(dev_states.cpu()[kept], ref_states[kept], atol=1e-5, rtol=1e-5)
 
 
+def check_delta_rule_rows(device, dtype, rows_):
+    """3 sequences x 3 rows (slots 2, 4 and the scratch 0 of a padding sequence, fresh); the last
+    row of sequence 1 dead: against the reference, and against one-token steps row by row."""
+    g = torch.Generator().manual_seed(3)
+    b, n = 3, 3
+    q, k = torch.randn(b, n, 2, 24, generator=g).to(dtype), torch.randn(b, n, 2, 24, generator=g).to(dtype)
+    v = torch.randn(b, n, 4, 48, generator=g).to(dtype)
+    decay = -torch.rand(b, n, 4, generator=g) * 2
+    beta = torch.sigmoid(torch.randn(b, n, 4, generator=g)).to(dtype)
+    states = torch.randn(6, 4, 24, 48, generator=g) * 0.5
+    slots, fresh = torch.tensor([2, 4, 0]), torch.tensor([False, False, True])
+    live = torch.tensor([[True, True, True], [True, True, False], [False, False, False]])
+    snaps, snap_rows = torch.zeros(8, 4, 24, 48), torch.tensor([[1, 2], [3, 4], [0, 0]])
+    ref_states, ref_snaps = states.clone(), snaps.clone()
+    want = delta_rule_decode_rows_reference_(q, k, v, decay, beta, ref_states, slots, fresh, live, ref_snaps, snap_rows)
+    # the reference equals one-token steps of the live rows, the snapshots the states between them
+    step_states = states.clone()
+    for j in range(n):
+        idx = torch.tensor([i for i in (0, 1) if live[i, j]])
+        o = delta_rule_decode_reference_(q[idx, j], k[idx, j], v[idx, j], decay[idx, j], beta[idx, j], step_states,
+                                         slots[idx], fresh[idx])
+        torch.testing.assert_close(want[idx, j], o, atol=1e-5, rtol=1e-5)
+        if j < n - 1:
+            torch.testing.assert_close(ref_snaps[snap_rows[idx, j]], step_states[slots[idx]], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ref_states[slots[:2]], step_states[slots[:2]], atol=1e-5, rtol=1e-5)
+    dev_states, dev_snaps = states.clone().to(device), snaps.clone().to(device)
+    got = rows_(*(x.to(device) for x in (q, k, v, decay, beta)), dev_states, slots.to(device), fresh.to(device),
+                live.to(device), dev_snaps, snap_rows.to(device))
+    assert got.dtype == dtype and got.shape == (b, n, 4, 48)
+    torch.testing.assert_close(got.cpu()[0], want[0], **_tol(dtype))
+    torch.testing.assert_close(got.cpu()[1, :2], want[1, :2], **_tol(dtype))
+    torch.testing.assert_close(dev_states.cpu()[[1, 2, 3, 4, 5]], ref_states[[1, 2, 3, 4, 5]], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dev_snaps.cpu()[1:5], ref_snaps[1:5], atol=1e-5, rtol=1e-5)
+
+
 def _triton_checks(device):
     from qsaserve.ops.gdn import triton_decode as td
 
     for dtype in (torch.float32, torch.bfloat16):
         check_decode_ops(device, dtype, td.gdn_gates_triton, td.conv1d_decode_triton_, td.gated_rms_norm_triton)
         check_delta_rule(device, dtype, td.delta_rule_decode_triton_)
+        check_delta_rule_rows(device, dtype, td.delta_rule_decode_rows_triton_)
 
 
 test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)

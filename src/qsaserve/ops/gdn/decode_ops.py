@@ -74,3 +74,26 @@ def gated_rms_norm(
     if act is None:
         raise ValueError(f"unsupported activation {activation!r}")
     return ((weight * normed) * act(gate.float())).to(dtype)
+
+
+def delta_rule_decode_rows_reference_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                      beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                                      fresh: torch.Tensor, live: torch.Tensor, snapshots: torch.Tensor | None = None,
+                                      snapshot_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """n tokens per sequence in order (a verify's rows): q, k [B, n, Hk, Dk], v [B, n, Hv, Dv], g,
+    beta [B, n, Hv]; states [N, Hv, Dk, Dv] fp32, slots [B], fresh [B] (the sequence starts from
+    zeros), live [B, n] bool (a dead row leaves the state as it is; its output is unspecified);
+    snapshots [R, Hv, Dk, Dv] fp32 with snapshot_rows [B, n - 1]: the state after row j goes to
+    row snapshot_rows[b, j]. -> o [B, n, Hv, Dv]; states[slots] end after the last live row."""
+    b, n = q.shape[:2]
+    state = torch.where(fresh[:, None, None, None], 0, states[slots])
+    outs = []
+    for j in range(n):
+        o, new = gated_delta_rule(q[:, j, None], k[:, j, None], v[:, j, None], g[:, j, None], beta[:, j, None], state,
+                                  None, single_token=True)
+        state = torch.where(live[:, j, None, None, None], new.float(), state)
+        outs.append(o[:, 0])
+        if snapshots is not None and j < n - 1:
+            snapshots[snapshot_rows[:, j]] = state
+    states[slots] = state
+    return torch.stack(outs, dim=1)

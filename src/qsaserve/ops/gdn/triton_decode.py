@@ -104,6 +104,50 @@ def _delta_rule_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, sl
 
 
 @triton.jit
+def _delta_rule_rows_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, slots_ptr, fresh_ptr, live_ptr, o_ptr,
+                            snap_ptr, snap_rows_ptr, scale, stride_q, stride_qh, stride_k, stride_kh, stride_v,
+                            stride_vh, stride_g, stride_beta, stride_sn, stride_sh, stride_sk, stride_o, stride_oh,
+                            stride_pn, stride_ph, stride_pk,
+                            ROWS: tl.constexpr, HAS_SNAP: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr,
+                            DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """ROWS tokens of one sequence and value head in order, BLOCK_V columns of its state kept in
+    registers across them: read once from the slot, advanced by each live row (its state stored
+    to the sequence's snapshot row after each row but the last), written back once."""
+    seq = tl.program_id(0).to(tl.int64)
+    hv = tl.program_id(1)
+    hk = hv // GROUP
+    kk = tl.arange(0, BLOCK_K)
+    k_ok = kk < DK
+    vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = vv < DV
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    keep = tl.load(fresh_ptr + seq) == 0
+    s_ok = k_ok[:, None] & v_ok[None, :]
+    s_ptrs = states_ptr + slot * stride_sn + hv * stride_sh + kk[:, None] * stride_sk + vv[None, :]
+    state = tl.load(s_ptrs, mask=s_ok & keep, other=0.0)
+    for j in tl.static_range(ROWS):
+        row = seq * ROWS + j
+        q = tl.load(q_ptr + row * stride_q + hk * stride_qh + kk, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + row * stride_k + hk * stride_kh + kk, mask=k_ok, other=0.0).to(tl.float32)
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6) * scale
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+        v = tl.load(v_ptr + row * stride_v + hv * stride_vh + vv, mask=v_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * stride_g + hv).to(tl.float32)
+        beta = tl.load(beta_ptr + row * stride_beta + hv).to(tl.float32)
+        live = tl.load(live_ptr + row) != 0
+        new = state * tl.exp(g)
+        u = beta * (v - tl.sum(new * k[:, None], 0))
+        new = new + k[:, None] * u[None, :]
+        state = tl.where(live, new, state)
+        o = tl.sum(state * q[:, None], 0)
+        tl.store(o_ptr + row * stride_o + hv * stride_oh + vv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+        if HAS_SNAP and j < ROWS - 1:
+            r = tl.load(snap_rows_ptr + seq * (ROWS - 1) + j).to(tl.int64)
+            tl.store(snap_ptr + r * stride_pn + hv * stride_ph + kk[:, None] * stride_pk + vv[None, :], state, mask=s_ok)
+    tl.store(s_ptrs, state, mask=s_ok)
+
+
+@triton.jit
 def _gated_norm_kernel(x_ptr, z_ptr, w_ptr, out_ptr, D, eps, stride_x, stride_z, stride_o,
                        SILU: tl.constexpr, ROUND_WN: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # one (token, head) row of D values
@@ -174,6 +218,35 @@ def delta_rule_decode_triton_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             o.stride(0), o.stride(1), GROUP=hv // hk, DK=dk, DV=dv, BLOCK_K=triton.next_power_of_2(dk),
             BLOCK_V=block_v, num_warps=4)
     return o
+
+
+def delta_rule_decode_rows_triton_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                                   beta: torch.Tensor, states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor,
+                                   live: torch.Tensor, snapshots: torch.Tensor | None = None,
+                                   snapshot_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """decode_ops.delta_rule_decode_rows_reference_ in one launch."""
+    b, n, hk, dk = q.shape
+    hv, dv = v.shape[2:]
+    if (k.shape != q.shape or hv % hk or states.shape[1:] != (hv, dk, dv) or states.dtype != torch.float32
+            or g.shape != (b, n, hv) or beta.shape != (b, n, hv) or live.shape != (b, n)):
+        raise ValueError("delta_rule_decode_rows: q, k [B, n, Hk, Dk], v [B, n, Hv, Dv], g, beta [B, n, Hv], "
+                         "live [B, n], fp32 states [N, Hv, Dk, Dv]")
+    q, k, v = (t.reshape(b * n, *t.shape[2:]).contiguous() for t in (q, k, v))
+    g, beta = g.reshape(b * n, hv).contiguous(), beta.reshape(b * n, hv).contiguous()
+    live = live.reshape(-1).to(torch.int8).contiguous()
+    has_snap = snapshots is not None and n > 1
+    snap = snapshots if has_snap else states
+    rows = snapshot_rows.contiguous() if has_snap else slots
+    o = torch.empty((b * n, hv, dv), dtype=q.dtype, device=q.device)
+    if b:
+        block_v = min(32, triton.next_power_of_2(dv))
+        _delta_rule_rows_kernel[(b, hv, triton.cdiv(dv, block_v))](
+            q, k, v, g, beta, states, slots.contiguous(), fresh.contiguous(), live, o, snap, rows, dk**-0.5,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+            states.stride(0), states.stride(1), states.stride(2), o.stride(0), o.stride(1),
+            snap.stride(0), snap.stride(1), snap.stride(2), ROWS=n, HAS_SNAP=has_snap, GROUP=hv // hk, DK=dk, DV=dv,
+            BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v, num_warps=4)
+    return o.view(b, n, hv, dv)
 
 
 def gated_rms_norm_triton(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
