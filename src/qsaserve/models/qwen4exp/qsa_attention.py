@@ -219,26 +219,33 @@ class QSAAttention(nn.Module):
             cache.observer(k, v, q)
         _write_kv(cache, k, v, step.kv_slots)
         iq = iq.to(cache.block_keys.dtype)
+        tables = meta.block_tables
         if step.rows is None:
-            attn, lse = self._decode_token(q, iq, raw, step, meta)
-        else:  # decode rows: row j pools and selects before row j + 1's raw key enters the open group
-            n, parts = len(step.rows), []
+            self._pool(raw, step, tables)
+            attn, lse = self._select_attend(q, iq, tables, step.query_pos)
+        else:  # decode rows: row j's raw key pools before row j + 1's enters the open group; a row
+            # selects only groups complete at its position, so the selection and the attention of
+            # every row then run at once (each row reading its sequence's table)
+            n = len(step.rows)
             for j, row in enumerate(step.rows):
-                parts.append(self._decode_token(by_row(q, n, j), by_row(iq, n, j), by_row(raw, n, j), row, meta))
+                self._pool(by_row(raw, n, j), row, tables)
                 step.save_row_state(self.state, j)
-            attn = torch.stack([a for a, _ in parts], dim=1).flatten(0, 1)
-            lse = None if parts[0][1] is None else torch.stack([s for _, s in parts], dim=1).flatten(0, 1)
+            positions = torch.stack([row.query_pos for row in step.rows], dim=1).flatten()
+            attn, lse = self._select_attend(q, iq, tables.repeat_interleave(n, dim=0), positions)
         return self._output(attn, lse, gate)
 
-    def _decode_token(self, q: torch.Tensor, iq: torch.Tensor, raw: torch.Tensor, step: Step, meta: AttentionMetadata):
-        """One query per sequence, its K/V already in the pages: the raw key joins its sequence's
-        open group in the state slot (padding rows: the scratch slot), pooling a group it
-        completes; then the selection and the sparse attention -> (attn, lse)."""
+    def _pool(self, raw: torch.Tensor, step: Step, tables: torch.Tensor) -> None:
+        """One raw key per sequence joins its open group in the state slot (padding and dead rows:
+        the scratch slot), pooling a group it completes into its block key."""
         idx, cache = self.indexer, self.attn.cache
-        r, tables, pos = idx.ratio, meta.block_tables, step.query_pos
-        pool_completed_groups(self.state.index_tail, step.slot_idx, raw, cache.block_keys, tables, pos, step.valid,
-                              idx.k_layernorm.weight, step.inv_freq, r, self.eps)
-        selected = select_decode(iq, cache.block_keys, tables, pos, r, idx.budget, dcp=self.ctx.dcp)
+        pool_completed_groups(self.state.index_tail, step.slot_idx, raw, cache.block_keys, tables, step.query_pos,
+                              step.valid, idx.k_layernorm.weight, step.inv_freq, idx.ratio, self.eps)
+
+    def _select_attend(self, q: torch.Tensor, iq: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor):
+        """Rows at `positions` (-1: none), each over its row of `tables`, K/V already in the pages:
+        the top-k selection, then the sparse attention -> (attn, lse)."""
+        idx, cache = self.indexer, self.attn.cache
+        selected = select_decode(iq, cache.block_keys, tables, positions, idx.ratio, idx.budget, dcp=self.ctx.dcp)
         return sparse_attention_paged(q, cache.kv, tables, selected, self.head_dim**-0.5, None, cache.k_scale,
                                       cache.v_scale, run=self._run(cache), pack=self.ctx.dcp_pack_size)
 
