@@ -108,29 +108,46 @@ class UniformDraftInputs:
     steps: int  # draft rows per sequence: the most any sequence wants
 
 
-def uniform_draft_inputs(batch: BatchInput, request: MtpDraftRequest, n: int, block_size: int,
-                         device: torch.device) -> UniformDraftInputs:
-    """Host lists -> device tensors, one copy each, before the head's first launch."""
+def uniform_host_inputs(batch: BatchInput | None, request: MtpDraftRequest | None, n: int, bucket: int,
+                        width: int) -> dict[str, np.ndarray]:
+    """UniformDraftInputs' host arrays, padded to `bucket` sequences of n rows (padding sequences
+    are dead: slot -1, seq_len 0, the scratch state slot 0, an empty table); no batch: all padding."""
+    t = bucket * n
+    out = dict(next_ids=np.zeros(t, dtype=np.int64), slots=np.full(t, -1, dtype=np.int64),
+               positions=np.zeros(t, dtype=np.int64), seq_lens=np.zeros(bucket, dtype=np.int32),
+               block_tables=np.zeros((bucket, width), dtype=np.int32), table_lens=np.zeros(bucket, dtype=np.int64),
+               state_slots=np.zeros(bucket, dtype=np.int64), last=np.zeros(bucket, dtype=np.int64))
+    if batch is None:
+        return out
     b = len(batch.query_lens)
     rows = np.asarray(request.rows, dtype=np.int64)
     live = np.arange(n)[None, :] < rows[:, None]
-    next_ids = np.zeros((b, n), dtype=np.int64)
-    for i, ids in enumerate(request.next_ids):
-        next_ids[i, : len(ids)] = ids
-    slots = np.where(live, np.asarray(batch.slot_mapping, dtype=np.int64).reshape(b, n), -1)
-    steps = max(request.drafts)
-    # null-block padded up to the last draft row's page: the head's selection reads the pages of
-    # every position before a row's (past a sequence's blocks: the null block, stored nothing)
-    width = max(max(len(t) for t in request.tables), -(-(max(batch.seq_lens) + steps) // block_size))
-    tables = np.zeros((b, width), dtype=np.int32)
-    for i, t in enumerate(request.tables):
-        tables[i, : len(t)] = t
-    as_t = lambda a, dtype=torch.long: torch.as_tensor(a, dtype=dtype).to(device)  # noqa: E731
-    return UniformDraftInputs(
-        next_ids=as_t(next_ids.reshape(-1)), slots=as_t(slots.reshape(-1)), positions=as_t(batch.positions),
-        seq_lens=as_t(batch.seq_lens, torch.int32), block_tables=as_t(tables, torch.int32),
-        table_lens=as_t([len(t) for t in request.tables]), state_slots=as_t(batch.state_slots),
-        last=as_t(rows - 1), steps=steps)
+    ids = out["next_ids"][: b * n].reshape(b, n)
+    for i, nxt in enumerate(request.next_ids):
+        ids[i, : len(nxt)] = nxt
+    out["slots"][: b * n] = np.where(live, np.asarray(batch.slot_mapping, dtype=np.int64).reshape(b, n), -1).reshape(-1)
+    out["positions"][: b * n] = batch.positions
+    out["seq_lens"][:b] = batch.seq_lens
+    for i, table in enumerate(request.tables):
+        out["block_tables"][i, : len(table)] = table
+        out["table_lens"][i] = len(table)
+    out["state_slots"][:b] = batch.state_slots
+    out["last"][:b] = rows - 1
+    return out
+
+
+def draft_table_width(batch: BatchInput, request: MtpDraftRequest, block_size: int) -> int:
+    """Block-table columns up to the last draft row's page, null-padded: the head's selection reads
+    the pages of every position before a row's (past a sequence's blocks: the null block)."""
+    return max(max(len(t) for t in request.tables), -(-(max(batch.seq_lens) + max(request.drafts)) // block_size))
+
+
+def uniform_draft_inputs(batch: BatchInput, request: MtpDraftRequest, n: int, block_size: int,
+                         device: torch.device) -> UniformDraftInputs:
+    """Host lists -> device tensors, one copy each, before the head's first launch."""
+    arrays = uniform_host_inputs(batch, request, n, len(batch.query_lens), draft_table_width(batch, request, block_size))
+    return UniformDraftInputs(**{name: torch.as_tensor(a).to(device) for name, a in arrays.items()},
+                              steps=max(request.drafts))
 
 
 def mtp_uniform_drafts(model: HasMtpHead, hidden: torch.Tensor, inp: UniformDraftInputs, block_size: int) -> torch.Tensor:
@@ -236,40 +253,4 @@ def run_mtp_drafts(model: HasMtpHead, batch: BatchInput, hidden: torch.Tensor, r
     drafted = torch.stack(tokens, dim=1).tolist()  # [drafting sequences, longest]: the one read back
     for i, got in zip(ids, drafted):
         out[i] = got[: request.drafts[i]]
-    return out
-    rows = [r for i in seqs for r in range(cu[i], cu[i] + request.rows[i])]
-    positions = [int(batch.positions[r]) for r in rows]
-    meta = _meta(positions, [request.rows[i] for i in seqs], [int(batch.slot_mapping[r]) for r in rows],
-                 [request.tables[i] for i in seqs],
-                 [batch.state_slots[i] for i in seqs], block_size, dcp, device)
-    next_ids = torch.tensor([t for i in seqs for t in request.next_ids[i]], dtype=torch.long, device=device)
-    h = model.mtp_forward(hidden[torch.tensor(rows, device=device)], next_ids,
-                          torch.tensor(positions, dtype=torch.long, device=device), meta)
-    drafting = [(j, i) for j, i in enumerate(seqs) if request.drafts[i] > 0]
-    if not drafting:
-        return out
-    ends = np.cumsum([request.rows[i] for i in seqs]) - 1
-    last = torch.tensor([int(ends[j]) for j, _ in drafting], device=device)
-    h = h[last]
-    token = model.mtp_logits(h).argmax(-1)
-    ids = [i for _, i in drafting]
-    for i, t in zip(ids, token.tolist()):
-        out[i].append(t)
-    longest = max(request.drafts[i] for i in ids)
-    if longest > 1:
-        slot_idx = torch.tensor([batch.state_slots[i] for i in ids], device=device)
-        saved = [t[slot_idx].clone() for t in model.mtp_state_tensors()]
-        pos = [positions[int(ends[j])] + 1 for j, _ in drafting]  # the row after the last verified one
-        for step in range(1, longest):
-            meta = _meta(pos, [1] * len(ids), [_slot(request.tables[i], p, block_size) for i, p in zip(ids, pos)],
-                         [request.tables[i] for i in ids], [batch.state_slots[i] for i in ids], block_size, dcp,
-                         device)
-            h = model.mtp_forward(h, token, torch.tensor(pos, dtype=torch.long, device=device), meta)
-            token = model.mtp_logits(h).argmax(-1)
-            for i, t in zip(ids, token.tolist()):
-                if len(out[i]) < request.drafts[i]:
-                    out[i].append(t)
-            pos = [p + 1 for p in pos]
-        for t, rows_saved in zip(model.mtp_state_tensors(), saved):
-            t[slot_idx] = rows_saved
     return out

@@ -20,7 +20,8 @@ import torch
 
 from qsaserve.engine.batch import BatchInput
 from qsaserve.engine.cuda_graph import PinnedStaging, pick_bucket
-from qsaserve.engine.mtp_drafter import MtpDraftRequest, UniformDraftInputs, mtp_uniform_drafts
+from qsaserve.engine.mtp_drafter import (MtpDraftRequest, UniformDraftInputs, draft_table_width, mtp_uniform_drafts,
+                                         uniform_host_inputs)
 
 logger = logging.getLogger("qsaserve")
 
@@ -58,29 +59,13 @@ class MtpDraftGraphs:
 
     def _stage(self, bucket: int, rows: int, batch: BatchInput | None, request: MtpDraftRequest | None) -> None:
         """The padded host arrays into the staging buffers (no request: all padding)."""
-        at, t = self._layout(bucket, rows), bucket * rows
+        at = self._layout(bucket, rows)
+        arrays = uniform_host_inputs(batch, request, rows, bucket, self.width)
         flat64 = np.zeros(at[-1], dtype=np.int64)
-        flat64[at[1] : at[1] + t] = -1  # padding rows are dead
-        flat32 = np.zeros(bucket + bucket * self.width, dtype=np.int32)
-        if batch is not None:
-            b = len(batch.query_lens)
-            live_rows = np.asarray(request.rows, dtype=np.int64)
-            live = np.arange(rows)[None, :] < live_rows[:, None]
-            ids = np.zeros((b, rows), dtype=np.int64)
-            for i, nxt in enumerate(request.next_ids):
-                ids[i, : len(nxt)] = nxt
-            flat64[at[0] : at[0] + b * rows] = ids.reshape(-1)
-            flat64[at[1] : at[1] + b * rows] = np.where(live, np.asarray(batch.slot_mapping).reshape(b, rows), -1).reshape(-1)
-            flat64[at[2] : at[2] + b * rows] = batch.positions
-            flat64[at[3] : at[3] + b] = [len(tb) for tb in request.tables]
-            flat64[at[4] : at[4] + b] = batch.state_slots
-            flat64[at[5] : at[5] + b] = live_rows - 1
-            flat32[:b] = batch.seq_lens
-            tables = flat32[bucket:].reshape(bucket, self.width)
-            for i, tb in enumerate(request.tables):
-                tables[i, : len(tb)] = tb
+        for i, name in enumerate(("next_ids", "slots", "positions", "table_lens", "state_slots", "last")):
+            flat64[at[i] : at[i] + len(arrays[name])] = arrays[name]
         self.stage64.upload(flat64)
-        self.stage32.upload(flat32)
+        self.stage32.upload(np.concatenate([arrays["seq_lens"], arrays["block_tables"].reshape(-1)]))
 
     def _keys(self) -> list[tuple[int, int]]:
         return sorted(((b, n) for b in self.buckets for n in self.rows), key=lambda key: key[0] * key[1], reverse=True)
@@ -108,9 +93,8 @@ class MtpDraftGraphs:
                     self.rows, time.perf_counter() - start)
 
     def fits(self, batch: BatchInput, request: MtpDraftRequest, rows: int) -> bool:
-        need = -(-(max(batch.seq_lens) + self.k) // self.block_size)
         return (rows in self.rows and pick_bucket(len(batch.query_lens), self.buckets) is not None
-                and max(request.drafts) <= self.k and need <= self.width)
+                and max(request.drafts) <= self.k and draft_table_width(batch, request, self.block_size) <= self.width)
 
     def run(self, batch: BatchInput, hidden: torch.Tensor, request: MtpDraftRequest, rows: int) -> list[list[int]]:
         """The drafts of a uniform step (mtp_drafter.uniform_rows > 0 and fits())."""
