@@ -284,6 +284,18 @@ def test_metrics_report_the_spec_counters(hf_llama):
     assert samples[("qsaserve:spec_decode_fallback_steps_total", None)] == st.fallback_steps
 
 
+def plant_reference_drafts(eng, reference: dict, rng) -> None:
+    """Every drafting sequence carries min(3, room) drafts: the reference continuation up to a
+    random position, wrong tokens after it (so some are accepted and some rejected)."""
+    def planted(seq, *running):
+        room = max(0, min(3, NEW - seq.num_output_tokens - 1))
+        good = reference[tuple(seq.token_ids[: seq.num_prompt_tokens])][seq.num_output_tokens:][:room]
+        cut = rng.randint(0, len(good))
+        seq.draft_token_ids = good[:cut] + [(t + 1) % 100 for t in good[cut:]]
+
+    eng.spec.propose = planted
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["smollm2-135m", "qwen4exp-tiny"])
 def test_planted_drafts_equal_plain_decoding_on_gpu(model):
@@ -316,16 +328,7 @@ them still replay their graphs."""
     plain = run(None)
     want = drain(plain)
     eng = run({"method": "ngram", "num_speculative_tokens": 3})
-    ref, rng, propose = {tuple(p): w for p, w in zip(ps, want)}, random.Random(0), eng.spec.propose
-
-    def planted(seq, *running):
-        propose(seq, *running)
-        room = max(0, min(3, NEW - seq.num_output_tokens - 1))
-        good = ref[tuple(seq.token_ids[: seq.num_prompt_tokens])][seq.num_output_tokens:][:room]
-        cut = rng.randint(0, len(good))
-        seq.draft_token_ids = good[:cut] + [(t + 1) % 100 for t in good[cut:]]
-
-    eng.spec.propose = planted
+    plant_reference_drafts(eng, {tuple(p): w for p, w in zip(ps, want)}, random.Random(0))
     assert drain(eng) == want
     st = eng.spec.stats
     assert 0 < st.accepted < st.drafted
@@ -367,7 +370,6 @@ def test_verify_steps_replay_graphs_and_equal_plain_decoding_on_gpu(model):
     plain.shutdown()
     eng = LLMEngine(EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                      "disable_when_slower": False}, **kw), progress=False)
-    ref, rng = {tuple(p): w for p, w in zip(ps, want)}, random.Random(0)
     graphs = eng.executor.runner.graphs
     assert graphs is not None and 4 in graphs.verify_sizes
     tails, replay = [], graphs.replay
@@ -378,14 +380,7 @@ def test_verify_steps_replay_graphs_and_equal_plain_decoding_on_gpu(model):
         return replay(batch, key, feed)
 
     graphs.replay = watched
-
-    def planted(seq, *running):
-        room = max(0, min(3, NEW - seq.num_output_tokens - 1))
-        good = ref[tuple(seq.token_ids[: seq.num_prompt_tokens])][seq.num_output_tokens:][:room]
-        cut = rng.randint(0, len(good))
-        seq.draft_token_ids = good[:cut] + [(t + 1) % 100 for t in good[cut:]]
-
-    eng.spec.propose = planted
+    plant_reference_drafts(eng, {tuple(p): w for p, w in zip(ps, want)}, random.Random(0))
     assert drain(eng) == want
     st = eng.spec.stats
     assert 0 < st.accepted < st.drafted
