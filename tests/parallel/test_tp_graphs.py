@@ -15,24 +15,25 @@ import torch.distributed as dist
 
 
 # ---------------------------------------------------------------------------------------------- CPU
-def _stand_in_runner(has_graphs: bool):
-    """What agree_on_graphs touches of a ModelRunner: its graphs and the real drop_graphs (with the
-    real free_graphs it frees them through)."""
+def _stand_in_runner(has_graphs: bool, has_draft_graphs: bool = False):
+    """What agree_on_graphs touches of a ModelRunner: its graphs (the MTP head's too) and the real
+    drop_graphs (with the real free_graphs it frees them through)."""
     from qsaserve.engine.model_runner import ModelRunner
 
     runner = SimpleNamespace(graphs=object() if has_graphs else None, device=torch.device("cpu"),
+                             draft_graphs=object() if has_draft_graphs else None, _last_step=None,
                              graphs_off_reason=None if has_graphs else "capture failed (test)")
     runner.drop_graphs = MethodType(ModelRunner.drop_graphs, runner)
     runner.free_graphs = MethodType(ModelRunner.free_graphs, runner)
     return runner
 
 
-def _agree(flags: list[bool]) -> list:
+def _agree(flags: list[bool], draft_flags: list[bool] | None = None) -> list:
     """Runs agree_on_graphs on one gloo group per rank (threads of this process, one store)."""
     from qsaserve.engine.executor.rank import agree_on_graphs
 
     store = dist.HashStore()
-    runners = [_stand_in_runner(f) for f in flags]
+    runners = [_stand_in_runner(f, d) for f, d in zip(flags, draft_flags or [False] * len(flags))]
     kept, errors = [None] * len(flags), []
 
     def rank(r: int) -> None:
@@ -71,6 +72,18 @@ def test_ranks_that_agree_keep_their_state(flags):
     runners, kept = _agree(flags)
     assert kept == flags
     assert [r.graphs is not None for r in runners] == flags
+
+
+def test_a_rank_without_mtp_draft_graphs_makes_every_rank_draft_eagerly(caplog):
+    """The MTP head's drafting graphs issue the head's collectives at the bucket's size: a rank
+    whose capture failed would pair eager collectives with the others' replays."""
+    with caplog.at_level("WARNING", logger="qsaserve"):
+        runners, kept = _agree([True, True], draft_flags=[True, False])
+    assert kept == [True, True] and all(r.graphs is not None for r in runners)  # the decode graphs stay
+    assert all(r.draft_graphs is None for r in runners)
+    assert "no MTP draft graphs" in caplog.text
+    runners, _ = _agree([True, True], draft_flags=[True, True])
+    assert all(r.draft_graphs is not None for r in runners)
 
 
 # ---------------------------------------------------------------------------------------------- GPU

@@ -218,8 +218,10 @@ def pad_decode(batch: BatchInput, bucket: int, rows: int = 1, pad_snapshot_rows:
 
 class DecodeGraphs:
     """Captured decode graphs, one per bucket (and per bucket and verify row count), sharing one
-    memory pool and one set of static input buffers. Logits for every bucket row are computed
-    inside the graph."""
+    memory pool, one set of static input buffers and one pair of output buffers (hidden rows and
+    logits, the largest graph's size: each graph copies its outputs into their head, so the
+    graphs do not each keep a [rows, vocab] float32 tensor alive). Logits for every bucket row are
+    computed inside the graph."""
 
     def __init__(self, model, sizes: list[int], max_model_len: int, kv_spec: KVCacheSpec, device: torch.device,
                  verify_sizes: dict[int, list[int]] | None = None, pad_snapshot_rows: list[int] | None = None):
@@ -277,13 +279,14 @@ class DecodeGraphs:
         b, w = padded.bucket, padded.width
         self.block_tables[:b, :w].copy_(d32[b:].view(b, w))
 
-    def _forward(self, key: tuple[int, int]) -> torch.Tensor:
+    def _forward(self, key: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (hidden rows [bucket * rows, ...], logits [bucket * rows, V] in the step's logits order)."""
         bucket, rows = key
         input_ids, positions, meta = self._inputs(bucket, rows)
-        hidden = self.hidden[key] = self.model(input_ids, positions, meta)
+        hidden = self.model(input_ids, positions, meta)
         if rows == 1:
-            return self.model.compute_logits(hidden)
-        return self.model.compute_logits(hidden[Layout(bucket, rows).segment(self.stage64.dev, 5)])
+            return hidden, self.model.compute_logits(hidden)
+        return hidden, self.model.compute_logits(hidden[Layout(bucket, rows).segment(self.stage64.dev, 5)])
 
     def _pad(self, batch: BatchInput, key: tuple[int, int]) -> PaddedDecode:
         return pad_decode(batch, key[0], key[1], self.pad_snapshot_rows)
@@ -306,7 +309,11 @@ class DecodeGraphs:
             keys = self._keys()
             for key in keys:
                 self._stage(self._pad(empty, key))
-                self._forward(key)
+                hidden, logits = self._forward(key)
+                if key == keys[0]:  # the largest: one output buffer each, which every graph writes the head of
+                    self.hidden_out = torch.empty_like(hidden)
+                    self.logits_out = torch.empty_like(logits)
+                del hidden, logits
             torch.cuda.synchronize()
             self.pool = torch.cuda.graph_pool_handle()
             for key in keys:
@@ -315,7 +322,12 @@ class DecodeGraphs:
                 # thread_local: on rank 0 of a parallel engine the capture runs in a startup thread,
                 # and CUDA calls of other threads (NCCL's watchdog) must not invalidate it.
                 with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                    self.logits[key] = self._forward(key)
+                    hidden, logits = self._forward(key)
+                    self.hidden[key] = self.hidden_out[: hidden.shape[0]]
+                    self.hidden[key].copy_(hidden)
+                    self.logits[key] = self.logits_out[: logits.shape[0]]
+                    self.logits[key].copy_(logits)
+                    del hidden, logits  # their pool blocks go back: the next capture reuses them
                 self.graphs[key] = graph
             torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info(self.device)[0]

@@ -176,7 +176,7 @@ class ModelRunner:
         """Destroys the captured decode graphs now (before the process group, at shutdown): NCCL does
         not destroy a communicator while a CUDA graph that captured one of its collectives is alive,
         so the teardown would wait for the graphs (docs/benchmarks.md, bench_engine_restart.py)."""
-        self.graphs = self.draft_graphs = None
+        self.graphs = self.draft_graphs = self._last_step = None  # _last_step may view a graph's output
         gc.collect()  # graphs dropped earlier (bind_kv_cache) may still sit in reference cycles
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -424,7 +424,7 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
 
     def bind_kv_cache(self, caches: list[LayerCache]) -> None:
-        self.graphs = self.draft_graphs = None  # captured graphs point at the old cache
+        self.graphs = self.draft_graphs = self._last_step = None  # captured graphs point at the old cache
         self.kv_caches = caches
         for i, layer in enumerate(self.attention_layers):
             layer.cache = caches[i] if caches else None

@@ -119,10 +119,13 @@ def agree_on_graphs(runner, control) -> bool:
     padded bucket, an eager step those of the batch, and mixing them would hang or garble the
     step. A rank without graphs (capture failed there) makes every rank drop its own. Returns
     whether this rank keeps its graphs."""
-    has = torch.tensor([0 if runner.graphs is None else 1], dtype=torch.int64)
+    has = torch.tensor([0 if runner.graphs is None else 1, 0 if runner.draft_graphs is None else 1], dtype=torch.int64)
     dist.all_reduce(has, op=dist.ReduceOp.MIN, group=control)
     if int(has[0]) == 0 and runner.graphs is not None:
         runner.drop_graphs("another tensor-parallel rank has no CUDA graphs (see its log); every rank decodes eagerly")
+    if int(has[1]) == 0 and runner.draft_graphs is not None:  # the MTP head's too: its collectives must pair up
+        logger.warning("CUDA graphs: another tensor-parallel rank has no MTP draft graphs; every rank drafts eagerly")
+        runner.draft_graphs = None
     return runner.graphs is not None
 
 
