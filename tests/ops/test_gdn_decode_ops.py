@@ -6,7 +6,8 @@ bf16 rounding; under the Triton interpreter on CPU and on a GPU."""
 import torch
 from triton_interpreter import triton_check_tests
 
-from qsaserve.ops.gdn.decode_ops import (conv1d_decode_reference_, delta_rule_decode_reference_,
+from qsaserve.ops.gdn.decode_ops import (conv1d_decode_reference_, conv1d_decode_rows_reference_,
+                                         delta_rule_decode_reference_,
                                          delta_rule_decode_rows_reference_, gated_rms_norm,
                                          gdn_gates_reference)
 
@@ -102,6 +103,36 @@ def check_delta_rule_rows(device, dtype, rows_):
     torch.testing.assert_close(dev_snaps.cpu()[1:5], ref_snaps[1:5], atol=1e-5, rtol=1e-5)
 
 
+def check_conv_rows(device, dtype, rows_):
+    """3 sequences x 3 rows through a 4-tap conv (slots 2, 4, and a fresh padding sequence on the
+    scratch slot 0), the last row of sequence 1 dead; snapshots after rows 0 and 1."""
+    g = torch.Generator().manual_seed(5)
+    b, n, c = 3, 3, 200  # two channel blocks of the kernel
+    x = torch.randn(b, n, c, generator=g).to(dtype)
+    w = torch.randn(c, 1, 4, generator=g).to(dtype)
+    states = torch.randn(6, c, 3, generator=g).to(dtype)
+    slots, fresh = torch.tensor([2, 4, 0]), torch.tensor([False, False, True])
+    live = torch.tensor([[True, True, True], [True, True, False], [False, False, False]])
+    snaps, snap_rows = torch.zeros(8, c, 3, dtype=dtype), torch.tensor([[1, 2], [3, 4], [0, 0]])
+    ref_states, ref_snaps = states.clone(), snaps.clone()
+    want = conv1d_decode_rows_reference_(x, w, ref_states, slots, fresh, live, "silu", ref_snaps, snap_rows)
+    step_states = states.clone()  # against one-token steps of the live rows
+    for j in range(n):
+        idx = torch.tensor([i for i in (0, 1) if live[i, j]])
+        y = conv1d_decode_reference_(x[idx, j], w, step_states, slots[idx], fresh[idx])
+        torch.testing.assert_close(want[idx, j], y)
+        if j < n - 1:
+            torch.testing.assert_close(ref_snaps[snap_rows[idx, j]], step_states[slots[idx]])
+    dev_states, dev_snaps = states.clone().to(device), snaps.clone().to(device)
+    got = rows_(x.to(device), w.to(device), dev_states, slots.to(device), fresh.to(device), live.to(device), "silu",
+                dev_snaps, snap_rows.to(device))
+    assert got.dtype == dtype and got.shape == (b, n, c)
+    torch.testing.assert_close(got.cpu()[0], want[0], **_tol(dtype))
+    torch.testing.assert_close(got.cpu()[1, :2], want[1, :2], **_tol(dtype))
+    torch.testing.assert_close(dev_states.cpu()[1:], ref_states[1:], **_tol(dtype))
+    torch.testing.assert_close(dev_snaps.cpu()[1:5], ref_snaps[1:5], **_tol(dtype))
+
+
 def _triton_checks(device):
     from qsaserve.ops.gdn import triton_decode as td
 
@@ -109,6 +140,7 @@ def _triton_checks(device):
         check_decode_ops(device, dtype, td.gdn_gates_triton, td.conv1d_decode_triton_, td.gated_rms_norm_triton)
         check_delta_rule(device, dtype, td.delta_rule_decode_triton_)
         check_delta_rule_rows(device, dtype, td.delta_rule_decode_rows_triton_)
+        check_conv_rows(device, dtype, td.conv1d_decode_rows_triton_)
 
 
 test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)

@@ -8,11 +8,12 @@ from torch import nn
 
 from qsaserve.models.qwen4exp.sharding import RankLayout
 from qsaserve.models.qwen4exp.snapshots import state_windows
-from qsaserve.models.qwen4exp.state import GDNState, Step, by_row
+from qsaserve.models.qwen4exp.state import GDNState, Step
 from qsaserve.models.qwen4exp.quantized import packed, project
 from qsaserve.models.qwen4exp.weights import PackedWeight, ShardLoader, Weight, parameter
-from qsaserve.ops.gdn import (causal_conv1d, conv1d_decode_, delta_rule_decode_, delta_rule_decode_rows_,
-                              gated_delta_rule, gated_delta_rule_with_states, gated_norm, gdn_gates)
+from qsaserve.ops.gdn import (causal_conv1d, conv1d_decode_, conv1d_decode_rows_, delta_rule_decode_,
+                              delta_rule_decode_rows_, gated_delta_rule, gated_delta_rule_with_states, gated_norm,
+                              gdn_gates)
 
 
 class GatedDeltaNet(nn.Module):
@@ -63,19 +64,16 @@ class GatedDeltaNet(nn.Module):
         conv_weight = self.conv1d.weight
         if step.decode and step.rows is None:
             o = self._decode_token(mixed, g, beta, step)
-        elif step.decode:  # decode rows: the conv row by row, the delta rule over all rows in one op
+        elif step.decode:  # decode rows: the conv and the delta rule over all rows, one op each
             n, b = len(step.rows), t // len(step.rows)
-            convs = []
-            for j, row in enumerate(step.rows):
-                convs.append(conv1d_decode_(by_row(mixed, n, j), conv_weight, st.conv, row.slot_idx, row.fresh,
-                                            self.activation))
-                step.save_row_state(st, j, ("conv",))
-            q, k, v = torch.split(torch.stack(convs, dim=1), [hk * dk, hk * dk, hv * dv], dim=-1)
-            live = torch.stack([row.valid for row in step.rows], dim=1)
-            snaps = st.snapshot_pools["recurrent"] if step.row_snapshots is not None else None
+            live, fresh, rows = torch.stack([row.valid for row in step.rows], dim=1), step.rows[0].fresh, step.row_snapshots
+            pools = st.snapshot_pools if rows is not None else {"conv": None, "recurrent": None}
+            conv = conv1d_decode_rows_(mixed.view(b, n, -1), conv_weight, st.conv, slot_idx, fresh, live, self.activation,
+                                       pools["conv"], rows)
+            q, k, v = torch.split(conv, [hk * dk, hk * dk, hv * dv], dim=-1)
             o = delta_rule_decode_rows_(q.reshape(b, n, hk, dk), k.reshape(b, n, hk, dk), v.reshape(b, n, hv, dv),
-                                        g.view(b, n, hv), beta.view(b, n, hv), st.recurrent, slot_idx,
-                                        step.rows[0].fresh, live, snaps, step.row_snapshots).view(t, hv, dv)
+                                        g.view(b, n, hv), beta.view(b, n, hv), st.recurrent, slot_idx, fresh, live,
+                                        pools["recurrent"], rows).view(t, hv, dv)
         else:
             old_conv = st.conv[slot_idx]
             conv, new_conv = causal_conv1d(mixed.t()[None], conv_weight, None, old_conv, activation=self.activation,

@@ -3,8 +3,8 @@
 * `gated_delta_rule`: fla-core's chunked / recurrent kernels, else the torch references.
 * The decode step's small ops, one Triton launch each (triton_decode.py), else the torch
   references (decode_ops.py): `gdn_gates`, `conv1d_decode_` and `delta_rule_decode_` (per-slot
-  state advanced in place), `delta_rule_decode_rows_` (a verify's rows of each sequence in one
-  launch, the state after each row to its snapshot row), `gated_norm`.
+  state advanced in place), `conv1d_decode_rows_` and `delta_rule_decode_rows_` (a verify's rows
+  of each sequence in one launch, the state after each row to its snapshot row), `gated_norm`.
 * `causal_conv1d`: the prefill conv over every packed sequence of a step, each from its conv
   state (triton_conv.py), else `causal_conv1d_reference`."""
 from __future__ import annotations
@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from qsaserve.ops.dispatch import use_triton
-from qsaserve.ops.gdn.decode_ops import (conv1d_decode_reference_, delta_rule_decode_reference_,
-                                         delta_rule_decode_rows_reference_, gated_rms_norm, gdn_gates_reference)
+from qsaserve.ops.gdn.decode_ops import (conv1d_decode_reference_, conv1d_decode_rows_reference_,
+                                         delta_rule_decode_reference_, delta_rule_decode_rows_reference_,
+                                         gated_rms_norm, gdn_gates_reference)
 from qsaserve.ops.gdn.delta_rule import gated_delta_rule, gated_delta_rule_with_states
 from qsaserve.ops.gdn.reference import (
     causal_conv1d_reference,
@@ -63,6 +64,16 @@ def delta_rule_decode_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return fn(q, k, v, g, beta, states, slots, fresh)
 
 
+def conv1d_decode_rows_(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                        fresh: torch.Tensor, live: torch.Tensor, activation: str = "silu",
+                        snapshots: torch.Tensor | None = None, snapshot_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """n tokens of each sequence in order (a verify's rows): x [B, n, C], live [B, n] (a dead row
+    leaves the state), snapshots [R, C, W-1] with snapshot_rows [B, n - 1] (the state after row j)
+    -> act(causal conv) [B, n, C]; states[slots] advanced."""
+    fn = triton_decode.conv1d_decode_rows_triton_ if use_triton(x) else conv1d_decode_rows_reference_
+    return fn(x, weight, states, slots, fresh, live, activation, snapshots, snapshot_rows)
+
+
 def delta_rule_decode_rows_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                             states: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor, live: torch.Tensor,
                             snapshots: torch.Tensor | None = None,
@@ -87,6 +98,7 @@ __all__ = [
     "causal_conv1d_reference",
     "causal_conv1d_update_reference",
     "conv1d_decode_",
+    "conv1d_decode_rows_",
     "delta_rule_decode_",
     "delta_rule_decode_rows_",
     "gated_delta_rule",

@@ -97,3 +97,26 @@ def delta_rule_decode_rows_reference_(q: torch.Tensor, k: torch.Tensor, v: torch
             snapshots[snapshot_rows[:, j]] = state
     states[slots] = state
     return torch.stack(outs, dim=1)
+
+
+def conv1d_decode_rows_reference_(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                                  fresh: torch.Tensor, live: torch.Tensor, activation: str = "silu",
+                                  snapshots: torch.Tensor | None = None,
+                                  snapshot_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """n tokens per sequence in order: x [B, n, C], live [B, n] (a dead row leaves the state; its
+    output is unspecified, here zeros), snapshots [R, C, W-1] with snapshot_rows [B, n - 1] (the
+    state after row j) -> act(y) [B, n, C]; states[slots] end after the last live row."""
+    b, n, _ = x.shape
+    state = torch.where(fresh[:, None, None], 0, states[slots])
+    outs = []
+    for j in range(n):
+        scratch = state.clone()
+        y = conv1d_decode_reference_(x[:, j], weight, scratch, torch.arange(b), torch.zeros(b, dtype=torch.bool),
+                                     activation)
+        keep = live[:, j]
+        state = torch.where(keep[:, None, None], scratch, state)
+        outs.append(torch.where(keep[:, None], y, 0))
+        if snapshots is not None and j < n - 1:
+            snapshots[snapshot_rows[:, j]] = state.to(snapshots.dtype)
+    states[slots] = state.to(states.dtype)
+    return torch.stack(outs, dim=1)

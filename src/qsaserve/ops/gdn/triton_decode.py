@@ -70,6 +70,41 @@ def _conv_decode_kernel(x_ptr, w_ptr, states_ptr, slots_ptr, fresh_ptr, y_ptr, C
 
 
 @triton.jit
+def _conv_decode_rows_kernel(x_ptr, w_ptr, states_ptr, slots_ptr, fresh_ptr, live_ptr, y_ptr, snap_ptr, snap_rows_ptr,
+                             C, stride_x, stride_w, stride_sn, stride_sc, stride_y, stride_pn, stride_pc,
+                             ROWS: tl.constexpr, HAS_SNAP: tl.constexpr, W: tl.constexpr, SPAN_POW2: tl.constexpr,
+                             SILU: tl.constexpr, BLOCK_C: tl.constexpr):
+    """ROWS tokens of one sequence in order through its conv state (advanced by each live row,
+    stored to the sequence's snapshot row after each row but the last)."""
+    seq = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = c < C
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    keep0 = tl.load(fresh_ptr + seq) == 0  # a fresh sequence's first row starts from a zero state
+    i = tl.arange(0, SPAN_POW2)
+    in_state = c_ok[:, None] & (i[None, :] < W - 1)
+    for j in tl.static_range(ROWS):
+        row = seq * ROWS + j
+        tl.debug_barrier()  # the previous row's state stores land before this row reads them
+        x = tl.load(x_ptr + row * stride_x + c, mask=c_ok, other=0.0)
+        y = tl.zeros((BLOCK_C,), dtype=tl.float32)
+        if tl.load(live_ptr + row) != 0:
+            keep = keep0
+            if j > 0:  # later rows continue from the state the earlier ones stored
+                keep = keep0 | True
+            y = causal_conv_step(x, w_ptr, stride_w, states_ptr, slot, keep, c, c_ok, stride_sn, stride_sc, W, 1,
+                                 SPAN_POW2)
+        if SILU:
+            y = y * tl.sigmoid(y)
+        tl.store(y_ptr + row * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=c_ok)
+        if HAS_SNAP and j < ROWS - 1:
+            tl.debug_barrier()
+            r = tl.load(snap_rows_ptr + seq * (ROWS - 1) + j).to(tl.int64)
+            st = tl.load(states_ptr + slot * stride_sn + c[:, None] * stride_sc + i[None, :], mask=in_state, other=0.0)
+            tl.store(snap_ptr + r * stride_pn + c[:, None] * stride_pc + i[None, :], st, mask=in_state)
+
+
+@triton.jit
 def _delta_rule_step_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, states_ptr, slots_ptr, fresh_ptr, o_ptr, scale,
                             stride_q, stride_qh, stride_k, stride_kh, stride_v, stride_vh, stride_g, stride_beta,
                             stride_sn, stride_sh, stride_sk, stride_o, stride_oh,
@@ -194,6 +229,35 @@ def conv1d_decode_triton_(x: torch.Tensor, weight: torch.Tensor, states: torch.T
             W=width, SPAN_POW2=triton.next_power_of_2(width - 1), SILU=activation is not None, BLOCK_C=block_c,
             num_warps=4)
     return y
+
+
+def conv1d_decode_rows_triton_(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                               fresh: torch.Tensor, live: torch.Tensor, activation: str = "silu",
+                               snapshots: torch.Tensor | None = None,
+                               snapshot_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """decode_ops.conv1d_decode_rows_reference_ in one launch."""
+    if activation not in ("silu", "swish", None):
+        raise ValueError(f"unsupported activation {activation!r}")
+    b, n, c = x.shape
+    w = weight.reshape(weight.shape[0], -1)
+    width = w.shape[1]
+    if states.shape[-1] != width - 1 or states.stride(-1) != 1 or w.stride(-1) != 1 or live.shape != (b, n):
+        raise ValueError("conv1d_decode_rows: x [B, n, C], live [B, n], states [N, C, W-1] and weight [C, W] "
+                         "with unit last strides")
+    x2 = x.reshape(b * n, c).contiguous()
+    live = live.reshape(-1).to(torch.int8).contiguous()
+    has_snap = snapshots is not None and n > 1
+    snap = snapshots if has_snap else states
+    rows = snapshot_rows.contiguous() if has_snap else slots
+    y = torch.empty_like(x2)
+    if b:
+        block_c = 128
+        _conv_decode_rows_kernel[(b, triton.cdiv(c, block_c))](
+            x2, w, states, slots.contiguous(), fresh.contiguous(), live, y, snap, rows, c, x2.stride(0), w.stride(0),
+            states.stride(0), states.stride(1), y.stride(0), snap.stride(0), snap.stride(1), ROWS=n,
+            HAS_SNAP=has_snap, W=width, SPAN_POW2=triton.next_power_of_2(width - 1), SILU=activation is not None,
+            BLOCK_C=block_c, num_warps=4)
+    return y.view(b, n, c)
 
 
 def delta_rule_decode_triton_(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
