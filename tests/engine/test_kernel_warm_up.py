@@ -94,10 +94,10 @@ def test_no_moe_kernel_built_after_startup():
 
 
 def test_startup_steps_leave_serving_unchanged():
-    """The runner's startup steps (engine.model_runner.warm_up_batches; run at startup on CUDA only)
+    """The runner's startup steps (engine.warm_up_steps.warm_up_batches; run at startup on CUDA only)
     go through the model on CPU too, and what they write (the scratch state slot 0, pages no
     request owns) changes no later output: greedy tokens before and after are identical."""
-    from qsaserve.engine.model_runner import warm_up_batches
+    from qsaserve.engine.warm_up_steps import warm_up_batches
 
     llm = LLM("qwen4exp-tiny", load_format="dummy", dtype="float32", device="cpu", max_model_len=256, max_num_seqs=20,
               progress=False)

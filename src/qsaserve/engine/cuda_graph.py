@@ -125,6 +125,17 @@ def verify_graph_plan(spec, config, attention_layers, state_rows_base: int) -> t
     return sizes, [state_rows_base + j for j in range(k)]
 
 
+def aligned_starts(sizes: list[int], align: int) -> list[int]:
+    """Start of each segment when every one begins at a multiple of `align` elements, then the
+    total: a staged input at a 16-byte aligned offset (Triton specializes kernels on pointer
+    alignment, so an offset that follows the step's counts would build new variants mid-serving)."""
+    starts, at = [], 0
+    for n in sizes:
+        starts.append(at)
+        at += -(-n // align) * align
+    return starts + [at]
+
+
 def default_capture_sizes(max_num_seqs: int) -> list[int]:
     from qsaserve.config import EngineConfig
 
@@ -169,11 +180,7 @@ class Layout:
     @property
     def starts(self) -> list[int]:
         t, b = self.bucket * self.rows, self.bucket
-        sizes = [t, t, t, b] + ([b * (self.rows - 1), t] if self.rows > 1 else [])
-        out = [0]
-        for n in sizes:
-            out.append(out[-1] + (n + 1) // 2 * 2)
-        return out
+        return aligned_starts([t, t, t, b] + ([b * (self.rows - 1), t] if self.rows > 1 else []), 2)
 
     def segment(self, buf: torch.Tensor | np.ndarray, i: int):
         starts, t, b = self.starts, self.bucket * self.rows, self.bucket

@@ -21,9 +21,10 @@ from qsaserve.cache.geometry import (CacheSplit, check_state_interval, choose_bl
 from qsaserve.cache.kv_cache import LayerCache, allocate_kv_cache, usable_blocks
 from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, StateSnapshotPlan, TokenFeed
-from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata, verify_graph_plan
+from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata, aligned_starts, verify_graph_plan
 from qsaserve.engine.mtp_graphs import capture_mtp_draft_graphs
 from qsaserve.engine.mtp_drafter import MtpDraftRequest, check_draft_method, run_mtp_drafts
+from qsaserve.engine.warm_up_steps import warm_up_batches
 from qsaserve.engine.host_copies import RankHostTier, host_block_bytes, host_split
 from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization import warm_up_quantized_layers
@@ -489,7 +490,7 @@ class ModelRunner:
         # Each input starts 16-byte aligned in its staging buffer: Triton specializes kernels on
         # their pointers' alignment, and views at offsets that follow the step's counts would
         # build new variants in the middle of serving.
-        at64 = _aligned_starts([t, t, t, n_rows, b], 2)
+        at64 = aligned_starts([t, t, t, n_rows, b], 2)
         flat64 = np.zeros(at64[-1], dtype=np.int64)
         for start, values in zip(at64, (batch.input_ids, batch.positions, batch.slot_mapping, batch.logits_indices,
                                         states)):
@@ -499,7 +500,7 @@ class ModelRunner:
         if feed is not None:
             feed.apply(ids)
         # int32 inputs: [seq_lens (b) | cu_query_lens (b + 1) | block tables (b x width, row-major)]
-        at32 = _aligned_starts([b, b + 1, b * width], 4)
+        at32 = aligned_starts([b, b + 1, b * width], 4)
         flat = np.zeros(at32[-1], dtype=np.int32)
         flat[:b] = batch.seq_lens
         np.cumsum(batch.query_lens, out=flat[at32[1] + 1 : at32[1] + b + 1])
@@ -542,48 +543,6 @@ def format_memory_plan(plan: dict[str, int]) -> str:
     if "kv_tokens" in plan:
         parts.append(f"{plan['kv_tokens']} KV tokens")
     return ", ".join(parts)
-
-
-def warm_up_batches(max_model_len: int, num_blocks: int, block_size: int, token_budget: int,
-                    max_num_seqs: int) -> list[BatchInput]:
-    """The startup steps of ModelRunner._warm_up_steps: fresh prompts of 64 and 37 tokens, a
-    17-token chunk at the longest context the cache and the step hold beside decode rows at short
-    and long contexts, decode batches of 1 and both sides of a multiple of 16 (Triton
-    specializes integer arguments on it) up to max_num_seqs at a short context, and the largest
-    at the longest."""
-    longest = max(2, min(max_model_len, (num_blocks - 1) * block_size, token_budget))
-    decodes = min(max_num_seqs, token_budget)
-    steps = [[(min(longest, 64), min(longest, 64))], [(min(longest, 37), min(longest, 37))],
-             [(longest, min(17, longest)), (max(1, longest // 2), 1), (min(longest, block_size + 1), 1),
-              (min(longest, 5), 1)]]
-    steps += [[(min(longest, 64), 1)] * n for n in sorted({1, max(1, decodes - 1), decodes})]
-    steps.append([(longest, 1)] * decodes)
-    return [_warm_up_batch(step, block_size) for step in steps]
-
-
-def _warm_up_batch(seqs: list[tuple[int, int]], block_size: int) -> BatchInput:
-    """A step of (context after the step, rows) sequences over pages 1.. (shared: what one writes,
-    another may overwrite; no request owns them yet) and the scratch state slot 0."""
-    ids, positions, slots, tables = [], [], [], []
-    for context, rows in seqs:
-        table = list(range(1, -(-context // block_size) + 1))
-        tables.append(table)
-        for p in range(context - rows, context):
-            ids.append(0)
-            positions.append(p)
-            slots.append(table[p // block_size] * block_size + p % block_size)
-    return BatchInput(input_ids=ids, positions=positions, slot_mapping=slots, query_lens=[r for _, r in seqs],
-                      seq_lens=[c for c, _ in seqs], block_tables=tables, logits_indices=[len(ids) - 1],
-                      state_slots=[0] * len(seqs))
-
-
-def _aligned_starts(sizes: list[int], align: int) -> list[int]:
-    """Start of each segment when every one begins at a multiple of `align` elements, then the total."""
-    starts, at = [], 0
-    for n in sizes:
-        starts.append(at)
-        at += -(-n // align) * align
-    return starts + [at]
 
 
 def _progress(weights, checkpoint, enabled: bool):

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from qsaserve.engine.batch import BatchInput
-from qsaserve.engine.cuda_graph import PinnedStaging, pick_bucket
+from qsaserve.engine.cuda_graph import PinnedStaging, aligned_starts, pick_bucket
 from qsaserve.engine.mtp_drafter import (MtpDraftRequest, UniformDraftInputs, draft_table_width, mtp_uniform_drafts,
                                          uniform_host_inputs)
 
@@ -43,12 +43,8 @@ class MtpDraftGraphs:
         self.replays = 0
 
     def _layout(self, bucket: int, rows: int) -> list[int]:
-        t = bucket * rows
-        sizes = [t, t, t, bucket, bucket, bucket]  # next ids | slots | positions | table lens | state slots | last
-        out = [0]
-        for s in sizes:
-            out.append(out[-1] + (s + 1) // 2 * 2)  # 16-byte aligned segments
-        return out
+        t = bucket * rows  # next ids | slots | positions | table lens | state slots | last, 16-byte aligned
+        return aligned_starts([t, t, t, bucket, bucket, bucket], 2)
 
     def _inputs(self, bucket: int, rows: int) -> UniformDraftInputs:
         at, d64, d32, t = self._layout(bucket, rows), self.stage64.dev, self.stage32.dev, bucket * rows
