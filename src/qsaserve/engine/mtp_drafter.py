@@ -162,30 +162,39 @@ def mtp_uniform_drafts(model: HasMtpHead, hidden: torch.Tensor, inp: UniformDraf
                         state_slots=[0] * b, state_slots_t=inp.state_slots)
     h = model.mtp_forward(hidden, inp.next_ids, inp.positions, meta)
     pick = torch.arange(b, device=hidden.device) * n + inp.last
-    h = h[pick]
-    token = model.mtp_logits(h).argmax(-1)
-    tokens = [token]
-    if inp.steps > 1:
-        saved = [t[inp.state_slots].clone() for t in model.mtp_state_tensors()]
+    real = inp.seq_lens > 0  # a CUDA graph's padding sequences draft nothing
+    one = torch.arange(b + 1, dtype=torch.int32, device=hidden.device)
+    width = inp.block_tables.shape[1]
+
+    def draft_rows():  # (meta, positions) of draft rows 1 .. steps - 1, slots from the tables on the device
         pos = inp.positions[pick] + 1
-        real = inp.seq_lens > 0  # a CUDA graph's padding sequences draft nothing
-        one = torch.arange(b + 1, dtype=torch.int32, device=hidden.device)
-        width = inp.block_tables.shape[1]
         for _ in range(1, inp.steps):
             block = pos // block_size
-            inside = block < inp.table_lens
             page = inp.block_tables.gather(1, block.clamp(max=width - 1)[:, None])[:, 0].long()
-            meta = StepMetadata(slot_mapping=torch.where(inside, page * block_size + pos % block_size, -1),
-                                block_tables=inp.block_tables, seq_lens=torch.where(real, pos + 1, 0).to(torch.int32),
-                                cu_query_lens=one,
-                                query_lens=[1] * b, seq_lens_list=[1 << 30] * b, state_slots=[0] * b,
-                                state_slots_t=inp.state_slots)
-            h = model.mtp_forward(h, token, pos, meta)
-            token = model.mtp_logits(h).argmax(-1)
-            tokens.append(token)
+            yield StepMetadata(slot_mapping=torch.where(block < inp.table_lens, page * block_size + pos % block_size, -1),
+                               block_tables=inp.block_tables, seq_lens=torch.where(real, pos + 1, 0).to(torch.int32),
+                               cu_query_lens=one, query_lens=[1] * b, seq_lens_list=[1 << 30] * b, state_slots=[0] * b,
+                               state_slots_t=inp.state_slots), pos
             pos = pos + 1
+
+    return _draft_chain(model, h[pick], draft_rows(), inp.state_slots if inp.steps > 1 else None)
+
+
+def _draft_chain(model: HasMtpHead, h: torch.Tensor, draft_rows, slot_idx: torch.Tensor | None) -> torch.Tensor:
+    """h: the head's output at each drafting sequence's last verified row. Draft 0 is its argmax;
+    each (meta, positions) of draft_rows then feeds the head its own output and previous draft.
+    The head's state slots (slot_idx; None: no draft rows) are put back afterwards: the next
+    step's catch-up rewrites those positions. -> drafts [sequences, 1 + draft rows], on the device."""
+    token = model.mtp_logits(h).argmax(-1)
+    tokens = [token]
+    saved = [t[slot_idx].clone() for t in model.mtp_state_tensors()] if slot_idx is not None else None
+    for meta, pos in draft_rows:
+        h = model.mtp_forward(h, token, pos, meta)
+        token = model.mtp_logits(h).argmax(-1)
+        tokens.append(token)
+    if saved is not None:
         for t, rows_saved in zip(model.mtp_state_tensors(), saved):
-            t[inp.state_slots] = rows_saved
+            t[slot_idx] = rows_saved
     return torch.stack(tokens, dim=1)
 
 
@@ -239,18 +248,7 @@ def run_mtp_drafts(model: HasMtpHead, batch: BatchInput, hidden: torch.Tensor, r
     h = model.mtp_forward(hidden[row_idx], next_ids, positions_t, meta)
     if not drafting:
         return out
-    h = h[last]
-    token = model.mtp_logits(h).argmax(-1)
-    tokens = [token]
-    if draft_steps:
-        saved = [t[slot_idx].clone() for t in model.mtp_state_tensors()]
-        for step_meta, step_pos in draft_steps:
-            h = model.mtp_forward(h, token, step_pos, step_meta)
-            token = model.mtp_logits(h).argmax(-1)
-            tokens.append(token)
-        for t, rows_saved in zip(model.mtp_state_tensors(), saved):
-            t[slot_idx] = rows_saved
-    drafted = torch.stack(tokens, dim=1).tolist()  # [drafting sequences, longest]: the one read back
+    drafted = _draft_chain(model, h[last], draft_steps, slot_idx).tolist()  # [drafting, longest]: the one read back
     for i, got in zip(ids, drafted):
         out[i] = got[: request.drafts[i]]
     return out
