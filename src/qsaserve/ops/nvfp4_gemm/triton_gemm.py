@@ -14,48 +14,42 @@ from qsaserve.ops.nvfp4_gemm.reference import GROUP
 
 @triton.jit
 def _e2m1(code):
-    """uint8 E2M1 codes (low 4 bits: sign, 2 exponent bits, 1 mantissa bit) -> float32 values. The
-    bits go into an fp16 (sign to bit 15, exponent and mantissa to bits 11..9), which reads as
-    2^-14 times the E2M1 value for the normals and the subnormal 0.5 alike: two shifts and a
-    bitcast, then one exact scale by 2^14 (which folds into the group scale's multiply)."""
-    c = code.to(tl.uint16)
-    bits = ((c & 8) << 12) | ((c & 7) << 9)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+    """uint8 E2M1 codes (low 4 bits) -> float32 values."""
+    mag = code & 7
+    exp = (mag >> 1).to(tl.int32)
+    man = (mag & 1).to(tl.float32)
+    sub = man * 0.5  # exponent field 0: 0 or 0.5
+    norm = (1.0 + man * 0.5) * tl.exp2((exp - 1).to(tl.float32))
+    v = tl.where(exp == 0, sub, norm)
+    return tl.where((code & 8) != 0, -v, v)
 
 
 @triton.jit
 def _w4a16_kernel(x_ptr, w_ptr, s_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_: tl.constexpr,
                   PRECISION: tl.constexpr):
-    # A byte holds columns 2j (low nibble) and 2j + 1 (high nibble): the low codes meet the even
-    # activation columns and the high codes the odd ones, in two dots, so the decoded weight tile
-    # is never interleaved back into column order.
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = offs_m < M, offs_n < N
     half = tl.arange(0, BLOCK_K // 2)
+    offs_k = tl.arange(0, BLOCK_K)
     groups = tl.arange(0, BLOCK_K // GROUP_)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     for k0 in range(0, K, BLOCK_K):
-        byte = k0 // 2 + half
-        byte_ok = byte < K // 2
-        x_mask = m_ok[:, None] & byte_ok[None, :]
-        x_even = tl.load(x_rows + 2 * byte[None, :], mask=x_mask, other=0.0)
-        x_odd = tl.load(x_rows + 2 * byte[None, :] + 1, mask=x_mask, other=0.0)
-        packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + byte[None, :],
+        kk = k0 + offs_k
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + kk[None, :],
+                    mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
+        byte_ok = (k0 // 2 + half) < K // 2
+        packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 // 2 + half)[None, :],
                          mask=n_ok[:, None] & byte_ok[None, :], other=0)
+        lo, hi = _e2m1(packed & 0xF), _e2m1(packed >> 4)
+        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # [n, k]: even k from the low nibble
         g_ok = (k0 // GROUP_ + groups) < K // GROUP_
         s = tl.load(s_ptr + offs_n[:, None] * stride_sn + (k0 // GROUP_ + groups)[None, :],
                     mask=n_ok[:, None] & g_ok[None, :], other=0.0).to(tl.float32)
-        # a group of GROUP_ columns is GROUP_ / 2 bytes: its scale covers that many codes of each half
-        lo = tl.reshape(tl.reshape(_e2m1(packed & 0xF), (BLOCK_N, BLOCK_K // GROUP_, GROUP_ // 2)) * s[:, :, None],
-                        (BLOCK_N, BLOCK_K // 2))
-        hi = tl.reshape(tl.reshape(_e2m1(packed >> 4), (BLOCK_N, BLOCK_K // GROUP_, GROUP_ // 2)) * s[:, :, None],
-                        (BLOCK_N, BLOCK_K // 2))
-        acc += tl.dot(x_even, tl.trans(lo.to(x_even.dtype)), input_precision=PRECISION)
-        acc += tl.dot(x_odd, tl.trans(hi.to(x_odd.dtype)), input_precision=PRECISION)
+        w = tl.reshape(tl.reshape(w, (BLOCK_N, BLOCK_K // GROUP_, GROUP_)) * s[:, :, None], (BLOCK_N, BLOCK_K))
+        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
     r = tl.load(r_ptr + offs_n, mask=n_ok, other=0.0)
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], (acc * r[None, :]).to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
