@@ -1,12 +1,14 @@
 """CUDA graphs of the MTP head's drafting (engine/mtp_drafter.py `mtp_uniform_drafts`): after a
 decode or verify step where every sequence brought n rows, the head's catch-up over those rows
 and its k - 1 draft rows replay as one graph per (bucket, n), k drafts always (a sequence that
-wants fewer keeps its first ones). Eagerly the head is ~60 launches a forward at batch 1, a few
-milliseconds a step in host time, more than the target's replayed step.
+wants fewer keeps its first ones). Eagerly the head's rows cost more than the target's replayed
+step at batch 1 (docs/benchmarks.md, speculative decoding: its catch-up alone made the step
+5.91 ms instead of 2.79 on an H200).
 
 Padding sequences of a bucket are dead rows (slot -1, seq_len 0, the scratch state slot, empty
 tables): the head reads and writes nothing for them. The inputs are staged into fixed buffers
-with one non_blocking copy per dtype, the step's hidden rows copied into the graph's own.
+with one non_blocking copy per dtype; the head reads the decode graphs' hidden output buffer,
+where a replayed step's rows already are (an eager step's are copied in).
 Under tensor parallelism every rank captures the same keys in the same order and replays the
 same one (the request is broadcast), as the decode graphs do.
 """
@@ -28,7 +30,7 @@ logger = logging.getLogger("qsaserve")
 
 class MtpDraftGraphs:
     def __init__(self, model, buckets: list[int], rows: list[int], k: int, max_blocks: int, block_size: int,
-                 hidden_dim: int, dtype: torch.dtype, device: torch.device):
+                 hidden_dim: int, dtype: torch.dtype, device: torch.device, hidden: torch.Tensor | None = None):
         """buckets: sequence counts to capture; rows: rows per sequence (1 = decode, 2..k+1 =
         verifies); max_blocks: block-table columns the longest sequence (and its drafts) needs."""
         self.model, self.buckets, self.rows, self.k = model, sorted(buckets), sorted(rows), k
@@ -37,7 +39,10 @@ class MtpDraftGraphs:
         self.width = max_blocks
         self.stage64 = PinnedStaging(torch.long, 5 * b * n + 4 * b, device, growable=False)
         self.stage32 = PinnedStaging(torch.int32, b * (1 + max_blocks), device, growable=False)
-        self.hidden = torch.zeros(b * n, hidden_dim, dtype=dtype, device=device)
+        # The rows the head reads: `hidden` (the decode graphs' output buffer, where a replayed
+        # step's rows already are) when given and large enough, else a buffer of its own.
+        fits = hidden is not None and hidden.shape[0] >= b * n and hidden.shape[1] == hidden_dim
+        self.hidden = hidden if fits else torch.zeros(b * n, hidden_dim, dtype=dtype, device=device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.drafts: dict[tuple[int, int], torch.Tensor] = {}
         self.replays = 0
@@ -97,7 +102,8 @@ class MtpDraftGraphs:
         b = len(batch.query_lens)
         bucket = pick_bucket(b, self.buckets)
         self._stage(bucket, rows, batch, request)
-        self.hidden[: b * rows].copy_(hidden[: b * rows])
+        if hidden.data_ptr() != self.hidden.data_ptr():  # an eager step's rows (a replay's are in place)
+            self.hidden[: b * rows].copy_(hidden[: b * rows])
         self.graphs[(bucket, rows)].replay()
         self.replays += 1
         drafted = self.drafts[(bucket, rows)][:b].tolist()
@@ -113,7 +119,7 @@ def capture_mtp_draft_graphs(model, decode_graphs, config, kv_spec, max_model_le
         return None
     rows = next(iter(decode_graphs.hidden.values()))  # the forward's output rows the head reads
     graphs = MtpDraftGraphs(model, buckets, list(range(1, k + 2)), k, kv_spec.blocks_for(max_model_len + k + 1),
-                            kv_spec.block_size, rows.shape[1], rows.dtype, device)
+                            kv_spec.block_size, rows.shape[1], rows.dtype, device, decode_graphs.hidden_out)
     try:
         graphs.capture(decode_graphs.pool)
     except RuntimeError as exc:
