@@ -230,8 +230,7 @@ class QSAAttention(nn.Module):
             for j, row in enumerate(step.rows):
                 self._pool(by_row(raw, n, j), row, tables)
                 step.save_row_state(self.state, j)
-            positions = torch.stack([row.query_pos for row in step.rows], dim=1).flatten()
-            attn, lse = self._select_attend(q, iq, tables.repeat_interleave(n, dim=0), positions)
+            attn, lse = self._select_attend(q, iq, step.row_tables, step.row_positions)
         return self._output(attn, lse, gate)
 
     def _pool(self, raw: torch.Tensor, step: Step, tables: torch.Tensor) -> None:

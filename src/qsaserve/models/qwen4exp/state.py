@@ -131,6 +131,10 @@ class Step:
     # row j (the state after accepting j + 1 of the step's tokens), or None.
     rows: list[Step] | None = None
     row_snapshots: torch.Tensor | None = None
+    # Decode rows, for the blocks that take every row at once (QSA's selection and attention):
+    # each row's position (-1: padding or dead) and its sequence's block table, [B * n] / [B * n, W].
+    row_positions: torch.Tensor | None = None
+    row_tables: torch.Tensor | None = None
 
     def save_row_state(self, state: SlotState, j: int, fields: tuple[str, ...] | None = None) -> None:
         """After row j of a decode-rows step: state's slots (its `fields`, default all) into their
@@ -242,7 +246,9 @@ def _decode_rows_step(n: int, input_ids, positions, meta: AttentionMetadata, inv
     offsets = getattr(meta, "snapshot_offsets", None)
     row_snapshots = snapshot_rows.view(-1, n - 1) if offsets and any(offsets) else None
     return Step(decode=True, positions=positions, inv_freq=inv_freq, slot_idx=slot_idx, valid=valid,
-                kv_slots=kv_slots, rows=rows, row_snapshots=row_snapshots)
+                kv_slots=kv_slots, rows=rows, row_snapshots=row_snapshots,
+                row_positions=torch.stack([row.query_pos for row in rows], dim=1).flatten(),
+                row_tables=meta.block_tables.repeat_interleave(n, dim=0))
 
 
 def by_row(t: torch.Tensor, n: int, j: int) -> torch.Tensor:
