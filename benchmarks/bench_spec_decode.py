@@ -11,11 +11,20 @@ figure random weights cannot measure. --force-accept makes every verify accept a
 (the target is told its drafts were its own tokens: outputs are meaningless, times are those of
 the all-accepted path, no rollback). --method mtp (a preset with the head, e.g.
 qwen4exp-small-mtp): the drafts are the MTP head's, run after each step (engine/mtp_drafter.py;
-its drafting replays its own graphs where the step is uniform, engine/mtp_graphs.py), k of them; its "plain" rows
-carry no drafts but still run the head's catch-up row. Prints one JSON line per row, then the document.
+its drafting replays its own graphs where the step is uniform, engine/mtp_graphs.py), k of them.
+Its "plain" row is an engine of the same model with speculation off (same prompts, same graphs),
+so the head's cost counts against speculation; "head_only" is the speculating engine's step with
+no drafts (the head's catch-up row alone).
+
+"auto" (--auto-steps N): the speculating engine as a user runs it, with the automatic fallback
+(disable_when_slower) on, its real acceptance (random weights: drafts nearly always rejected, the
+worst case), k = 3: output tok/s over N steps against plain, and the steps it drafted in and fell
+back in. --profile-steps N: N more steps per mode under torch.profiler (device ms, launches, the
+top kernels per step). Prints one JSON line per row, then the document.
 
     PYTHONPATH=src python benchmarks/bench_spec_decode.py --model qwen4exp-small --batches 1,8,64 \
-        --context 8192 [--force-accept] [--repeat-unit 64] [--method mtp] [--out f.json]
+        --context 8192 [--force-accept] [--repeat-unit 64] [--method mtp] [--auto-steps 48] \
+        [--profile-steps 4] [--out f.json]
 """
 from __future__ import annotations
 
@@ -30,7 +39,9 @@ import torch
 from qsaserve import SamplingParams
 from qsaserve.bench.common import emit_report, provenance
 from qsaserve.config import EngineConfig
+from qsaserve.engine.draft_policy import DraftPolicy
 from qsaserve.engine.llm_engine import LLMEngine
+from qsaserve.engine.profiling import summarize_events
 
 PUBLISHED_ACCEPTANCE_LENGTH = 2.98
 KS = (1, 2, 3)
@@ -47,14 +58,20 @@ def max_new_tokens(steps: int) -> int:
 PREFILL_ROOM = 256
 
 
+def budget(steps: int, extra_steps: int) -> int:
+    """max_new_tokens plus `extra_steps` more steps of up to k + 1 tokens (auto and profiled steps)."""
+    return max_new_tokens(steps) + extra_steps * (max(KS) + 1)
+
+
 def build(model: str, batch: int, context: int, steps: int, force_accept: bool, enforce_eager: bool,
-          method: str = "ngram") -> LLMEngine:
-    config = EngineConfig(model=model, load_format="dummy", max_num_seqs=batch, max_model_len=context + max_new_tokens(steps) + 1,
+          method: str | None = "ngram", extra_steps: int = 0) -> LLMEngine:
+    """method None: speculation off (the plain baseline of an MTP run)."""
+    spec = None if method is None else {"method": method, "num_speculative_tokens": max(KS), "disable_when_slower": False}
+    config = EngineConfig(model=model, load_format="dummy", max_num_seqs=batch, max_model_len=context + budget(steps, extra_steps) + 1,
                           enforce_eager=enforce_eager, ple_placement="gpu", cuda_graph_sizes=str(batch),
-                          speculative_config={"method": method, "num_speculative_tokens": max(KS),
-                                              "disable_when_slower": False})
+                          speculative_config=spec)
     engine = LLMEngine(config, progress=False)
-    if force_accept:
+    if force_accept and method is not None:
         spec, verify = engine.spec, engine.spec.verify
 
         def accept_all(logits, plan, generator):
@@ -67,6 +84,8 @@ def build(model: str, batch: int, context: int, steps: int, force_accept: bool, 
 
 
 def timed_steps(engine: LLMEngine, k: int, steps: int, rng: random.Random) -> list[float]:
+    if engine.spec is None:
+        return _steps(engine, steps)
     spec, vocab = engine.spec, engine.vocab_size
     propose = type(spec).propose
     if spec.model_drafts:  # the head drafts min(k, room) after each step
@@ -84,16 +103,57 @@ def timed_steps(engine: LLMEngine, k: int, steps: int, rng: random.Random) -> li
     return _steps(engine, steps)
 
 
-def _steps(engine: LLMEngine, steps: int) -> list[float]:
+def _steps(engine: LLMEngine, steps: int, warm_up: int = 2) -> list[float]:
     times = []
-    for i in range(steps + 2):  # two warm-up steps (a verify step's first shapes build kernels)
+    for i in range(steps + warm_up):  # warm-up steps (a verify step's first shapes build kernels)
         if engine.config.torch_device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
         engine.step(outputs="finished")
-        if i >= 2:
+        if i >= warm_up:
             times.append(time.perf_counter() - t)
     return times
+
+
+def profiled(engine: LLMEngine, steps: int) -> dict:
+    """`steps` more steps (as the mode's) under torch.profiler: per step device ms, launches,
+    idle device time, the top kernels."""
+    cuda = engine.config.torch_device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        _steps(engine, steps, warm_up=0)
+    got = summarize_events(prof.events(), steps, top=12)
+    return {key: got[key] for key in ("device_ms", "kernel_launches_per_step", "device_span_ms", "device_idle_ms",
+                                      "top_kernels", "top_host_ops")}
+
+
+def auto_steps(engine: LLMEngine, steps: int, rng: random.Random) -> dict:
+    """`steps` steps with the automatic fallback on and the real acceptance, k = max(KS) (n-gram:
+    a sequence's lookup topped up with random ids to what the policy allows): output tok/s and
+    the policy's decisions."""
+    spec, vocab, k = engine.spec, engine.vocab_size, max(KS)
+    spec.verify = type(spec).verify.__get__(spec)  # the real verify, not the forced acceptance
+    spec.room = type(spec).room.__get__(spec)
+    spec.policy = DraftPolicy(on_decision=spec._count_decision)
+    if not spec.model_drafts:
+        propose = type(spec).propose
+
+        def topped_up(seq, num_running=1):
+            propose(spec, seq, num_running)
+            allowed = spec.room(seq, num_running)
+            seq.draft_token_ids = (seq.draft_token_ids + [rng.randrange(vocab) for _ in range(k)])[:allowed]
+
+        spec.propose = topped_up
+    seqs = list(engine.scheduler.running)
+    before_tokens = sum(s.num_output_tokens for s in seqs)
+    before = spec.stats.as_dict()
+    times = _steps(engine, steps, warm_up=0)
+    after = spec.stats.as_dict()
+    tokens = sum(s.num_output_tokens for s in seqs) - before_tokens
+    return {"steps": steps, "tokens": tokens, "tok_s": round(tokens / sum(times), 1),
+            "drafting_steps": after["drafting_steps"] - before["drafting_steps"],
+            "fallback_steps": after["fallback_steps"] - before["fallback_steps"],
+            "accepted": after["accepted"] - before["accepted"], "drafted": after["drafted"] - before["drafted"]}
 
 
 def prompt(rng: random.Random, vocab: int, context: int, repeat_unit: int) -> list[int]:
@@ -105,18 +165,47 @@ def prompt(rng: random.Random, vocab: int, context: int, repeat_unit: int) -> li
     return (unit * (context // repeat_unit + 1))[:context]
 
 
-def run(model: str, batch: int, context: int, steps: int, force_accept: bool, enforce_eager: bool,
-        repeat_unit: int = 0, method: str = "ngram") -> list[dict]:
-    engine = build(model, batch, context, steps, force_accept, enforce_eager, method)
+def start(engine: LLMEngine, batch: int, context: int, steps: int, repeat_unit: int, extra_steps: int) -> list:
+    """Adds the batch's requests and runs their prompts: -> the running sequences."""
     rng = random.Random(batch)
     for i in range(batch):
         ids = prompt(rng, engine.vocab_size, context, repeat_unit)
         engine.add_request(str(i), {"prompt_token_ids": ids},
-                           SamplingParams(temperature=0, ignore_eos=True, max_tokens=max_new_tokens(steps)))
+                           SamplingParams(temperature=0, ignore_eos=True,
+                                          max_tokens=budget(steps, extra_steps)))
     while any(s.num_output_tokens == 0 for s in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step(outputs="finished")
-    seqs = list(engine.scheduler.running)
+    return list(engine.scheduler.running)
+
+
+def run(model: str, batch: int, context: int, steps: int, force_accept: bool, enforce_eager: bool,
+        repeat_unit: int = 0, method: str = "ngram", auto: int = 0, profile: int = 0) -> list[dict]:
+    extra = auto + 4 * profile
     rows, plain_ms = [], None
+
+    def plain_row(engine: LLMEngine, ms: float, mode: str) -> dict:
+        return {"model": model, "method": method, "batch": batch, "context": context, "repeat_unit": repeat_unit,
+                "mode": mode, "k": 0, "step_ms": round(ms, 3), "force_accept": force_accept,
+                "tok_s": round(batch / ms * 1e3, 1)}
+
+    def emit(row: dict, engine: LLMEngine) -> None:
+        if profile:
+            row["profile"] = profiled(engine, profile)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    if method == "mtp":  # the baseline without speculation: no head runs at all
+        engine = build(model, batch, context, steps, False, enforce_eager, None, extra)
+        start(engine, batch, context, steps, repeat_unit, extra)
+        plain_ms = statistics.median(_steps(engine, steps)) * 1e3
+        emit(plain_row(engine, plain_ms, "plain"), engine)
+        engine.shutdown()
+        del engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    engine = build(model, batch, context, steps, force_accept, enforce_eager, method, extra)
+    rng = random.Random(batch)
+    seqs = start(engine, batch, context, steps, repeat_unit, extra)
     for k in (0, *KS):
         before = engine.spec.stats.as_dict()
         ms = statistics.median(timed_steps(engine, k, steps, rng)) * 1e3
@@ -126,18 +215,25 @@ def run(model: str, batch: int, context: int, steps: int, force_accept: bool, en
         length = 1 + accepted / verifies if verifies else 1.0
         if force_accept and k:  # every verify emitted its k drafts and the target's token
             length = k + 1.0
-        row = {"model": model, "method": method, "batch": batch, "context": context, "repeat_unit": repeat_unit,
-               "mode": "plain" if k == 0 else f"verify{k}",
-               "k": k, "step_ms": round(ms, 3), "force_accept": force_accept}
         if k == 0:
-            plain_ms = ms
-            row["tok_s"] = round(batch / ms * 1e3, 1)
+            if plain_ms is None:
+                plain_ms = ms
+                row = plain_row(engine, ms, "plain")
+            else:  # the head's catch-up row, no drafts (eager: the head's graphs need drafting rows)
+                row = dict(plain_row(engine, ms, "head_only"), step_over_plain=round(ms / plain_ms, 3))
         else:
-            row.update(step_over_plain=round(ms / plain_ms, 3), measured_acceptance_length=round(length, 3),
-                       tok_s_measured=round(batch * length / ms * 1e3, 1),
-                       tok_s_at_2_98=round(batch * min(PUBLISHED_ACCEPTANCE_LENGTH, k + 1) / ms * 1e3, 1),
-                       speedup_at_2_98=round(min(PUBLISHED_ACCEPTANCE_LENGTH, k + 1) * plain_ms / ms, 3),
-                       drafted=after["drafted"] - before["drafted"], accepted=accepted)
+            row = {"model": model, "method": method, "batch": batch, "context": context, "repeat_unit": repeat_unit,
+                   "mode": f"verify{k}", "k": k, "step_ms": round(ms, 3), "force_accept": force_accept,
+                   "step_over_plain": round(ms / plain_ms, 3), "measured_acceptance_length": round(length, 3),
+                   "tok_s_measured": round(batch * length / ms * 1e3, 1),
+                   "tok_s_at_2_98": round(batch * min(PUBLISHED_ACCEPTANCE_LENGTH, k + 1) / ms * 1e3, 1),
+                   "speedup_at_2_98": round(min(PUBLISHED_ACCEPTANCE_LENGTH, k + 1) * plain_ms / ms, 3),
+                   "drafted": after["drafted"] - before["drafted"], "accepted": accepted}
+        emit(row, engine)
+    if auto:
+        got = auto_steps(engine, auto, rng)
+        row = {"model": model, "method": method, "batch": batch, "context": context, "repeat_unit": repeat_unit,
+               "mode": "auto", "k": max(KS), **got, "over_plain": round(got["tok_s"] / (batch / plain_ms * 1e3), 3)}
         print(json.dumps(row), flush=True)
         rows.append(row)
     if any(s.is_finished for s in seqs):
@@ -157,13 +253,15 @@ def main() -> None:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--repeat-unit", type=int, default=0, help="prompts repeat a random unit of this many ids")
     ap.add_argument("--method", default="ngram", choices=("ngram", "mtp"))
+    ap.add_argument("--auto-steps", type=int, default=0, help="steps of the 'auto' row (fallback on, real acceptance)")
+    ap.add_argument("--profile-steps", type=int, default=0, help="profiled steps per mode")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     start = time.perf_counter()
     rows, config = [], None
     for b in (int(x) for x in args.batches.split(",")):
         got, config = run(args.model, b, args.context, args.steps, args.force_accept, args.enforce_eager,
-                          args.repeat_unit, args.method)
+                          args.repeat_unit, args.method, args.auto_steps, args.profile_steps)
         rows += got
     doc = {"bench": "spec_decode", **provenance(config), "rows": rows, "wall_s": round(time.perf_counter() - start, 1)}
     emit_report(doc, args.out)

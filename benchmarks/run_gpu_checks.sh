@@ -71,9 +71,11 @@ if [ "$mode" = single ]; then
         part latency_flash12l_w$w 300 sh -c "python -m qsaserve.cli bench latency qwen4exp-flash-12l --load-format dummy --max-model-len 9000 --batch-sizes 1,64 --decode-context 8192 --prompt-lens 8192 --ple-placement gpu --async-scheduling $q > '$out/latency_flash12l_w$w.json'"
     done
     # Speculative decoding (issue 24): the verify step for k = 1, 2, 3 against the plain decode step.
-    part spec_q4small_ngram 240 python benchmarks/bench_spec_decode.py --model qwen4exp-small --batches 1,8,64 --context 8192 --force-accept --out "$out/spec_q4small_ngram.json"
-    part spec_q4small_mtp 240 python benchmarks/bench_spec_decode.py --model qwen4exp-small-mtp --method mtp --batches 1,8,64 --context 8192 --force-accept --out "$out/spec_q4small_mtp.json"
-    part spec_llama1b_ngram 180 python benchmarks/bench_spec_decode.py --model llama-1b --batches 1,8,64 --context 8192 --repeat-unit 64 --out "$out/spec_llama1b_ngram.json"
+    # --auto-steps: the fallback on at the real acceptance; --profile-steps: where a step's time goes.
+    spec="python benchmarks/bench_spec_decode.py --batches 1,8,64 --context 8192 --auto-steps 40 --profile-steps 3"
+    part spec_q4small_mtp 330 $spec --model qwen4exp-small-mtp --method mtp --force-accept --out "$out/spec_q4small_mtp.json"
+    part spec_q4small_ngram 270 $spec --model qwen4exp-small --force-accept --out "$out/spec_q4small_ngram.json"
+    part spec_llama1b_ngram 200 $spec --model llama-1b --repeat-unit 64 --out "$out/spec_llama1b_ngram.json"
     part gpu_tests_quant 200 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_quant.xml" \
         tests/ops/test_fp8_gemm_triton.py tests/ops/test_nvfp4_gemm_triton.py tests/ops/test_moe_grouped_fp8.py \
         tests/models/test_llama_fp8_weights.py tests/models/qwen4exp/test_qwen4exp_fp8_moe.py

@@ -77,14 +77,15 @@ def _slot(table: list[int], position: int, block_size: int) -> int:
 def uniform_rows(batch: BatchInput, request: MtpDraftRequest, dcp: DcpGeometry) -> int:
     """n when the head's rows can run over every row of the step at once (mtp_uniform_drafts):
     every sequence brought the same n rows after its first chunk (decode or verify steps: the
-    model runs them as decode rows), each has at least one row whose next token is known, and
-    some draft; 0 otherwise (run_mtp_drafts' row lists). Not under DCP (its step plan is built
-    from the rows' host lists)."""
+    model runs them as decode rows) and each has at least one row whose next token is known
+    (drafting or not: a step the fallback keeps from drafting still runs the catch-up rows, and
+    runs them as a graph); 0 otherwise (run_mtp_drafts' row lists). Not under DCP (its step plan
+    is built from the rows' host lists)."""
     b = len(batch.query_lens)
     n = batch.query_lens[0] if b else 0
     if dcp.enabled or not 0 < n <= MAX_UNIFORM_ROWS or any(q != n for q in batch.query_lens):
         return 0
-    if any(length <= n for length in batch.seq_lens) or min(request.rows) < 1 or not any(request.drafts):
+    if any(length <= n for length in batch.seq_lens) or min(request.rows) < 1:
         return 0
     return n
 
@@ -105,7 +106,7 @@ class UniformDraftInputs:
     table_lens: torch.Tensor  # [B] blocks of each table (a draft row past them stores nothing)
     state_slots: torch.Tensor  # [B] int64
     last: torch.Tensor  # [B] int64: the last live row of each sequence, 0..n-1
-    steps: int  # draft rows per sequence: the most any sequence wants
+    steps: int  # drafts per sequence: the most any sequence wants (0: the catch-up rows alone)
 
 
 def uniform_host_inputs(batch: BatchInput | None, request: MtpDraftRequest | None, n: int, bucket: int,
@@ -154,13 +155,16 @@ def mtp_uniform_drafts(model: HasMtpHead, hidden: torch.Tensor, inp: UniformDraf
     """The head over every row of the step (B sequences x n rows, hidden [B * n, ...]; the rows
     without a known next token dead: no state, no pages), then its draft rows, all on the device
     from fixed-shape inputs (no host sync, no data-dependent shape: CUDA-graph safe) -> drafts
-    [B, steps]. Draft row s of a sequence sits at its last live row's position + s."""
+    [B, steps]. Draft row s of a sequence sits at its last live row's position + s. steps 0: the
+    catch-up rows alone (no logits), drafts [B, 0]."""
     b, n = inp.seq_lens.shape[0], inp.next_ids.shape[0] // inp.seq_lens.shape[0]
     cu = torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=hidden.device)
     meta = StepMetadata(slot_mapping=inp.slots, block_tables=inp.block_tables, seq_lens=inp.seq_lens,
                         cu_query_lens=cu, query_lens=[n] * b, seq_lens_list=[n + 1] * b,
                         state_slots=[0] * b, state_slots_t=inp.state_slots)
     h = model.mtp_forward(hidden, inp.next_ids, inp.positions, meta)
+    if inp.steps == 0:
+        return torch.empty((b, 0), dtype=torch.long, device=hidden.device)
     pick = torch.arange(b, device=hidden.device) * n + inp.last
     real = inp.seq_lens > 0  # a CUDA graph's padding sequences draft nothing
     one = torch.arange(b + 1, dtype=torch.int32, device=hidden.device)

@@ -1,7 +1,8 @@
 """CUDA graphs of the MTP head's drafting (engine/mtp_drafter.py `mtp_uniform_drafts`): after a
 decode or verify step where every sequence brought n rows, the head's catch-up over those rows
 and its k - 1 draft rows replay as one graph per (bucket, n), k drafts always (a sequence that
-wants fewer keeps its first ones). Eagerly the head's rows cost more than the target's replayed
+wants fewer keeps its first ones); a step where no sequence drafts (the automatic fallback's plain
+steps, sequences out of room) replays the catch-up rows alone, a second graph per (bucket, n). Eagerly the head's rows cost more than the target's replayed
 step at batch 1 (docs/benchmarks.md, speculative decoding: its catch-up alone made the step
 5.91 ms instead of 2.79 on an H200).
 
@@ -43,20 +44,23 @@ class MtpDraftGraphs:
         # step's rows already are) when given and large enough, else a buffer of its own.
         fits = hidden is not None and hidden.shape[0] >= b * n and hidden.shape[1] == hidden_dim
         self.hidden = hidden if fits else torch.zeros(b * n, hidden_dim, dtype=dtype, device=device)
-        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.drafts: dict[tuple[int, int], torch.Tensor] = {}
+        # keyed (bucket, rows, drafts): drafts k, or 0 for the catch-up rows alone
+        self.graphs: dict[tuple[int, int, int], torch.cuda.CUDAGraph] = {}
+        self.drafts: dict[tuple[int, int, int], torch.Tensor] = {}
         self.replays = 0
+        self.catch_up_replays = 0  # of which the catch-up rows alone
 
     def _layout(self, bucket: int, rows: int) -> list[int]:
         t = bucket * rows  # next ids | slots | positions | table lens | state slots | last, 16-byte aligned
         return aligned_starts([t, t, t, bucket, bucket, bucket], 2)
 
-    def _inputs(self, bucket: int, rows: int) -> UniformDraftInputs:
+    def _inputs(self, bucket: int, rows: int, steps: int | None = None) -> UniformDraftInputs:
         at, d64, d32, t = self._layout(bucket, rows), self.stage64.dev, self.stage32.dev, bucket * rows
         seg = lambda i, n: d64[at[i] : at[i] + n]  # noqa: E731
         return UniformDraftInputs(next_ids=seg(0, t), slots=seg(1, t), positions=seg(2, t), seq_lens=d32[:bucket],
                                   block_tables=d32[bucket : bucket + bucket * self.width].view(bucket, self.width),
-                                  table_lens=seg(3, bucket), state_slots=seg(4, bucket), last=seg(5, bucket), steps=self.k)
+                                  table_lens=seg(3, bucket), state_slots=seg(4, bucket), last=seg(5, bucket),
+                                  steps=self.k if steps is None else steps)
 
     def _stage(self, bucket: int, rows: int, batch: BatchInput | None, request: MtpDraftRequest | None) -> None:
         """The padded host arrays into the staging buffers (no request: all padding)."""
@@ -68,8 +72,9 @@ class MtpDraftGraphs:
         self.stage64.upload(flat64)
         self.stage32.upload(np.concatenate([arrays["seq_lens"], arrays["block_tables"].reshape(-1)]))
 
-    def _keys(self) -> list[tuple[int, int]]:
-        return sorted(((b, n) for b in self.buckets for n in self.rows), key=lambda key: key[0] * key[1], reverse=True)
+    def _keys(self) -> list[tuple[int, int, int]]:
+        return sorted(((b, n, d) for b in self.buckets for n in self.rows for d in (self.k, 0)),
+                      key=lambda key: (key[0] * key[1], key[2]), reverse=True)
 
     @torch.inference_mode()
     def capture(self, pool=None) -> None:
@@ -78,19 +83,21 @@ class MtpDraftGraphs:
         with torch.cuda.device(self.device):
             start = time.perf_counter()
             keys = self._keys()
-            for bucket, rows in keys:
+            for bucket, rows, steps in keys:
                 self._stage(bucket, rows, None, None)
-                mtp_uniform_drafts(self.model, self.hidden[: bucket * rows], self._inputs(bucket, rows), self.block_size)
+                mtp_uniform_drafts(self.model, self.hidden[: bucket * rows], self._inputs(bucket, rows, steps),
+                                   self.block_size)
             torch.cuda.synchronize()
-            for bucket, rows in keys:
+            for key in keys:
+                bucket, rows, steps = key
                 self._stage(bucket, rows, None, None)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                    self.drafts[(bucket, rows)] = mtp_uniform_drafts(self.model, self.hidden[: bucket * rows],
-                                                                     self._inputs(bucket, rows), self.block_size)
-                self.graphs[(bucket, rows)] = graph
+                    self.drafts[key] = mtp_uniform_drafts(self.model, self.hidden[: bucket * rows],
+                                                          self._inputs(bucket, rows, steps), self.block_size)
+                self.graphs[key] = graph
             torch.cuda.synchronize()
-        logger.info("CUDA graphs: captured the MTP head's drafting for %d sizes x %s rows in %.1f s", len(self.buckets),
+        logger.info("CUDA graphs: captured the MTP head's drafting (and catch-up alone) for %d sizes x %s rows in %.1f s", len(self.buckets),
                     self.rows, time.perf_counter() - start)
 
     def fits(self, batch: BatchInput, request: MtpDraftRequest, rows: int) -> bool:
@@ -104,9 +111,13 @@ class MtpDraftGraphs:
         self._stage(bucket, rows, batch, request)
         if hidden.data_ptr() != self.hidden.data_ptr():  # an eager step's rows (a replay's are in place)
             self.hidden[: b * rows].copy_(hidden[: b * rows])
-        self.graphs[(bucket, rows)].replay()
+        key = (bucket, rows, self.k if max(request.drafts) else 0)
+        self.graphs[key].replay()
         self.replays += 1
-        drafted = self.drafts[(bucket, rows)][:b].tolist()
+        if not key[2]:  # the catch-up rows alone: no drafts to read back
+            self.catch_up_replays += 1
+            return [[] for _ in request.drafts]
+        drafted = self.drafts[key][:b].tolist()
         return [got[:d] for got, d in zip(drafted, request.drafts)]
 
 

@@ -257,6 +257,14 @@ def test_mtp_drafts_equal_plain_decoding_on_gpu():
     assert llm.engine.spec.stats.drafted > 0
     assert sum(llm.engine.executor.runner.graphs.verify_replays.values()) > 0
     assert llm.engine.executor.runner.draft_graphs.replays > 0  # the head's drafting replayed too
+    # Every other step without drafts (the fallback's plain steps): their catch-up graphs replay.
+    llm = LLM("qwen4exp-tiny-mtp", speculative_config={"method": "mtp", "num_speculative_tokens": 3}, **kw)
+    spec, steps = llm.engine.spec, [0]
+    room, end_step = spec.room, spec.end_step
+    spec.room = lambda seq, running: room(seq, running) if steps[0] % 2 == 0 else 0
+    spec.end_step = lambda: (steps.__setitem__(0, steps[0] + 1), end_step())[1]
+    assert generate(llm, ps, params) == want
+    assert llm.engine.executor.runner.draft_graphs.catch_up_replays > 0
 
 
 def test_engine_drafts_are_the_reference_heads(checkpoint, monkeypatch):
@@ -325,3 +333,37 @@ def test_sampled_requests_with_mtp_drafts_repeat_themselves(checkpoint):
         runs.append(generate(llm, ps[:2], params))
         assert llm.engine.spec.stats.drafted > 0
     assert runs[0] == runs[1] and all(len(t) == NEW for t in runs[0])
+
+
+def test_steps_without_drafts_run_the_catch_up_rows_uniformly(checkpoint, monkeypatch):
+    """Every other step no sequence may draft (as when the automatic fallback keeps a step
+    plain): the head's catch-up rows of those steps run on the uniform path (the one its CUDA
+    graphs replay; steps 0: no draft rows, no logits) and leave what the row-list path leaves:
+    the same drafts in the drafting steps, the tokens of transformers."""
+    import qsaserve.engine.mtp_drafter as drafter
+
+    model, path, ps, want, _ = checkpoint
+    real_uniform, real_rows = drafter.mtp_uniform_drafts, drafter.uniform_rows
+    logs, catch_up_only = [], []
+
+    def counted(m, hidden, inp, block_size):
+        if inp.steps == 0:
+            catch_up_only.append(inp.seq_lens.shape[0])
+        return real_uniform(m, hidden, inp, block_size)
+
+    monkeypatch.setattr(drafter, "mtp_uniform_drafts", counted)
+    for uniform in (True, False):
+        monkeypatch.setattr(drafter, "uniform_rows", real_rows if uniform else (lambda *a: 0))
+        llm = engine(path, 3)
+        spec, steps = llm.engine.spec, [0]
+        room, end_step = spec.room, spec.end_step
+        spec.room = lambda seq, running: room(seq, running) if steps[0] % 2 == 0 else 0
+        spec.end_step = lambda: (steps.__setitem__(0, steps[0] + 1), end_step())[1]
+        logs.append(draft_log(llm))
+        assert generate(llm, ps[:2]) == want[:2]
+        if uniform:
+            assert catch_up_only  # the catch-up-alone steps ran uniformly
+            seen = len(catch_up_only)
+        else:
+            assert len(catch_up_only) == seen  # the row lists never took the uniform path
+    assert any(any(d) for d in logs[0]) and logs[0] == logs[1]
