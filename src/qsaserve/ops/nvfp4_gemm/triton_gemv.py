@@ -76,7 +76,9 @@ def _row_partial(acc, x_ptr, r, M, stride_xm, kk, k_ok, w, s):
     return acc + tl.sum(w * xr[:, None, :], 2) * s
 
 
-@triton.jit
+# stride_ys (M * N, the split-K plane stride) unspecialized: its divisibility by 16 would differ
+# between row counts at an N that is not a multiple of 16, building a variant warm-up never ran
+@triton.jit(do_not_specialize=["stride_ys"])
 def _nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
                        stride_ys, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_: tl.constexpr, SPLIT_K: tl.constexpr, NUM_STAGES: tl.constexpr):
