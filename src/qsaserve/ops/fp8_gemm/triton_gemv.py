@@ -106,8 +106,9 @@ def pick_gemv_tile(n: int, k: int, sms: int) -> tuple[int, int, int]:
     BLOCK_N: the widest of 16, 8, 4 weight rows giving >= 2 programs per SM (ops/gemv's rule);
     BLOCK_K: TILE_BYTES / BLOCK_N columns (the 8 KiB a program loads an iteration, as the bf16
     GEMV's 16 x 256 tile that read 3.8-4.4 TB/s on large shapes), 128-2048 and no wider than K
-    needs; split_k: the fewest of 1, 2, 4, 8 reaching 4 programs per SM (about what the SM's
-    registers hold resident) while each program keeps >= 2 iterations of BLOCK_K. llama-8b on
+    needs; split_k: the fewest of 1, 2, 4, 8 reaching 4 programs per SM (as many as the SM's
+    registers hold at 4 rows: ~116 a thread in the sm_90 compile, 62-72 at one row) while each
+    program keeps >= 2 iterations of BLOCK_K. llama-8b on
     132 SMs: qkv (6144 x 4096) 16 x 512 split 2, o (4096 x 4096) 8 x 1024 split 2, gate_up
     (28672 x 4096) 16 x 512 split 1, down (4096 x 14336) 8 x 1024 split 2."""
     bn = next((b for b in (16, 8) if triton.cdiv(n, b) >= 2 * sms), 4)
@@ -127,8 +128,8 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
     block_n: weight rows per scale row (128 block, 1 per-channel, N per-tensor, or a common divisor
     of fused parts). block_n_tile / block_k (a power-of-two multiple of 128) / split_k / num_warps /
     num_stages: the tile, defaults from pick_gemv_tile, 4 warps and 3 stages (two tiles loading
-    while one is used; 8 KiB each at the default tiles, ~19-25 KiB of shared memory with x's rows;
-    benchmarks/bench_fp8_gemm.py sweeps them).
+    while one is used; 8 KiB each at the default tiles, 19-33 KB of shared memory with x's rows in
+    the sm_90 compile; benchmarks/bench_fp8_gemm.py sweeps them).
     split_k > 1 writes float32 partials to a [split_k, M, N] workspace (2 x split_k x M x N x 4
     bytes of traffic) summed by a second launch."""
     _check(x, w, w_scale, block_n, "fp8_gemv")
