@@ -53,7 +53,9 @@ TILES = [dict(block_m=bm, block_n_tile=bn, num_warps=w, num_stages=s)
 DECODE_TILES = [dict(block_n_tile=bn, k_unroll=u) for bn, u in ((16, 1), (16, 4), (32, 4), (64, 4), (32, 2))]
 DECODE_SPLITS = (1, 2, 4, 8)  # split_k of each decode tile (1: the variant's name has no _s suffix)
 GEMV_M = (1, 2, 4)  # decode rows that also time the GEMVs
-GEMV_SWEEP = ((16, 512, 1), (8, 1024, 1), (4, 2048, 1), (16, 512, 4), (8, 1024, 4))  # block_n_tile, block_k, split_k
+# block_n_tile, block_k, split_k: 8 KiB tiles against the 16 KiB defaults, the widest K tile, and a
+# 4-way split for the 4096-row projections
+GEMV_SWEEP = ((16, 512, 1), (8, 1024, 1), (16, 1024, 1), (4, 2048, 1), (8, 1024, 4))
 HBM_TB_S = 4.8
 L2_BYTES = 60 << 20
 

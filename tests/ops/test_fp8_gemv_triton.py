@@ -56,15 +56,17 @@ def _triton_checks(device):
         # the default tiles of llama-8b's projections (pick_gemv_tile on 132 SMs, given here to
         # keep N and K small) at each row variant, bf16 x, block and per-channel scales, so the
         # sm_90 compile check sees the launches the engine makes
-        for bn, bk, split in ((16, 512, 2), (8, 1024, 2), (16, 512, 1)):
+        for bn, bk, split in ((16, 1024, 2), (8, 2048, 1), (16, 1024, 1), (8, 2048, 2)):
             for m in (1, 2, 4):
-                _check(device, m, 48, 2048, "block", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split)
-            _check(device, 1, 48, 2048, "channel", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split)
-        # the benchmark's sweep (bench_fp8_gemm.GEMV_TILES x GEMV_SPLITS, and unpipelined) at one row
-        for bn, bk in ((16, 512), (8, 1024), (4, 2048)):
-            for split in (1, 4):
-                _check(device, 1, 48, 2048, "block", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split)
-        _check(device, 1, 48, 2048, "block", torch.bfloat16, block_n_tile=16, block_k=512, split_k=2, num_stages=1)
+                _check(device, m, 48, 4096, "block", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split)
+            _check(device, 1, 48, 4096, "channel", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split)
+            # the defaults unpipelined (bench_fp8_gemm's fp8_gemv_st1, one row)
+            _check(device, 1, 48, 4096, "block", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split,
+                   num_stages=1)
+        # the benchmark's sweep (bench_fp8_gemm.GEMV_SWEEP) at each row variant
+        for bn, bk, split in ((16, 512, 1), (8, 1024, 1), (4, 2048, 1), (8, 1024, 4)):
+            for m in (1, 2, 4):
+                _check(device, m, 48, 4096, "block", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split)
     if device == "cuda":  # llama-8b's projections at the default tiles, and the dispatch
         from qsaserve.ops.fp8_gemm import fp8_w8a16_gemm
 
@@ -87,7 +89,7 @@ def test_default_tiles_at_llama_8b_shapes():
     from qsaserve.ops.fp8_gemm.triton_gemv import pick_gemv_tile
 
     tiles = {name: pick_gemv_tile(n, k, 132) for name, (n, k) in LLAMA_8B.items()}
-    assert tiles == {"qkv": (16, 512, 2), "o": (8, 1024, 2), "gate_up": (16, 512, 1), "down": (8, 1024, 2)}
+    assert tiles == {"qkv": (16, 1024, 2), "o": (8, 2048, 1), "gate_up": (16, 1024, 1), "down": (8, 2048, 2)}
     for name, (bn, bk, split) in tiles.items():
         n, _ = LLAMA_8B[name]
         assert -(-n // bn) * split >= 2 * 132  # every SM gets >= 2 programs

@@ -31,7 +31,7 @@ from qsaserve.ops.fp8_gemm.reference import GROUP
 from qsaserve.ops.fp8_gemm.triton_gemm import _check, _scale_k_stride, _split_k_sum_kernel
 
 MAX_ROWS = 4  # rows of x one pass over the weights serves
-TILE_BYTES = 8192  # default E4M3 bytes a program loads an iteration (BLOCK_N x BLOCK_K)
+TILE_BYTES = 16384  # default E4M3 bytes a program loads an iteration (BLOCK_N x BLOCK_K)
 
 
 @triton.jit
@@ -104,13 +104,13 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
 def pick_gemv_tile(n: int, k: int, sms: int) -> tuple[int, int, int]:
     """(block_n_tile, block_k, split_k) defaults, NOT yet measured (bench_fp8_gemm sweeps them).
     BLOCK_N: the widest of 16, 8, 4 weight rows giving >= 2 programs per SM (ops/gemv's rule);
-    BLOCK_K: TILE_BYTES / BLOCK_N columns (the 8 KiB a program loads an iteration, as the bf16
-    GEMV's 16 x 256 tile that read 3.8-4.4 TB/s on large shapes), 128-2048 and no wider than K
-    needs; split_k: the fewest of 1, 2, 4, 8 reaching 4 programs per SM (as many as the SM's
-    registers hold at 4 rows: ~116 a thread in the sm_90 compile, 62-72 at one row) while each
-    program keeps >= 2 iterations of BLOCK_K. llama-8b on
-    132 SMs: qkv (6144 x 4096) 16 x 512 split 2, o (4096 x 4096) 8 x 1024 split 2, gate_up
-    (28672 x 4096) 16 x 512 split 1, down (4096 x 14336) 8 x 1024 split 2."""
+    BLOCK_K: TILE_BYTES / BLOCK_N columns, 128-2048 and no wider than K needs. 16 KiB an
+    iteration: in the sm_90 SASS 3.8 instructions a weight at one row and 8.9 at four, against 4.6
+    and 10.6 for 8 KiB tiles (the bf16 GEMV's 16 x 256 bytes), at 56-71 registers a thread at one
+    row and ~205 at four (so 2 programs an SM there), with 2 tiles in flight each. split_k: the
+    fewest of 1, 2, 4, 8 reaching 4 programs per SM while each program keeps >= 2 iterations of
+    BLOCK_K. llama-8b on 132 SMs: qkv (6144 x 4096) 16 x 1024 split 2, o (4096 x 4096) 8 x 2048
+    split 1, gate_up (28672 x 4096) 16 x 1024 split 1, down (4096 x 14336) 8 x 2048 split 2."""
     bn = next((b for b in (16, 8) if triton.cdiv(n, b) >= 2 * sms), 4)
     bk = max(GROUP, min(TILE_BYTES // bn, 2048, triton.next_power_of_2(k)))
     programs, nkb, g = triton.cdiv(n, bn), triton.cdiv(k, GROUP), bk // GROUP
@@ -128,8 +128,8 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
     block_n: weight rows per scale row (128 block, 1 per-channel, N per-tensor, or a common divisor
     of fused parts). block_n_tile / block_k (a power-of-two multiple of 128) / split_k / num_warps /
     num_stages: the tile, defaults from pick_gemv_tile, 4 warps and 3 stages (two tiles loading
-    while one is used; 8 KiB each at the default tiles, 19-33 KB of shared memory with x's rows in
-    the sm_90 compile; benchmarks/bench_fp8_gemm.py sweeps them).
+    while one is used; 16 KiB each at the default tiles, 38-67 KB of shared memory with x's rows
+    in the sm_90 compile; benchmarks/bench_fp8_gemm.py sweeps them).
     split_k > 1 writes float32 partials to a [split_k, M, N] workspace (2 x split_k x M x N x 4
     bytes of traffic) summed by a second launch."""
     _check(x, w, w_scale, block_n, "fp8_gemv")
