@@ -17,17 +17,17 @@ def _weight(n, k, gen):
     return packed, scale, (glob * (1 + torch.rand(n, generator=gen))).contiguous()  # a row scale per row
 
 
-def _check(device, m, n, k, dtype, weight=None, **tiles):
+def _check(device, m, n, k, dtype, weight=None, x_scale=1.0, **tiles):
     from qsaserve.ops.nvfp4_gemm.triton_gemv import nvfp4_gemv_triton
 
     gen = torch.Generator().manual_seed(m * 19 + n + k)
     packed, scale, rs = weight or _weight(n, k, gen)
-    x = torch.randn(m, k, generator=gen).to(dtype)
+    x = (torch.randn(m, k, generator=gen) * x_scale).to(dtype)
     got = nvfp4_gemv_triton(x.to(device), packed.to(device), scale.to(device), rs.to(device), **tiles).cpu()
     want = ref.nvfp4_w4a16_gemm_reference(x, packed, scale, rs)
     assert got.shape == (m, n) and got.dtype == dtype
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(got / x_scale, want / x_scale, **tol)  # tolerances relative to x's size
 
 
 def _every_code_weight(n, k):
@@ -45,6 +45,9 @@ def _triton_checks(device):
     _check(device, 1, 40, 64, torch.float32, block_n_tile=4, block_k=64, split_k=8)  # 4 groups, 8 programs
     _check(device, 2, 24, 320, torch.float32, block_n_tile=8, block_k=128, split_k=2, num_stages=1)
     _check(device, 2, 32, 256, torch.float32, weight=_every_code_weight(32, 256), block_n_tile=16, block_k=128)
+    # x far from 1 (the kernel scales x by 2^64 and the sums back): large and tiny activations
+    _check(device, 1, 24, 128, torch.float32, x_scale=1e12)
+    _check(device, 1, 24, 128, torch.float32, x_scale=1e-12)
     gen = torch.Generator().manual_seed(2)
     packed, scale, rs = _weight(24, 512, gen)
     # columns 128-383 of the wider weight: packed rows 256 bytes apart, a view that is not contiguous

@@ -15,8 +15,8 @@ shift right by 6 and a mask leave its sign at float32 bit 31 and its 3 magnitude
 22-24 (the exponent's low two bits and the first mantissa bit), which read as e2m1 * 2^-126
 exactly (code 1, 0.5, as a subnormal): 3 integer ops a weight (sm_90 SASS of the 16 x 512 loop at
 one row: 386 instructions an iteration, 64 weights a thread, against 430 loading and decoding
-byte by byte). x is multiplied by 2^100 first (its
-products stay normal floats) and the sums by 2^26 at the end. That needs denormals kept, which
+byte by byte). x is multiplied by 2^64 first (its
+products stay normal floats) and the sums by 2^62 at the end. That needs denormals kept, which
 Triton's default float32 arithmetic does (no .ftz in its PTX). Not yet timed on a GPU.
 
 Split over K (split_k > 1): contiguous ranges of whole 16-column groups per program, float32
@@ -34,8 +34,10 @@ from qsaserve.ops.nvfp4_gemm.reference import GROUP
 
 MAX_ROWS = 4  # rows of x one pass over the weights serves
 TILE_BYTES = 4096  # default packed bytes a program loads an iteration: 8192 weights, as the FP8 GEMV's tile
-X_PRESCALE = tl.constexpr(2.0**100)  # x's factor, undone with 2^-100 * 2^126 = 2^26 on the sums
-SUM_FACTOR = tl.constexpr(2.0**26)
+# x's factor, undone with 2^-64 * 2^126 = 2^62 on the sums: products of x and a decoded weight
+# (e2m1 * 2^-126) stay normal floats for |x| >= 2^-64, and x * 2^64 is finite for |x| < 2^64
+X_PRESCALE = tl.constexpr(2.0**64)
+SUM_FACTOR = tl.constexpr(2.0**62)
 _SIGN_MAG = tl.constexpr(-2118123520)  # 0x81C00000 as int32: bit 31 and bits 22-24
 
 
