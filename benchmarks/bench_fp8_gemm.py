@@ -13,7 +13,11 @@
   defaults with triton_gemm.pick_decode_split_k's proposed split; rows with a split carry
   workspace_bytes, the float32 partials written and read back, not counted in TB/s) and the NVFP4 W4A16
   kernel (ops/nvfp4_gemm) against bf16 cuBLAS; TB/s counts the weight and scale bytes read, and
-  pct_roofline is that over the H200's 4.8 TB/s.
+  pct_roofline is that over the H200's 4.8 TB/s. At GEMV_M rows also the FMA GEMVs the dispatch
+  takes up to 4 rows: "fp8_gemv" (fp8_gemm/triton_gemv.py at its pick_gemv_tile defaults, the row
+  names its tile), "fp8_gemv_bnB_bkK_sS" at GEMV_SWEEP, "fp8_gemv_st1" (the defaults with the K
+  loop not pipelined; one row only) and "nvfp4_gemv" (nvfp4_gemm/triton_gemv.py, defaults). A
+  variant that raises gets a row with "error" and the others still run.
 Times are CUDA-graph replays cycling over enough weight copies to exceed the L2. Prints JSON (one
 line per case, then the document).
 
@@ -33,9 +37,13 @@ from qsaserve.ops.device import max_shared_bytes, num_sms
 from qsaserve.ops.fp8_gemm.triton_gemm import (decode_block_m, fp8_w8a16_gemm_triton, fp8_w8a8_gemm_triton,
                                               pick_decode_block_n, pick_decode_split_k, pick_decode_unroll,
                                               w8a16_shared_bytes)
+from qsaserve.ops.fp8_gemm.triton_gemv import fp8_gemv_triton
+from qsaserve.ops.fp8_gemm.triton_gemv import pick_gemv_tile as pick_fp8_gemv_tile
 from qsaserve.ops.fp8_gemm.triton_quant import per_token_group_quant_triton
 from qsaserve.ops.nvfp4_gemm import quantize_nvfp4
 from qsaserve.ops.nvfp4_gemm.triton_gemm import nvfp4_w4a16_gemm_triton
+from qsaserve.ops.nvfp4_gemm.triton_gemv import nvfp4_gemv_triton
+from qsaserve.ops.nvfp4_gemm.triton_gemv import pick_gemv_tile as pick_nvfp4_gemv_tile
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 PREFILL_M = (512, 2048, 8192)
@@ -44,6 +52,10 @@ TILES = [dict(block_m=bm, block_n_tile=bn, num_warps=w, num_stages=s)
          for bm, bn, w, s in ((64, 128, 4, 3), (128, 128, 8, 3), (128, 128, 4, 4), (64, 64, 4, 4), (128, 64, 4, 3))]
 DECODE_TILES = [dict(block_n_tile=bn, k_unroll=u) for bn, u in ((16, 1), (16, 4), (32, 4), (64, 4), (32, 2))]
 DECODE_SPLITS = (1, 2, 4, 8)  # split_k of each decode tile (1: the variant's name has no _s suffix)
+GEMV_M = (1, 2, 4)  # decode rows that also time the GEMVs
+# block_n_tile, block_k, split_k: 8 KiB tiles against the 16 KiB defaults, the widest K tile, and a
+# 4-way split for the 4096-row projections
+GEMV_SWEEP = ((16, 512, 1), (8, 1024, 1), (16, 1024, 1), (4, 2048, 1), (8, 1024, 4))
 HBM_TB_S = 4.8
 L2_BYTES = 60 << 20
 
@@ -140,18 +152,48 @@ def decode(name, n, k, m, dev) -> list[dict]:
     variants.append(("fp8_w8a16_rule", lambda: [fp8_w8a16_gemm_triton(x, q, s, 128, split_k=rule_split)
                                                 for _, q, s in ws], fp8_bytes))
     variants.append(("nvfp4_w4a16", lambda: [nvfp4_w4a16_gemm_triton(x, *f) for f in fp4], fp4_bytes))
+    tiles = {}
+    if m in GEMV_M:
+        gbn, gbk, gsplit = pick_fp8_gemv_tile(n, k, sms)
+        tiles["fp8_gemv"] = dict(block_n_tile=gbn, block_k=gbk, split_k=gsplit, num_stages=3)
+        splits["fp8_gemv"] = gsplit
+        variants.append(("fp8_gemv", lambda: [fp8_gemv_triton(x, q, s, 128) for _, q, s in ws], fp8_bytes))
+        for gt in GEMV_SWEEP:
+            variant = "fp8_gemv_bn{}_bk{}_s{}".format(*gt)
+            splits[variant] = gt[2]
+            variants.append((variant, lambda gt=gt: [fp8_gemv_triton(x, q, s, 128, *gt) for _, q, s in ws], fp8_bytes))
+        if m == 1:
+            tiles["fp8_gemv_st1"] = dict(tiles["fp8_gemv"], num_stages=1)
+            splits["fp8_gemv_st1"] = gsplit
+            variants.append(("fp8_gemv_st1", lambda: [fp8_gemv_triton(x, q, s, 128, num_stages=1) for _, q, s in ws],
+                             fp8_bytes))
+        fbn, fbk, fsplit = pick_nvfp4_gemv_tile(n, k, sms)
+        tiles["nvfp4_gemv"] = dict(block_n_tile=fbn, block_k=fbk, split_k=fsplit, num_stages=3)
+        splits["nvfp4_gemv"] = fsplit
+        variants.append(("nvfp4_gemv", lambda: [nvfp4_gemv_triton(x, *f) for f in fp4], fp4_bytes))
     for variant, fn, nbytes in variants:
-        t = graph_ms(fn) * 1e3 / copies
+        try:
+            t = graph_ms(fn) * 1e3 / copies
+        except Exception as exc:  # reported, not fatal: the other variants still run
+            row = {"phase": "decode", "shape": name, "n": n, "k": k, "m": m, "variant": variant,
+                   "error": f"{type(exc).__name__}: {exc}"[:300]}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            continue
         row = {"phase": "decode", "shape": name, "n": n, "k": k, "m": m, "variant": variant, "us": round(t, 2),
                "tb_s": round(nbytes / t / 1e6, 3), "pct_roofline": round(100 * nbytes / t / 1e6 / HBM_TB_S, 1)}
         if variant in ("fp8_w8a16", "fp8_w8a16_rule"):
             row["tile"] = dict(block_n_tile=bn, k_unroll=ku, num_stages=ns, split_k=splits.get(variant, 1))
+        if variant in tiles:
+            row["tile"] = tiles[variant]
         if splits.get(variant, 1) > 1:
             row["workspace_bytes"] = 2 * splits[variant] * m * n * 4
         print(json.dumps(row), flush=True)
         rows.append(row)
-    for row in rows[1:]:
-        row["x_vs_bf16"] = round(rows[0]["us"] / row["us"], 3)
+    bf16_us = next((r["us"] for r in rows if r["variant"] == "bf16_cublas" and "us" in r), None)
+    for row in rows:
+        if bf16_us is not None and row["variant"] != "bf16_cublas" and "us" in row:
+            row["x_vs_bf16"] = round(bf16_us / row["us"], 3)
     for variant, why in skipped.items():
         row = {"phase": "decode", "shape": name, "n": n, "k": k, "m": m, "variant": variant, "skipped": why}
         print(json.dumps(row), flush=True)
@@ -171,7 +213,8 @@ def make_rows(dev) -> list[dict]:
 
 def main() -> None:
     kernel_bench_main("fp8_gemm", make_rows, shapes=SHAPES, prefill_m=PREFILL_M, decode_m=DECODE_M, tiles=TILES,
-                      decode_tiles=DECODE_TILES, decode_splits=DECODE_SPLITS, hbm_tb_s=HBM_TB_S)
+                      decode_tiles=DECODE_TILES, decode_splits=DECODE_SPLITS, gemv_m=GEMV_M, gemv_sweep=GEMV_SWEEP,
+                      hbm_tb_s=HBM_TB_S)
 
 
 if __name__ == "__main__":

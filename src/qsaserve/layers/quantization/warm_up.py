@@ -7,8 +7,9 @@ import torch
 from torch import nn
 
 # Row counts whose kernel variants a step may build: the W8A16 / W4A16 row blocks (16, 32, 64) with
-# and without Triton's divisible-by-16 specialization, 1, and the W8A8 GEMM on both sides of it.
-WARM_UP_ROWS = (1, 2, 16, 17, 32, 33, 64, 65, 128)
+# and without Triton's divisible-by-16 specialization, 1, and the W8A8 GEMM on both sides of it;
+# 2 and 4 for the decode GEMVs' 2- and 4-row variants (3 rows take the 4-row one).
+WARM_UP_ROWS = (1, 2, 4, 16, 17, 32, 33, 64, 65, 128)
 
 
 @torch.no_grad()

@@ -1,8 +1,10 @@
 """Linear layers with FP8 E4M3 weights and float32 block / channel / tensor scales (layout in
 reference.py), dispatched (`ops.dispatch.use_triton`): on CUDA the Triton kernels (triton_gemm.py,
-triton_quant.py), else the torch references. `fp8_linear` is what layers call: up to DECODE_ROWS
-rows W8A16 (bf16 activations), more rows W8A8 with per-token-group activation scales, on every
-device, so the CPU reference computes what the GPU does."""
+triton_quant.py, triton_gemv.py), else the torch references. `fp8_linear` is what layers call: up
+to DECODE_ROWS rows W8A16 (bf16 activations), more rows W8A8 with per-token-group activation
+scales, on every device, so the CPU reference computes what the GPU does. On CUDA the W8A16 op
+takes the FMA GEMV (triton_gemv.py) up to GEMV_ROWS rows, the tensor-core tile kernel above (same
+math, so the reference is one)."""
 from __future__ import annotations
 
 import torch
@@ -13,9 +15,11 @@ from qsaserve.ops.fp8_gemm.reference import (DECODE_ROWS, FP8, GROUP, dequantize
                                              quantize_weight_block, quantize_weight_rows)
 
 try:  # CPU-only installs keep the references
-    from qsaserve.ops.fp8_gemm import triton_gemm, triton_quant
+    from qsaserve.ops.fp8_gemm import triton_gemm, triton_gemv, triton_quant
 except ImportError:
-    triton_gemm = triton_quant = None
+    triton_gemm = triton_gemv = triton_quant = None
+
+GEMV_ROWS = 4  # up to this many rows the W8A16 op runs as a GEMV (tl.dot would pad them to 16)
 
 
 def per_token_group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,6 +40,8 @@ def fp8_w8a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_sc
 def fp8_w8a16_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int) -> torch.Tensor:
     """x [M, K], w [N, K] E4M3, w_scale [Sn, Sk] -> [M, N] in x's dtype."""
     if use_triton(x):
+        if x.shape[0] <= GEMV_ROWS:
+            return triton_gemv.fp8_gemv_triton(x, w, w_scale, block_n)
         return triton_gemm.fp8_w8a16_gemm_triton(x, w, w_scale, block_n)
     return reference.fp8_w8a16_gemm_reference(x, w, w_scale, block_n)
 
@@ -51,5 +57,5 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n:
     return y if bias is None else y + bias
 
 
-__all__ = ["DECODE_ROWS", "FP8", "GROUP", "dequantize_weight", "expand_scale", "fp8_linear", "fp8_w8a16_gemm",
+__all__ = ["DECODE_ROWS", "FP8", "GEMV_ROWS", "GROUP", "dequantize_weight", "expand_scale", "fp8_linear", "fp8_w8a16_gemm",
            "fp8_w8a8_gemm", "per_token_group_quant", "quantize_weight_block", "quantize_weight_rows"]

@@ -1,5 +1,6 @@
 """Linear layers with NVFP4 weights (ModelOpt layout, reference.py) run as W4A16, dispatched
-(`ops.dispatch.use_triton`): the Triton kernel on CUDA (triton_gemm.py), else the reference."""
+(`ops.dispatch.use_triton`): on CUDA the FMA GEMV (triton_gemv.py) up to GEMV_ROWS rows and the
+tensor-core kernel (triton_gemm.py) above, else the reference (the same math for both)."""
 from __future__ import annotations
 
 import torch
@@ -9,19 +10,23 @@ from qsaserve.ops.nvfp4_gemm import reference
 from qsaserve.ops.nvfp4_gemm.reference import GROUP, dequantize_nvfp4, quantize_nvfp4
 
 try:  # CPU-only installs keep the reference
-    from qsaserve.ops.nvfp4_gemm import triton_gemm
+    from qsaserve.ops.nvfp4_gemm import triton_gemm, triton_gemv
 except ImportError:
-    triton_gemm = None
+    triton_gemm = triton_gemv = None
+
+GEMV_ROWS = 4  # up to this many rows the GEMV (tl.dot would pad them to 16)
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] -> x @ W^T (+ bias) [T, N] in x's dtype."""
-    if use_triton(x):
+    if use_triton(x) and x.shape[0] <= GEMV_ROWS:
+        y = triton_gemv.nvfp4_gemv_triton(x, packed, scale, row_scale)
+    elif use_triton(x):
         y = triton_gemm.nvfp4_w4a16_gemm_triton(x, packed, scale, row_scale)
     else:
         y = reference.nvfp4_w4a16_gemm_reference(x, packed, scale, row_scale)
     return y if bias is None else y + bias
 
 
-__all__ = ["GROUP", "dequantize_nvfp4", "nvfp4_linear", "quantize_nvfp4"]
+__all__ = ["GEMV_ROWS", "GROUP", "dequantize_nvfp4", "nvfp4_linear", "quantize_nvfp4"]

@@ -1,0 +1,161 @@
+"""FP8-weight GEMV for decode at 1-4 rows: y [M, N] = x [M, K] @ W^T with W E4M3 [N, K] and
+float32 scales [Sn, Sk] (reference.py's layout). No tl.dot (which pads M to 16 rows): each program
+streams BLOCK_N weight rows, BLOCK_K columns an iteration, as E4M3 (1 byte a weight: the step's
+whole cost), widens them to float32 in registers and multiplies them by every row of x (FMA),
+so the weights are read once for all rows.
+
+A tile is [BLOCK_K / 128, BLOCK_N, 128], groups first: Triton then lays each thread over several
+weight rows of the same columns, so one widened x value serves them all (sm_90 SASS of the 16 x
+512 loop at one row, the next tile carried in registers: 404 instructions an iteration against
+491 with rows first). Each 128-column
+group is reduced first and then scaled by its block scale (one multiply per row and group, not
+per weight); per-channel / per-tensor scales (Sk == 1) are applied once to the finished sums.
+Scales are gathered per weight row, scale[n // block_n, k // 128], so any block_n works, also one
+that does not divide the tile. The K loop is software-pipelined (num_stages: cp.async into shared
+memory, more weight bytes in flight a program without holding them in registers): 296
+instructions an iteration (64 weights a thread), where carrying the next tile in registers took
+404, repacking its E4M3 bytes. Not yet timed on a GPU.
+
+The grid is one program per BLOCK_N rows (pick_gemv_tile) and, with split_k > 1, split_k programs
+per row block over contiguous whole-128-column ranges of K, whose float32 partial sums
+triton_gemm's _split_k_sum_kernel adds in a fixed order: deterministic, no atomics, no host sync
+(CUDA-graph safe)."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qsaserve.ops.device import num_sms
+from qsaserve.ops.fp8_gemm.reference import GROUP
+from qsaserve.ops.fp8_gemm.triton_gemm import _check, _scale_k_stride, _split_k_sum_kernel
+
+MAX_ROWS = 4  # rows of x one pass over the weights serves
+TILE_BYTES = 16384  # default E4M3 bytes a program loads an iteration (BLOCK_N x BLOCK_K)
+
+
+@triton.jit
+def _row_partial(acc, x_ptr, r, M, stride_xm, kk, k_ok, w, s, ROW_SCALE: tl.constexpr):
+    """acc [G, BLOCK_N] += row r of x times the tile w [G, BLOCK_N, 128], summed per 128-column
+    group (scaled by the block scales s [G, BLOCK_N] unless ROW_SCALE). Row r >= M loads zeros."""
+    xr = tl.load(x_ptr + r * stride_xm + kk, mask=k_ok & (r < M), other=0.0).to(tl.float32)
+    part = tl.sum(w * xr[:, None, :], 2)
+    if not ROW_SCALE:
+        part = part * s
+    return acc + part
+
+
+# stride_ys (M * N, the split-K plane stride) unspecialized: its divisibility by 16 would differ
+# between row counts at an N that is not a multiple of 16, building a variant warm-up never ran
+@triton.jit(do_not_specialize=["stride_ys"])
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
+                     stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, stride_ys,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_: tl.constexpr,
+                     SPLIT_K: tl.constexpr, ROW_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr):
+    G: tl.constexpr = BLOCK_K // GROUP_
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    g = tl.arange(0, G)
+    col = g[:, None] * GROUP_ + tl.arange(0, GROUP_)[None, :]  # [G, 128]: a tile's columns from k0
+    # tiles are [G, BLOCK_N, 128]: w[g, i, c] is weight row n[i], column k0 + g * 128 + c
+    w_rows = w_ptr + n[None, :, None].to(tl.int64) * stride_wn
+    s_rows = s_ptr + (n // block_n)[None, :] * stride_sn
+    if SPLIT_K == 1:
+        k_lo = 0
+        k_hi = K
+        y_base = y_ptr
+    else:  # program pid_k: 128-column groups [pid_k * nkb // SPLIT_K, (pid_k + 1) * nkb // SPLIT_K)
+        pid_k = tl.program_id(1)
+        nkb = tl.cdiv(K, GROUP_)
+        k_lo = (pid_k * nkb // SPLIT_K) * GROUP_
+        k_hi = tl.minimum(((pid_k + 1) * nkb // SPLIT_K) * GROUP_, K)
+        y_base = y_ptr + pid_k.to(tl.int64) * stride_ys  # plane pid_k of the [SPLIT_K, M, N] partials
+    acc0 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
+    for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
+        kk = k0 + col
+        k_ok = kk < k_hi
+        w = tl.load(w_rows + kk[:, None, :], mask=n_ok[None, :, None] & k_ok[:, None, :], other=0.0).to(tl.float32)
+        s = tl.zeros((G, BLOCK_N), dtype=tl.float32)
+        if not ROW_SCALE:  # masked to 0 past K: a padded group adds 0 * 0, never 0 * garbage
+            s = tl.load(s_rows + ((k0 // GROUP_) + g)[:, None] * stride_sk,
+                        mask=n_ok[None, :] & (k0 + g * GROUP_ < k_hi)[:, None], other=0.0)
+        acc0 = _row_partial(acc0, x_ptr, 0, M, stride_xm, kk, k_ok, w, s, ROW_SCALE)
+        if ROWS > 1:
+            acc1 = _row_partial(acc1, x_ptr, 1, M, stride_xm, kk, k_ok, w, s, ROW_SCALE)
+        if ROWS > 2:
+            acc2 = _row_partial(acc2, x_ptr, 2, M, stride_xm, kk, k_ok, w, s, ROW_SCALE)
+            acc3 = _row_partial(acc3, x_ptr, 3, M, stride_xm, kk, k_ok, w, s, ROW_SCALE)
+    rs = tl.full((BLOCK_N,), 1.0, tl.float32)
+    if ROW_SCALE:
+        rs = tl.load(s_ptr + (n // block_n) * stride_sn, mask=n_ok, other=0.0)
+    out = y_base + n
+    ty = y_ptr.dtype.element_ty
+    tl.store(out, (tl.sum(acc0, 0) * rs).to(ty), mask=n_ok)
+    if ROWS > 1:
+        tl.store(out + stride_ym, (tl.sum(acc1, 0) * rs).to(ty), mask=n_ok & (1 < M))
+    if ROWS > 2:
+        tl.store(out + 2 * stride_ym, (tl.sum(acc2, 0) * rs).to(ty), mask=n_ok & (2 < M))
+        tl.store(out + 3 * stride_ym, (tl.sum(acc3, 0) * rs).to(ty), mask=n_ok & (3 < M))
+
+
+def pick_gemv_tile(n: int, k: int, sms: int) -> tuple[int, int, int]:
+    """(block_n_tile, block_k, split_k) defaults, NOT yet measured (bench_fp8_gemm sweeps them).
+    BLOCK_N: the widest of 16, 8, 4 weight rows giving >= 2 programs per SM (ops/gemv's rule);
+    BLOCK_K: TILE_BYTES / BLOCK_N columns, 128-2048 and no wider than K needs. 16 KiB an
+    iteration: in the sm_90 SASS 3.8 instructions a weight at one row and 8.9 at four, against 4.6
+    and 10.6 for 8 KiB tiles (the bf16 GEMV's 16 x 256 bytes), at 56-71 registers a thread at one
+    row and ~205 at four (so 2 programs an SM there), with 2 tiles in flight each. split_k: the
+    fewest of 1, 2, 4, 8 reaching 4 programs per SM while each program keeps >= 2 iterations of
+    BLOCK_K. llama-8b on 132 SMs: qkv (6144 x 4096) 16 x 1024 split 2, o (4096 x 4096) 8 x 2048
+    split 1, gate_up (28672 x 4096) 16 x 1024 split 1, down (4096 x 14336) 8 x 2048 split 2."""
+    bn = next((b for b in (16, 8) if triton.cdiv(n, b) >= 2 * sms), 4)
+    bk = max(GROUP, min(TILE_BYTES // bn, 2048, triton.next_power_of_2(k)))
+    programs, nkb, g = triton.cdiv(n, bn), triton.cdiv(k, GROUP), bk // GROUP
+    split = 1
+    while split < 8 and programs * split < 4 * sms and nkb // (2 * split) >= 2 * g:
+        split *= 2
+    return bn, bk, split
+
+
+def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
+                    block_n_tile: int | None = None, block_k: int | None = None, split_k: int | None = None,
+                    num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS; bf16/fp16/fp32), w [N, K] E4M3 (unit last stride), w_scale
+    [Sn, Sk] float32 -> y [M, N] in x's dtype, as reference.fp8_w8a16_gemm_reference.
+    block_n: weight rows per scale row (128 block, 1 per-channel, N per-tensor, or a common divisor
+    of fused parts). block_n_tile / block_k (a power-of-two multiple of 128) / split_k / num_warps /
+    num_stages: the tile, defaults from pick_gemv_tile, 4 warps and 3 stages (two tiles loading
+    while one is used; 16 KiB each at the default tiles, 38-67 KB of shared memory with x's rows
+    in the sm_90 compile; benchmarks/bench_fp8_gemm.py sweeps them).
+    split_k > 1 writes float32 partials to a [split_k, M, N] workspace (2 x split_k x M x N x 4
+    bytes of traffic) summed by a second launch."""
+    _check(x, w, w_scale, block_n, "fp8_gemv")
+    m, k = x.shape
+    n = w.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"fp8_gemv: at most {MAX_ROWS} rows of x, got {m}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    bn, bk, split = pick_gemv_tile(n, k, num_sms(x.device))
+    bn, bk, split = block_n_tile or bn, block_k or bk, split_k or split
+    if bk % GROUP or bk & (bk - 1) or split < 1:
+        raise ValueError(f"fp8_gemv: block_k a power-of-two multiple of {GROUP}, split_k >= 1; got {bk}, {split}")
+    out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    rows = triton.next_power_of_2(m)  # 3 rows take the 4-row variant, the 4th masked
+    _fp8_gemv_kernel[(triton.cdiv(n, bn), split)](
+        x, w, w_scale, out, m, n, k, block_n, x.stride(0), w.stride(0), w_scale.stride(0), _scale_k_stride(w_scale),
+        out.stride(-2), out.stride(0) if split > 1 else 0, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, GROUP_=GROUP,
+        SPLIT_K=split, ROW_SCALE=w_scale.shape[1] == 1, NUM_STAGES=num_stages, num_warps=num_warps or 4)
+    if split > 1:
+        block = 1024
+        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, SPLIT_K=split, BLOCK=block, num_warps=4)
+    return y
+
+
+__all__ = ["MAX_ROWS", "TILE_BYTES", "fp8_gemv_triton", "pick_gemv_tile"]

@@ -1,0 +1,129 @@
+"""The FP8-weight decode GEMV (ops/fp8_gemm/triton_gemv.py) against the W8A16 reference, under the
+Triton interpreter (then compiled for sm_90) and on a GPU: 1-4 rows, block-128 / per-channel /
+per-tensor scales and a block_n that does not divide the tile (48), N and K not multiples of the
+tile, split over K (ranges of unequal and zero length), float32 and bf16 x; the default tile rule
+at llama-8b's shapes; and the dispatch (GEMV up to GEMV_ROWS rows, the tile kernel above)."""
+import pytest
+import torch
+from triton_interpreter import triton_check_tests
+
+from qsaserve.ops.fp8_gemm import reference as ref
+
+LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def _weight(n, k, kind, gen):
+    w = torch.randn(n, k, generator=gen) * k**-0.5
+    if kind == "block":
+        q, s = ref.quantize_weight_block(w)
+        return q, s, 128
+    if kind == "block48":  # scale rows of 48 weight rows (a fused projection's common divisor)
+        q, s = ref.quantize_weight_block(w)
+        return q, torch.rand(-(-n // 48), s.shape[1], generator=gen) * 0.02 + 1e-3, 48
+    q, s = ref.quantize_weight_rows(w, per_tensor=kind == "tensor")
+    return q, s, (n if kind == "tensor" else 1)
+
+
+def _check(device, m, n, k, kind, dtype, **tiles):
+    from qsaserve.ops.fp8_gemm.triton_gemv import fp8_gemv_triton
+
+    gen = torch.Generator().manual_seed(m * 17 + n + k)
+    w, ws, bn = _weight(n, k, kind, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    got = fp8_gemv_triton(x.to(device), w.to(device), ws.to(device), bn, **tiles).cpu()
+    want = ref.fp8_w8a16_gemm_reference(x, w, ws, bn)
+    assert got.shape == (m, n) and got.dtype == dtype
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def _triton_checks(device):
+    for kind in ("block", "channel", "tensor", "block48"):
+        for m in (1, 2, 3, 4):
+            # N = 200: a ragged last row block; K = 320: a ragged last group and tile
+            _check(device, m, 200, 320, kind, torch.float32, block_n_tile=16, block_k=256)
+        # split-K over 3 groups: 3 programs of one group each, then 4 programs (one with none)
+        _check(device, 3, 200, 320, kind, torch.float32, block_n_tile=8, block_k=128, split_k=3)
+        _check(device, 1, 40, 320, kind, torch.float32, block_n_tile=4, block_k=128, split_k=4)
+    # 5 groups over 2 programs (2 and 3: the second's last 256-wide iteration half masked)
+    _check(device, 2, 24, 640, "block", torch.float32, block_n_tile=8, block_k=256, split_k=2)
+    _check(device, 4, 24, 640, "block48", torch.float32, block_n_tile=16, block_k=128, num_stages=1)
+    for m in (1, 2, 4):
+        _check(device, m, 72, 320, "block", torch.bfloat16, block_n_tile=16, block_k=128)
+        _check(device, m, 72, 320, "channel", torch.bfloat16, block_n_tile=8, block_k=256, split_k=2)
+    _check(device, 1, 48, 256, "block", torch.bfloat16)  # the default tile (K caps BLOCK_K)
+    if device == "cpu":
+        # the default tiles of llama-8b's projections (pick_gemv_tile on 132 SMs, given here to
+        # keep N and K small) at each row variant, bf16 x, block and per-channel scales, so the
+        # sm_90 compile check sees the launches the engine makes
+        for bn, bk, split in ((16, 1024, 2), (8, 2048, 1), (16, 1024, 1), (8, 2048, 2)):
+            for m in (1, 2, 4):
+                _check(device, m, 48, 4096, "block", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split)
+            _check(device, 1, 48, 4096, "channel", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split)
+            # the defaults unpipelined (bench_fp8_gemm's fp8_gemv_st1, one row)
+            _check(device, 1, 48, 4096, "block", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split,
+                   num_stages=1)
+        # the benchmark's sweep (bench_fp8_gemm.GEMV_SWEEP) at each row variant
+        for bn, bk, split in ((16, 512, 1), (8, 1024, 1), (4, 2048, 1), (8, 1024, 4)):
+            for m in (1, 2, 4):
+                _check(device, m, 48, 4096, "block", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split)
+    if device == "cuda":  # llama-8b's projections at the default tiles, and the dispatch
+        from qsaserve.ops.fp8_gemm import fp8_w8a16_gemm
+
+        for n, k in LLAMA_8B.values():
+            for m in (1, 4):
+                _check(device, m, n, k, "block", torch.bfloat16)
+        _check(device, 2, 6144, 4096, "channel", torch.bfloat16)
+        gen = torch.Generator().manual_seed(5)
+        w, ws, bn = _weight(4096, 4096, "block", gen)
+        x = torch.randn(4, 4096, generator=gen).to(torch.bfloat16)
+        torch.testing.assert_close(fp8_w8a16_gemm(x.cuda(), w.cuda(), ws.cuda(), bn).cpu(),
+                                   ref.fp8_w8a16_gemm_reference(x, w, ws, bn), rtol=1e-2, atol=1e-2)
+
+
+test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)
+
+
+def test_default_tiles_at_llama_8b_shapes():
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from qsaserve.ops.fp8_gemm.triton_gemv import pick_gemv_tile
+
+    tiles = {name: pick_gemv_tile(n, k, 132) for name, (n, k) in LLAMA_8B.items()}
+    assert tiles == {"qkv": (16, 1024, 2), "o": (8, 2048, 1), "gate_up": (16, 1024, 1), "down": (8, 2048, 2)}
+    for name, (bn, bk, split) in tiles.items():
+        n, _ = LLAMA_8B[name]
+        assert -(-n // bn) * split >= 2 * 132  # every SM gets >= 2 programs
+    assert pick_gemv_tile(576, 256, 132) == (4, 256, 1)  # small K caps BLOCK_K; too short to split
+
+
+def test_rejects_more_rows_and_bad_tiles():
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from qsaserve.ops.fp8_gemm.triton_gemv import fp8_gemv_triton
+
+    w, ws, bn = _weight(16, 256, "block", torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="at most 4 rows"):
+        fp8_gemv_triton(torch.zeros(5, 256), w, ws, bn)
+    with pytest.raises(ValueError, match="block_k"):
+        fp8_gemv_triton(torch.zeros(1, 256), w, ws, bn, block_k=192)
+    with pytest.raises(ValueError, match="fp8_gemv"):
+        fp8_gemv_triton(torch.zeros(1, 256), w, ws[:, :1].repeat(1, 3), bn)  # Sk neither 1 nor ceil(K/128)
+
+
+def test_w8a16_dispatch_takes_the_gemv_up_to_gemv_rows(monkeypatch):
+    """On CUDA tensors (faked: use_triton patched, the kernels replaced by recorders) the W8A16 op
+    takes the GEMV up to GEMV_ROWS rows and the tile kernel above; CPU tensors the reference."""
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    import qsaserve.ops.fp8_gemm as fp8_gemm
+
+    calls = []
+    monkeypatch.setattr(fp8_gemm, "use_triton", lambda x: True)
+    monkeypatch.setattr(fp8_gemm.triton_gemv, "fp8_gemv_triton", lambda x, *a: calls.append(("gemv", x.shape[0])))
+    monkeypatch.setattr(fp8_gemm.triton_gemm, "fp8_w8a16_gemm_triton", lambda x, *a: calls.append(("tile", x.shape[0])))
+    w, ws, bn = _weight(16, 256, "block", torch.Generator().manual_seed(0))
+    for m in (1, fp8_gemm.GEMV_ROWS, fp8_gemm.GEMV_ROWS + 1, 64):
+        fp8_gemm.fp8_w8a16_gemm(torch.zeros(m, 256), w, ws, bn)
+    assert fp8_gemm.GEMV_ROWS == 4
+    assert calls == [("gemv", 1), ("gemv", 4), ("tile", 5), ("tile", 64)]
+    monkeypatch.undo()
+    x = torch.randn(2, 256)
+    torch.testing.assert_close(fp8_gemm.fp8_w8a16_gemm(x, w, ws, bn), ref.fp8_w8a16_gemm_reference(x, w, ws, bn))
