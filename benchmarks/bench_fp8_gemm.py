@@ -154,7 +154,7 @@ def decode(name, n, k, m, dev) -> list[dict]:
     variants.append(("nvfp4_w4a16", lambda: [nvfp4_w4a16_gemm_triton(x, *f) for f in fp4], fp4_bytes))
     tiles = {}
     if m in GEMV_M:
-        gbn, gbk, gsplit = pick_fp8_gemv_tile(n, k, sms)
+        gbn, gbk, gsplit = pick_fp8_gemv_tile(n, k, sms, m)
         tiles["fp8_gemv"] = dict(block_n_tile=gbn, block_k=gbk, split_k=gsplit, num_stages=3)
         splits["fp8_gemv"] = gsplit
         variants.append(("fp8_gemv", lambda: [fp8_gemv_triton(x, q, s, 128) for _, q, s in ws], fp8_bytes))

@@ -56,7 +56,7 @@ def _triton_checks(device):
         # the default tiles of llama-8b's projections (pick_gemv_tile on 132 SMs, given here to
         # keep N and K small) at each row variant, bf16 x, block and per-channel scales, so the
         # sm_90 compile check sees the launches the engine makes
-        for bn, bk, split in ((16, 1024, 2), (8, 2048, 1), (16, 1024, 1), (8, 2048, 2)):
+        for bn, bk, split in ((16, 1024, 1), (16, 512, 1), (8, 2048, 1), (16, 1024, 2), (8, 2048, 2)):
             for m in (1, 2, 4):
                 _check(device, m, 48, 4096, "block", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split)
             _check(device, 1, 48, 4096, "channel", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split)
@@ -88,12 +88,12 @@ def test_default_tiles_at_llama_8b_shapes():
     pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
     from qsaserve.ops.fp8_gemm.triton_gemv import pick_gemv_tile
 
-    tiles = {name: pick_gemv_tile(n, k, 132) for name, (n, k) in LLAMA_8B.items()}
-    assert tiles == {"qkv": (16, 1024, 2), "o": (8, 2048, 1), "gate_up": (16, 1024, 1), "down": (8, 2048, 2)}
-    for name, (bn, bk, split) in tiles.items():
-        n, _ = LLAMA_8B[name]
-        assert -(-n // bn) * split >= 2 * 132  # every SM gets >= 2 programs
-    assert pick_gemv_tile(576, 256, 132) == (4, 256, 1)  # small K caps BLOCK_K; too short to split
+    for m, bk in ((1, 1024), (2, 512)):
+        tiles = {name: pick_gemv_tile(n, k, 132, m) for name, (n, k) in LLAMA_8B.items()}
+        assert tiles == {name: (16, bk, 1) for name in LLAMA_8B}
+        for name, (bn, _, _) in tiles.items():
+            assert -(-LLAMA_8B[name][0] // bn) >= 132  # every SM gets a program
+    assert pick_gemv_tile(576, 256, 132) == (4, 256, 1)  # small N narrows the block, small K caps BLOCK_K
 
 
 def test_rejects_more_rows_and_bad_tiles():
@@ -122,8 +122,8 @@ def test_w8a16_dispatch_takes_the_gemv_up_to_gemv_rows(monkeypatch):
     w, ws, bn = _weight(16, 256, "block", torch.Generator().manual_seed(0))
     for m in (1, fp8_gemm.GEMV_ROWS, fp8_gemm.GEMV_ROWS + 1, 64):
         fp8_gemm.fp8_w8a16_gemm(torch.zeros(m, 256), w, ws, bn)
-    assert fp8_gemm.GEMV_ROWS == 4
-    assert calls == [("gemv", 1), ("gemv", 4), ("tile", 5), ("tile", 64)]
+    assert fp8_gemm.GEMV_ROWS == 2
+    assert calls == [("gemv", 1), ("gemv", 2), ("tile", 3), ("tile", 64)]
     monkeypatch.undo()
     x = torch.randn(2, 256)
     torch.testing.assert_close(fp8_gemm.fp8_w8a16_gemm(x, w, ws, bn), ref.fp8_w8a16_gemm_reference(x, w, ws, bn))

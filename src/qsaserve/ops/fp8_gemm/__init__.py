@@ -19,7 +19,10 @@ try:  # CPU-only installs keep the references
 except ImportError:
     triton_gemm = triton_gemv = triton_quant = None
 
-GEMV_ROWS = 4  # up to this many rows the W8A16 op runs as a GEMV (tl.dot would pad them to 16)
+# Up to this many rows the W8A16 op runs as the FMA GEMV: measured on an H200 (bench_fp8_gemm,
+# 58189b2) it led at 1 and 2 rows on every llama-8b shape, at 4 rows the tile kernel led on the
+# largest (gate_up 48.3 against 57.1 us; the FMAs' issue rate, not the bandwidth, bounds it).
+GEMV_ROWS = 2
 
 
 def per_token_group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

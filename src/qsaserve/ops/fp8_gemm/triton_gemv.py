@@ -31,7 +31,7 @@ from qsaserve.ops.fp8_gemm.reference import GROUP
 from qsaserve.ops.fp8_gemm.triton_gemm import _check, _scale_k_stride, _split_k_sum_kernel
 
 MAX_ROWS = 4  # rows of x one pass over the weights serves
-TILE_BYTES = 16384  # default E4M3 bytes a program loads an iteration (BLOCK_N x BLOCK_K)
+TILE_BYTES = 16384  # E4M3 bytes a program loads an iteration at one row (16 x 1024); half at more rows
 
 
 @triton.jit
@@ -101,23 +101,17 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
         tl.store(out + 3 * stride_ym, (tl.sum(acc3, 0) * rs).to(ty), mask=n_ok & (3 < M))
 
 
-def pick_gemv_tile(n: int, k: int, sms: int) -> tuple[int, int, int]:
-    """(block_n_tile, block_k, split_k) defaults, NOT yet measured (bench_fp8_gemm sweeps them).
-    BLOCK_N: the widest of 16, 8, 4 weight rows giving >= 2 programs per SM (ops/gemv's rule);
-    BLOCK_K: TILE_BYTES / BLOCK_N columns, 128-2048 and no wider than K needs. 16 KiB an
-    iteration: in the sm_90 SASS 3.8 instructions a weight at one row and 8.9 at four, against 4.6
-    and 10.6 for 8 KiB tiles (the bf16 GEMV's 16 x 256 bytes), at 56-71 registers a thread at one
-    row and ~205 at four (so 2 programs an SM there), with 2 tiles in flight each. split_k: the
-    fewest of 1, 2, 4, 8 reaching 4 programs per SM while each program keeps >= 2 iterations of
-    BLOCK_K. llama-8b on 132 SMs: qkv (6144 x 4096) 16 x 1024 split 2, o (4096 x 4096) 8 x 2048
-    split 1, gate_up (28672 x 4096) 16 x 1024 split 1, down (4096 x 14336) 8 x 2048 split 2."""
-    bn = next((b for b in (16, 8) if triton.cdiv(n, b) >= 2 * sms), 4)
-    bk = max(GROUP, min(TILE_BYTES // bn, 2048, triton.next_power_of_2(k)))
-    programs, nkb, g = triton.cdiv(n, bn), triton.cdiv(k, GROUP), bk // GROUP
-    split = 1
-    while split < 8 and programs * split < 4 * sms and nkb // (2 * split) >= 2 * g:
-        split *= 2
-    return bn, bk, split
+def pick_gemv_tile(n: int, k: int, sms: int, m: int = 1) -> tuple[int, int, int]:
+    """(block_n_tile, block_k, split_k) defaults for m rows, from bench_fp8_gemm on an H200
+    (fp8_gemm_h200_2026-12-02_58189b2.json, llama-8b's qkv, o and gate_up at 1, 2 and 4 rows):
+    16 weight rows a program (at N = 4096, 256 programs on 132 SMs, it beat 8 rows: o 7.25 against
+    7.49 us at one row), BLOCK_K 1024 at one row and 512 at more (16 x 512 led every shape at 2
+    and 4 rows: gate_up 37.0 against 43.1 us at two), no split-K (a second launch that lost
+    everywhere: qkv 9.36 us unsplit against 11.90 split in 2, 14.84 in 4). N below 16 rows per SM
+    takes 8 or 4 rows; BLOCK_K no wider than K needs."""
+    bn = next((b for b in (16, 8) if triton.cdiv(n, b) >= sms), 4)
+    bk = max(GROUP, min(TILE_BYTES // 16 if m == 1 else TILE_BYTES // 32, triton.next_power_of_2(k)))
+    return bn, bk, 1
 
 
 def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
@@ -142,7 +136,7 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    bn, bk, split = pick_gemv_tile(n, k, num_sms(x.device))
+    bn, bk, split = pick_gemv_tile(n, k, num_sms(x.device), m)
     bn, bk, split = block_n_tile or bn, block_k or bk, split_k or split
     if bk % GROUP or bk & (bk - 1) or split < 1:
         raise ValueError(f"fp8_gemv: block_k a power-of-two multiple of {GROUP}, split_k >= 1; got {bk}, {split}")
