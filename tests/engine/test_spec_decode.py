@@ -125,6 +125,38 @@ def test_no_drafts_while_more_sequences_run_than_disable_by_batch_size(hf_llama)
     assert 0 < limited.engine.spec.stats.verifies < free.engine.spec.stats.verifies
 
 
+def test_a_steps_drafts_are_topped_up_to_one_length(hf_llama):
+    """A repetitive prompt (its lookups match) beside one of distinct ids (its lookups find
+    nothing at first): after each step the short sequences' drafts are topped up to the longest,
+    so every step where all sequences decode verifies the same number of drafts for each (one
+    verify graph's shape on a GPU); tokens equal transformers'. Without drafts anywhere nothing
+    is added (no verify step at all for the distinct prompt alone)."""
+    model, path = hf_llama
+    distinct = list(range(3, 33))
+    ps = [repetitive_prompts()[0], distinct]
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    llm = engine(path, spec)
+    steps, schedule = [], llm.engine.scheduler.schedule
+
+    def recorded():
+        out = schedule()
+        # steps of decoding sequences each with room for k drafts (a request's last tokens cap its own)
+        if out.chunks and all(c.num_new_tokens == c.num_drafts + 1 and NEW - c.seq.num_output_tokens > 3
+                              for c in out.chunks):
+            steps.append([c.num_drafts for c in out.chunks])
+        return out
+
+    llm.engine.scheduler.schedule = recorded
+    assert generate(llm, ps, params) == [hf_greedy(model, p, NEW) for p in ps]
+    mixed = [d for d in steps if len(d) == 2 and any(d)]
+    assert mixed and all(d[0] == d[1] for d in mixed), steps
+    assert llm.engine.spec.stats.accepted > 0
+    alone = engine(path, spec)
+    assert generate(alone, [distinct], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)) == \
+        [hf_greedy(model, distinct, 4)]
+
+
 # ---- the rejection sampler ----
 
 def _seqs(n, temperature):

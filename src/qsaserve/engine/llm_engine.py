@@ -416,6 +416,8 @@ class LLMEngine:
             if seq.is_finished:
                 ended.append(req)
         self.stats["generation_tokens"] += appended
+        if self.spec is not None:  # after every sequence proposed: n-gram drafts of equal length
+            self.spec.align_drafts(self.scheduler.running)
         for seq, _, _ in plan.prompt_logprob_spans:
             touched.setdefault(seq.request_id, requests[seq.request_id])
         done = {req.request_id for req in ended if all(s.is_finished for s in req.seqs)}

@@ -102,6 +102,30 @@ class SpecDecoder:
         seq.draft_token_ids = propose_ngram(self._token_array(seq), k, c.prompt_lookup_max, c.prompt_lookup_min) \
             if k > 0 and not self.model_drafts else []  # the model's drafts come after the step (mtp_request)
 
+    def align_drafts(self, running: list[Sequence]) -> None:
+        """n-gram drafts, after every running sequence proposed: when some sequences drafted n
+        tokens and the others fewer, the others are topped up to n, so that the next step is a
+        uniform verify (one CUDA graph of n + 1 rows a sequence) rather than a mixed step that runs
+        eagerly. The top-up is the 1-gram continuation (the tokens after the last token's latest
+        earlier occurrence), then the last token repeated. Verification keeps the target's tokens
+        whatever the drafts are, so this costs acceptance per draft, never exactness; the automatic
+        fallback times these steps as any other verify. Nothing changes unless every short
+        sequence can take n drafts (it decodes next, may draft, has the room), since one that
+        cannot leaves the step mixed anyway."""
+        if self.model_drafts or not running:
+            return
+        n = max(len(seq.draft_token_ids) for seq in running)
+        short = [seq for seq in running if len(seq.draft_token_ids) < n]
+        if not n or not short:
+            return
+        for seq in short:
+            if seq.is_finished or seq.num_tokens - seq.num_computed_tokens != 1 or self.room(seq, len(running)) < n:
+                return
+        for seq in short:
+            drafts = seq.draft_token_ids or propose_ngram(self._token_array(seq), n, 1, 1)
+            fill = drafts[-1] if drafts else seq.token_ids[-1]
+            seq.draft_token_ids = (drafts + [fill] * n)[:n]
+
     def room(self, seq: Sequence, num_running: int) -> int:
         """Drafts seq may take next step (0: none)."""
         limit = self.config.disable_by_batch_size
