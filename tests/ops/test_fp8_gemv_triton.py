@@ -5,6 +5,7 @@ tile, split over K (ranges of unequal and zero length), float32 and bf16 x; the 
 at llama-8b's shapes; and the dispatch (GEMV up to GEMV_ROWS rows, the tile kernel above)."""
 import pytest
 import torch
+from test_fp8_gemm_triton import _weight as fp8_gemm_weight
 from triton_interpreter import triton_check_tests
 
 from qsaserve.ops.fp8_gemm import reference as ref
@@ -13,15 +14,12 @@ LLAMA_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "d
 
 
 def _weight(n, k, kind, gen):
-    w = torch.randn(n, k, generator=gen) * k**-0.5
-    if kind == "block":
-        q, s = ref.quantize_weight_block(w)
-        return q, s, 128
-    if kind == "block48":  # scale rows of 48 weight rows (a fused projection's common divisor)
-        q, s = ref.quantize_weight_block(w)
-        return q, torch.rand(-(-n // 48), s.shape[1], generator=gen) * 0.02 + 1e-3, 48
-    q, s = ref.quantize_weight_rows(w, per_tensor=kind == "tensor")
-    return q, s, (n if kind == "tensor" else 1)
+    """test_fp8_gemm_triton's weights, plus "block48": scale rows of 48 weight rows (a fused
+    projection's common divisor)."""
+    if kind != "block48":
+        return fp8_gemm_weight(n, k, kind, gen)
+    q, s = ref.quantize_weight_block(torch.randn(n, k, generator=gen) * k**-0.5)
+    return q, torch.rand(-(-n // 48), s.shape[1], generator=gen) * 0.02 + 1e-3, 48
 
 
 def _check(device, m, n, k, kind, dtype, **tiles):

@@ -45,6 +45,21 @@ def _row_partial(acc, x_ptr, r, M, stride_xm, kk, k_ok, w, s, ROW_SCALE: tl.cons
     return acc + part
 
 
+@triton.jit
+def store_rows(y_base, n, n_ok, rs, M, stride_ym, acc0, acc1, acc2, acc3, ROWS: tl.constexpr):
+    """The GEMVs' epilogue (FP8 and NVFP4): row r's per-group sums acc_r [G, BLOCK_N] summed over
+    the groups, times the row scales rs [BLOCK_N], stored at y_base + r * stride_ym + n in y's
+    dtype; rows >= M (the 4-row variant run for 3) are not stored."""
+    ty = y_base.dtype.element_ty
+    out = y_base + n
+    tl.store(out, (tl.sum(acc0, 0) * rs).to(ty), mask=n_ok)
+    if ROWS > 1:
+        tl.store(out + stride_ym, (tl.sum(acc1, 0) * rs).to(ty), mask=n_ok & (1 < M))
+    if ROWS > 2:
+        tl.store(out + 2 * stride_ym, (tl.sum(acc2, 0) * rs).to(ty), mask=n_ok & (2 < M))
+        tl.store(out + 3 * stride_ym, (tl.sum(acc3, 0) * rs).to(ty), mask=n_ok & (3 < M))
+
+
 # stride_ys (M * N, the split-K plane stride) unspecialized: its divisibility by 16 would differ
 # between row counts at an N that is not a multiple of 16, building a variant warm-up never ran
 @triton.jit(do_not_specialize=["stride_ys"])
@@ -91,14 +106,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
     rs = tl.full((BLOCK_N,), 1.0, tl.float32)
     if ROW_SCALE:
         rs = tl.load(s_ptr + (n // block_n) * stride_sn, mask=n_ok, other=0.0)
-    out = y_base + n
-    ty = y_ptr.dtype.element_ty
-    tl.store(out, (tl.sum(acc0, 0) * rs).to(ty), mask=n_ok)
-    if ROWS > 1:
-        tl.store(out + stride_ym, (tl.sum(acc1, 0) * rs).to(ty), mask=n_ok & (1 < M))
-    if ROWS > 2:
-        tl.store(out + 2 * stride_ym, (tl.sum(acc2, 0) * rs).to(ty), mask=n_ok & (2 < M))
-        tl.store(out + 3 * stride_ym, (tl.sum(acc3, 0) * rs).to(ty), mask=n_ok & (3 < M))
+    store_rows(y_base, n, n_ok, rs, M, stride_ym, acc0, acc1, acc2, acc3, ROWS)
 
 
 def pick_gemv_tile(n: int, k: int, sms: int, m: int = 1) -> tuple[int, int, int]:
@@ -152,4 +160,4 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
     return y
 
 
-__all__ = ["MAX_ROWS", "TILE_BYTES", "fp8_gemv_triton", "pick_gemv_tile"]
+__all__ = ["MAX_ROWS", "TILE_BYTES", "fp8_gemv_triton", "pick_gemv_tile", "store_rows"]

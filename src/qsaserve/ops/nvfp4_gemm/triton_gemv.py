@@ -30,6 +30,7 @@ import triton.language as tl
 
 from qsaserve.ops.device import num_sms
 from qsaserve.ops.fp8_gemm.triton_gemm import _split_k_sum_kernel
+from qsaserve.ops.fp8_gemm.triton_gemv import store_rows
 from qsaserve.ops.nvfp4_gemm.reference import GROUP
 
 MAX_ROWS = 4  # rows of x one pass over the weights serves
@@ -124,14 +125,7 @@ def _nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, r_ptr, y_ptr, M, N, K, stride_xm, st
             acc2 = _row_partial(acc2, x_ptr, 2, M, stride_xm, kk, k_ok, w, s)
             acc3 = _row_partial(acc3, x_ptr, 3, M, stride_xm, kk, k_ok, w, s)
     rs = tl.load(r_ptr + n, mask=n_ok, other=0.0) * SUM_FACTOR
-    out = y_base + n
-    ty = y_ptr.dtype.element_ty
-    tl.store(out, (tl.sum(acc0, 0) * rs).to(ty), mask=n_ok)
-    if ROWS > 1:
-        tl.store(out + stride_ym, (tl.sum(acc1, 0) * rs).to(ty), mask=n_ok & (1 < M))
-    if ROWS > 2:
-        tl.store(out + 2 * stride_ym, (tl.sum(acc2, 0) * rs).to(ty), mask=n_ok & (2 < M))
-        tl.store(out + 3 * stride_ym, (tl.sum(acc3, 0) * rs).to(ty), mask=n_ok & (3 < M))
+    store_rows(y_base, n, n_ok, rs, M, stride_ym, acc0, acc1, acc2, acc3, ROWS)
 
 
 def pick_gemv_tile(n: int, k: int, sms: int) -> tuple[int, int, int]:
