@@ -46,6 +46,21 @@ def _row_partial(acc, x_ptr, r, M, stride_xm, kk, k_ok, w, s, ROW_SCALE: tl.cons
 
 
 @triton.jit
+def split_k_range(y_ptr, K, stride_ys, GROUP_: tl.constexpr, SPLIT_K: tl.constexpr):
+    """The GEMVs' K range and output base (FP8 and NVFP4): everything with one split, else
+    program pid_k takes the scale groups [pid_k * ng // SPLIT_K, (pid_k + 1) * ng // SPLIT_K) of
+    ng = ceil(K / GROUP_) (sizes differ by at most one; a program may get none) and writes plane
+    pid_k of the [SPLIT_K, M, N] partials. -> (k_lo, k_hi, y_base)."""
+    if SPLIT_K == 1:
+        return 0, K, y_ptr
+    pid_k = tl.program_id(1)
+    ng = tl.cdiv(K, GROUP_)
+    k_lo = (pid_k * ng // SPLIT_K) * GROUP_
+    k_hi = tl.minimum(((pid_k + 1) * ng // SPLIT_K) * GROUP_, K)
+    return k_lo, k_hi, y_ptr + pid_k.to(tl.int64) * stride_ys
+
+
+@triton.jit
 def store_rows(y_base, n, n_ok, rs, M, stride_ym, acc0, acc1, acc2, acc3, ROWS: tl.constexpr):
     """The GEMVs' epilogue (FP8 and NVFP4): row r's per-group sums acc_r [G, BLOCK_N] summed over
     the groups, times the row scales rs [BLOCK_N], stored at y_base + r * stride_ym + n in y's
@@ -75,16 +90,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
     # tiles are [G, BLOCK_N, 128]: w[g, i, c] is weight row n[i], column k0 + g * 128 + c
     w_rows = w_ptr + n[None, :, None].to(tl.int64) * stride_wn
     s_rows = s_ptr + (n // block_n)[None, :] * stride_sn
-    if SPLIT_K == 1:
-        k_lo = 0
-        k_hi = K
-        y_base = y_ptr
-    else:  # program pid_k: 128-column groups [pid_k * nkb // SPLIT_K, (pid_k + 1) * nkb // SPLIT_K)
-        pid_k = tl.program_id(1)
-        nkb = tl.cdiv(K, GROUP_)
-        k_lo = (pid_k * nkb // SPLIT_K) * GROUP_
-        k_hi = tl.minimum(((pid_k + 1) * nkb // SPLIT_K) * GROUP_, K)
-        y_base = y_ptr + pid_k.to(tl.int64) * stride_ys  # plane pid_k of the [SPLIT_K, M, N] partials
+    k_lo, k_hi, y_base = split_k_range(y_ptr, K, stride_ys, GROUP_, SPLIT_K)
     acc0 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
@@ -160,4 +166,4 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
     return y
 
 
-__all__ = ["MAX_ROWS", "TILE_BYTES", "fp8_gemv_triton", "pick_gemv_tile", "store_rows"]
+__all__ = ["MAX_ROWS", "TILE_BYTES", "fp8_gemv_triton", "pick_gemv_tile", "split_k_range", "store_rows"]

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from qsaserve.ops.device import num_sms
 from qsaserve.ops.fp8_gemm.triton_gemm import _split_k_sum_kernel
-from qsaserve.ops.fp8_gemm.triton_gemv import store_rows
+from qsaserve.ops.fp8_gemm.triton_gemv import split_k_range, store_rows
 from qsaserve.ops.nvfp4_gemm.reference import GROUP
 
 MAX_ROWS = 4  # rows of x one pass over the weights serves
@@ -94,16 +94,7 @@ def _nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, r_ptr, y_ptr, M, N, K, stride_xm, st
     col = g[:, None] * GROUP_ + tl.arange(0, GROUP_)[None, :]  # [G, 16]: its columns from k0
     w_rows = w_ptr + n[None, :, None].to(tl.int64) * stride_wn
     s_rows = s_ptr + n[None, :].to(tl.int64) * stride_sn
-    if SPLIT_K == 1:
-        k_lo = 0
-        k_hi = K
-        y_base = y_ptr
-    else:  # program pid_k: 16-column groups [pid_k * ng // SPLIT_K, (pid_k + 1) * ng // SPLIT_K)
-        pid_k = tl.program_id(1)
-        ng = K // GROUP_
-        k_lo = (pid_k * ng // SPLIT_K) * GROUP_
-        k_hi = ((pid_k + 1) * ng // SPLIT_K) * GROUP_
-        y_base = y_ptr + pid_k.to(tl.int64) * stride_ys  # plane pid_k of the [SPLIT_K, M, N] partials
+    k_lo, k_hi, y_base = split_k_range(y_ptr, K, stride_ys, GROUP_, SPLIT_K)  # K: whole 16-column groups
     acc0 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
