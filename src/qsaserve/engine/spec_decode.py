@@ -40,6 +40,7 @@ class SpecDecodeStats:
     accepted: int = 0  # of which accepted
     verifies: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [k]: verifies that accepted draft i
+    topped_up: int = 0  # of the drafted, tokens added by SpecDecoder.align_drafts (not found by a lookup)
     # Steps decided by the automatic fallback (draft_policy.py): sequences could draft / were kept from it.
     drafting_steps: int = 0
     fallback_steps: int = 0
@@ -57,7 +58,8 @@ class SpecDecodeStats:
         return {"drafted": self.drafted, "accepted": self.accepted, "verifies": self.verifies,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else 0.0,
                 "acceptance_length": self.acceptance_length, "accepted_per_position": list(self.accepted_per_position),
-                "acceptance_rate_per_position": per_pos, "drafting_steps": self.drafting_steps,
+                "acceptance_rate_per_position": per_pos, "topped_up": self.topped_up,
+                "drafting_steps": self.drafting_steps,
                 "fallback_steps": self.fallback_steps}
 
 
@@ -76,6 +78,9 @@ class SpecDecoder:
         self.stats = SpecDecodeStats(self.k)
         self.policy = DraftPolicy(on_decision=self._count_decision) if config.disable_when_slower else None
         self.model_drafts = config.method == "mtp"
+        # align_drafts acts only where a uniform verify replays a CUDA graph (the engine sets it
+        # when the runner captured verify graphs): elsewhere a topped-up draft is only more rows.
+        self.align = False
         # Each drafting sequence's token ids as an int64 array, extended by the tokens appended
         # since (converting the whole list would cost its length, every sequence, every step).
         self._ids: weakref.WeakKeyDictionary[Sequence, tuple[np.ndarray, int]] = weakref.WeakKeyDictionary()
@@ -111,8 +116,8 @@ class SpecDecoder:
         whatever the drafts are, so this costs acceptance per draft, never exactness; the automatic
         fallback times these steps as any other verify. Nothing changes unless every short
         sequence can take n drafts (it decodes next, may draft, has the room), since one that
-        cannot leaves the step mixed anyway."""
-        if self.model_drafts or not running:
+        cannot leaves the step mixed anyway. Only with verify graphs (self.align)."""
+        if not self.align or self.model_drafts or not running:
             return
         n = max(len(seq.draft_token_ids) for seq in running)
         short = [seq for seq in running if len(seq.draft_token_ids) < n]
@@ -124,6 +129,7 @@ class SpecDecoder:
         for seq in short:
             drafts = seq.draft_token_ids or propose_ngram(self._token_array(seq), n, 1, 1)
             fill = drafts[-1] if drafts else seq.token_ids[-1]
+            self.stats.topped_up += n - len(seq.draft_token_ids)
             seq.draft_token_ids = (drafts + [fill] * n)[:n]
 
     def room(self, seq: Sequence, num_running: int) -> int:

@@ -67,6 +67,11 @@ class Rank0Views:
         return self.runner.graphs is not None
 
     @property
+    def verify_graphs(self) -> bool:
+        """Whether speculative verify steps of uniform rows replay CUDA graphs."""
+        return self.runner.graphs is not None and bool(self.runner.graphs.verify_sizes)
+
+    @property
     def cuda_graphs_off_reason(self) -> str | None:
         """Why decode steps run eagerly (None when they replay graphs)."""
         return self.runner.graphs_off_reason
