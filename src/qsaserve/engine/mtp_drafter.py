@@ -155,17 +155,19 @@ def mtp_uniform_drafts(model: HasMtpHead, hidden: torch.Tensor, inp: UniformDraf
     """The head over every row of the step (B sequences x n rows, hidden [B * n, ...]; the rows
     without a known next token dead: no state, no pages), then its draft rows, all on the device
     from fixed-shape inputs (no host sync, no data-dependent shape: CUDA-graph safe) -> drafts
-    [B, steps]. Draft row s of a sequence sits at its last live row's position + s. steps 0: the
-    catch-up rows alone (no logits), drafts [B, 0]."""
+    [B, steps]. Draft row s of a sequence sits at its last live row's position + s. Only the last
+    live row's output is computed (the head's attention and MoE skip the others: their pages and
+    state are what later rows read); steps 0: the catch-up's pages and state alone, drafts [B, 0]."""
     b, n = inp.seq_lens.shape[0], inp.next_ids.shape[0] // inp.seq_lens.shape[0]
     cu = torch.arange(0, (b + 1) * n, n, dtype=torch.int32, device=hidden.device)
     meta = StepMetadata(slot_mapping=inp.slots, block_tables=inp.block_tables, seq_lens=inp.seq_lens,
                         cu_query_lens=cu, query_lens=[n] * b, seq_lens_list=[n + 1] * b,
                         state_slots=[0] * b, state_slots_t=inp.state_slots)
-    h = model.mtp_forward(hidden, inp.next_ids, inp.positions, meta)
-    if inp.steps == 0:
+    if inp.steps == 0:  # the head's pages and state alone: no row's output is read
+        model.mtp_forward(hidden, inp.next_ids, inp.positions, meta, out_rows=inp.last[:0])
         return torch.empty((b, 0), dtype=torch.long, device=hidden.device)
     pick = torch.arange(b, device=hidden.device) * n + inp.last
+    h = model.mtp_forward(hidden, inp.next_ids, inp.positions, meta, out_rows=pick)
     real = inp.seq_lens > 0  # a CUDA graph's padding sequences draft nothing
     one = torch.arange(b + 1, dtype=torch.int32, device=hidden.device)
     width = inp.block_tables.shape[1]
@@ -181,7 +183,7 @@ def mtp_uniform_drafts(model: HasMtpHead, hidden: torch.Tensor, inp: UniformDraf
                                state_slots_t=inp.state_slots), pos
             pos = pos + 1
 
-    return _draft_chain(model, h[pick], draft_rows(), inp.state_slots if inp.steps > 1 else None)
+    return _draft_chain(model, h, draft_rows(), inp.state_slots if inp.steps > 1 else None)
 
 
 def _draft_chain(model: HasMtpHead, h: torch.Tensor, draft_rows, slot_idx: torch.Tensor | None) -> torch.Tensor:
@@ -239,7 +241,7 @@ def run_mtp_drafts(model: HasMtpHead, batch: BatchInput, hidden: torch.Tensor, r
     ids = [i for _, i in drafting]
     longest = max((request.drafts[i] for i in ids), default=0)
     ends = np.cumsum([request.rows[i] for i in seqs]) - 1
-    last = torch.tensor([int(ends[j]) for j, _ in drafting], device=device)
+    last = torch.tensor([int(ends[j]) for j, _ in drafting], dtype=torch.long, device=device)
     draft_steps = []  # (meta, positions) of draft rows 1 .. longest - 1: one row per drafting sequence
     pos = [positions[int(ends[j])] + 1 for j, _ in drafting]  # the row after the last verified one
     for _ in range(1, longest):
@@ -249,10 +251,10 @@ def run_mtp_drafts(model: HasMtpHead, batch: BatchInput, hidden: torch.Tensor, r
         pos = [p + 1 for p in pos]
     slot_idx = torch.tensor([batch.state_slots[i] for i in ids], device=device) if draft_steps else None
 
-    h = model.mtp_forward(hidden[row_idx], next_ids, positions_t, meta)
+    h = model.mtp_forward(hidden[row_idx], next_ids, positions_t, meta, out_rows=last)
     if not drafting:
         return out
-    drafted = _draft_chain(model, h[last], draft_steps, slot_idx).tolist()  # [drafting, longest]: the one read back
+    drafted = _draft_chain(model, h, draft_steps, slot_idx).tolist()  # [drafting, longest]: the one read back
     for i, got in zip(ids, drafted):
         out[i] = got[: request.drafts[i]]
     return out

@@ -335,9 +335,11 @@ class HasMtpHead(Protocol):
         ...
 
     def mtp_forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
-                    meta: "AttentionMetadata") -> torch.Tensor:
+                    meta: "AttentionMetadata", out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [T, ...] (rows of forward's output, or of a previous mtp_forward), next_ids [T],
-        positions [T] -> the head's hidden [T, ...]; writes its pages at `meta.slot_mapping`."""
+        positions [T] -> the head's hidden [T, ...]; writes its pages at `meta.slot_mapping`.
+        out_rows [R]: only these rows' hidden is computed -> [R, ...] (every row's pages and
+        state are still written; R = 0: nothing but them), for catch-up rows no draft reads."""
         ...
 
     def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -37,47 +37,81 @@ def _head(cfg, tensors, slots=4, blocks=16):
     return head
 
 
-def test_paged_head_equals_reference_through_chunks_and_decodes():
-    """Two sequences: unaligned prompt chunks (a mixed step among them), then decode steps; every
-    row's draft logits and output streams equal the reference's over the whole sequence."""
-    cfg = _config(budget=12)  # 3 groups of 4 < the 7 groups of 30 positions: the indexer decides
+def _run_steps(picked=None):
+    """Two sequences: unaligned prompt chunks (a mixed step among them), then decode steps of one
+    and of 3 rows. picked(step index, rows) -> the out_rows of that step (None: all rows).
+    -> (per sequence: {position: (draft logits, output streams)} of the computed rows, the
+    reference's (logits, streams) over the whole sequence, rows the MoE saw per step)."""
+    cfg = _config(budget=12)  # 3 groups of 4 < the 8 groups of 32 positions: the indexer decides
     tensors = random_mtp_tensors(cfg, seed=1)
     head, inv = _head(cfg, tensors), _inv_freq(cfg)
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
     lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     g = torch.Generator().manual_seed(4)
-    lengths = [30, 21]
+    lengths = [32, 27]
     seqs = [{"hyper": torch.randn(n, cfg.hc_count * cfg.hidden_size, generator=g),
              "ids": torch.randint(4, cfg.vocab_size, (n,), generator=g), "slot": i + 1,
              "table": list(range(1 + 4 * i, 5 + 4 * i))} for i, n in enumerate(lengths)]
-    steps = [[(0, 9), (1, 6)], [(0, 7)], [(0, 1), (1, 10)], [(0, 5), (1, 1)]] + [[(0, 1), (1, 1)]] * 4
-    done, got_logits, got_hyper = [0, 0], [[], []], [[], []]
+    steps = [[(0, 9), (1, 6)], [(0, 7)], [(0, 1), (1, 10)], [(0, 5), (1, 1)]] + [[(0, 1), (1, 1)]] * 4 \
+        + [[(0, 3), (1, 3)]] * 2
+    done, got = [0, 0], [{}, {}]
+    moe_rows = []
+    hook = head.layers[0].mlp.register_forward_pre_hook(lambda _, args: moe_rows.append(args[0].shape[0]))
     p = {k.removeprefix("mtp."): v for k, v in tensors.items()}
-    for step in steps:
-        rows, hyper, ids = [], [], []
+    for i, step in enumerate(steps):
+        rows, hyper, ids, where = [], [], [], []
         for s, n in step:
             done[s] += n
             rows.append((n, done[s], seqs[s]["table"], seqs[s]["slot"]))
             hyper.append(seqs[s]["hyper"][done[s] - n:done[s]])
             ids.append(seqs[s]["ids"][done[s] - n:done[s]])
+            where += [(s, pos) for pos in range(done[s] - n, done[s])]
         meta, positions = step_metadata(rows, BLOCK)
         ids = torch.cat(ids)
         st = build_step(ids, positions, meta, inv, head.ctx.dcp, head.states())
         uniform = len({n for _, n in step}) == 1 and step[0][1] <= MAX_DECODE_ROWS  # decode rows (n = 7 here)
         assert st.decode == uniform and (st.rows is not None) == (uniform and step[0][1] > 1)
+        out_rows = picked(i, len(where)) if picked is not None else None
         with torch.inference_mode():
-            out = head(torch.cat(hyper), ids, embed, st, meta)
+            out = head(torch.cat(hyper), ids, embed, st, meta, out_rows)
             logits = head.compute_logits(out, lm_head)
-        a = 0
-        for s, n in step:
-            got_logits[s].append(logits[a:a + n])
-            got_hyper[s].append(out[a:a + n])
-            a += n
-    for s, n in enumerate(done):
-        ref_logits, ref_hyper, _ = mtp_draft_reference(seqs[s]["hyper"][:n], seqs[s]["ids"][:n], torch.arange(n), p,
-                                                       embed, lm_head, cfg, inv)
-        torch.testing.assert_close(torch.cat(got_logits[s]), ref_logits, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(torch.cat(got_hyper[s]), ref_hyper, atol=1e-5, rtol=1e-5)
+        for r, row in enumerate(out_rows.tolist() if out_rows is not None else range(len(where))):
+            s, pos = where[row]
+            got[s][pos] = (logits[r], out[r])
+    hook.remove()
+    refs = [mtp_draft_reference(seqs[s]["hyper"][:n], seqs[s]["ids"][:n], torch.arange(n), p, embed, lm_head, cfg,
+                                inv)[:2] for s, n in enumerate(done)]
+    return got, refs, moe_rows
+
+
+def _assert_rows_equal_reference(got, refs):
+    for rows, (ref_logits, ref_hyper) in zip(got, refs):
+        pos = sorted(rows)
+        torch.testing.assert_close(torch.stack([rows[q][0] for q in pos]), ref_logits[pos], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(torch.stack([rows[q][1] for q in pos]), ref_hyper[pos], atol=1e-5, rtol=1e-5)
+
+
+def test_paged_head_equals_reference_through_chunks_and_decodes():
+    """Every row's draft logits and output streams equal the reference's over the whole sequence."""
+    got, refs, _ = _run_steps()
+    assert [len(rows) for rows in got] == [32, 27]
+    _assert_rows_equal_reference(got, refs)
+
+
+def test_rows_left_out_of_the_output_still_write_the_pages_and_state():
+    """out_rows (the drafter's: only the last verified row's output is read): some steps compute
+    the output of a few rows, some of none (the catch-up alone); those rows equal the reference,
+    and so do the rows of every later step, which read the pages, block keys and open groups the
+    left-out rows wrote. The MoE sees only the picked rows."""
+    choice = {0: [3, 14], 1: [], 2: [0], 3: [], 8: [2, 5], 9: []}  # steps 4-7: every row
+
+    def picked(i, n):
+        return torch.tensor(choice[i], dtype=torch.long) if i in choice else torch.arange(n)
+
+    got, refs, moe_rows = _run_steps(picked)
+    _assert_rows_equal_reference(got, refs)
+    assert moe_rows == [2, 1, 2, 2, 2, 2, 2]  # steps 1, 3 and 9 ran no MoE at all
+    assert sum(len(rows) for rows in got) == 2 + 1 + 8 + 2
 
 
 def test_single_fc_tensor_is_split_into_embedding_and_hidden_halves():

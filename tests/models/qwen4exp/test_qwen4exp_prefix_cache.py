@@ -125,7 +125,9 @@ def test_fp8_kv_pages_hit_like_recompute(ratio4):
     ref = one_by_one(cpu_engine(path, kv_cache_dtype="fp8_e4m3"), prompts, PARAMS)
     llm = cached_engine(ratio, path, kv_cache_dtype="fp8_e4m3")
     got = one_by_one(llm, prompts, PARAMS)
-    assert_same_generations(ref, got)
+    # A hit's new rows attend over pages written by another step's chunk (sums in another order):
+    # E4M3 pages dequantized through their scale carry that as ~2e-4 on logprobs (CPU-dependent).
+    assert_same_generations(ref, got, tol=1e-3)
     assert state_hits(llm) == 1
 
 

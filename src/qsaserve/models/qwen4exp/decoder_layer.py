@@ -48,12 +48,23 @@ class Qwen4ExpDecoderLayer(nn.Module):
         return [b.state for b in self.stateful_blocks() if b.state is not None]
 
     def forward(self, hyper: torch.Tensor, pending: Pending, input_ids: torch.Tensor, step: Step,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, Pending]:
+                meta: AttentionMetadata, out_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, Pending] | None:
+        """out_rows [R] (a QSA layer: the MTP head's catch-up rows): the token mixer writes its
+        cache and state for every row, the rest of the layer runs for these rows only; R = 0:
+        None, the cache and state alone."""
         if self.ple is not None:
             if pending is not None:
                 hyper, pending = hc_inject(hyper, *pending), None
             hyper = hyper + self.ple(hyper, input_ids, step)
         hyper, mixed, inject = self.attn_hyper_connection(hyper, pending)
-        out = self.linear_attn(mixed, step) if self.is_gdn else self.self_attn(mixed, step, meta)
+        if out_rows is None:
+            out = self.linear_attn(mixed, step) if self.is_gdn else self.self_attn(mixed, step, meta)
+        elif self.is_gdn:
+            raise ValueError("out_rows: a GDN layer computes every row's output (its state is the output's recurrence)")
+        else:
+            out = self.self_attn(mixed, step, meta, out_rows)
+            if out is None:
+                return None
+            hyper, inject = hyper[out_rows], inject[out_rows] if inject is not None else None
         hyper, mixed, inject = self.mlp_hyper_connection(hyper, (out, inject))
         return hyper, (self.mlp(mixed, step), inject)

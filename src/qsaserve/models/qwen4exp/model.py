@@ -191,11 +191,12 @@ class Qwen4ExpForCausalLM(nn.Module, HasMtpHead, HasRecurrentState, HasRoutedExp
         return cache.kv.nbytes + cache.block_keys.nbytes + sum(t.nbytes for t in self.mtp_state_tensors())
 
     def mtp_forward(self, hidden: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
-                    meta: AttentionMetadata) -> torch.Tensor:
-        """hidden [T, hc * H]: forward's streams (before the final mixer) or the head's own."""
+                    meta: AttentionMetadata, out_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [T, hc * H]: forward's streams (before the final mixer) or the head's own;
+        out_rows: Qwen4ExpMTP.forward's."""
         self.inv_freq = self.inv_freq.to(next_ids.device)
         step = slot_state.build_step(next_ids, positions, meta, self.inv_freq, self.ctx.dcp, self.mtp.states())
-        return self.mtp(hidden, next_ids, self.model.embed_tokens.weight, step, meta)
+        return self.mtp(hidden, next_ids, self.model.embed_tokens.weight, step, meta, out_rows)
 
     def mtp_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.model.embed_tokens if self.lm_head is None else self.lm_head

@@ -103,17 +103,23 @@ class Qwen4ExpMTP(nn.Module):
             block.allocate_state(num_slots, dtype, device)
 
     def forward(self, hyper: torch.Tensor, next_ids: torch.Tensor, embed_weight: torch.Tensor, step: Step,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """hyper [T, hc * H] (the target's pre-mixer streams, or the head's own previous output),
         next_ids [T] (the token after each row), embed_weight this rank's embedding rows; step and
-        meta those of the rows' positions (state.build_step over `states()`). -> [T, hc * H]."""
+        meta those of the rows' positions (state.build_step over `states()`). -> [T, hc * H].
+        out_rows [R]: the rows whose output is read (the last verified row of each drafting
+        sequence); every row's pages and state are written, the attention and the MoE run for
+        these only -> [R, hc * H] (R = 0: the pages and state alone, [0, hc * H])."""
         c = self.config
         H, hc, eps = c.hidden_size, c.hc_count, c.rms_norm_eps
         e = vocab_parallel_embedding(embed_weight, next_ids, c.vocab_size, self.ctx)
         e = one_centred_rms_norm(e, self.pre_fc_norm_embedding.weight, eps)
         h = one_centred_rms_norm(hyper, self.pre_fc_norm_hidden.weight, eps, H)
         x = F.linear(h.view(-1, hc, H), self.fc_hidden.weight) + F.linear(e, self.fc_embedding.weight)[:, None]
-        x, pending = self.layers[0](x.flatten(1), None, next_ids, step, meta)
+        layer_out = self.layers[0](x.flatten(1), None, next_ids, step, meta, out_rows)
+        if layer_out is None:
+            return hyper.new_empty((0, hyper.shape[1]))
+        x, pending = layer_out
         return hc_inject(x, *pending)
 
     def compute_logits(self, hyper: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:

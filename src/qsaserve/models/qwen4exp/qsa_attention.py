@@ -102,8 +102,12 @@ class QSAAttention(nn.Module):
         self.state = IndexTailState.zeros(num_slots, self.indexer.ratio, self.indexer.head_dim, dtype, device)
         return self.state
 
-    def forward(self, x: torch.Tensor, step: Step, meta: AttentionMetadata) -> torch.Tensor:
-        return self._decode(x, step, meta) if step.decode else self._prefill(x, step, meta)
+    def forward(self, x: torch.Tensor, step: Step, meta: AttentionMetadata,
+                out_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """x [T, H] -> [T, H]. out_rows [R] (the MTP head's catch-up): every row's K/V, block keys
+        and open group are written, the selection and attention run for these rows only -> [R, H];
+        R = 0: None (the context alone)."""
+        return self._decode(x, step, meta, out_rows) if step.decode else self._prefill(x, step, meta, out_rows)
 
     # ---- projections ----
     def _split_query_gate(self, qg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,7 +165,8 @@ class QSAAttention(nn.Module):
         return r
 
     # ---- steps ----
-    def _prefill(self, x: torch.Tensor, step: Step, meta: AttentionMetadata) -> torch.Tensor:
+    def _prefill(self, x: torch.Tensor, step: Step, meta: AttentionMetadata,
+                 out_rows: torch.Tensor | None) -> torch.Tensor | None:
         """Prefill and mixed steps. Pool the groups each chunk completes (from the open-group raw
         keys in its state slot plus the chunk's): a prompt chunk by itself, every run of one-token
         rows at once as a decode step does; then select every row's tokens in one batched call
@@ -198,6 +203,8 @@ class QSAAttention(nn.Module):
                               meta.block_tables[s0], idx.k_layernorm.weight, step.inv_freq, r, self.eps)
         if tails_at:
             self.state.snapshot_pools["index_tail"].index_copy_(0, snaps.rows, torch.stack(tails_at))
+        if out_rows is not None and not out_rows.numel():
+            return None
         selected = select_prefill_step(iq, cache.block_keys, meta.block_tables, positions, r, budget, step.spans,
                                        meta.seq_lens_list, step.cu_seqlens)
         if dcp.enabled:
@@ -207,9 +214,12 @@ class QSAAttention(nn.Module):
         attn, lse = sparse_attention_paged(q, cache.kv, meta.block_tables, selected, self.head_dim**-0.5, seq_ids,
                                            cache.k_scale, cache.v_scale, run=self._run(cache),
                                            pack=self.ctx.dcp_pack_size)
+        if out_rows is not None:
+            attn, lse, gate = attn[out_rows], lse[out_rows], gate[out_rows]
         return self._output(attn, lse, gate)
 
-    def _decode(self, x: torch.Tensor, step: Step, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, x: torch.Tensor, step: Step, meta: AttentionMetadata,
+                out_rows: torch.Tensor | None) -> torch.Tensor | None:
         """One token per sequence, all sequences at once: pool the block a token completes, score
         every visible block through the block tables, top-k on device, and attend over only the
         selected tokens (Triton on CUDA, the paged torch references elsewhere)."""
@@ -218,11 +228,10 @@ class QSAAttention(nn.Module):
         if cache.observer is not None:
             cache.observer(k, v, q)
         _write_kv(cache, k, v, step.kv_slots)
-        iq = iq.to(cache.block_keys.dtype)
         tables = meta.block_tables
         if step.rows is None:
             self._pool(raw, step, tables)
-            attn, lse = self._select_attend(q, iq, tables, step.query_pos)
+            positions = step.query_pos
         else:  # decode rows: row j's raw key pools before row j + 1's enters the open group; a row
             # selects only groups complete at its position, so the selection and the attention of
             # every row then run at once (each row reading its sequence's table)
@@ -230,7 +239,12 @@ class QSAAttention(nn.Module):
             for j, row in enumerate(step.rows):
                 self._pool(by_row(raw, n, j), row, tables)
                 step.save_row_state(self.state, j)
-            attn, lse = self._select_attend(q, iq, step.row_tables, step.row_positions)
+            tables, positions = step.row_tables, step.row_positions
+        if out_rows is not None:
+            if not out_rows.numel():
+                return None
+            q, iq, gate, tables, positions = (t[out_rows] for t in (q, iq, gate, tables, positions))
+        attn, lse = self._select_attend(q, iq.to(cache.block_keys.dtype), tables, positions)
         return self._output(attn, lse, gate)
 
     def _pool(self, raw: torch.Tensor, step: Step, tables: torch.Tensor) -> None:
