@@ -10,7 +10,8 @@ Served:
   patterns) stays in the model dtype.
 * ModelOpt NVFP4 (`quant_method: "modelopt"`, `quant_algo: "NVFP4"`, group_size 16): packed
   E2M1 `weight`, E4M3 `weight_scale` per 16 columns, float32 `weight_scale_2`; `exclude_modules`
-  stay in the model dtype. Run as W4A16 (layers/quantization/nvfp4.py), Llama-family models only.
+  stay in the model dtype. Run as W4A16 (layers/quantization/nvfp4.py, nvfp4_moe.py): Llama-family
+  models and Qwen4Exp.
 * `--quantization fp8` (`nvfp4`) on an unquantized checkpoint: every linear layer of the decoder
   is quantized at load to block-128 FP8 (NVFP4; the LM head and embeddings stay in the model dtype).
 Activations are always quantized dynamically per token and 128-column group (ops/fp8_gemm): a
