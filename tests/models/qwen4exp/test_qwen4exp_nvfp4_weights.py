@@ -187,8 +187,9 @@ def test_tp2_ranks_hold_their_part_of_the_tp1_nvfp4_weights():
     """Online NVFP4 at TP2 (dummy weights, drawn whole and quantized before cutting): each rank's
     dequantized projection parts are its shard of TP1's (GDN's one-row-per-head in_proj_b / a, the
     row-parallel o_proj / out_proj / shared down on 16-column groups), and its routed experts its
-    16-row / 16-column slices of TP1's, scales included. An expert intermediate size of 16 would cut
-    a group at TP2: refused naming tensor_parallel_size."""
+    16-row / 16-column slices of TP1's, scales included. An expert intermediate size of 16, or a
+    row-parallel out_proj of 16 columns, would cut a group at TP2: refused naming
+    tensor_parallel_size."""
     hf = {**make_config(moe_intermediate_size=32, **SHARED32).to_dict(), "architectures": ["Qwen4ExpForCausalLM"]}
 
     def nvfp4_modules(tp, rank):
@@ -218,6 +219,11 @@ def test_tp2_ranks_hold_their_part_of_the_tp1_nvfp4_weights():
     with pytest.raises(InvalidRequestError) as err:
         Qwen4ExpForCausalLM(small, 256, ParallelContext(tp_size=2, tp_rank=1), weight_quant_config(small, "nvfp4"))
     assert err.value.param == "tensor_parallel_size" and "[8, 16) of 16" in str(err.value)
+    # GDN out_proj of 4 value heads x 4: 8 input columns a rank, half a group
+    cut = {**hf, "linear_value_head_dim": 4}
+    with pytest.raises(InvalidRequestError) as err:
+        Qwen4ExpForCausalLM(cut, 256, ParallelContext(tp_size=2, tp_rank=0), weight_quant_config(cut, "nvfp4"))
+    assert err.value.param == "tensor_parallel_size" and "linear_attn.out_proj" in str(err.value)
 
 
 def test_nvfp4_tensors_of_unquantized_layers_are_gathered_and_dequantized():
@@ -248,3 +254,15 @@ def test_experts_of_sizes_nvfp4_cannot_hold_stay_float(tmp_path, caplog):
     assert "routed experts stay in the model dtype" in caplog.text
     assert all(isinstance(layer.mlp.experts, Experts) for layer in model.model.layers)
     assert isinstance(model.model.layers[1].self_attn.o_proj, Nvfp4PackedWeight)
+
+
+def test_modelopt_exclude_modules_wildcards():
+    """ModelOpt's exclude_modules spell patterns with shell wildcards: a pattern names the modules
+    it matches and what is inside them, and no module it merely prefixes (mlp.gate, not gate_proj)."""
+    quant = weight_quant_config({"quantization_config": {
+        **MODELOPT, "exclude_modules": ["lm_head", "model.layers.*.mlp.gate", "model.layers.2.self_attn*",
+                                        "model.layers.3.mlp.experts.*"]}})
+    excluded = ["model.layers.3.mlp.gate", "model.layers.2.self_attn.q_proj", "model.layers.3.mlp.experts", "lm_head"]
+    kept = ["model.layers.3.mlp.gate_proj", "model.layers.4.self_attn.q_proj", "model.layers.4.mlp.experts",
+            "model.layers.3.mlp.shared_expert.down_proj"]
+    assert not any(quant.is_quantized(m) for m in excluded) and all(quant.is_quantized(m) for m in kept)

@@ -18,6 +18,7 @@ Activations are always quantized dynamically per token and 128-column group (ops
 checkpoint's static `input_scale` is not needed and is skipped."""
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass
 
@@ -33,7 +34,9 @@ _NEVER_ONLINE = ("lm_head", "embed_tokens")
 class WeightQuantConfig:
     """scheme: block (128x128 scales), channel (one per output row) or tensor (one per checkpoint
     tensor). source: checkpoint (the weights are stored quantized) or online (quantized at load).
-    ignore: module names / `re:` patterns left unquantized."""
+    ignore: module names (a module and everything in it), `re:` patterns, or shell-style wildcards
+    (`*`, `?`, `[..]`: ModelOpt's exclude_modules; `layers.*.mlp.experts*` also names what is in
+    them) left unquantized."""
 
     method: str = "fp8"
     scheme: str = "block"
@@ -52,6 +55,9 @@ class WeightQuantConfig:
         for entry in self.ignore:
             if entry.startswith("re:"):
                 if re.fullmatch(entry[3:], module) or re.fullmatch(entry[3:], bare):
+                    return False
+            elif any(c in entry for c in "*?["):  # ModelOpt's exclude_modules wildcards (`model.layers.*.mlp.gate`)
+                if any(fnmatch.fnmatchcase(m, entry) for m in (module, bare, f"{module}.", f"{bare}.")):
                     return False
             elif f".{entry.removeprefix('model.')}." in f".{bare}.":
                 return False
