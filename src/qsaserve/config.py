@@ -62,7 +62,7 @@ class EngineConfig:
                 "smollm2-135m, qwen4exp-tiny, qwen4exp-small)")
     quantization: str | None = _option(
         None, "quantize the weights at load: fp8 (block-128 FP8 E4M3 weights of the decoder's linear layers) or nvfp4 "
-              "(ModelOpt NVFP4 run as W4A16, Llama family); a checkpoint's own quantization_config is applied without "
+              "(ModelOpt NVFP4 run as W4A16, Llama family and Qwen4Exp); a checkpoint's own quantization_config is applied without "
               "it (layers/quantization)")
     # KV pages: quant/kv_scales.py
     kv_cache_dtype: str = _option(

@@ -73,8 +73,6 @@ def build_model(hf_config: dict, max_positions: int, parallel=None, quantization
     quant = weight_quant_config(hf_config, quantization)
     if cls is LlamaForCausalLM:
         return LlamaForCausalLM(LlamaConfig.from_hf(hf_config), max_positions, parallel, quant)
-    if quant is not None and quant.method == "nvfp4":
-        raise InvalidRequestError("quantization", f"NVFP4 weights are served for Llama-family models, not {model_type!r}")
     if cls is not None:
         return cls(hf_config, max_positions, parallel, quant)
     raise InvalidRequestError("model", f"unsupported model_type {model_type!r}; supported: {', '.join(_LLAMA_FAMILY + _HYBRID)}")

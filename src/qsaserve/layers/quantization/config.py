@@ -10,13 +10,15 @@ Served:
   patterns) stays in the model dtype.
 * ModelOpt NVFP4 (`quant_method: "modelopt"`, `quant_algo: "NVFP4"`, group_size 16): packed
   E2M1 `weight`, E4M3 `weight_scale` per 16 columns, float32 `weight_scale_2`; `exclude_modules`
-  stay in the model dtype. Run as W4A16 (layers/quantization/nvfp4.py), Llama-family models only.
+  stay in the model dtype. Run as W4A16 (layers/quantization/nvfp4.py, nvfp4_moe.py): Llama-family
+  models and Qwen4Exp.
 * `--quantization fp8` (`nvfp4`) on an unquantized checkpoint: every linear layer of the decoder
   is quantized at load to block-128 FP8 (NVFP4; the LM head and embeddings stay in the model dtype).
 Activations are always quantized dynamically per token and 128-column group (ops/fp8_gemm): a
 checkpoint's static `input_scale` is not needed and is skipped."""
 from __future__ import annotations
 
+import fnmatch
 import re
 from dataclasses import dataclass
 
@@ -32,7 +34,9 @@ _NEVER_ONLINE = ("lm_head", "embed_tokens")
 class WeightQuantConfig:
     """scheme: block (128x128 scales), channel (one per output row) or tensor (one per checkpoint
     tensor). source: checkpoint (the weights are stored quantized) or online (quantized at load).
-    ignore: module names / `re:` patterns left unquantized."""
+    ignore: module names (a module and everything in it), `re:` patterns, or shell-style wildcards
+    (`*`, `?`, `[..]`: ModelOpt's exclude_modules; `layers.*.mlp.experts*` also names what is in
+    them) left unquantized."""
 
     method: str = "fp8"
     scheme: str = "block"
@@ -51,6 +55,9 @@ class WeightQuantConfig:
         for entry in self.ignore:
             if entry.startswith("re:"):
                 if re.fullmatch(entry[3:], module) or re.fullmatch(entry[3:], bare):
+                    return False
+            elif any(c in entry for c in "*?["):  # ModelOpt's exclude_modules wildcards (`model.layers.*.mlp.gate`)
+                if any(fnmatch.fnmatchcase(m, entry) for m in (module, bare, f"{module}.", f"{bare}.")):
                     return False
             elif f".{entry.removeprefix('model.')}." in f".{bare}.":
                 return False

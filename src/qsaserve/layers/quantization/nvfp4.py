@@ -12,7 +12,7 @@ from torch import nn
 from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization.shard import TensorShard, copy_part, take_shard
 from qsaserve.layers.quantization.warm_up import warm_up_row_counts
-from qsaserve.ops.nvfp4_gemm import GROUP, nvfp4_linear, quantize_nvfp4
+from qsaserve.ops.nvfp4_gemm import GROUP, dequantize_nvfp4, nvfp4_linear, quantize_nvfp4
 
 
 class Nvfp4Linear(nn.Module):
@@ -39,6 +39,20 @@ class Nvfp4Linear(nn.Module):
     def warm_up(self, dtype: torch.dtype) -> int:
         """Builds this layer's NVFP4 kernels at every row count class a step may bring (launches made)."""
         return warm_up_row_counts(self, dtype)
+
+    def linear_part(self, x: torch.Tensor, part: int) -> torch.Tensor:
+        """x [T, K] -> x @ W_part^T [T, rows of the part]: one part's rows, alone."""
+        a, rows = self.offsets[part], self.parts[part]
+        bias = None if self.bias is None else self.bias[a:a + rows]
+        return nvfp4_linear(x, self.weight[a:a + rows], self.weight_scale[a:a + rows], self.row_scale[a:a + rows], bias)
+
+    def dequantized(self, part: int, dtype: torch.dtype) -> torch.Tensor:
+        """One part's weight rows dequantized [rows, K] (for code that takes a weight tensor)."""
+        a, rows = self.offsets[part], self.parts[part]
+        return dequantize_nvfp4(self.weight[a:a + rows], self.weight_scale[a:a + rows], self.row_scale[a:a + rows]).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, scheme=nvfp4"
 
     def missing(self) -> list[str]:
         kinds = ("weight", "scale", "global") + (("bias",) if self.bias is not None else ())

@@ -46,7 +46,8 @@ class GatedDeltaNet(nn.Module):
         self.A_log = parameter((hv,), ShardLoader(per_head))
         self.norm = Weight((dv,))
         self.out_proj = packed(hv * dv, [(None, cfg.hidden_size, layout.gdn_out_proj())], quant, prefix + "out_proj",
-                               lambda: Weight((cfg.hidden_size, hv * dv), layout.gdn_out_proj()))
+                               lambda: Weight((cfg.hidden_size, hv * dv), layout.gdn_out_proj()),
+                               full_in=cfg.linear_num_value_heads * dv)
         self.state: GDNState | None = None
 
     def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> GDNState:

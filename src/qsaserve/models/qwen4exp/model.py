@@ -66,14 +66,17 @@ class Qwen4ExpForCausalLM(nn.Module, HasMtpHead, HasRecurrentState, HasRoutedExp
     # of data-dependent shapes (state.build_step), DCP slots included (derived on the device).
 
     def __init__(self, hf_config: dict, max_positions: int, parallel: ParallelContext | None = None, quant=None):
-        """quant: FP8 weights of the token mixers' projections and the MoE blocks (WeightQuantConfig; quantized.py)."""
+        """quant: FP8 / NVFP4 weights of the token mixers' projections and the MoE blocks
+        (WeightQuantConfig; quantized.py, quantized_nvfp4.py)."""
         super().__init__()
         self.ctx = parallel or ParallelContext()
         self.quant = quant
         self.config = cfg = parse_config(hf_config)
         validate_config(cfg)
-        # block-FP8 MoE weights split their intermediate dimensions on whole 128-row blocks
-        layout = RankLayout(cfg, self.ctx, block=128 if quant is not None and quant.method == "fp8" else 1)
+        # block-FP8 MoE weights split their intermediate dimensions on whole 128-row blocks, NVFP4 ones
+        # on whole 16-column groups (down_proj's input)
+        method = None if quant is None else quant.method
+        layout = RankLayout(cfg, self.ctx, block={"fp8": 128, "nvfp4": 16}.get(method, 1))
         self.model = Qwen4ExpModel(cfg, layout, quant)
         vocab_rows = vocab_shard_rows(cfg.vocab_size, self.ctx.tp_size)
         self.lm_head = None if cfg.tie_word_embeddings else Weight((vocab_rows, cfg.hidden_size), layout.vocab())

@@ -21,7 +21,7 @@ from qsaserve.layers.attention import AttentionMetadata
 from qsaserve.models.qwen4exp.reference import qsa_attention_output, qsa_norm_rope_qk
 from qsaserve.models.qwen4exp.sharding import REPLICATED, RankLayout
 from qsaserve.models.qwen4exp.state import IndexTailState, Step, by_row
-from qsaserve.models.qwen4exp.quantized import Fp8PackedWeight, packed, project
+from qsaserve.models.qwen4exp.quantized import QUANTIZED_PACKED, packed, project
 from qsaserve.models.qwen4exp.weights import PackedWeight, Weight
 from qsaserve.ops.attention import write_kv
 from qsaserve.ops.dispatch import use_triton
@@ -91,7 +91,8 @@ class QSAAttention(nn.Module):
         self.qkv_index_proj = packed(cfg.hidden_size, parts, quant, prefix + "q_proj",
                                      lambda: PackedWeight(cfg.hidden_size, parts))
         self.o_proj = packed(own * d, [(None, cfg.hidden_size, layout.o_proj())], quant, prefix + "o_proj",
-                             lambda: Weight((cfg.hidden_size, own * d), layout.o_proj()))
+                             lambda: Weight((cfg.hidden_size, own * d), layout.o_proj()),
+                             full_in=cfg.num_attention_heads * d)
         self.q_norm = Weight((d,))
         self.k_norm = Weight((d,))
         self.attn = QSACacheLayer(layout.num_kv_heads, d)
@@ -150,7 +151,7 @@ class QSAAttention(nn.Module):
 
     def _output(self, attn: torch.Tensor, lse: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         attn = self.ctx.dcp_merge(attn, lse)
-        if isinstance(self.o_proj, Fp8PackedWeight):  # qsa_attention_output's gating, then the FP8 o_proj
+        if isinstance(self.o_proj, QUANTIZED_PACKED):  # qsa_attention_output's gating, then the quantized o_proj
             return self.ctx.all_reduce(project(attn.reshape(attn.shape[0], -1).to(gate.dtype) * torch.sigmoid(gate),
                                                self.o_proj))
         return self.ctx.all_reduce(qsa_attention_output(attn, gate, self.o_proj.weight))

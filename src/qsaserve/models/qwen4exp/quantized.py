@@ -3,7 +3,9 @@ q | k | v | index_qk and o_proj, GDN's packed in_proj and out_proj) and of the s
 up, down) as Fp8Linear layers with the PackedWeight / Weight interface and weight loaders, the
 routed experts as block-FP8 Fp8Experts (Fp8RoutedExperts: the ExpertLoader interface), and the FP8
 tensors of every other layer (router, shared-expert gate, PLE projections, the MTP head, experts
-whose intermediate size does not stack by 128-row blocks) dequantized to the model dtype as they load."""
+whose intermediate size does not stack by 128-row blocks) dequantized to the model dtype as they load.
+NVFP4 has the same pieces in quantized_nvfp4.py; packed(), project(), the scale targets and
+at_load_dequantizer() here pick either."""
 from __future__ import annotations
 
 import logging
@@ -15,6 +17,9 @@ from torch import nn
 from qsaserve.layers.quantization import Fp8Linear, WeightQuantConfig
 from qsaserve.layers.quantization.fp8 import TensorShard
 from qsaserve.layers.quantization.fp8_moe import Fp8Experts
+from qsaserve.layers.quantization.nvfp4_moe import Nvfp4Experts
+from qsaserve.models.qwen4exp import quantized_nvfp4
+from qsaserve.models.qwen4exp.quantized_nvfp4 import Nvfp4PackedWeight, Nvfp4RoutedExperts, nvfp4_packed
 from qsaserve.ops.fp8_gemm import FP8, dequantize_weight
 
 logger = logging.getLogger("qsaserve")
@@ -103,37 +108,62 @@ class Fp8RoutedExperts(Fp8Experts):
             getattr(self, fused + "_scale_inv").weight_loader = _Fp8ExpertLoader(self, "scale", fused, rule)
 
 
-def packed(in_features: int, parts: list, quant: WeightQuantConfig | None, name: str, plain):
-    """Fp8PackedWeight when `quant` quantizes module `name` (the HF name of the first part), else plain()."""
-    if quant is not None and quant.is_quantized(name):
-        return Fp8PackedWeight(in_features, parts, quant, name)
-    return plain()
+QUANTIZED_PACKED = (Fp8PackedWeight, Nvfp4PackedWeight)  # PackedWeight / Weight with quantized weights
+QUANTIZED_EXPERTS = (Fp8RoutedExperts, Nvfp4RoutedExperts)
+
+
+def packed(in_features: int, parts: list, quant: WeightQuantConfig | None, name: str, plain,
+           full_in: int | None = None):
+    """Fp8PackedWeight / Nvfp4PackedWeight when `quant` quantizes module `name` (the HF name of the
+    first part), else plain(). full_in: the checkpoint tensor's input size when a rank holds a
+    column range of it (row-parallel layers; NVFP4 keeps a tensor it cannot hold in the model dtype)."""
+    if quant is None or not quant.is_quantized(name):
+        return plain()
+    if quant.method == "nvfp4":
+        return nvfp4_packed(in_features, parts, name, plain, full_in)
+    return Fp8PackedWeight(in_features, parts, quant, name)
 
 
 def project(x: torch.Tensor, module: nn.Module, part=None) -> torch.Tensor:
-    """x @ W^T of a Weight / PackedWeight (or one part of it), FP8 or not."""
-    if isinstance(module, Fp8PackedWeight):
+    """x @ W^T of a Weight / PackedWeight (or one part of it), quantized or not."""
+    if isinstance(module, QUANTIZED_PACKED):
         return module(x) if part is None else module.linear_part(x, module.ids.index(part))
     return F.linear(x, module.weight if part is None else module.part(part))
 
 
 def add_scale_targets(model: nn.Module, targets: dict) -> None:
-    """targets (checkpoint name -> (parameter, shard id)) gain each FP8 weight's scale names."""
-    scales = {id(m.weight): m.weight_scale for m in model.modules() if isinstance(m, Fp8PackedWeight)}
+    """targets (checkpoint name -> (parameter, shard id)) gain each quantized weight's scale names
+    (FP8: weight_scale_inv / weight_scale; NVFP4: weight_scale, weight_scale_2)."""
+    scales = {}
+    for m in model.modules():
+        if isinstance(m, Fp8PackedWeight):
+            scales[id(m.weight)] = {suffix: m.weight_scale for suffix in SCALE_SUFFIXES}
+        elif isinstance(m, Nvfp4PackedWeight):
+            scales[id(m.weight)] = {suffix: getattr(m, p) for suffix, p in quantized_nvfp4.SCALE_SUFFIXES.items()}
     for name, (param, shard_id) in list(targets.items()):
         if id(param) in scales and name.endswith(".weight"):
-            for suffix in SCALE_SUFFIXES:
-                targets[name + suffix] = (scales[id(param)], shard_id)
+            for suffix, scale in scales[id(param)].items():
+                targets[name + suffix] = (scale, shard_id)
 
 
-def is_fp8_target(targets: dict, name: str) -> bool:
-    """Whether checkpoint tensor `name` goes to an FP8 layer (its weight or its scale)."""
-    return name in targets and isinstance(getattr(targets[name][0], "weight_loader", None),
-                                          (_Fp8Loader, _Fp8ExpertLoader))
+_QUANTIZED_LOADERS = (_Fp8Loader, _Fp8ExpertLoader, quantized_nvfp4._Nvfp4Loader, quantized_nvfp4._Nvfp4ExpertLoader)
 
 
-def missing_fp8_parts(model: nn.Module) -> list[str]:
-    return [m for mod in model.modules() if isinstance(mod, (Fp8PackedWeight, Fp8Experts)) for m in mod.missing()]
+def is_quantized_target(targets: dict, name: str) -> bool:
+    """Whether checkpoint tensor `name` goes to a quantized layer (its weight or a scale)."""
+    return name in targets and isinstance(getattr(targets[name][0], "weight_loader", None), _QUANTIZED_LOADERS)
+
+
+def missing_quantized_parts(model: nn.Module) -> list[str]:
+    return [m for mod in model.modules() if isinstance(mod, (Fp8PackedWeight, Fp8Experts, Nvfp4PackedWeight,
+                                                             Nvfp4Experts)) for m in mod.missing()]
+
+
+def at_load_dequantizer(quant: WeightQuantConfig | None, dtype: torch.dtype):
+    """The dequantizer of checkpoint tensors whose layers are held in the model dtype: NVFP4's or FP8's."""
+    if quant is not None and quant.method == "nvfp4":
+        return quantized_nvfp4.Nvfp4DequantizeAtLoad(dtype)
+    return DequantizeAtLoad(quant, dtype)
 
 
 class DequantizeAtLoad:
@@ -178,5 +208,6 @@ class DequantizeAtLoad:
                            "at load", self.count, self.dtype)
 
 
-__all__ = ["DequantizeAtLoad", "Fp8PackedWeight", "Fp8RoutedExperts", "add_scale_targets", "is_fp8_target",
-           "missing_fp8_parts", "packed", "project"]
+__all__ = ["QUANTIZED_EXPERTS", "QUANTIZED_PACKED", "DequantizeAtLoad", "Fp8PackedWeight", "Fp8RoutedExperts",
+           "Nvfp4PackedWeight", "Nvfp4RoutedExperts", "add_scale_targets", "at_load_dequantizer", "is_quantized_target",
+           "missing_quantized_parts", "packed", "project"]

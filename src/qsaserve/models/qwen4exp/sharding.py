@@ -61,7 +61,8 @@ class RankLayout:
     """This rank's part of every split dimension, and the Shard of each kind of weight. KV heads
     and GDN key heads are duplicated when there are fewer than ranks. block: the MoE intermediate
     dimensions (routed and shared experts) split on whole blocks of this many rows (128 with
-    block-FP8 weights, so no rank cuts a weight block: block_range), else evenly."""
+    block-FP8 weights, so no rank cuts a weight block; 16 with NVFP4 weights, so no rank cuts a
+    down_proj scale group: block_range), else evenly."""
 
     def __init__(self, cfg, ctx: ParallelContext, block: int = 1):
         self.config, self.ctx = cfg, ctx

@@ -17,8 +17,9 @@ import torch
 from torch import nn
 
 from qsaserve.models.qwen4exp.config import GDN
-from qsaserve.models.qwen4exp.quantized import (DequantizeAtLoad, add_scale_targets, is_fp8_target,
-                                                 missing_fp8_parts)
+from qsaserve.models.qwen4exp.quantized import (add_scale_targets, at_load_dequantizer, is_quantized_target,
+                                                 missing_quantized_parts)
+from qsaserve.models.qwen4exp.quantized_nvfp4 import EXPERT_SUFFIXES
 from qsaserve.models.qwen4exp.sharding import REPLICATED, RankLayout, Shard
 
 logger = logging.getLogger("qsaserve")
@@ -258,8 +259,8 @@ def checkpoint_shard(targets: dict, name: str) -> Shard:
 
 
 def _per_expert(name: str) -> tuple[str, int, str, str] | None:
-    """(layer prefix, expert, projection, tensor: weight / weight_scale_inv / weight_scale) of a
-    checkpoint's per-expert tensor, else None."""
+    """(layer prefix, expert, projection, tensor: weight / weight_scale_inv / weight_scale /
+    weight_scale_2) of a checkpoint's per-expert tensor, else None."""
     if ".mlp.experts." not in name:
         return None
     layer_prefix, rest = name.split(".mlp.experts.")
@@ -271,14 +272,16 @@ def _per_expert(name: str) -> tuple[str, int, str, str] | None:
 
 def _expert_target(name: str) -> str:
     """The fused parameter's name a checkpoint tensor loads into: a per-expert `gate_proj` /
-    `up_proj` / `down_proj` weight into `gate_up_proj` / `down_proj`, its scale into their
-    `_scale_inv` (FP8 experts); any other name is its own."""
+    `up_proj` / `down_proj` weight into `gate_up_proj` / `down_proj`, its block scale
+    (weight_scale_inv) into their `_scale_inv` (FP8 experts), its NVFP4 weight_scale /
+    weight_scale_2 into `_scale` / `_row_scale` (NVFP4 experts); any other name is its own."""
     expert = _per_expert(name)
     if expert is None:
         return name
     layer_prefix, _, proj, tensor = expert
     fused = "down_proj" if proj == "down_proj" else "gate_up_proj"
-    return f"{layer_prefix}.mlp.experts.{fused}" + ("" if tensor == "weight" else "_scale_inv")
+    suffix = "_scale_inv" if tensor == "weight_scale_inv" else EXPERT_SUFFIXES.get(tensor, "_" + tensor)
+    return f"{layer_prefix}.mlp.experts.{fused}{suffix}"
 
 
 # ---- loading ----
@@ -310,10 +313,10 @@ def load_tensor(targets: dict, name: str, tensor: torch.Tensor, loaded: set, own
 def load_checkpoint(model: nn.Module, cfg, weights, device: torch.device, quant=None) -> dict[str, torch.Tensor]:
     """Accepts HF names with `model.`, `model.language_model.` or no prefix. Per-expert tensors
     are fused; PLE table shards are left to their own loader; FP8 tensors of layers kept in the
-    model dtype are dequantized (quantized.py). Returns the mtp.* tensors (the MTP draft head, for
+    model dtype are dequantized (quantized.py, quantized_nvfp4.py). Returns the mtp.* tensors (the MTP draft head, for
     speculative decoding), by name after `mtp.`."""
     targets = checkpoint_targets(model, cfg.tie_word_embeddings)
-    dequantize = DequantizeAtLoad(quant, targets["embed_tokens.weight"][0].dtype)
+    dequantize = at_load_dequantizer(quant, targets["embed_tokens.weight"][0].dtype)
 
     def stream():
         for raw, tensor in weights:
@@ -323,8 +326,8 @@ def load_checkpoint(model: nn.Module, cfg, weights, device: torch.device, quant=
                 continue
             if name.endswith(".input_scale"):  # activations are quantized dynamically, or not at all
                 continue
-            for n, t in dequantize(name, tensor, is_fp8_target(targets, _expert_target(name))):
-                yield (n if n.startswith("mtp.") else raw), n, t  # the MTP head's FP8 tensors too
+            for n, t in dequantize(name, tensor, is_quantized_target(targets, _expert_target(name))):
+                yield (n if n.startswith("mtp.") else raw), n, t  # the MTP head's quantized tensors too
         dequantize.finish()
 
     return _load(model, cfg, targets, stream(), device)
@@ -355,7 +358,7 @@ def _load(model: nn.Module, cfg, targets: dict, weights, device: torch.device) -
                 missing.append(name)
         elif name not in loaded and not (name == "lm_head.weight" and cfg.tie_word_embeddings):
             missing.append(name)
-    missing += missing_fp8_parts(model)
+    missing += missing_quantized_parts(model)
     if missing:
         raise ValueError(f"model: checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
     if skipped_vision:
@@ -377,8 +380,9 @@ def init_dummy_weights(model: nn.Module, cfg, seed: int, device: torch.device) -
             continue
         param, shard_id = targets[name]
         w = checkpoint_tensor(targets, name)
-        # an FP8 layer's tensor is drawn in the model dtype and quantized by its loader
-        dtype = w.dtype if w.dtype != torch.float8_e4m3fn else targets["embed_tokens.weight"][0].dtype
+        # a quantized layer's tensor (E4M3, packed NVFP4) is drawn in the model dtype and quantized by its loader
+        quantized = w.dtype in (torch.float8_e4m3fn, torch.uint8)
+        dtype = targets["embed_tokens.weight"][0].dtype if quantized else w.dtype
         if name.endswith("linear_attn.norm.weight"):
             w.fill_(1.0)
             continue

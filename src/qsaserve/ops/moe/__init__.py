@@ -6,7 +6,9 @@
   than experts, else the grouped GEMMs (triton_grouped.py); neither syncs with the host. Elsewhere
   the torch references (reference.py): the loop over experts, and its sync-free form.
   Block-FP8 experts (w13_scale, w2_scale given): the grouped GEMMs' FP8 form at every size on
-  CUDA, block_fp8.moe_experts_block_fp8 elsewhere.
+  CUDA, block_fp8.moe_experts_block_fp8 elsewhere. NVFP4 experts (w13_row_scale, w2_row_scale
+  given too): the grouped GEMMs' NVFP4 (W4A16) form at every size on CUDA, as FP8 experts (the
+  decode kernels read model-dtype weights only), nvfp4.moe_experts_nvfp4 elsewhere.
 * `moe_router`, `moe_align_block_size`: references (the latter is the grouped path's sort).
 * `warm_up`: builds every kernel variant the dispatch can pick for steps up to a token budget."""
 from __future__ import annotations
@@ -16,7 +18,7 @@ import functools
 import torch
 
 from qsaserve.ops.dispatch import use_triton
-from qsaserve.ops.moe import block_fp8, reference
+from qsaserve.ops.moe import block_fp8, nvfp4, reference
 from qsaserve.ops.moe.reference import moe_align_block_size, moe_router
 
 try:  # CPU-only installs keep the reference
@@ -42,43 +44,61 @@ def uses_decode_kernels(num_tokens: int, top_k: int, num_experts: int) -> bool:
     return num_tokens <= DECODE_KERNEL_MAX_TOKENS and num_tokens * top_k < num_experts
 
 
-def _experts_triton(x, indices, weights, gate_up_proj, down_proj, w13_scale, w2_scale):
-    if w13_scale is None and uses_decode_kernels(indices.shape[0], indices.shape[1], gate_up_proj.shape[0]):
+def _experts_triton(x, indices, weights, gate_up_proj, down_proj, scales):
+    if not scales and uses_decode_kernels(indices.shape[0], indices.shape[1], gate_up_proj.shape[0]):
         return triton_moe.moe_experts_decode_triton(x, indices, weights.to(x.dtype), gate_up_proj, down_proj)
-    return triton_grouped.moe_experts_grouped_triton(x, indices, weights, gate_up_proj, down_proj,
-                                                     w13_scale=w13_scale, w2_scale=w2_scale)
+    return triton_grouped.moe_experts_grouped_triton(x, indices, weights, gate_up_proj, down_proj, **scales)
+
+
+def _scales(w13_scale, w2_scale, w13_row_scale, w2_row_scale) -> dict:
+    given = {"w13_scale": w13_scale, "w2_scale": w2_scale, "w13_row_scale": w13_row_scale, "w2_row_scale": w2_row_scale}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _experts_reference(x, indices, weights, gate_up_proj, down_proj, activation, scales, sync_free):
+    if "w13_row_scale" in scales or "w2_row_scale" in scales:
+        return nvfp4.moe_experts_nvfp4(x, indices, weights, gate_up_proj, down_proj, scales.get("w13_scale"),
+                                       scales.get("w2_scale"), scales.get("w13_row_scale"), scales.get("w2_row_scale"),
+                                       activation, sync_free=sync_free)
+    if scales:
+        return block_fp8.moe_experts_block_fp8(x, indices, weights, gate_up_proj, down_proj, scales.get("w13_scale"),
+                                               scales.get("w2_scale"), activation, sync_free=sync_free)
+    if sync_free:
+        return reference.moe_experts_sync_free(x, indices, weights, gate_up_proj, down_proj, activation)
+    return reference.moe_experts(x, indices, weights, gate_up_proj, down_proj, activation)
 
 
 def moe_experts(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
                 down_proj: torch.Tensor, activation: str = "silu", *, w13_scale: torch.Tensor | None = None,
-                w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                w2_scale: torch.Tensor | None = None, w13_row_scale: torch.Tensor | None = None,
+                w2_row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, H], indices / weights [N, k], gate_up_proj [E, 2I, H] (rows :I gate, I: up),
     down_proj [E, H, I] -> [N, H]: the routed experts of any step. Block-FP8 experts: E4M3
     weights with w13_scale [E, ceil(2I/128), ceil(H/128)], w2_scale [E, ceil(H/128), ceil(I/128)]
-    (block_fp8.py; their activations are quantized per token-group of 128)."""
+    (block_fp8.py; their activations are quantized per token-group of 128). NVFP4 experts (W4A16):
+    packed uint8 gate_up_proj [E, 2I, H/2] / down_proj [E, H, I/2], E4M3 w13_scale [E, 2I, H/16] /
+    w2_scale [E, H, I/16] and float32 w13_row_scale [E, 2I] / w2_row_scale [E, H] (nvfp4.py)."""
+    scales = _scales(w13_scale, w2_scale, w13_row_scale, w2_row_scale)
     if use_triton(x) and activation in ("silu", "swish"):
-        return _experts_triton(x, indices, weights, gate_up_proj, down_proj, w13_scale, w2_scale)
-    if w13_scale is not None or w2_scale is not None:
-        return block_fp8.moe_experts_block_fp8(x, indices, weights, gate_up_proj, down_proj, w13_scale, w2_scale,
-                                               activation)
-    return reference.moe_experts(x, indices, weights, gate_up_proj, down_proj, activation)
+        return _experts_triton(x, indices, weights, gate_up_proj, down_proj, scales)
+    return _experts_reference(x, indices, weights, gate_up_proj, down_proj, activation, scales, sync_free=False)
 
 
 def moe_experts_sync_free(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, gate_up_proj: torch.Tensor,
                           down_proj: torch.Tensor, activation: str = "silu", *, w13_scale: torch.Tensor | None = None,
-                          w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                          w2_scale: torch.Tensor | None = None, w13_row_scale: torch.Tensor | None = None,
+                          w2_row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, H], indices / weights [N, k], gate_up_proj [E, 2I, H], down_proj [E, H, I] -> [N, H]:
     the routed experts without host syncs (decode steps, CUDA graphs); scales as moe_experts."""
+    scales = _scales(w13_scale, w2_scale, w13_row_scale, w2_row_scale)
     if use_triton(x) and activation in ("silu", "swish"):
-        return _experts_triton(x, indices, weights, gate_up_proj, down_proj, w13_scale, w2_scale)
-    if w13_scale is not None or w2_scale is not None:
-        return block_fp8.moe_experts_block_fp8(x, indices, weights, gate_up_proj, down_proj, w13_scale, w2_scale,
-                                               activation, sync_free=True)
-    return reference.moe_experts_sync_free(x, indices, weights, gate_up_proj, down_proj, activation)
+        return _experts_triton(x, indices, weights, gate_up_proj, down_proj, scales)
+    return _experts_reference(x, indices, weights, gate_up_proj, down_proj, activation, scales, sync_free=True)
 
 
 def warm_up(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, dtype: torch.dtype,
-            max_tokens: int, *, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> int:
+            max_tokens: int, *, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+            w13_row_scale: torch.Tensor | None = None, w2_row_scale: torch.Tensor | None = None) -> int:
     """Builds, now, every kernel variant moe_route and the routed experts take on steps of 1 to
     max_tokens tokens with these weights (gate_up_proj [E, 2I, H], down_proj [E, H, I], scales as
     moe_experts), so that no step waits for a Triton build. The token-count arguments are not
@@ -87,7 +107,10 @@ def warm_up(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, dty
         return 0
     from qsaserve.ops.device import num_sms
 
-    num_experts, two_i, h = gate_up_proj.shape
+    scales = _scales(w13_scale, w2_scale, w13_row_scale, w2_row_scale)
+    fmt = "nvfp4" if "w13_row_scale" in scales else "fp8" if scales else ""
+    num_experts, two_i = gate_up_proj.shape[:2]
+    h = down_proj.shape[1]
     dev = gate_up_proj.device
     sms = num_sms(dev)
 
@@ -99,29 +122,30 @@ def warm_up(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, dty
     moe_route(torch.zeros((1, num_experts), dtype=dtype, device=dev), top_k, False)
     launches = 2
     decode_blocks, grouped = _warm_up_plan(max_tokens, top_k, num_experts, h, two_i // 2,
-                                           torch.empty((), dtype=dtype).element_size(), sms, w13_scale is not None)
+                                           torch.empty((), dtype=dtype).element_size(), sms, fmt)
     for block_n in decode_blocks:
         triton_moe.moe_experts_decode_triton(*inputs(1), gate_up_proj, down_proj, block_n=block_n)
         launches += 1
     for configs, n in grouped:
-        triton_grouped.moe_experts_grouped_triton(*inputs(n), gate_up_proj, down_proj, configs=configs,
-                                                  w13_scale=w13_scale, w2_scale=w2_scale)
+        triton_grouped.moe_experts_grouped_triton(*inputs(n), gate_up_proj, down_proj, configs=configs, **scales)
         launches += 1
     return launches
 
 
 @functools.lru_cache(maxsize=None)
 def _warm_up_plan(max_tokens: int, top_k: int, num_experts: int, hidden: int, inter: int, elem_bytes: int, sms: int,
-                  fp8: bool):
+                  fmt: str):
     """(decode-kernel row blocks, [(grouped configs, tokens)]) of steps of 1..max_tokens tokens;
-    computed once per shape (every MoE layer of a model asks for the same)."""
+    computed once per shape (every MoE layer of a model asks for the same). fmt: "" (model-dtype
+    weights), "fp8" or "nvfp4" (quantized experts take the grouped GEMMs at every size)."""
     from qsaserve.ops.moe.grouped_config import configs_for
 
-    decode = [n for n in range(1, max_tokens + 1) if not fp8 and uses_decode_kernels(n, top_k, num_experts)]
+    decode = [n for n in range(1, max_tokens + 1) if not fmt and uses_decode_kernels(n, top_k, num_experts)]
     blocks = dict.fromkeys((triton_moe.pick_block_n(n * top_k, inter, sms), triton_moe.pick_block_n(n, hidden, sms))
                            for n in decode)
-    grouped = [n for n in range(1, max_tokens + 1) if fp8 or not uses_decode_kernels(n, top_k, num_experts)]
-    return tuple(blocks), tuple(configs_for(grouped, top_k, num_experts, hidden, inter, elem_bytes, sms, fp8).items())
+    grouped = [n for n in range(1, max_tokens + 1) if fmt or not uses_decode_kernels(n, top_k, num_experts)]
+    configs = configs_for(grouped, top_k, num_experts, hidden, inter, elem_bytes, sms, fmt == "fp8")
+    return tuple(blocks), tuple(configs.items())
 
 
 __all__ = ["DECODE_KERNEL_MAX_TOKENS", "moe_align_block_size", "moe_experts", "moe_experts_sync_free", "moe_route",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from qsaserve.ops.moe.reference import activation_fn
+from qsaserve.ops.moe.reference import moe_experts_dequantized
 
 GROUP = 128  # the checkpoint's weight_block_size and the activations' group
 E4M3_MAX = 448.0
@@ -66,22 +66,7 @@ def moe_experts_block_fp8(x: torch.Tensor, indices: torch.Tensor, weights: torch
     float32; the GEMM outputs, the activation, the product and the weighted rows are rounded to
     x's dtype, and the k rows summed in float32. sync_free: loop over all E experts with
     zero weights for the tokens that did not choose them (no host read of the routing)."""
-    n, k = indices.shape
-    num_experts, two_i, _ = gate_up_proj.shape
-    dt, act = x.dtype, activation_fn(activation)
-    xq = fake_quantize_groups(x)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    experts = range(num_experts) if sync_free else indices.unique().tolist()
-    for e in experts:
-        if sync_free:
-            tok = torch.arange(n, device=x.device)
-            w = (weights * (indices == e)).sum(-1)  # 0 where the token did not choose e
-        else:
-            tok, slot = torch.where(indices == e)
-            w = weights[tok, slot]
-        gu = (xq[tok] @ dequantize_blocks(gate_up_proj[e], w13_scale[e]).T).to(dt)
-        gate, up = gu.split(two_i // 2, dim=-1)
-        a = act(gate) * up
-        y = (fake_quantize_groups(a) @ dequantize_blocks(down_proj[e], w2_scale[e]).T).to(dt)
-        out.index_add_(0, tok, (y * w.to(dt)[:, None]).float())
-    return out.to(dt)
+    return moe_experts_dequantized(
+        x, indices, weights, gate_up_proj.shape[0],
+        lambda e: (dequantize_blocks(gate_up_proj[e], w13_scale[e]), dequantize_blocks(down_proj[e], w2_scale[e])),
+        activation, sync_free, round_input=fake_quantize_groups)

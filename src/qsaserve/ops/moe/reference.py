@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["activation_fn", "moe_align_block_size", "moe_router", "moe_route", "moe_experts", "moe_experts_sync_free"]
+__all__ = ["activation_fn", "moe_align_block_size", "moe_router", "moe_route", "moe_experts", "moe_experts_dequantized",
+           "moe_experts_sync_free"]
 
 
 def activation_fn(name: str):
@@ -86,6 +87,39 @@ def moe_experts_sync_free(
     gate, up = gu.split(two_i // 2, dim=-1)
     y = torch.einsum("nei,ehi->neh", act(gate) * up, down_proj)
     return (y * dense_w[:, :, None]).sum(dim=1).to(x.dtype)
+
+
+def moe_experts_dequantized(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, num_experts: int,
+                            expert_weights, activation: str = "silu", sync_free: bool = False,
+                            round_input=None) -> torch.Tensor:
+    """`moe_experts` on quantized experts (block_fp8.py, nvfp4.py), whose expert e's weights
+    `expert_weights(e)` gives dequantized: (gate_up [2I, H], down [H, I]) float32.
+
+    Each GEMM runs in float32 on its input (after `round_input`, the activation quantization a
+    W8A8 GEMM applies; None for weight-only formats); the GEMM outputs, the activation, the
+    product and the weighted rows are rounded to x's dtype, as the grouped kernels round them, and
+    the k rows summed in float32. sync_free: loop over all E experts with zero weights for the
+    tokens that did not choose them (no host read of the routing)."""
+    n = indices.shape[0]
+    dt, act = x.dtype, activation_fn(activation)
+    rnd = round_input or (lambda t: t.float())
+    xq = rnd(x)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    experts = range(num_experts) if sync_free else indices.unique().tolist()
+    for e in experts:
+        if sync_free:
+            tok = torch.arange(n, device=x.device)
+            w = (weights * (indices == e)).sum(-1)  # 0 where the token did not choose e
+        else:
+            tok, slot = torch.where(indices == e)
+            w = weights[tok, slot]
+        w13, w2 = expert_weights(e)
+        gu = (xq[tok] @ w13.T).to(dt)
+        gate, up = gu.split(w13.shape[0] // 2, dim=-1)
+        a = act(gate) * up
+        y = (rnd(a) @ w2.T).to(dt)
+        out.index_add_(0, tok, (y * w.to(dt)[:, None]).float())
+    return out.to(dt)
 
 
 def moe_align_block_size(indices: torch.Tensor, num_experts: int, block_m: int,
