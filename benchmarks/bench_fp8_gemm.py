@@ -12,7 +12,9 @@
   "fp8_w8a16_bn32_u4_s4" and so on: the split adds no shared memory; "fp8_w8a16_rule": the
   defaults with triton_gemm.pick_decode_split_k's proposed split; rows with a split carry
   workspace_bytes, the float32 partials written and read back, not counted in TB/s) and the NVFP4 W4A16
-  kernel (ops/nvfp4_gemm) against bf16 cuBLAS; TB/s counts the weight and scale bytes read, and
+  kernel (ops/nvfp4_gemm) against bf16 cuBLAS; from SWAP_M rows also the transposed W8A16 kernel
+  (fp8_gemm/triton_swap_ab.py), "fp8_w8a16_swap_bnB_wW_stS" at SWAP_TILES (weight rows a program,
+  warps, stages) and each split in DECODE_SPLITS ("_sN"); TB/s counts the weight and scale bytes read, and
   pct_roofline is that over the H200's 4.8 TB/s. At GEMV_M rows also the FMA GEMVs the dispatch
   takes up to 4 rows: "fp8_gemv" (fp8_gemm/triton_gemv.py at its pick_gemv_tile defaults, the row
   names its tile), "fp8_gemv_bnB_bkK_sS" at GEMV_SWEEP, "fp8_gemv_st1" (the defaults with the K
@@ -21,7 +23,7 @@
 Times are CUDA-graph replays cycling over enough weight copies to exceed the L2. Prints JSON (one
 line per case, then the document).
 
-    PYTHONPATH=src python benchmarks/bench_fp8_gemm.py [--out f.json]
+    PYTHONPATH=src python benchmarks/bench_fp8_gemm.py [--out f.json] [--phases prefill,decode] [--shapes qkv,o,...]
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from qsaserve.ops.fp8_gemm.triton_gemm import (decode_block_m, fp8_w8a16_gemm_tr
                                               pick_decode_block_n, pick_decode_split_k, pick_decode_unroll,
                                               w8a16_shared_bytes)
 from qsaserve.ops.fp8_gemm.triton_gemv import fp8_gemv_triton
+from qsaserve.ops.fp8_gemm.triton_swap_ab import fp8_w8a16_swap_triton
 from qsaserve.ops.fp8_gemm.triton_gemv import pick_gemv_tile as pick_fp8_gemv_tile
 from qsaserve.ops.fp8_gemm.triton_quant import per_token_group_quant_triton
 from qsaserve.ops.nvfp4_gemm import quantize_nvfp4
@@ -56,6 +59,8 @@ GEMV_M = (1, 2, 4)  # decode rows that also time the GEMVs
 # block_n_tile, block_k, split_k: 8 KiB tiles against the 16 KiB defaults, the widest K tile, and a
 # 4-way split for the 4096-row projections
 GEMV_SWEEP = ((16, 512, 1), (8, 1024, 1), (16, 1024, 1), (4, 2048, 1), (8, 1024, 4))
+SWAP_M = 4  # decode rows from which the transposed kernel is timed too
+SWAP_TILES = ((64, 4, 4), (128, 4, 4), (128, 8, 4), (64, 4, 6), (128, 4, 3))  # block_n_tile, num_warps, num_stages
 HBM_TB_S = 4.8
 L2_BYTES = 60 << 20
 
@@ -153,6 +158,14 @@ def decode(name, n, k, m, dev) -> list[dict]:
                                                 for _, q, s in ws], fp8_bytes))
     variants.append(("nvfp4_w4a16", lambda: [nvfp4_w4a16_gemm_triton(x, *f) for f in fp4], fp4_bytes))
     tiles = {}
+    if m >= SWAP_M:
+        for bn_t, warps, stages in SWAP_TILES:
+            for split in DECODE_SPLITS:
+                variant = f"fp8_w8a16_swap_bn{bn_t}_w{warps}_st{stages}" + (f"_s{split}" if split > 1 else "")
+                splits[variant] = split
+                tiles[variant] = dict(block_n_tile=bn_t, num_warps=warps, num_stages=stages, split_k=split)
+                variants.append((variant, lambda t=tiles[variant]: [fp8_w8a16_swap_triton(x, q, s, 128, **t)
+                                                                    for _, q, s in ws], fp8_bytes))
     if m in GEMV_M:
         gbn, gbk, gsplit = pick_fp8_gemv_tile(n, k, sms, m)
         tiles["fp8_gemv"] = dict(block_n_tile=gbn, block_k=gbk, split_k=gsplit, num_stages=3)
@@ -201,20 +214,30 @@ def decode(name, n, k, m, dev) -> list[dict]:
     return rows
 
 
-def make_rows(dev) -> list[dict]:
+def make_rows(dev, args) -> list[dict]:
+    phases, shapes = set(args.phases.split(",")), args.shapes.split(",")
+    unknown = sorted((phases - {"prefill", "decode"}) | (set(shapes) - set(SHAPES)))
+    if unknown:
+        raise SystemExit(f"--phases / --shapes: unknown {unknown}; phases prefill, decode; shapes {', '.join(SHAPES)}")
     rows = []
-    for name, (n, k) in SHAPES.items():
-        for m in PREFILL_M:
+    for name in shapes:
+        n, k = SHAPES[name]
+        for m in PREFILL_M if "prefill" in phases else ():
             rows += prefill(name, n, k, m, dev)
-        for m in DECODE_M:
+        for m in DECODE_M if "decode" in phases else ():
             rows += decode(name, n, k, m, dev)
     return rows
 
 
+def configure(ap) -> None:
+    ap.add_argument("--phases", default="prefill,decode", help="comma-separated: prefill, decode")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+
+
 def main() -> None:
-    kernel_bench_main("fp8_gemm", make_rows, shapes=SHAPES, prefill_m=PREFILL_M, decode_m=DECODE_M, tiles=TILES,
-                      decode_tiles=DECODE_TILES, decode_splits=DECODE_SPLITS, gemv_m=GEMV_M, gemv_sweep=GEMV_SWEEP,
-                      hbm_tb_s=HBM_TB_S)
+    kernel_bench_main("fp8_gemm", make_rows, configure, shapes=SHAPES, prefill_m=PREFILL_M, decode_m=DECODE_M,
+                      tiles=TILES, decode_tiles=DECODE_TILES, decode_splits=DECODE_SPLITS, gemv_m=GEMV_M,
+                      gemv_sweep=GEMV_SWEEP, swap_m=SWAP_M, swap_tiles=SWAP_TILES, hbm_tb_s=HBM_TB_S)
 
 
 if __name__ == "__main__":

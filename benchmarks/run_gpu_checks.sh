@@ -65,6 +65,8 @@ if [ "$mode" = single ]; then
         part latency_llama8b_w$w 150 sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling $q --profile-steps 16 > '$out/latency_llama8b_w$w.json'"
     done
     part bench_fp8_gemm 150 python benchmarks/bench_fp8_gemm.py --out "$out/bench_fp8_gemm.json"
+    # The decode kernels alone (the tile, the transposed tile's sweep, the GEMVs): 1-64 rows.
+    part bench_fp8_decode 240 python benchmarks/bench_fp8_gemm.py --phases decode --out "$out/bench_fp8_decode.json"
     for w in bf16 fp8; do
         q=$([ $w = bf16 ] || echo "--quantization $w")
         part throughput_llama8b_w$w 240 sh -c "python -m qsaserve.cli bench throughput llama-8b --load-format dummy --max-model-len 4096 $q > '$out/throughput_llama8b_w$w.json'"
@@ -78,6 +80,7 @@ if [ "$mode" = single ]; then
     part spec_llama1b_ngram 200 $spec --model llama-1b --repeat-unit 64 --out "$out/spec_llama1b_ngram.json"
     part gpu_tests_quant 200 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_quant.xml" \
         tests/ops/test_fp8_gemm_triton.py tests/ops/test_nvfp4_gemm_triton.py tests/ops/test_moe_grouped_fp8.py \
+        tests/ops/test_fp8_swap_ab_triton.py tests/ops/test_moe_grouped_nvfp4.py \
         tests/models/test_llama_fp8_weights.py tests/models/qwen4exp/test_qwen4exp_fp8_moe.py
     part gpu_tests_verify_graphs 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_verify_graphs.xml" \
         tests/engine/test_cuda_graph.py tests/engine/test_spec_decode.py tests/models/qwen4exp/test_qwen4exp_mtp_spec_decode.py \

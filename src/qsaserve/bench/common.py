@@ -48,14 +48,22 @@ def kernel_report(bench: str, **fields) -> dict:
             "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "torch": torch.__version__, **fields}
 
 
-def kernel_bench_main(bench: str, make_rows, **fields) -> None:
+def kernel_bench_main(bench: str, make_rows, configure=None, **fields) -> None:
     """A kernel benchmark's command line (--out FILE): rows = make_rows(cuda device), then the
-    document (kernel_report head, fields, rows, wall seconds) printed and written."""
+    document (kernel_report head, fields, rows, wall seconds) printed and written. configure(ap):
+    the benchmark's own options, then rows = make_rows(device, args) and the options join the
+    document."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
+    if configure is not None:
+        configure(ap)
     args = ap.parse_args()
     start = time.perf_counter()
-    rows = make_rows(torch.device("cuda"))
+    if configure is None:
+        rows = make_rows(torch.device("cuda"))
+    else:
+        rows = make_rows(torch.device("cuda"), args)
+        fields["options"] = {k: v for k, v in vars(args).items() if k != "out"}
     emit_report(kernel_report(bench, **fields, rows=rows, wall_s=round(time.perf_counter() - start, 1)), args.out)
 
 

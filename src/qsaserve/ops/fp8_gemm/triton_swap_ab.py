@@ -1,0 +1,95 @@
+"""FP8-weight W8A16 GEMM for decode batches (a few to 64 rows), computed transposed:
+y^T [N, M] = W [N, K] @ x^T [K, M], W E4M3 [N, K] with float32 scales [Sn, Sk] (reference.py's
+layout), x bf16/fp16/fp32 [M, K] not quantized. Same contract as triton_gemm.fp8_w8a16_gemm_triton
+(reference.fp8_w8a16_gemm_reference).
+
+Why transposed ("swap AB"): in x @ W^T the widened weight tile is tl.dot's B operand, which a
+Hopper tensor-core MMA (wgmma) reads from shared memory only, so every K step stores the E4M3
+tile widened to bf16 back to shared memory before the MMA; and the MMA's M side is the token
+rows, padded to 64. Transposed, the weight tile is the A operand, which wgmma may take from
+registers: loaded (pipelined through shared memory as E4M3, 1 byte a weight), widened in
+registers, fed to the MMA, while x^T, the B operand, streams through shared memory untouched. The
+tokens become the MMA's N side (16 to 64 here). Each 128-deep K step is one dot, scaled by the
+weights' block scale per row before it joins the float32 sum (E4M3 is exact in bf16).
+
+The grid is (N / BLOCK_N, split_k, M / BLOCK_T). With split_k > 1 each program takes a contiguous
+range of whole 128-column groups of K (triton_gemv.split_k_range) and writes its float32 partial
+sums to its plane of a [split_k, M, N] workspace, which triton_gemm's _split_k_sum_kernel adds in
+a fixed order (deterministic, no atomics, no host sync: CUDA-graph safe). Not yet timed on a GPU
+(benchmarks/bench_fp8_gemm.py's fp8_w8a16_swap rows); the dispatch (ops/fp8_gemm/__init__.py)
+does not take it until it is."""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from qsaserve.ops.fp8_gemm.reference import GROUP
+from qsaserve.ops.fp8_gemm.triton_gemm import _check, _scale_k_stride, _split_k_sum_kernel
+from qsaserve.ops.fp8_gemm.triton_gemv import split_k_range
+
+
+@triton.jit
+def _w8a16_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
+                       stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, stride_ys,
+                       BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr, PRECISION: tl.constexpr):
+    pid_n, pid_t = tl.program_id(0), tl.program_id(2)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok, t_ok = offs_n < N, offs_t < M
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
+    x_cols = x_ptr + offs_t[None, :].to(tl.int64) * stride_xm  # [1, BLOCK_T]: x^T's columns
+    s_rows = s_ptr + (offs_n // block_n) * stride_sn
+    k_lo, k_hi, y_base = split_k_range(y_ptr, K, stride_ys, BLOCK_K, SPLIT_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        kk = k0 + offs_k
+        k_ok = kk < K
+        w = tl.load(w_rows + kk[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K] E4M3
+        xt = tl.load(x_cols + kk[:, None], mask=k_ok[:, None] & t_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_T]
+        s = tl.load(s_rows + (k0 // BLOCK_K) * stride_sk, mask=n_ok, other=0.0)
+        acc += tl.dot(w.to(xt.dtype), xt, input_precision=PRECISION) * s[:, None]
+    y_ptrs = y_base + offs_t[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & t_ok[None, :])
+
+
+def swap_block_t(m: int) -> int:
+    """Token columns a program takes: tl.dot's 16 at least (padding columns masked), at most 64."""
+    return max(16, min(64, triton.next_power_of_2(m)))
+
+
+def fp8_w8a16_swap_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
+                          block_n_tile: int = 64, split_k: int = 1, num_warps: int = 4,
+                          num_stages: int = 4) -> torch.Tensor:
+    """x [M, K] bf16/fp16/fp32, w [N, K] E4M3, w_scale [Sn, Sk] -> [M, N] in x's dtype, as
+    reference.fp8_w8a16_gemm_reference. block_n_tile: weight rows a program (the MMA's M: 64 a
+    warpgroup); split_k: programs a row block over K; num_warps / num_stages: the launch
+    (benchmarks/bench_fp8_gemm.py sweeps them). M above 64 runs as more token blocks, each
+    re-reading the weights."""
+    _check(x, w, w_scale, block_n, "fp8_w8a16_swap")
+    if split_k < 1 or block_n_tile < 16:
+        raise ValueError(f"fp8_w8a16_swap: split_k must be >= 1 and block_n_tile >= 16, got {split_k}, {block_n_tile}")
+    m, k = x.shape
+    n = w.shape[0]
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    block_t = swap_block_t(m)
+    out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, block_n_tile), split_k, triton.cdiv(m, block_t))
+    _w8a16_swap_kernel[grid](x, w, w_scale, out, m, n, k, block_n, x.stride(0), w.stride(0), w_scale.stride(0),
+                             _scale_k_stride(w_scale), out.stride(-2), out.stride(0) if split_k > 1 else 0,
+                             BLOCK_N=block_n_tile, BLOCK_T=block_t, BLOCK_K=GROUP, SPLIT_K=split_k,
+                             PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                             num_warps=num_warps, num_stages=num_stages)
+    if split_k > 1:
+        block = 1024
+        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, SPLIT_K=split_k, BLOCK=block, num_warps=4)
+    return y
+
+
+__all__ = ["fp8_w8a16_swap_triton", "swap_block_t"]

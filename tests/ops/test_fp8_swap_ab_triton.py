@@ -1,0 +1,78 @@
+"""The transposed ("swap AB") FP8-weight W8A16 GEMM (ops/fp8_gemm/triton_swap_ab.py) against the
+W8A16 reference, under the Triton interpreter (then compiled for sm_90) and on a GPU: 1 to 70
+rows (one token block and two), block-128 / per-channel / per-tensor scales and a block_n that
+does not divide the tile (48), N and K not multiples of the tile, split over K (ranges of unequal
+and zero length), float32 and bf16 x; on CPU also every tile benchmarks/bench_fp8_gemm.py sweeps,
+so the sm_90 compile check sees their shared memory."""
+import pytest
+import torch
+from test_fp8_gemv_triton import _weight
+from triton_interpreter import interpreter_bf16_dot_shim, triton_check_tests
+
+from qsaserve.ops.fp8_gemm import reference as ref
+
+# (block_n_tile, num_warps, num_stages) of bench_fp8_gemm.SWAP_TILES
+BENCH_TILES = ((64, 4, 4), (128, 4, 4), (128, 8, 4), (64, 4, 6), (128, 4, 3))
+
+
+def _check(device, m, n, k, kind, dtype, **tiles):
+    from qsaserve.ops.fp8_gemm.triton_swap_ab import fp8_w8a16_swap_triton
+
+    gen = torch.Generator().manual_seed(m * 31 + n + k)
+    w, ws, bn = _weight(n, k, kind, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    got = fp8_w8a16_swap_triton(x.to(device), w.to(device), ws.to(device), bn, **tiles).cpu()
+    want = ref.fp8_w8a16_gemm_reference(x, w, ws, bn)
+    assert got.shape == (m, n) and got.dtype == dtype
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def _triton_checks(device):
+    if device == "cpu":
+        interpreter_bf16_dot_shim()
+    for kind in ("block", "channel", "tensor", "block48"):
+        for m in (1, 5, 17, 64, 70):  # 16, 32 and 64 token columns; 70: two token blocks
+            # N = 200: a ragged last row block; K = 320: a ragged last group
+            _check(device, m, 200, 320, kind, torch.float32, block_n_tile=64, num_stages=2)
+        # split over 3 groups: 3 programs of one group, then 4 (one with none)
+        _check(device, 9, 200, 320, kind, torch.float32, block_n_tile=64, split_k=3)
+        _check(device, 33, 40, 320, kind, torch.float32, block_n_tile=32, split_k=4)
+    for m in (3, 16, 48):
+        _check(device, m, 136, 384, "block", torch.bfloat16, block_n_tile=64)
+        _check(device, m, 136, 384, "channel", torch.bfloat16, block_n_tile=128, split_k=2)
+    if device == "cpu":  # the benchmark's tiles at its row counts, bf16 x (what sm_90 compiles)
+        for bn, warps, stages in BENCH_TILES:
+            for m in (8, 64):
+                for split in (1, 4):
+                    _check(device, m, 128, 1024, "block", torch.bfloat16, block_n_tile=bn, num_warps=warps,
+                           num_stages=stages, split_k=split)
+    if device == "cuda":  # llama-8b's projections
+        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+            for m in (8, 64):
+                _check(device, m, n, k, "block", torch.bfloat16, block_n_tile=128, split_k=2)
+
+
+test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)
+
+
+def test_rejects_bad_launches():
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from qsaserve.ops.fp8_gemm.triton_swap_ab import fp8_w8a16_swap_triton
+
+    w, ws, bn = _weight(16, 256, "block", torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="split_k"):
+        fp8_w8a16_swap_triton(torch.zeros(4, 256), w, ws, bn, split_k=0)
+    with pytest.raises(ValueError, match="fp8_w8a16_swap"):
+        fp8_w8a16_swap_triton(torch.zeros(4, 256), w, ws[:, :1].repeat(1, 3), bn)  # Sk neither 1 nor ceil(K/128)
+
+
+def test_the_compiled_tiles_are_the_benchmarks():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "bench_fp8_gemm.py"
+    spec = importlib.util.spec_from_file_location("bench_fp8_gemm", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert tuple(bench.SWAP_TILES) == BENCH_TILES
