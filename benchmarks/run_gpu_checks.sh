@@ -65,6 +65,8 @@ if [ "$mode" = single ]; then
         part latency_llama8b_w$w 150 sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling $q --profile-steps 16 > '$out/latency_llama8b_w$w.json'"
     done
     part bench_fp8_gemm 150 python benchmarks/bench_fp8_gemm.py --out "$out/bench_fp8_gemm.json"
+    # FP8 decode (5-64 rows) on the transposed tile kernel instead (the A/B of the default).
+    part latency_llama8b_wfp8_swap 150 env QSASERVE_FP8_DECODE_KERNEL=swap sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling --quantization fp8 --profile-steps 16 > '$out/latency_llama8b_wfp8_swap.json'"
     # The decode kernels alone (the tile, the transposed tile's sweep, the GEMVs): 1-64 rows.
     part bench_fp8_decode 240 python benchmarks/bench_fp8_gemm.py --phases decode --out "$out/bench_fp8_decode.json"
     for w in bf16 fp8; do

@@ -122,6 +122,12 @@ def test_w8a16_dispatch_takes_the_gemv_up_to_gemv_rows(monkeypatch):
         fp8_gemm.fp8_w8a16_gemm(torch.zeros(m, 256), w, ws, bn)
     assert fp8_gemm.GEMV_ROWS == 2
     assert calls == [("gemv", 1), ("gemv", 2), ("tile", 3), ("tile", 64)]
+    monkeypatch.setattr(fp8_gemm, "DECODE_KERNEL", "swap")  # QSASERVE_FP8_DECODE_KERNEL=swap
+    monkeypatch.setattr(fp8_gemm.triton_swap_ab, "fp8_w8a16_swap_triton",
+                        lambda x, *a, **tile: calls.append(("swap", x.shape[0], tile["block_n_tile"])))
+    fp8_gemm.fp8_w8a16_gemm(torch.zeros(2, 256), w, ws, bn)
+    fp8_gemm.fp8_w8a16_gemm(torch.zeros(8, 256), w, ws, bn)
+    assert calls[4:] == [("gemv", 2), ("swap", 8, 128)]
     monkeypatch.undo()
     x = torch.randn(2, 256)
     torch.testing.assert_close(fp8_gemm.fp8_w8a16_gemm(x, w, ws, bn), ref.fp8_w8a16_gemm_reference(x, w, ws, bn))

@@ -4,8 +4,12 @@ triton_quant.py, triton_gemv.py), else the torch references. `fp8_linear` is wha
 to DECODE_ROWS rows W8A16 (bf16 activations), more rows W8A8 with per-token-group activation
 scales, on every device, so the CPU reference computes what the GPU does. On CUDA the W8A16 op
 takes the FMA GEMV (triton_gemv.py) up to GEMV_ROWS rows, the tensor-core tile kernel above (same
-math, so the reference is one)."""
+math, so the reference is one); QSASERVE_FP8_DECODE_KERNEL=swap (read at import) takes the
+transposed tile kernel (triton_swap_ab.py) there instead, until the H200 measurement decides the
+default (docs/weight_quantization.md)."""
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -15,14 +19,20 @@ from qsaserve.ops.fp8_gemm.reference import (DECODE_ROWS, FP8, GROUP, dequantize
                                              quantize_weight_block, quantize_weight_rows)
 
 try:  # CPU-only installs keep the references
-    from qsaserve.ops.fp8_gemm import triton_gemm, triton_gemv, triton_quant
+    from qsaserve.ops.fp8_gemm import triton_gemm, triton_gemv, triton_quant, triton_swap_ab
 except ImportError:
-    triton_gemm = triton_gemv = triton_quant = None
+    triton_gemm = triton_gemv = triton_quant = triton_swap_ab = None
 
 # Up to this many rows the W8A16 op runs as the FMA GEMV: measured on an H200 (bench_fp8_gemm,
 # 58189b2) it led at 1 and 2 rows on every llama-8b shape, at 4 rows the tile kernel led on the
 # largest (gate_up 48.3 against 57.1 us; the FMAs' issue rate, not the bandwidth, bounds it).
 GEMV_ROWS = 2
+DECODE_KERNELS = ("tile", "swap")
+DECODE_KERNEL = os.environ.get("QSASERVE_FP8_DECODE_KERNEL", "tile")
+if DECODE_KERNEL not in DECODE_KERNELS:
+    raise ValueError(f"QSASERVE_FP8_DECODE_KERNEL: one of {', '.join(DECODE_KERNELS)}, got {DECODE_KERNEL!r}")
+# the transposed kernel's launch until its sweep is measured: 128 weight rows a program, 2 K splits
+SWAP_TILE = dict(block_n_tile=128, split_k=2, num_warps=4, num_stages=4)
 
 
 def per_token_group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,6 +55,8 @@ def fp8_w8a16_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bloc
     if use_triton(x):
         if x.shape[0] <= GEMV_ROWS:
             return triton_gemv.fp8_gemv_triton(x, w, w_scale, block_n)
+        if DECODE_KERNEL == "swap":
+            return triton_swap_ab.fp8_w8a16_swap_triton(x, w, w_scale, block_n, **SWAP_TILE)
         return triton_gemm.fp8_w8a16_gemm_triton(x, w, w_scale, block_n)
     return reference.fp8_w8a16_gemm_reference(x, w, w_scale, block_n)
 
@@ -60,5 +72,5 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n:
     return y if bias is None else y + bias
 
 
-__all__ = ["DECODE_ROWS", "FP8", "GEMV_ROWS", "GROUP", "dequantize_weight", "expand_scale", "fp8_linear", "fp8_w8a16_gemm",
+__all__ = ["DECODE_KERNEL", "DECODE_ROWS", "FP8", "GEMV_ROWS", "GROUP", "dequantize_weight", "expand_scale", "fp8_linear", "fp8_w8a16_gemm",
            "fp8_w8a8_gemm", "per_token_group_quant", "quantize_weight_block", "quantize_weight_rows"]
