@@ -14,7 +14,8 @@
   workspace_bytes, the float32 partials written and read back, not counted in TB/s) and the NVFP4 W4A16
   kernel (ops/nvfp4_gemm) against bf16 cuBLAS; from SWAP_M rows also the transposed W8A16 kernel
   (fp8_gemm/triton_swap_ab.py), "fp8_w8a16_swap_bnB_wW_stS" at SWAP_TILES (weight rows a program,
-  warps, stages) and each split in DECODE_SPLITS ("_sN"); TB/s counts the weight and scale bytes read, and
+  warps, stages) and each split in DECODE_SPLITS ("_sN"), and its NVFP4 form
+  (nvfp4_gemm/triton_swap_ab.py), "nvfp4_w4a16_swap_..." at NVFP4_SWAP_TILES x NVFP4_SWAP_SPLITS; TB/s counts the weight and scale bytes read, and
   pct_roofline is that over the H200's 4.8 TB/s. At GEMV_M rows also the FMA GEMVs the dispatch
   takes up to 4 rows: "fp8_gemv" (fp8_gemm/triton_gemv.py at its pick_gemv_tile defaults, the row
   names its tile), "fp8_gemv_bnB_bkK_sS" at GEMV_SWEEP, "fp8_gemv_st1" (the defaults with the K
@@ -46,6 +47,7 @@ from qsaserve.ops.fp8_gemm.triton_quant import per_token_group_quant_triton
 from qsaserve.ops.nvfp4_gemm import quantize_nvfp4
 from qsaserve.ops.nvfp4_gemm.triton_gemm import nvfp4_w4a16_gemm_triton
 from qsaserve.ops.nvfp4_gemm.triton_gemv import nvfp4_gemv_triton
+from qsaserve.ops.nvfp4_gemm.triton_swap_ab import nvfp4_w4a16_swap_triton
 from qsaserve.ops.nvfp4_gemm.triton_gemv import pick_gemv_tile as pick_nvfp4_gemv_tile
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -61,6 +63,8 @@ GEMV_M = (1, 2, 4)  # decode rows that also time the GEMVs
 GEMV_SWEEP = ((16, 512, 1), (8, 1024, 1), (16, 1024, 1), (4, 2048, 1), (8, 1024, 4))
 SWAP_M = 4  # decode rows from which the transposed kernel is timed too
 SWAP_TILES = ((64, 4, 4), (128, 4, 4), (128, 8, 4), (64, 4, 6), (128, 4, 3))  # block_n_tile, num_warps, num_stages
+NVFP4_SWAP_TILES = ((64, 4, 4), (128, 4, 4), (128, 8, 3))
+NVFP4_SWAP_SPLITS = (1, 2, 4)
 HBM_TB_S = 4.8
 L2_BYTES = 60 << 20
 
@@ -166,6 +170,13 @@ def decode(name, n, k, m, dev) -> list[dict]:
                 tiles[variant] = dict(block_n_tile=bn_t, num_warps=warps, num_stages=stages, split_k=split)
                 variants.append((variant, lambda t=tiles[variant]: [fp8_w8a16_swap_triton(x, q, s, 128, **t)
                                                                     for _, q, s in ws], fp8_bytes))
+        for bn_t, warps, stages in NVFP4_SWAP_TILES:
+            for split in NVFP4_SWAP_SPLITS:
+                variant = f"nvfp4_w4a16_swap_bn{bn_t}_w{warps}_st{stages}" + (f"_s{split}" if split > 1 else "")
+                splits[variant] = split
+                tiles[variant] = dict(block_n_tile=bn_t, num_warps=warps, num_stages=stages, split_k=split)
+                variants.append((variant, lambda t=tiles[variant]: [nvfp4_w4a16_swap_triton(x, *f, **t) for f in fp4],
+                                 fp4_bytes))
     if m in GEMV_M:
         gbn, gbk, gsplit = pick_fp8_gemv_tile(n, k, sms, m)
         tiles["fp8_gemv"] = dict(block_n_tile=gbn, block_k=gbk, split_k=gsplit, num_stages=3)
@@ -237,7 +248,8 @@ def configure(ap) -> None:
 def main() -> None:
     kernel_bench_main("fp8_gemm", make_rows, configure, shapes=SHAPES, prefill_m=PREFILL_M, decode_m=DECODE_M,
                       tiles=TILES, decode_tiles=DECODE_TILES, decode_splits=DECODE_SPLITS, gemv_m=GEMV_M,
-                      gemv_sweep=GEMV_SWEEP, swap_m=SWAP_M, swap_tiles=SWAP_TILES, hbm_tb_s=HBM_TB_S)
+                      gemv_sweep=GEMV_SWEEP, swap_m=SWAP_M, swap_tiles=SWAP_TILES, nvfp4_swap_tiles=NVFP4_SWAP_TILES,
+                      nvfp4_swap_splits=NVFP4_SWAP_SPLITS, hbm_tb_s=HBM_TB_S)
 
 
 if __name__ == "__main__":

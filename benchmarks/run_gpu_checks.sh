@@ -67,6 +67,7 @@ if [ "$mode" = single ]; then
     part bench_fp8_gemm 150 python benchmarks/bench_fp8_gemm.py --out "$out/bench_fp8_gemm.json"
     # FP8 decode (5-64 rows) on the transposed tile kernel instead (the A/B of the default).
     part latency_llama8b_wfp8_swap 150 env QSASERVE_FP8_DECODE_KERNEL=swap sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling --quantization fp8 --profile-steps 16 > '$out/latency_llama8b_wfp8_swap.json'"
+    part latency_llama8b_wnvfp4_swap 150 env QSASERVE_NVFP4_DECODE_KERNEL=swap sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling --quantization nvfp4 --profile-steps 16 > '$out/latency_llama8b_wnvfp4_swap.json'"
     # The decode kernels alone (the tile, the transposed tile's sweep, the GEMVs): 1-64 rows.
     part bench_fp8_decode 240 python benchmarks/bench_fp8_gemm.py --phases decode --out "$out/bench_fp8_decode.json"
     for w in bf16 fp8; do
@@ -82,7 +83,7 @@ if [ "$mode" = single ]; then
     part spec_llama1b_ngram 200 $spec --model llama-1b --repeat-unit 64 --out "$out/spec_llama1b_ngram.json"
     part gpu_tests_quant 200 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_quant.xml" \
         tests/ops/test_fp8_gemm_triton.py tests/ops/test_nvfp4_gemm_triton.py tests/ops/test_moe_grouped_fp8.py \
-        tests/ops/test_fp8_swap_ab_triton.py tests/ops/test_moe_grouped_nvfp4.py \
+        tests/ops/test_fp8_swap_ab_triton.py tests/ops/test_nvfp4_swap_ab_triton.py tests/ops/test_moe_grouped_nvfp4.py \
         tests/models/test_llama_fp8_weights.py tests/models/qwen4exp/test_qwen4exp_fp8_moe.py
     part gpu_tests_verify_graphs 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_verify_graphs.xml" \
         tests/engine/test_cuda_graph.py tests/engine/test_spec_decode.py tests/models/qwen4exp/test_qwen4exp_mtp_spec_decode.py \

@@ -117,3 +117,9 @@ def test_nvfp4_dispatch_takes_the_gemv_up_to_gemv_rows(monkeypatch):
     for m in (1, nvfp4_gemm.GEMV_ROWS, nvfp4_gemm.GEMV_ROWS + 1):
         nvfp4_gemm.nvfp4_linear(torch.zeros(m, 128), packed, scale, rs)
     assert nvfp4_gemm.GEMV_ROWS == 4 and calls == [("gemv", 1), ("gemv", 4), ("tile", 5)]
+    monkeypatch.setattr(nvfp4_gemm, "DECODE_KERNEL", "swap")  # QSASERVE_NVFP4_DECODE_KERNEL=swap: 5-64 rows
+    monkeypatch.setattr(nvfp4_gemm.triton_swap_ab, "nvfp4_w4a16_swap_triton",
+                        lambda x, *a, **tile: calls.append(("swap", x.shape[0])) or torch.zeros(x.shape[0], 16))
+    for m in (4, 5, 64, 65):
+        nvfp4_gemm.nvfp4_linear(torch.zeros(m, 128), packed, scale, rs)
+    assert calls[3:] == [("gemv", 4), ("swap", 5), ("swap", 64), ("tile", 65)]
