@@ -22,17 +22,22 @@ def _weight(n, k, kind, gen):
     return q, torch.rand(-(-n // 48), s.shape[1], generator=gen) * 0.02 + 1e-3, 48
 
 
-def _check(device, m, n, k, kind, dtype, **tiles):
-    from qsaserve.ops.fp8_gemm.triton_gemv import fp8_gemv_triton
-
-    gen = torch.Generator().manual_seed(m * 17 + n + k)
+def check_w8a16(kernel, device, m, n, k, kind, dtype, seed, **tiles):
+    """kernel(x, w, w_scale, block_n, **tiles) on `device` against the W8A16 reference."""
+    gen = torch.Generator().manual_seed(seed)
     w, ws, bn = _weight(n, k, kind, gen)
     x = torch.randn(m, k, generator=gen).to(dtype)
-    got = fp8_gemv_triton(x.to(device), w.to(device), ws.to(device), bn, **tiles).cpu()
+    got = kernel(x.to(device), w.to(device), ws.to(device), bn, **tiles).cpu()
     want = ref.fp8_w8a16_gemm_reference(x, w, ws, bn)
     assert got.shape == (m, n) and got.dtype == dtype
     tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(got, want, **tol)
+
+
+def _check(device, m, n, k, kind, dtype, **tiles):
+    from qsaserve.ops.fp8_gemm.triton_gemv import fp8_gemv_triton
+
+    check_w8a16(fp8_gemv_triton, device, m, n, k, kind, dtype, m * 17 + n + k, **tiles)
 
 
 def _triton_checks(device):

@@ -6,10 +6,8 @@ and zero length), float32 and bf16 x; on CPU also every tile benchmarks/bench_fp
 so the sm_90 compile check sees their shared memory."""
 import pytest
 import torch
-from test_fp8_gemv_triton import _weight
+from test_fp8_gemv_triton import _weight, check_w8a16
 from triton_interpreter import interpreter_bf16_dot_shim, triton_check_tests
-
-from qsaserve.ops.fp8_gemm import reference as ref
 
 # (block_n_tile, num_warps, num_stages) of bench_fp8_gemm.SWAP_TILES
 BENCH_TILES = ((64, 4, 4), (128, 4, 4), (128, 8, 4), (64, 4, 6), (128, 4, 3))
@@ -18,14 +16,7 @@ BENCH_TILES = ((64, 4, 4), (128, 4, 4), (128, 8, 4), (64, 4, 6), (128, 4, 3))
 def _check(device, m, n, k, kind, dtype, **tiles):
     from qsaserve.ops.fp8_gemm.triton_swap_ab import fp8_w8a16_swap_triton
 
-    gen = torch.Generator().manual_seed(m * 31 + n + k)
-    w, ws, bn = _weight(n, k, kind, gen)
-    x = torch.randn(m, k, generator=gen).to(dtype)
-    got = fp8_w8a16_swap_triton(x.to(device), w.to(device), ws.to(device), bn, **tiles).cpu()
-    want = ref.fp8_w8a16_gemm_reference(x, w, ws, bn)
-    assert got.shape == (m, n) and got.dtype == dtype
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-    torch.testing.assert_close(got, want, **tol)
+    check_w8a16(fp8_w8a16_swap_triton, device, m, n, k, kind, dtype, m * 31 + n + k, **tiles)
 
 
 def _triton_checks(device):
@@ -67,7 +58,8 @@ def test_rejects_bad_launches():
         fp8_w8a16_swap_triton(torch.zeros(4, 256), w, ws[:, :1].repeat(1, 3), bn)  # Sk neither 1 nor ceil(K/128)
 
 
-def test_the_compiled_tiles_are_the_benchmarks():
+def bench_fp8_gemm():
+    """benchmarks/bench_fp8_gemm.py as a module (its tile lists)."""
     import importlib.util
     import pathlib
 
@@ -75,4 +67,8 @@ def test_the_compiled_tiles_are_the_benchmarks():
     spec = importlib.util.spec_from_file_location("bench_fp8_gemm", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    assert tuple(bench.SWAP_TILES) == BENCH_TILES
+    return bench
+
+
+def test_the_compiled_tiles_are_the_benchmarks():
+    assert tuple(bench_fp8_gemm().SWAP_TILES) == BENCH_TILES

@@ -6,6 +6,7 @@ scales from the subnormal smallest to the largest, a column slice of a wider wei
 and fp16 x (fp16 takes the unscaled decode); on CPU also the tiles bench_fp8_gemm sweeps."""
 import pytest
 import torch
+from test_fp8_swap_ab_triton import bench_fp8_gemm
 from test_nvfp4_gemv_triton import _every_code_weight, _weight
 from triton_interpreter import interpreter_bf16_dot_shim, triton_check_tests
 
@@ -83,11 +84,4 @@ def test_rejects_bad_shapes_and_launches():
 
 
 def test_the_compiled_tiles_are_the_benchmarks():
-    import importlib.util
-    import pathlib
-
-    path = pathlib.Path(__file__).parents[2] / "benchmarks" / "bench_fp8_gemm.py"
-    spec = importlib.util.spec_from_file_location("bench_fp8_gemm", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    assert tuple(bench.NVFP4_SWAP_TILES) == BENCH_TILES
+    assert tuple(bench_fp8_gemm().NVFP4_SWAP_TILES) == BENCH_TILES

@@ -115,6 +115,20 @@ def _split_k_sum_kernel(p_ptr, y_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.co
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=ok)
 
 
+def split_k_buffer(y: torch.Tensor, split_k: int) -> torch.Tensor:
+    """Where a split-K launch writes: y itself with one split, else a float32 [split_k, M, N]
+    workspace of partial sums (one plane per K range)."""
+    return y if split_k == 1 else torch.empty((split_k, *y.shape), dtype=torch.float32, device=y.device)
+
+
+def sum_split_k(out: torch.Tensor, y: torch.Tensor, split_k: int) -> None:
+    """split_k_buffer's planes added into y in a fixed order, rounded once (nothing with one split)."""
+    if split_k > 1:
+        block = 1024
+        _split_k_sum_kernel[(triton.cdiv(y.numel(), block),)](out, y, y.numel(), SPLIT_K=split_k, BLOCK=block,
+                                                              num_warps=4)
+
+
 def _check(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int, what: str) -> None:
     m, k = x.shape
     n = w.shape[0]
@@ -261,16 +275,14 @@ def fp8_w8a16_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tenso
     if k_unroll is None or num_stages is None:
         k_unroll, num_stages = pick_decode_unroll(block_m, bn, x.element_size(), max_shared_bytes(x.device),
                                                   k_unroll, num_stages)
-    out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    out = split_k_buffer(y, split_k)
     grid = (triton.cdiv(n, bn), triton.cdiv(m, block_m), split_k)
     _w8a16_kernel[grid](x, w, w_scale, out, m, n, k, block_n, x.stride(0), w.stride(0), w_scale.stride(0),
                         _scale_k_stride(w_scale), out.stride(-2), out.stride(0) if split_k > 1 else 0,
                         BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=GROUP, K_UNROLL=k_unroll, SPLIT_K=split_k,
                         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                         num_warps=num_warps, num_stages=num_stages)
-    if split_k > 1:
-        block = 1024
-        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, SPLIT_K=split_k, BLOCK=block, num_warps=4)
+    sum_split_k(out, y, split_k)
     return y
 
 

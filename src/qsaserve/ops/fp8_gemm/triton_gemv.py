@@ -28,7 +28,7 @@ import triton.language as tl
 
 from qsaserve.ops.device import num_sms
 from qsaserve.ops.fp8_gemm.reference import GROUP
-from qsaserve.ops.fp8_gemm.triton_gemm import _check, _scale_k_stride, _split_k_sum_kernel
+from qsaserve.ops.fp8_gemm.triton_gemm import _check, _scale_k_stride, split_k_buffer, sum_split_k
 
 MAX_ROWS = 4  # rows of x one pass over the weights serves
 TILE_BYTES = 16384  # E4M3 bytes a program loads an iteration at one row (16 x 1024); half at more rows
@@ -154,15 +154,13 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
     bn, bk, split = block_n_tile or bn, block_k or bk, split_k or split
     if bk % GROUP or bk & (bk - 1) or split < 1:
         raise ValueError(f"fp8_gemv: block_k a power-of-two multiple of {GROUP}, split_k >= 1; got {bk}, {split}")
-    out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    out = split_k_buffer(y, split)
     rows = triton.next_power_of_2(m)  # 3 rows take the 4-row variant, the 4th masked
     _fp8_gemv_kernel[(triton.cdiv(n, bn), split)](
         x, w, w_scale, out, m, n, k, block_n, x.stride(0), w.stride(0), w_scale.stride(0), _scale_k_stride(w_scale),
         out.stride(-2), out.stride(0) if split > 1 else 0, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, GROUP_=GROUP,
         SPLIT_K=split, ROW_SCALE=w_scale.shape[1] == 1, NUM_STAGES=num_stages, num_warps=num_warps or 4)
-    if split > 1:
-        block = 1024
-        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, SPLIT_K=split, BLOCK=block, num_warps=4)
+    sum_split_k(out, y, split)
     return y
 
 

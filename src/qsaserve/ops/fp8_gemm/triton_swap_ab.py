@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from qsaserve.ops.fp8_gemm.reference import GROUP
-from qsaserve.ops.fp8_gemm.triton_gemm import _check, _scale_k_stride, _split_k_sum_kernel
+from qsaserve.ops.fp8_gemm.triton_gemm import _check, _scale_k_stride, split_k_buffer, sum_split_k
 from qsaserve.ops.fp8_gemm.triton_gemv import split_k_range
 
 
@@ -79,16 +79,14 @@ def fp8_w8a16_swap_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tenso
     if m == 0 or n == 0:
         return y
     block_t = swap_block_t(m)
-    out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    out = split_k_buffer(y, split_k)
     grid = (triton.cdiv(n, block_n_tile), split_k, triton.cdiv(m, block_t))
     _w8a16_swap_kernel[grid](x, w, w_scale, out, m, n, k, block_n, x.stride(0), w.stride(0), w_scale.stride(0),
                              _scale_k_stride(w_scale), out.stride(-2), out.stride(0) if split_k > 1 else 0,
                              BLOCK_N=block_n_tile, BLOCK_T=block_t, BLOCK_K=GROUP, SPLIT_K=split_k,
                              PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                              num_warps=num_warps, num_stages=num_stages)
-    if split_k > 1:
-        block = 1024
-        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, SPLIT_K=split_k, BLOCK=block, num_warps=4)
+    sum_split_k(out, y, split_k)
     return y
 
 

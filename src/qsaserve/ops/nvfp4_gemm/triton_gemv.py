@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from qsaserve.ops.device import num_sms
-from qsaserve.ops.fp8_gemm.triton_gemm import _split_k_sum_kernel
+from qsaserve.ops.fp8_gemm.triton_gemm import split_k_buffer, sum_split_k
 from qsaserve.ops.fp8_gemm.triton_gemv import split_k_range, store_rows
 from qsaserve.ops.nvfp4_gemm.reference import GROUP
 
@@ -119,6 +119,15 @@ def _nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, r_ptr, y_ptr, M, N, K, stride_xm, st
     store_rows(y_base, n, n_ok, rs, M, stride_ym, acc0, acc1, acc2, acc3, ROWS)
 
 
+def packed_words(packed: torch.Tensor) -> torch.Tensor:
+    """packed uint8 [N, K/2] as int32 [N, K/8] (the kernels read 4 bytes, 8 codes, a load
+    element), a view where the row stride and offset allow, else a contiguous copy's."""
+    try:
+        return packed.view(torch.int32)
+    except RuntimeError:  # a row stride or offset not a multiple of 4 bytes
+        return packed.contiguous().view(torch.int32)
+
+
 def pick_gemv_tile(n: int, k: int, sms: int) -> tuple[int, int, int]:
     """(block_n_tile, block_k, split_k) defaults, NOT yet measured (bench_fp8_gemm sweeps them):
     BLOCK_N the widest of 16, 8, 4 rows giving >= 2 programs per SM; BLOCK_K 2 * TILE_BYTES /
@@ -151,10 +160,7 @@ def nvfp4_gemv_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
     if x.stride(-1) != 1:
         x = x.contiguous()
     row_scale = row_scale.contiguous()
-    try:  # the kernel reads 4 bytes (8 codes) a load element
-        words = packed.view(torch.int32)
-    except RuntimeError:  # a row stride or offset not a multiple of 4 bytes
-        words = packed.contiguous().view(torch.int32)
+    words = packed_words(packed)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
@@ -162,15 +168,13 @@ def nvfp4_gemv_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
     bn, bk, split = block_n_tile or bn, block_k or bk, split_k or split
     if bk % (4 * GROUP) or bk & (bk - 1) or split < 1:
         raise ValueError(f"nvfp4_gemv: block_k a power-of-two multiple of {4 * GROUP}, split_k >= 1; got {bk}, {split}")
-    out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    out = split_k_buffer(y, split)
     _nvfp4_gemv_kernel[(triton.cdiv(n, bn), split)](
         x, words, scale, row_scale, out, m, n, k, x.stride(0), words.stride(0), scale.stride(0), out.stride(-2),
         out.stride(0) if split > 1 else 0, ROWS=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, GROUP_=GROUP,
         SPLIT_K=split, NUM_STAGES=num_stages, num_warps=num_warps or 4)
-    if split > 1:
-        block = 1024
-        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, SPLIT_K=split, BLOCK=block, num_warps=4)
+    sum_split_k(out, y, split)
     return y
 
 
-__all__ = ["MAX_ROWS", "TILE_BYTES", "nvfp4_gemv_triton", "pick_gemv_tile"]
+__all__ = ["MAX_ROWS", "TILE_BYTES", "nvfp4_gemv_triton", "packed_words", "pick_gemv_tile"]

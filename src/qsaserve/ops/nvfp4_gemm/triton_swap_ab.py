@@ -25,10 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
-from qsaserve.ops.fp8_gemm.triton_gemm import _split_k_sum_kernel
+from qsaserve.ops.fp8_gemm.triton_gemm import split_k_buffer, sum_split_k
 from qsaserve.ops.fp8_gemm.triton_gemv import split_k_range
 from qsaserve.ops.nvfp4_gemm.reference import GROUP
-from qsaserve.ops.nvfp4_gemm.triton_gemv import _decode_words
+from qsaserve.ops.nvfp4_gemm.triton_gemv import _decode_words, packed_words
 
 BLOCK_K = 128  # columns a K step: 8 groups of 16, 64 packed bytes a weight row
 _TWO_63 = tl.constexpr(2.0**63)
@@ -93,15 +93,12 @@ def nvfp4_w4a16_swap_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     if x.stride(-1) != 1:
         x = x.contiguous()
     row_scale = row_scale.contiguous()
-    try:  # 4 bytes (8 codes) a load element
-        words = packed.view(torch.int32)
-    except RuntimeError:  # a row stride or offset not a multiple of 4 bytes
-        words = packed.contiguous().view(torch.int32)
+    words = packed_words(packed)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     block_t = max(16, min(64, triton.next_power_of_2(m)))
-    out = y if split_k == 1 else torch.empty((split_k, m, n), dtype=torch.float32, device=x.device)
+    out = split_k_buffer(y, split_k)
     grid = (triton.cdiv(n, block_n_tile), split_k, triton.cdiv(m, block_t))
     _w4a16_swap_kernel[grid](x, words, scale, row_scale, out, m, n, k, x.stride(0), words.stride(0), scale.stride(0),
                              out.stride(-2), out.stride(0) if split_k > 1 else 0, BLOCK_N=block_n_tile,
@@ -109,9 +106,7 @@ def nvfp4_w4a16_swap_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.
                              UNSCALED=x.dtype == torch.float16,
                              PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
                              num_warps=num_warps, num_stages=num_stages)
-    if split_k > 1:
-        block = 1024
-        _split_k_sum_kernel[(triton.cdiv(m * n, block),)](out, y, m * n, SPLIT_K=split_k, BLOCK=block, num_warps=4)
+    sum_split_k(out, y, split_k)
     return y
 
 
