@@ -20,6 +20,7 @@ from qsaserve.layers.quantization.fp8_moe import Fp8Experts
 from qsaserve.layers.quantization.nvfp4_moe import Nvfp4Experts
 from qsaserve.models.qwen4exp import quantized_nvfp4
 from qsaserve.models.qwen4exp.quantized_nvfp4 import Nvfp4PackedWeight, Nvfp4RoutedExperts, nvfp4_packed
+from qsaserve.models.qwen4exp.quantized_expert_loader import QuantizedExpertLoader
 from qsaserve.ops.fp8_gemm import FP8, dequantize_weight
 
 logger = logging.getLogger("qsaserve")
@@ -75,28 +76,6 @@ class Fp8PackedWeight(Fp8Linear):
         return self.dequantized(self.ids.index(shard_id), self.dtype)
 
 
-class _Fp8ExpertLoader:
-    """weight_loader of an Fp8RoutedExperts parameter; shard_id as weights.ExpertLoader's: None, the
-    fused checkpoint tensor [E, ...]; an int e, expert e as a [1, ...] slice of it; (e, proj), the
-    checkpoint's per-expert gate_proj / up_proj / down_proj tensor (or its scale) of expert e."""
-
-    def __init__(self, module: "Fp8RoutedExperts", kind: str, fused: str, rule):
-        self.module, self.kind, self.fused, self.rule = module, kind, fused, rule
-
-    def shard(self, shard_id=None):
-        return self.rule
-
-    def view(self, param: torch.Tensor, shard_id=None) -> torch.Tensor:
-        return param
-
-    def __call__(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-        if shard_id is None or isinstance(shard_id, int):
-            self.module.load_stacked(self.kind, loaded, self.fused, shard_id or 0)
-        else:
-            expert, proj = shard_id
-            self.module.load(self.kind, loaded, expert, proj)
-
-
 class Fp8RoutedExperts(Fp8Experts):
     """Experts (moe.py) with block-FP8 weights: gate_up_proj / down_proj E4M3 beside their
     `_scale_inv` block scales, this rank keeping layout.expert_inter of every expert."""
@@ -104,8 +83,8 @@ class Fp8RoutedExperts(Fp8Experts):
     def __init__(self, cfg, layout, name: str):
         super().__init__(cfg.num_experts, cfg.hidden_size, layout.expert_inter, cfg.moe_intermediate_size, name)
         for fused, rule in (("gate_up_proj", layout.experts_gate_up()), ("down_proj", layout.experts_down())):
-            getattr(self, fused).weight_loader = _Fp8ExpertLoader(self, "weight", fused, rule)
-            getattr(self, fused + "_scale_inv").weight_loader = _Fp8ExpertLoader(self, "scale", fused, rule)
+            getattr(self, fused).weight_loader = QuantizedExpertLoader(self, "weight", fused, rule)
+            getattr(self, fused + "_scale_inv").weight_loader = QuantizedExpertLoader(self, "scale", fused, rule)
 
 
 QUANTIZED_PACKED = (Fp8PackedWeight, Nvfp4PackedWeight)  # PackedWeight / Weight with quantized weights
@@ -146,7 +125,7 @@ def add_scale_targets(model: nn.Module, targets: dict) -> None:
                 targets[name + suffix] = (scale, shard_id)
 
 
-_QUANTIZED_LOADERS = (_Fp8Loader, _Fp8ExpertLoader, quantized_nvfp4._Nvfp4Loader, quantized_nvfp4._Nvfp4ExpertLoader)
+_QUANTIZED_LOADERS = (_Fp8Loader, QuantizedExpertLoader, quantized_nvfp4._Nvfp4Loader)
 
 
 def is_quantized_target(targets: dict, name: str) -> bool:

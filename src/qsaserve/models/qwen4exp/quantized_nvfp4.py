@@ -21,6 +21,7 @@ from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization import Nvfp4Linear
 from qsaserve.layers.quantization.nvfp4_moe import Nvfp4Experts
 from qsaserve.layers.quantization.shard import TensorShard
+from qsaserve.models.qwen4exp.quantized_expert_loader import QuantizedExpertLoader
 from qsaserve.ops.nvfp4_gemm import GROUP, dequantize_nvfp4
 
 logger = logging.getLogger("qsaserve")
@@ -95,28 +96,6 @@ def nvfp4_packed(in_features: int, parts: list, name: str, plain, full_in: int |
     return Nvfp4PackedWeight(in_features, parts, name)
 
 
-class _Nvfp4ExpertLoader:
-    """weight_loader of an Nvfp4RoutedExperts parameter; shard_id as weights.ExpertLoader's: None, a
-    fused float tensor [E, ...]; an int e, expert e as a [1, ...] slice of it (quantized here); (e,
-    proj), the checkpoint's per-expert gate_proj / up_proj / down_proj tensor of this kind."""
-
-    def __init__(self, module: "Nvfp4RoutedExperts", kind: str, fused: str, rule):
-        self.module, self.kind, self.fused, self.rule = module, kind, fused, rule
-
-    def shard(self, shard_id=None):
-        return self.rule
-
-    def view(self, param: torch.Tensor, shard_id=None) -> torch.Tensor:
-        return param
-
-    def __call__(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-        if shard_id is None or isinstance(shard_id, int):
-            self.module.load_stacked(self.kind, loaded, self.fused, shard_id or 0)
-        else:
-            expert, proj = shard_id
-            self.module.load(self.kind, loaded, expert, proj)
-
-
 # per-expert checkpoint suffix (after `experts.E.<proj>.`) -> the stacked parameter's suffix
 EXPERT_SUFFIXES = {"weight": "", "weight_scale": "_scale", "weight_scale_2": "_row_scale"}
 
@@ -130,7 +109,7 @@ class Nvfp4RoutedExperts(Nvfp4Experts):
         super().__init__(cfg.num_experts, cfg.hidden_size, layout.expert_inter, cfg.moe_intermediate_size, name)
         for fused, rule in (("gate_up_proj", layout.experts_gate_up()), ("down_proj", layout.experts_down())):
             for kind, suffix in (("weight", ""), ("scale", "_scale"), ("global", "_row_scale")):
-                getattr(self, fused + suffix).weight_loader = _Nvfp4ExpertLoader(self, kind, fused, rule)
+                getattr(self, fused + suffix).weight_loader = QuantizedExpertLoader(self, kind, fused, rule)
 
 
 class Nvfp4DequantizeAtLoad:
