@@ -140,6 +140,16 @@ def _check(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int
                          f"block_n {block_n}")
 
 
+def w8a16_operands(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
+                   what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W8A16 kernels' argument check (_check) -> (x with a unit last stride, the output y
+    [M, N] in x's dtype)."""
+    _check(x, w, w_scale, block_n, what)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x, torch.empty((x.shape[0], w.shape[0]), dtype=x.dtype, device=x.device)
+
+
 def _scale_k_stride(w_scale: torch.Tensor) -> int:
     return 0 if w_scale.shape[1] == 1 else w_scale.stride(1)
 
@@ -258,14 +268,11 @@ def fp8_w8a16_gemm_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tenso
     rounds once to x's dtype. Deterministic (no atomics) and CUDA-graph safe (no host sync, shapes
     from the arguments only); costs 2 x split_k x M x N x 4 bytes of workspace traffic (L2-sized at
     decode rows) and one more launch. pick_decode_split_k proposes a split_k."""
-    _check(x, w, w_scale, block_n, "fp8_w8a16_gemm")
+    x, y = w8a16_operands(x, w, w_scale, block_n, "fp8_w8a16_gemm")
     if split_k < 1:
         raise ValueError(f"fp8_w8a16_gemm: split_k must be >= 1, got {split_k}")
     m, k = x.shape
     n = w.shape[0]
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     block_m = decode_block_m(m)

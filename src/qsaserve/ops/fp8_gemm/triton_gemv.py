@@ -28,7 +28,7 @@ import triton.language as tl
 
 from qsaserve.ops.device import num_sms
 from qsaserve.ops.fp8_gemm.reference import GROUP
-from qsaserve.ops.fp8_gemm.triton_gemm import _check, _scale_k_stride, split_k_buffer, sum_split_k
+from qsaserve.ops.fp8_gemm.triton_gemm import _scale_k_stride, split_k_buffer, sum_split_k, w8a16_operands
 
 MAX_ROWS = 4  # rows of x one pass over the weights serves
 TILE_BYTES = 16384  # E4M3 bytes a program loads an iteration at one row (16 x 1024); half at more rows
@@ -140,14 +140,11 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
     in the sm_90 compile; benchmarks/bench_fp8_gemm.py sweeps them).
     split_k > 1 writes float32 partials to a [split_k, M, N] workspace (2 x split_k x M x N x 4
     bytes of traffic) summed by a second launch."""
-    _check(x, w, w_scale, block_n, "fp8_gemv")
+    x, y = w8a16_operands(x, w, w_scale, block_n, "fp8_gemv")
     m, k = x.shape
     n = w.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"fp8_gemv: at most {MAX_ROWS} rows of x, got {m}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     bn, bk, split = pick_gemv_tile(n, k, num_sms(x.device), m)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from qsaserve.ops.fp8_gemm.reference import GROUP
-from qsaserve.ops.fp8_gemm.triton_gemm import _check, _scale_k_stride, split_k_buffer, sum_split_k
+from qsaserve.ops.fp8_gemm.triton_gemm import _scale_k_stride, split_k_buffer, sum_split_k, w8a16_operands
 from qsaserve.ops.fp8_gemm.triton_gemv import split_k_range
 
 
@@ -68,14 +68,11 @@ def fp8_w8a16_swap_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tenso
     warpgroup); split_k: programs a row block over K; num_warps / num_stages: the launch
     (benchmarks/bench_fp8_gemm.py sweeps them). M above 64 runs as more token blocks, each
     re-reading the weights."""
-    _check(x, w, w_scale, block_n, "fp8_w8a16_swap")
+    x, y = w8a16_operands(x, w, w_scale, block_n, "fp8_w8a16_swap")
     if split_k < 1 or block_n_tile < 16:
         raise ValueError(f"fp8_w8a16_swap: split_k must be >= 1 and block_n_tile >= 16, got {split_k}, {block_n_tile}")
     m, k = x.shape
     n = w.shape[0]
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     block_t = swap_block_t(m)

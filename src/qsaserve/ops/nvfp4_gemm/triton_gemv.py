@@ -119,6 +119,24 @@ def _nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, r_ptr, y_ptr, M, N, K, stride_xm, st
     store_rows(y_base, n, n_ok, rs, M, stride_ym, acc0, acc1, acc2, acc3, ROWS)
 
 
+def w4a16_operands(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor, what: str,
+                   max_rows: int | None = None):
+    """The NVFP4 kernels' argument check (x [M, K], K a multiple of 16, packed [N, K/2], scale
+    [N, K/16] with unit last strides, row_scale [N]; at most max_rows rows) -> (x with a unit
+    last stride, packed as int32 words, row_scale contiguous, the output y [M, N] in x's dtype)."""
+    m, k = x.shape
+    n = packed.shape[0]
+    if (k % GROUP or packed.shape[1] * 2 != k or packed.stride(-1) != 1 or tuple(scale.shape) != (n, k // GROUP)
+            or scale.stride(-1) != 1 or row_scale.shape != (n,) or (max_rows is not None and m > max_rows)):
+        rows = "M" if max_rows is None else f"M <= {max_rows}"
+        raise ValueError(f"{what}: x [{rows}, K], packed [N, K/2], scale [N, K/16] (unit last strides), row_scale "
+                         f"[N]; got {tuple(x.shape)}, {tuple(packed.shape)}, {tuple(scale.shape)}, "
+                         f"{tuple(row_scale.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    return x, packed_words(packed), row_scale.contiguous(), torch.empty((m, n), dtype=x.dtype, device=x.device)
+
+
 def packed_words(packed: torch.Tensor) -> torch.Tensor:
     """packed uint8 [N, K/2] as int32 [N, K/8] (the kernels read 4 bytes, 8 codes, a load
     element), a view where the row stride and offset allow, else a contiguous copy's."""
@@ -150,18 +168,9 @@ def nvfp4_gemv_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
     E4M3 [N, K/16], row_scale float32 [N] -> [M, N] in x's dtype, as
     reference.nvfp4_w4a16_gemm_reference. block_n_tile / block_k (a power-of-two multiple of 64) /
     split_k / num_warps / num_stages: the tile (defaults pick_gemv_tile, 4 warps, 3 stages)."""
+    x, words, row_scale, y = w4a16_operands(x, packed, scale, row_scale, "nvfp4_gemv", MAX_ROWS)
     m, k = x.shape
     n = packed.shape[0]
-    if (k % GROUP or packed.shape[1] * 2 != k or packed.stride(-1) != 1 or tuple(scale.shape) != (n, k // GROUP)
-            or scale.stride(-1) != 1 or row_scale.shape != (n,) or m > MAX_ROWS):
-        raise ValueError(f"nvfp4_gemv: x [M <= {MAX_ROWS}, K], packed [N, K/2], scale [N, K/16] (unit last "
-                         f"strides), row_scale [N]; got {tuple(x.shape)}, {tuple(packed.shape)}, "
-                         f"{tuple(scale.shape)}, {tuple(row_scale.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    row_scale = row_scale.contiguous()
-    words = packed_words(packed)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
     bn, bk, split = pick_gemv_tile(n, k, num_sms(x.device))

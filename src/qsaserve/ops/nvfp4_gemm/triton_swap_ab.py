@@ -28,7 +28,7 @@ import triton.language as tl
 from qsaserve.ops.fp8_gemm.triton_gemm import split_k_buffer, sum_split_k
 from qsaserve.ops.fp8_gemm.triton_gemv import split_k_range
 from qsaserve.ops.nvfp4_gemm.reference import GROUP
-from qsaserve.ops.nvfp4_gemm.triton_gemv import _decode_words, packed_words
+from qsaserve.ops.nvfp4_gemm.triton_gemv import _decode_words, w4a16_operands
 
 BLOCK_K = 128  # columns a K step: 8 groups of 16, 64 packed bytes a weight row
 _TWO_63 = tl.constexpr(2.0**63)
@@ -81,20 +81,11 @@ def nvfp4_w4a16_swap_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     [N] -> [M, N] in x's dtype, as reference.nvfp4_w4a16_gemm_reference. block_n_tile: weight rows
     a program (the MMA's M); split_k: programs a row block over K; num_warps / num_stages: the
     launch (benchmarks/bench_fp8_gemm.py sweeps them)."""
-    m, k = x.shape
-    n = packed.shape[0]
-    if (k % GROUP or packed.shape[1] * 2 != k or packed.stride(-1) != 1 or tuple(scale.shape) != (n, k // GROUP)
-            or scale.stride(-1) != 1 or row_scale.shape != (n,)):
-        raise ValueError(f"nvfp4_w4a16_swap: x [M, K], packed [N, K/2], scale [N, K/16] (unit last strides), "
-                         f"row_scale [N]; got {tuple(x.shape)}, {tuple(packed.shape)}, {tuple(scale.shape)}, "
-                         f"{tuple(row_scale.shape)}")
+    x, words, row_scale, y = w4a16_operands(x, packed, scale, row_scale, "nvfp4_w4a16_swap")
     if split_k < 1 or block_n_tile < 16:
         raise ValueError(f"nvfp4_w4a16_swap: split_k must be >= 1 and block_n_tile >= 16, got {split_k}, {block_n_tile}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    row_scale = row_scale.contiguous()
-    words = packed_words(packed)
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    m, k = x.shape
+    n = packed.shape[0]
     if m == 0 or n == 0:
         return y
     block_t = max(16, min(64, triton.next_power_of_2(m)))
