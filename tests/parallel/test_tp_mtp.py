@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from qsaserve import LLM, SamplingParams
+from qsaserve.engine.mtp_drafter import DeferredDrafts
 
 from parallel_helpers import tiny_qwen4exp
 
@@ -48,14 +49,14 @@ def plant_reference(llm, reference):
     draft = ex.mtp_draft
 
     def planted(request):
-        out = draft(request)
+        out = draft(request).result()
         for i, n in enumerate(request.drafts):
             if n:
                 seq = next(s for s in llm.engine.scheduler.running if list(s.block_table) == request.tables[i])
                 ref = reference[tuple(seq.token_ids[: seq.num_prompt_tokens])]
                 done = seq.num_output_tokens
                 out[i] = ref[done : done + min(n, len(ref) - done - 1)]
-        return out
+        return DeferredDrafts.from_lists(out, torch.device("cpu"))
 
     ex.mtp_draft = planted
 

@@ -283,7 +283,14 @@ class LLMEngine:
         if self.spec is not None:
             batch.state_snapshots = self.spec.plan_states(sched.chunks, batch.state_snapshots)
             self.spec.begin_step(sched.chunks)
+            drafts_fed = self.spec.draft_feed(sched.chunks)  # the last step's MTP drafts, still on the device
+            if drafts_fed is not None:
+                if feed is not None:  # a drafting step runs synchronously: no token is in flight then
+                    raise RuntimeError("a step fed both in-flight tokens and deferred drafts")
+                feed = drafts_fed
         logits = self.executor.execute(batch, feed) if feed is not None else self.executor.execute(batch)
+        if self.spec is not None:  # their values, now that the step that reads them is queued
+            self.spec.resolve_drafts(plan)
         if self.block_manager.state_cache is not None:
             self.block_manager.release_launched_restores()
         if batch.host_transfers is not None:
@@ -325,8 +332,8 @@ class LLMEngine:
         if self.spec is not None and self.spec.model_drafts:  # the MTP head, in this step (mtp_drafter.py)
             starts = itertools.accumulate(batch.query_lens[:-1], initial=0)
             request = self.spec.mtp_request(sched.chunks, [batch.positions[i] for i in starts], len(self.scheduler.running))
-            if request is not None:
-                self.spec.set_drafts(sched.chunks, self.executor.mtp_draft(request))
+            if request is not None:  # read back once the next step is launched (spec.draft_feed)
+                self.spec.defer_drafts(sched.chunks, self.executor.mtp_draft(request))
         if hold:
             self.scheduler.release_held()
         if self.spec is not None:

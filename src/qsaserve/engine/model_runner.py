@@ -23,7 +23,7 @@ from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput, FeedAcrossRanks, StateSnapshotPlan, TokenFeed
 from qsaserve.engine.cuda_graph import DecodeGraphs, PinnedStaging, StepMetadata, aligned_starts, verify_graph_plan
 from qsaserve.engine.mtp_graphs import capture_mtp_draft_graphs
-from qsaserve.engine.mtp_drafter import MtpDraftRequest, check_draft_method, run_mtp_drafts
+from qsaserve.engine.mtp_drafter import DeferredDrafts, MtpDraftRequest, check_draft_method, run_mtp_drafts
 from qsaserve.engine.warm_up_steps import warm_up_batches
 from qsaserve.engine.host_copies import RankHostTier, host_block_bytes, host_split
 from qsaserve.errors import InvalidRequestError
@@ -456,8 +456,8 @@ class ModelRunner:
             self.model.save_state_snapshots(snapshots[2], snapshots[3])
         return logits
 
-    def mtp_draft(self, request: MtpDraftRequest) -> list[list[int]]:
-        """The MTP head over the last step's rows, then its drafts (engine/mtp_drafter.py)."""
+    def mtp_draft(self, request: MtpDraftRequest) -> DeferredDrafts:
+        """The MTP head over the last step's rows, then its drafts, on the device (engine/mtp_drafter.py)."""
         batch, hidden = self._last_step
         self._last_step = None
         return run_mtp_drafts(self.model, batch, hidden, request, self.kv_spec.block_size, self.parallel.dcp,

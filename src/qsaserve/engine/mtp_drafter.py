@@ -22,6 +22,7 @@ import torch
 
 from qsaserve.engine.batch import BatchInput
 from qsaserve.engine.cuda_graph import StepMetadata
+from qsaserve.engine.sampler import _copy_to_host
 from qsaserve.layers.attention import AttentionMetadata
 from qsaserve.errors import InvalidRequestError
 from qsaserve.models.interfaces import HasMtpHead, supports_mtp_drafts
@@ -36,6 +37,34 @@ class MtpDraftRequest:
     next_ids: list[list[int]]  # the token after each of those rows
     drafts: list[int]  # drafts wanted (0: none; only when the catch-up reaches the last token)
     tables: list[list[int]]  # the block table of each sequence with rows (for the draft rows' positions), else []
+
+
+class DeferredDrafts:
+    """A step's MTP drafts on the device, on their way to the host (engine/spec_decode.py
+    defer_drafts): the next step feeds them to its draft rows from the device (draft_feed), so the
+    engine schedules and launches it without waiting for them, and reads them (result) after.
+    tokens [S, steps] int64 on the device, row_of: the batch sequence -> its row of tokens;
+    wanted: per batch sequence the drafts it takes (its first ones)."""
+
+    def __init__(self, tokens: torch.Tensor | None, row_of: dict[int, int], wanted: list[int]):
+        self.tokens, self.row_of, self.wanted = tokens, row_of, wanted
+        self._host, self._done = _copy_to_host(tokens) if tokens is not None else (None, None)
+
+    @classmethod
+    def from_lists(cls, drafts: list[list[int]], device: torch.device) -> "DeferredDrafts":
+        """Drafts known on the host (each batch sequence's), as the head's would come."""
+        width = max((len(d) for d in drafts), default=0)
+        if not width:
+            return cls(None, {}, [0] * len(drafts))
+        tokens = torch.tensor([d + [0] * (width - len(d)) for d in drafts], dtype=torch.long, device=device)
+        return cls(tokens, {i: i for i in range(len(drafts))}, [len(d) for d in drafts])
+
+    def result(self) -> list[list[int]]:
+        """Each batch sequence's drafts (waits for the one copy alone)."""
+        if self._done is not None:
+            self._done.synchronize()
+        host = self._host.tolist() if self._host is not None else []
+        return [host[self.row_of[i]][:d] if d and i in self.row_of else [] for i, d in enumerate(self.wanted)]
 
 
 def check_draft_method(model: object, method: str) -> None:
@@ -206,26 +235,25 @@ def _draft_chain(model: HasMtpHead, h: torch.Tensor, draft_rows, slot_idx: torch
 
 @torch.inference_mode()
 def run_mtp_drafts(model: HasMtpHead, batch: BatchInput, hidden: torch.Tensor, request: MtpDraftRequest,
-                   block_size: int, dcp: DcpGeometry = DcpGeometry(), graphs=None) -> list[list[int]]:
+                   block_size: int, dcp: DcpGeometry = DcpGeometry(), graphs=None) -> DeferredDrafts:
     """hidden: the step's forward output, one row per batch row; block_size: tokens per engine
     block; graphs: the head's captured drafting (engine/mtp_graphs.py) or None. Returns each
-    sequence's drafts. Under tensor parallelism every rank runs this with the
+    sequence's drafts, still on the device. Under tensor parallelism every rank runs this with the
     same request (rank 0 sends it): the head's collectives pair up, and every rank reads the same
     gathered logits, so all draft the same tokens."""
     device = hidden.device
-    out: list[list[int]] = [[] for _ in request.rows]
     n = uniform_rows(batch, request, dcp)
     if n and graphs is not None and graphs.fits(batch, request, n):  # engine/mtp_graphs.py
         return graphs.run(batch, hidden, request, n)
     if n:  # every row of the step at once (the common decode / verify step)
         drafted = mtp_uniform_drafts(model, hidden, uniform_draft_inputs(batch, request, n, block_size, device),
-                                     block_size).tolist()
-        return [got[: d] for got, d in zip(drafted, request.drafts)]
+                                     block_size)
+        return DeferredDrafts(drafted, {i: i for i in range(len(request.drafts))}, request.drafts)
     cu = np.zeros(len(batch.query_lens) + 1, dtype=np.int64)
     np.cumsum(batch.query_lens, out=cu[1:])
     seqs = [i for i, m in enumerate(request.rows) if m > 0]
     if not seqs:
-        return out
+        return DeferredDrafts(None, {}, request.drafts)
     # Every input of every head forward goes to the device first, while the device is idle (the
     # step's tokens were read back): a copy from pageable host memory waits for the stream, so
     # none is made between the head's launches, and its drafts are read back once at the end.
@@ -253,8 +281,6 @@ def run_mtp_drafts(model: HasMtpHead, batch: BatchInput, hidden: torch.Tensor, r
 
     h = model.mtp_forward(hidden[row_idx], next_ids, positions_t, meta, out_rows=last)
     if not drafting:
-        return out
-    drafted = _draft_chain(model, h, draft_steps, slot_idx).tolist()  # [drafting, longest]: the one read back
-    for i, got in zip(ids, drafted):
-        out[i] = got[: request.drafts[i]]
-    return out
+        return DeferredDrafts(None, {}, request.drafts)
+    drafted = _draft_chain(model, h, draft_steps, slot_idx)  # [drafting, longest]
+    return DeferredDrafts(drafted, {i: j for j, i in enumerate(ids)}, request.drafts)

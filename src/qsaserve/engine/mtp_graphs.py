@@ -23,8 +23,8 @@ import torch
 
 from qsaserve.engine.batch import BatchInput
 from qsaserve.engine.cuda_graph import PinnedStaging, aligned_starts, pick_bucket
-from qsaserve.engine.mtp_drafter import (MtpDraftRequest, UniformDraftInputs, draft_table_width, mtp_uniform_drafts,
-                                         uniform_host_inputs)
+from qsaserve.engine.mtp_drafter import (DeferredDrafts, MtpDraftRequest, UniformDraftInputs, draft_table_width,
+                                         mtp_uniform_drafts, uniform_host_inputs)
 
 logger = logging.getLogger("qsaserve")
 
@@ -104,8 +104,10 @@ class MtpDraftGraphs:
         return (rows in self.rows and pick_bucket(len(batch.query_lens), self.buckets) is not None
                 and max(request.drafts) <= self.k and draft_table_width(batch, request, self.block_size) <= self.width)
 
-    def run(self, batch: BatchInput, hidden: torch.Tensor, request: MtpDraftRequest, rows: int) -> list[list[int]]:
-        """The drafts of a uniform step (mtp_drafter.uniform_rows > 0 and fits())."""
+    def run(self, batch: BatchInput, hidden: torch.Tensor, request: MtpDraftRequest, rows: int) -> DeferredDrafts:
+        """The drafts of a uniform step (mtp_drafter.uniform_rows > 0 and fits()), on the device: a
+        view of the graph's output, which the next replay overwrites; its copy to the host and
+        the next step's feed (spec_decode.draft_feed) are queued before that replay."""
         b = len(batch.query_lens)
         bucket = pick_bucket(b, self.buckets)
         self._stage(bucket, rows, batch, request)
@@ -114,11 +116,10 @@ class MtpDraftGraphs:
         key = (bucket, rows, self.k if max(request.drafts) else 0)
         self.graphs[key].replay()
         self.replays += 1
-        if not key[2]:  # the catch-up rows alone: no drafts to read back
+        if not key[2]:  # the catch-up rows alone: no drafts
             self.catch_up_replays += 1
-            return [[] for _ in request.drafts]
-        drafted = self.drafts[key][:b].tolist()
-        return [got[:d] for got, d in zip(drafted, request.drafts)]
+            return DeferredDrafts(None, {}, request.drafts)
+        return DeferredDrafts(self.drafts[key][:b], {i: i for i in range(b)}, request.drafts)
 
 
 def capture_mtp_draft_graphs(model, decode_graphs, config, kv_spec, max_model_len: int, device: torch.device):

@@ -23,7 +23,8 @@ import torch
 
 from qsaserve.engine.block_manager import BlockManager, StateSnapshotPlan
 from qsaserve.engine.draft_policy import DraftPolicy
-from qsaserve.engine.mtp_drafter import MtpDraftRequest
+from qsaserve.engine.batch import PLACEHOLDER_TOKEN, TokenFeed
+from qsaserve.engine.mtp_drafter import DeferredDrafts, MtpDraftRequest
 from qsaserve.engine.ngram_proposer import propose_ngram
 from qsaserve.engine.rejection_sampler import verify_drafts
 from qsaserve.engine.scheduler import ScheduledChunk
@@ -76,6 +77,9 @@ class SpecDecoder:
         self.max_model_len = max_model_len
         self.state_rows_base = state_rows_base
         self.stats = SpecDecodeStats(self.k)
+        # The head's drafts of the last step, still on the device: (drafts, sequence -> (its batch
+        # index then, its placeholder list)); defer_drafts / draft_feed / resolve_drafts.
+        self._pending: tuple[DeferredDrafts, dict[Sequence, tuple[int, list[int]]]] | None = None
         self.policy = DraftPolicy(on_decision=self._count_decision) if config.disable_when_slower else None
         self.model_drafts = config.method == "mtp"
         # align_drafts acts only where a uniform verify replays a CUDA graph (the engine sets it
@@ -183,11 +187,53 @@ class SpecDecoder:
             tables.append(list(seq.block_table) if m else [])  # the head reads the tables of its rows only
         return MtpDraftRequest(rows, next_ids, drafts, tables) if any(rows) else None
 
-    @staticmethod
-    def set_drafts(chunks: list[ScheduledChunk], drafts: list[list[int]]) -> None:
-        for chunk, d in zip(chunks, drafts):
-            if not chunk.seq.is_finished:
-                chunk.seq.draft_token_ids = d
+    # ---- the head's drafts, read after the next step is launched ----
+    def defer_drafts(self, chunks: list[ScheduledChunk], drafts: DeferredDrafts) -> None:
+        """The head's drafts of the step (chunks: its batch, in order) stay on the device: each
+        live sequence that drafts gets placeholders for as many tokens, which the scheduler counts
+        (and may cut) as drafts; the next step's draft rows take them from the device (draft_feed),
+        and resolve_drafts writes them in once that step is launched."""
+        self._pending = None
+        placeholders = {}
+        for i, (chunk, wanted) in enumerate(zip(chunks, drafts.wanted)):
+            if wanted and i in drafts.row_of and not chunk.seq.is_finished:
+                chunk.seq.draft_token_ids = [PLACEHOLDER_TOKEN] * wanted
+                placeholders[chunk.seq] = (i, chunk.seq.draft_token_ids)
+            elif not chunk.seq.is_finished:
+                chunk.seq.draft_token_ids = []
+        if placeholders:
+            self._pending = (drafts, placeholders)
+
+    def draft_feed(self, chunks: list[ScheduledChunk]) -> TokenFeed | None:
+        """The step's draft rows whose tokens are still on the device (defer_drafts): input row
+        dst (the chunk's rows: its last token, then its drafts) takes the head's draft j."""
+        if self._pending is None:
+            return None
+        drafts, placeholders = self._pending
+        steps = drafts.tokens.shape[1]
+        dst, src, row = [], [], 0
+        for chunk in chunks:
+            held = placeholders.get(chunk.seq)
+            if chunk.num_drafts and held is not None and chunk.seq.draft_token_ids is held[1]:
+                first = drafts.row_of[held[0]] * steps
+                dst += range(row + 1, row + 1 + chunk.num_drafts)
+                src += range(first, first + chunk.num_drafts)
+            row += chunk.num_new_tokens
+        return TokenFeed(drafts.tokens.reshape(-1), dst, src) if dst else None
+
+    def resolve_drafts(self, plan) -> None:
+        """After the step that fed them is launched: the deferred drafts' values into their
+        sequences (as many as the scheduler kept), and into the step's verify plan."""
+        if self._pending is None:
+            return
+        drafts, placeholders = self._pending
+        self._pending = None
+        values = drafts.result()
+        for seq, (i, held) in placeholders.items():
+            if seq.draft_token_ids is held:  # not dropped or replaced since (preemption, finish)
+                held[:] = values[i][: len(held)]
+        if plan is not None and plan.verify:
+            plan.verify = [(i, list(plan.sample_seqs[i].draft_token_ids)) for i, _ in plan.verify]
 
     def _token_array(self, seq: Sequence) -> np.ndarray:
         """seq.token_ids as an int64 array view (token ids are only ever appended to a drafting

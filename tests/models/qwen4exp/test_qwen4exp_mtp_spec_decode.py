@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from qsaserve import LLM, InvalidRequestError, SamplingParams
+from qsaserve.engine.batch import PLACEHOLDER_TOKEN
+from qsaserve.engine.mtp_drafter import DeferredDrafts
 
 from qwen4exp_testing import build_random_model, make_config, prompt_tokens, save_with_mtp
 from test_qwen4exp_spec_decode import (NEW, PARAMS, assert_preempted_and_freed, checkpoint_runs, generate, prompts,
@@ -34,7 +36,7 @@ def accept_all(llm, reference):
     draft = ex.mtp_draft
 
     def planted(request):
-        out = draft(request)
+        out = draft(request).result()
         calls.append(sum(len(d) for d in out))
         seqs = list(llm.engine.scheduler.running)  # a live sequence is known by its blocks
         for i, n in enumerate(request.drafts):
@@ -43,7 +45,7 @@ def accept_all(llm, reference):
                 ref = reference[tuple(seq.token_ids[: seq.num_prompt_tokens])]
                 done = seq.num_output_tokens
                 out[i] = ref[done : done + min(n, len(ref) - done - 1)]
-        return out
+        return DeferredDrafts.from_lists(out, llm.engine.executor.device)
 
     ex.mtp_draft = planted
     return calls
@@ -106,7 +108,13 @@ def test_prefix_cache_hits_and_fp8_pages(checkpoint):
 def draft_log(llm):
     """Every step's drafts of the head from now on (a list the engine's executor appends to)."""
     log, draft = [], llm.engine.executor.mtp_draft
-    llm.engine.executor.mtp_draft = lambda request: log.append(draft(request)) or log[-1]
+
+    def logged(request):
+        drafts = draft(request)
+        log.append(drafts.result())
+        return drafts
+
+    llm.engine.executor.mtp_draft = logged
     return log
 
 
@@ -231,7 +239,8 @@ def test_draft_graph_inputs_give_the_uniform_drafts(checkpoint, monkeypatch):
             # in the null block's slot 0, which a draft row past its blocks reads; a GPU writes none)
             g.hidden[b * n :] = 0.0
             drafted = mtp_uniform_drafts(m, g.hidden[: 4 * n], g._inputs(4, n), block_size)[:b].tolist()
-            assert [d[: len(o)] for d, o in zip(drafted, out)] == out
+            made = out.result()
+            assert [d[: len(o)] for d, o in zip(drafted, made)] == made
             checked.append(n)
         return out
 
@@ -287,11 +296,12 @@ def test_engine_drafts_are_the_reference_heads(checkpoint, monkeypatch):
 
     def spy(m, batch, hidden, request, block_size, *dcp):
         out = real(m, batch, hidden, request, block_size, *dcp)
+        made = out.result()
         starts = list(itertools.accumulate(batch.query_lens[:-1], initial=0))
         for i, rows in enumerate(request.rows):
             if rows:
                 a = starts[i]
-                log.append((batch.positions[a], hidden[a:a + rows].clone(), request.next_ids[i], out[i],
+                log.append((batch.positions[a], hidden[a:a + rows].clone(), request.next_ids[i], made[i],
                             len(request.tables[i]) * block))
         return out
 
@@ -367,3 +377,32 @@ def test_steps_without_drafts_run_the_catch_up_rows_uniformly(checkpoint, monkey
         else:
             assert len(catch_up_only) == seen  # the row lists never took the uniform path
     assert any(any(d) for d in logs[0]) and logs[0] == logs[1]
+
+
+def test_drafts_are_read_after_the_step_that_verifies_them_is_launched(checkpoint, monkeypatch):
+    """The head's drafts stay on the device (DeferredDrafts): the next step is built with
+    placeholders in its draft rows and launched with the drafts fed from the device, and only then
+    are they read back (into the sequence and the verify plan); tokens equal transformers'."""
+    model, path, ps, want, _ = checkpoint
+    llm = engine(path, 3)
+    ex, events = llm.engine.executor, []
+    draft, execute, result = ex.mtp_draft, ex.execute, DeferredDrafts.result
+
+    def logged_draft(request):
+        events.append("draft")
+        return draft(request)
+
+    def logged_execute(batch, feed=None):
+        drafted_rows = feed.dst if feed is not None else []
+        assert all(batch.input_ids[r] == PLACEHOLDER_TOKEN for r in drafted_rows)
+        events.append(("execute", len(drafted_rows)))
+        return execute(batch, feed) if feed is not None else execute(batch)
+
+    monkeypatch.setattr(ex, "mtp_draft", logged_draft)
+    monkeypatch.setattr(ex, "execute", logged_execute)
+    monkeypatch.setattr(DeferredDrafts, "result", lambda self: events.append("result") or result(self))
+    assert generate(llm, [ps[0]]) == [want[0]]
+    fed = [i for i, e in enumerate(events) if isinstance(e, tuple) and e[1]]
+    assert fed and llm.engine.spec.stats.drafted > 0
+    for i in fed:  # a fed step: the head ran in the step before, the read comes after the launch
+        assert events[i - 1] == "draft" and events[i + 1] == "result"

@@ -6,7 +6,7 @@ import torch
 from qsaserve.config import EngineConfig
 from qsaserve.engine.batch import BatchInput, TokenFeed
 from qsaserve.engine.executor.base import Rank0Views
-from qsaserve.engine.mtp_drafter import MtpDraftRequest
+from qsaserve.engine.mtp_drafter import DeferredDrafts, MtpDraftRequest
 from qsaserve.engine.model_runner import ModelRunner
 
 
@@ -31,8 +31,8 @@ class InProcessExecutor(Rank0Views):
     def execute(self, batch: BatchInput, feed: TokenFeed | None = None) -> torch.Tensor:
         return self.runner.execute(batch, feed)
 
-    def mtp_draft(self, request: MtpDraftRequest) -> list[list[int]]:
-        """The MTP head's drafts after the last step (engine/mtp_drafter.py)."""
+    def mtp_draft(self, request: MtpDraftRequest) -> DeferredDrafts:
+        """The MTP head's drafts after the last step, on the device (engine/mtp_drafter.py)."""
         return self.runner.mtp_draft(request)
 
     def shutdown(self) -> None:

@@ -36,7 +36,7 @@ from qsaserve.engine.executor.processes import WorkerProcess, stop_workers, wait
 from qsaserve.engine.executor.rank import (TEARDOWN_TIMEOUT_S, WorkerSpec, build_runner, destroy_process_group_bounded,
                                            init_rank, master_endpoint)
 from qsaserve.engine.executor.step_channel import FactsCommand, GlooBroadcast, PipeSender, ProfileCommand
-from qsaserve.engine.mtp_drafter import MtpDraftRequest
+from qsaserve.engine.mtp_drafter import DeferredDrafts, MtpDraftRequest
 from qsaserve.errors import EngineDeadError
 
 logger = logging.getLogger("qsaserve")
@@ -137,9 +137,9 @@ class MultiprocExecutor(Rank0Views):
         ids from rank 0's broadcast instead."""
         return self._on_every_rank((batch, feed is not None), lambda: self.runner.execute(batch, feed))
 
-    def mtp_draft(self, request: MtpDraftRequest) -> list[list[int]]:
+    def mtp_draft(self, request: MtpDraftRequest) -> DeferredDrafts:
         """The MTP head after the last step, on every rank (its layer is sharded as the target's);
-        rank 0's drafts (every rank computes the same)."""
+        rank 0's drafts, on the device (every rank computes the same)."""
         return self._on_every_rank(request, lambda: self.runner.mtp_draft(request))
 
     def _on_every_rank(self, message, run):
