@@ -72,14 +72,10 @@ def build(model: str, batch: int, context: int, steps: int, force_accept: bool, 
                           speculative_config=spec)
     engine = LLMEngine(config, progress=False)
     if force_accept and method is not None:
-        spec, verify = engine.spec, engine.spec.verify
-
-        def accept_all(logits, plan, generator):
-            got = verify(logits, plan, generator)  # the real work; the stats count what it really accepted
-            return {sid: (list(plan.sample_seqs[i].draft_token_ids) + toks[-1:], ok)
-                    for (i, _), (sid, (toks, ok)) in zip(plan.verify, got.items())}
-
-        spec.verify = accept_all
+        spec, launch = engine.spec, engine.spec.verify_launch
+        # the real verification's work, then every draft accepted (the head, fed the step's
+        # tokens on the device, sees the same tokens the host does)
+        spec.verify_launch = lambda logits, plan, generator: launch(logits, plan, generator).accepting_all()
     return engine
 
 
@@ -132,7 +128,7 @@ def auto_steps(engine: LLMEngine, steps: int, rng: random.Random) -> dict:
     a sequence's lookup topped up with random ids to what the policy allows): output tok/s and
     the policy's decisions."""
     spec, vocab, k = engine.spec, engine.vocab_size, max(KS)
-    spec.verify = type(spec).verify.__get__(spec)  # the real verify, not the forced acceptance
+    spec.verify_launch = type(spec).verify_launch.__get__(spec)  # the real verify, not the forced acceptance
     spec.room = type(spec).room.__get__(spec)
     spec.policy = DraftPolicy(on_decision=spec._count_decision)
     if not spec.model_drafts:

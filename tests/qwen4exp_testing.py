@@ -5,6 +5,7 @@ import transformers.models.qwen4_exp.modeling_qwen4_exp as _hf_qwen4exp
 from transformers import Qwen4ExpForCausalLM, Qwen4ExpTextConfig
 
 from qsaserve import LLM
+from qsaserve.engine.mtp_drafter import DeferredDrafts
 from qsaserve.layers.attention import AttentionMetadata
 
 
@@ -188,3 +189,25 @@ def step_metadata(rows, block):
         seq_lens=torch.tensor([r[1] for r in rows], dtype=torch.int32), cu_query_lens=torch.tensor(cu, dtype=torch.int32),
         query_lens=[r[0] for r in rows], seq_lens_list=[r[1] for r in rows], state_slots=[r[3] for r in rows])
     return meta, torch.tensor(positions)
+
+
+def plant_reference_drafts(llm, reference, calls=None):
+    """The head runs (catch-up and draft rows), then, once the step's tokens are appended, the
+    drafts each sequence takes become the reference's next tokens (calls: the head's own drafts'
+    counts)."""
+    spec = llm.engine.spec
+    defer = spec.defer_drafts
+
+    def planted(chunks, drafts):
+        made = drafts.result()
+        if calls is not None:
+            calls.append(sum(len(d) for d in made))
+        out = []
+        for chunk, n in zip(chunks, drafts.wanted):
+            seq = chunk.seq
+            ref = reference[tuple(seq.token_ids[: seq.num_prompt_tokens])] if n and not seq.is_finished else None
+            done = seq.num_output_tokens
+            out.append(ref[done : done + min(n, len(ref) - done - 1)] if ref is not None else [])
+        defer(chunks, DeferredDrafts.from_lists(out, llm.engine.executor.device))
+
+    spec.defer_drafts = planted

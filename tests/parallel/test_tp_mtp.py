@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from qsaserve import LLM, SamplingParams
-from qsaserve.engine.mtp_drafter import DeferredDrafts
 
 from parallel_helpers import tiny_qwen4exp
+from qwen4exp_testing import plant_reference_drafts
 
 NEW = 8
 PARAMS = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
@@ -45,20 +45,7 @@ def run(path, ps, reference=None, **kw):
 
 def plant_reference(llm, reference):
     """After the head ran on every rank, its drafts become the reference's next tokens."""
-    ex = llm.engine.executor
-    draft = ex.mtp_draft
-
-    def planted(request):
-        out = draft(request).result()
-        for i, n in enumerate(request.drafts):
-            if n:
-                seq = next(s for s in llm.engine.scheduler.running if list(s.block_table) == request.tables[i])
-                ref = reference[tuple(seq.token_ids[: seq.num_prompt_tokens])]
-                done = seq.num_output_tokens
-                out[i] = ref[done : done + min(n, len(ref) - done - 1)]
-        return DeferredDrafts.from_lists(out, torch.device("cpu"))
-
-    ex.mtp_draft = planted
+    plant_reference_drafts(llm, reference)
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

@@ -318,8 +318,24 @@ class LLMEngine:
                 self._in_flight = _InFlight(sched, plan, tokens, filled)
             return results
         errored = self._record_prompt_logprobs(logits, plan)
-        verified = self.spec.verify(logits, plan, self.generator) if plan.verify else None
-        sampled = sample(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator, mask) if num_sampled else []
+        head_drafts = None
+        if self.spec is not None and self.spec.head_right_after(sched.chunks, plan, batch, prev is not None, self.executor):
+            # The MTP head over this step's rows, fed its tokens on the device before they are read.
+            if plan.verify:
+                on_device = self.spec.verify_launch(logits, plan, self.generator)
+                fed = on_device.emitted, on_device.num_emitted
+            else:
+                on_device = sample_deferred(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator)
+                fed = on_device.tokens, torch.ones_like(on_device.tokens)
+            request = self.spec.head_request(sched.chunks, batch, len(self.scheduler.running))
+            head_drafts = self.executor.mtp_draft(request, fed)
+            verified = self.spec.verify_finish(on_device, plan) if plan.verify else None
+            sampled = on_device.result() if not plan.verify else \
+                sample(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator)
+        else:
+            verified = self.spec.verify(logits, plan, self.generator) if plan.verify else None
+            sampled = sample(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator, mask) \
+                if num_sampled else []
         if prev is not None:
             results += self._complete_in_flight(prev, outputs)
         filled = self._advance(sched)
@@ -329,7 +345,10 @@ class LLMEngine:
         if hold:  # the head's pages of the rows of sequences finishing now, before their blocks are cached
             self.scheduler.hold_finished()
         results += self._complete(_InFlight(sched, plan, None, filled), sampled, errored, outputs, verified)
-        if self.spec is not None and self.spec.model_drafts:  # the MTP head, in this step (mtp_drafter.py)
+        if head_drafts is not None:  # the head already ran: each sequence keeps the drafts it may take
+            head_drafts.wanted = self.spec.wanted_drafts(sched.chunks, len(self.scheduler.running))
+            self.spec.defer_drafts(sched.chunks, head_drafts)
+        elif self.spec is not None and self.spec.model_drafts:  # the MTP head, in this step (mtp_drafter.py)
             starts = itertools.accumulate(batch.query_lens[:-1], initial=0)
             request = self.spec.mtp_request(sched.chunks, [batch.positions[i] for i in starts], len(self.scheduler.running))
             if request is not None:  # read back once the next step is launched (spec.draft_feed)

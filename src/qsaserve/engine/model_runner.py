@@ -456,12 +456,13 @@ class ModelRunner:
             self.model.save_state_snapshots(snapshots[2], snapshots[3])
         return logits
 
-    def mtp_draft(self, request: MtpDraftRequest) -> DeferredDrafts:
-        """The MTP head over the last step's rows, then its drafts, on the device (engine/mtp_drafter.py)."""
+    def mtp_draft(self, request: MtpDraftRequest, fed=None) -> DeferredDrafts:
+        """The MTP head over the last step's rows, then its drafts, on the device (engine/mtp_drafter.py;
+        fed: run_mtp_drafts')."""
         batch, hidden = self._last_step
         self._last_step = None
         return run_mtp_drafts(self.model, batch, hidden, request, self.kv_spec.block_size, self.parallel.dcp,
-                              self.draft_graphs if self.graphs is not None else None)
+                              self.draft_graphs if self.graphs is not None else None, fed)
 
     def _stage_snapshot_plan(self, plan: StateSnapshotPlan | None):
         """Uploads the plan's rows and slots (one non_blocking copy) and launches its restores;

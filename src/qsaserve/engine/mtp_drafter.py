@@ -166,6 +166,29 @@ def uniform_host_inputs(batch: BatchInput | None, request: MtpDraftRequest | Non
     return out
 
 
+def full_request(tables: list[list[int]], query_lens: list[int], k: int) -> MtpDraftRequest:
+    """The request of a uniform step whose tokens are still on the device (engine: the head runs
+    right after verification): every row live and k drafts for every sequence, host-side; the
+    device tokens then mark the rows without a known next token dead (apply_device_tokens) and
+    the engine keeps each sequence's first drafts (DeferredDrafts.wanted)."""
+    return MtpDraftRequest(list(query_lens), [[0] * n for n in query_lens], [k] * len(query_lens),
+                           [list(t) for t in tables])
+
+
+def apply_device_tokens(next_ids: torch.Tensor, slots: torch.Tensor, last: torch.Tensor, n: int,
+                        tokens: torch.Tensor, counts: torch.Tensor) -> None:
+    """A full_request's inputs (B sequences x n rows: the first B * n entries of next_ids and
+    slots, B of last) made the step's: row j of a sequence takes the step's token j as its next
+    token and is live iff j < counts (the tokens the step emitted: a verify's accepted drafts and
+    one more, or the one sampled token). tokens [B, >= n] int64 (or [B] with n = 1), counts [B],
+    on the device; in place, no host sync."""
+    b = counts.shape[0]
+    next_ids[: b * n].copy_(tokens.reshape(b, -1)[:, :n].reshape(-1))
+    live = torch.arange(n, device=counts.device)[None, :] < counts[:, None]
+    slots[: b * n].masked_fill_(~live.reshape(-1), -1)
+    last[:b].copy_(counts - 1)
+
+
 def draft_table_width(batch: BatchInput, request: MtpDraftRequest, block_size: int) -> int:
     """Block-table columns up to the last draft row's page, null-padded: the head's selection reads
     the pages of every position before a row's (past a sequence's blocks: the null block)."""
@@ -235,19 +258,25 @@ def _draft_chain(model: HasMtpHead, h: torch.Tensor, draft_rows, slot_idx: torch
 
 @torch.inference_mode()
 def run_mtp_drafts(model: HasMtpHead, batch: BatchInput, hidden: torch.Tensor, request: MtpDraftRequest,
-                   block_size: int, dcp: DcpGeometry = DcpGeometry(), graphs=None) -> DeferredDrafts:
+                   block_size: int, dcp: DcpGeometry = DcpGeometry(), graphs=None,
+                   fed: tuple[torch.Tensor, torch.Tensor] | None = None) -> DeferredDrafts:
     """hidden: the step's forward output, one row per batch row; block_size: tokens per engine
     block; graphs: the head's captured drafting (engine/mtp_graphs.py) or None. Returns each
     sequence's drafts, still on the device. Under tensor parallelism every rank runs this with the
     same request (rank 0 sends it): the head's collectives pair up, and every rank reads the same
-    gathered logits, so all draft the same tokens."""
+    gathered logits, so all draft the same tokens. fed: (tokens, counts) still on the device, with
+    a full_request of a uniform step (apply_device_tokens)."""
     device = hidden.device
     n = uniform_rows(batch, request, dcp)
+    if fed is not None and not n:
+        raise ValueError("fed: the step's tokens on the device need a uniform step (mtp_drafter.uniform_rows)")
     if n and graphs is not None and graphs.fits(batch, request, n):  # engine/mtp_graphs.py
-        return graphs.run(batch, hidden, request, n)
+        return graphs.run(batch, hidden, request, n, fed)
     if n:  # every row of the step at once (the common decode / verify step)
-        drafted = mtp_uniform_drafts(model, hidden, uniform_draft_inputs(batch, request, n, block_size, device),
-                                     block_size)
+        inp = uniform_draft_inputs(batch, request, n, block_size, device)
+        if fed is not None:
+            apply_device_tokens(inp.next_ids, inp.slots, inp.last, n, *fed)
+        drafted = mtp_uniform_drafts(model, hidden, inp, block_size)
         return DeferredDrafts(drafted, {i: i for i in range(len(request.drafts))}, request.drafts)
     cu = np.zeros(len(batch.query_lens) + 1, dtype=np.int64)
     np.cumsum(batch.query_lens, out=cu[1:])

@@ -23,8 +23,8 @@ import torch
 
 from qsaserve.engine.batch import BatchInput
 from qsaserve.engine.cuda_graph import PinnedStaging, aligned_starts, pick_bucket
-from qsaserve.engine.mtp_drafter import (DeferredDrafts, MtpDraftRequest, UniformDraftInputs, draft_table_width,
-                                         mtp_uniform_drafts, uniform_host_inputs)
+from qsaserve.engine.mtp_drafter import (DeferredDrafts, MtpDraftRequest, UniformDraftInputs, apply_device_tokens,
+                                         draft_table_width, mtp_uniform_drafts, uniform_host_inputs)
 
 logger = logging.getLogger("qsaserve")
 
@@ -104,13 +104,17 @@ class MtpDraftGraphs:
         return (rows in self.rows and pick_bucket(len(batch.query_lens), self.buckets) is not None
                 and max(request.drafts) <= self.k and draft_table_width(batch, request, self.block_size) <= self.width)
 
-    def run(self, batch: BatchInput, hidden: torch.Tensor, request: MtpDraftRequest, rows: int) -> DeferredDrafts:
+    def run(self, batch: BatchInput, hidden: torch.Tensor, request: MtpDraftRequest, rows: int,
+            fed: tuple[torch.Tensor, torch.Tensor] | None = None) -> DeferredDrafts:
         """The drafts of a uniform step (mtp_drafter.uniform_rows > 0 and fits()), on the device: a
         view of the graph's output, which the next replay overwrites; its copy to the host and
         the next step's feed (spec_decode.draft_feed) are queued before that replay."""
         b = len(batch.query_lens)
         bucket = pick_bucket(b, self.buckets)
         self._stage(bucket, rows, batch, request)
+        if fed is not None:  # the step's tokens, still on the device, into the staged inputs
+            inp = self._inputs(bucket, rows)
+            apply_device_tokens(inp.next_ids, inp.slots, inp.last, rows, *fed)
         if hidden.data_ptr() != self.hidden.data_ptr():  # an eager step's rows (a replay's are in place)
             self.hidden[: b * rows].copy_(hidden[: b * rows])
         key = (bucket, rows, self.k if max(request.drafts) else 0)

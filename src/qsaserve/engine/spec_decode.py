@@ -24,11 +24,12 @@ import torch
 from qsaserve.engine.block_manager import BlockManager, StateSnapshotPlan
 from qsaserve.engine.draft_policy import DraftPolicy
 from qsaserve.engine.batch import PLACEHOLDER_TOKEN, TokenFeed
-from qsaserve.engine.mtp_drafter import DeferredDrafts, MtpDraftRequest
+from qsaserve.engine.mtp_drafter import DeferredDrafts, MtpDraftRequest, full_request, uniform_rows
 from qsaserve.engine.ngram_proposer import propose_ngram
-from qsaserve.engine.rejection_sampler import verify_drafts
+from qsaserve.engine.rejection_sampler import VerifiedDrafts, verify_drafts_on_device
 from qsaserve.engine.scheduler import ScheduledChunk
 from qsaserve.engine.sequence import Sequence
+from qsaserve.parallel.dcp import DcpGeometry
 from qsaserve.speculative_config import SpeculativeConfig
 
 
@@ -187,6 +188,32 @@ class SpecDecoder:
             tables.append(list(seq.block_table) if m else [])  # the head reads the tables of its rows only
         return MtpDraftRequest(rows, next_ids, drafts, tables) if any(rows) else None
 
+    # ---- the head right after the step's tokens, on the device ----
+    def head_right_after(self, chunks: list[ScheduledChunk], plan, batch, in_flight: bool, executor) -> bool:
+        """Whether the MTP head can run over this step's rows before its tokens reach the host,
+        fed them on the device (full_request + apply_device_tokens): a uniform step (every
+        sequence decodes one token, or verifies as many drafts) of sequences that all draft,
+        nothing in flight, on an executor whose head takes device tokens, and without prefix
+        caching (whose head rows stop at a finishing sequence's last token, known only on the host)."""
+        if (not self.model_drafts or self.head_on_every_sequence or in_flight or not executor.drafts_from_device_tokens
+                or plan.prompt_logprob_spans or len(plan.sample_seqs) != len(chunks)):
+            return False
+        n = chunks[0].num_new_tokens
+        if any(c.num_new_tokens != n or c.num_drafts != n - 1 or not self.eligible(c.seq) for c in chunks):
+            return False
+        return uniform_rows(batch, self.head_request(chunks, batch, 1), DcpGeometry()) > 0
+
+    def head_request(self, chunks: list[ScheduledChunk], batch, num_running: int) -> MtpDraftRequest:
+        """head_right_after's host request (mtp_drafter.full_request): every row; k drafts for
+        every sequence if any may draft (room before the step's tokens are appended bounds the
+        room after), else none (the catch-up rows alone, as the fallback's plain steps want)."""
+        k = self.k if any(self.room(c.seq, num_running) for c in chunks) else 0
+        return full_request([c.seq.block_table for c in chunks], batch.query_lens, k)
+
+    def wanted_drafts(self, chunks: list[ScheduledChunk], num_running: int) -> list[int]:
+        """After the step's tokens are appended: the drafts each sequence takes of the head's k."""
+        return [0 if c.seq.is_finished else self.room(c.seq, num_running) for c in chunks]
+
     # ---- the head's drafts, read after the next step is launched ----
     def defer_drafts(self, chunks: list[ScheduledChunk], drafts: DeferredDrafts) -> None:
         """The head's drafts of the step (chunks: its batch, in order) stay on the device: each
@@ -288,8 +315,18 @@ class SpecDecoder:
 
     def verify(self, logits: torch.Tensor, plan, generator: torch.Generator) -> dict[int, tuple[list[int], bool]]:
         """seq_id -> (emitted tokens, all rows finite), for every verified sequence."""
+        return self.verify_finish(self.verify_launch(logits, plan, generator), plan)
+
+    def verify_launch(self, logits: torch.Tensor, plan, generator: torch.Generator) -> VerifiedDrafts:
+        """The acceptance of every verified sequence, decided on the device (rows in plan.verify's
+        order); verify_finish reads it back."""
         seqs = [plan.sample_seqs[i] for i, _ in plan.verify]
-        emitted, finite = verify_drafts(self.verify_logits(logits, plan), [d for _, d in plan.verify], seqs, generator)
+        return verify_drafts_on_device(self.verify_logits(logits, plan), [d for _, d in plan.verify], seqs, generator)
+
+    def verify_finish(self, verified: VerifiedDrafts, plan) -> dict[int, tuple[list[int], bool]]:
+        """verify_launch's outcome on the host, counted in the stats and the fallback policy."""
+        seqs = [plan.sample_seqs[i] for i, _ in plan.verify]
+        emitted, finite = verified.result()
         st = self.stats
         for tokens, (_, drafts) in zip(emitted, plan.verify):
             a = len(tokens) - 1

@@ -13,7 +13,7 @@ from qsaserve import LLM, InvalidRequestError, SamplingParams
 from qsaserve.engine.batch import PLACEHOLDER_TOKEN
 from qsaserve.engine.mtp_drafter import DeferredDrafts
 
-from qwen4exp_testing import build_random_model, make_config, prompt_tokens, save_with_mtp
+from qwen4exp_testing import build_random_model, make_config, plant_reference_drafts, prompt_tokens, save_with_mtp
 from test_qwen4exp_spec_decode import (NEW, PARAMS, assert_preempted_and_freed, checkpoint_runs, generate, prompts,
                                        states)
 from test_qwen4exp_spec_decode import engine as ngram_or_mtp_engine
@@ -31,23 +31,8 @@ def engine(path, k=None, **kw):
 
 
 def accept_all(llm, reference):
-    """The head runs (catch-up and draft rows), then its drafts become the reference's next tokens."""
-    ex, calls = llm.engine.executor, []
-    draft = ex.mtp_draft
-
-    def planted(request):
-        out = draft(request).result()
-        calls.append(sum(len(d) for d in out))
-        seqs = list(llm.engine.scheduler.running)  # a live sequence is known by its blocks
-        for i, n in enumerate(request.drafts):
-            if n:
-                seq = next(s for s in seqs if list(s.block_table) == request.tables[i])
-                ref = reference[tuple(seq.token_ids[: seq.num_prompt_tokens])]
-                done = seq.num_output_tokens
-                out[i] = ref[done : done + min(n, len(ref) - done - 1)]
-        return DeferredDrafts.from_lists(out, llm.engine.executor.device)
-
-    ex.mtp_draft = planted
+    calls = []
+    plant_reference_drafts(llm, reference, calls)
     return calls
 
 
@@ -107,14 +92,13 @@ def test_prefix_cache_hits_and_fp8_pages(checkpoint):
 
 def draft_log(llm):
     """Every step's drafts of the head from now on (a list the engine's executor appends to)."""
-    log, draft = [], llm.engine.executor.mtp_draft
+    log, defer = [], llm.engine.spec.defer_drafts
 
-    def logged(request):
-        drafts = draft(request)
+    def logged(chunks, drafts):
         log.append(drafts.result())
-        return drafts
+        defer(chunks, drafts)
 
-    llm.engine.executor.mtp_draft = logged
+    llm.engine.spec.defer_drafts = logged
     return log
 
 
@@ -218,7 +202,7 @@ def test_draft_graph_inputs_give_the_uniform_drafts(checkpoint, monkeypatch):
     eagerly here, no CUDA on this machine) give the drafts the engine made for the same steps:
     verifies of 3 sequences in a bucket of 4, the padding sequence dead, drafts cut per sequence."""
     import qsaserve.engine.model_runner as runner_module
-    from qsaserve.engine.mtp_drafter import mtp_uniform_drafts, uniform_rows
+    from qsaserve.engine.mtp_drafter import apply_device_tokens, mtp_uniform_drafts, uniform_rows
     from qsaserve.engine.mtp_graphs import MtpDraftGraphs
 
     model, path, ps, want, _ = checkpoint
@@ -226,14 +210,17 @@ def test_draft_graph_inputs_give_the_uniform_drafts(checkpoint, monkeypatch):
     runner = llm.engine.executor.runner
     real, checked = runner_module.run_mtp_drafts, []
 
-    def compare(m, batch, hidden, request, block_size, dcp, graphs=None):
-        out = real(m, batch, hidden, request, block_size, dcp, graphs)
+    def compare(m, batch, hidden, request, block_size, dcp, graphs=None, fed=None):
+        out = real(m, batch, hidden, request, block_size, dcp, graphs, fed)
         n, b = uniform_rows(batch, request, dcp), len(batch.query_lens)
         if n and b == 3:
             g = MtpDraftGraphs(m, [4], [1, 2, 3, 4], 3, runner.kv_spec.blocks_for(runner.max_model_len + 4),
                                block_size, hidden.shape[1], hidden.dtype, hidden.device)
             assert g.fits(batch, request, n)
             g._stage(4, n, batch, request)
+            if fed is not None:  # the step's tokens from the device (the head right after them)
+                inp = g._inputs(4, n)
+                apply_device_tokens(inp.next_ids, inp.slots, inp.last, n, *fed)
             g.hidden[: b * n].copy_(hidden[: b * n])
             # the padding sequence's rows: zeros (on CPU the reference KV write puts a dead row's K/V
             # in the null block's slot 0, which a draft row past its blocks reads; a GPU writes none)
@@ -280,7 +267,8 @@ def test_engine_drafts_are_the_reference_heads(checkpoint, monkeypatch):
     """Every draft the engine's head makes for one request equals the plain-torch head's
     (mtp_reference.py) over the same target hidden rows: catch-up rows chained over the steps
     (chunked prompt, verifies), then draft rows from the head's own output, up to the first draft
-    position past the sequence's blocks (not stored there, so later drafts see less)."""
+    position past the sequence's blocks (not stored there, so later drafts see less); in decode
+    and verify steps the head runs right after the step, fed its tokens on the device."""
     import itertools
 
     import qsaserve.engine.model_runner as runner_module
@@ -292,21 +280,31 @@ def test_engine_drafts_are_the_reference_heads(checkpoint, monkeypatch):
     model, path, ps, want, _ = checkpoint
     llm = engine(path, 3)
     block = llm.engine.executor.block_size
-    log, real = [], runner_module.run_mtp_drafts
+    log, real, paths = [], runner_module.run_mtp_drafts, []
 
-    def spy(m, batch, hidden, request, block_size, *dcp):
-        out = real(m, batch, hidden, request, block_size, *dcp)
+    def spy(m, batch, hidden, request, block_size, *rest):
+        out = real(m, batch, hidden, request, block_size, *rest)
         made = out.result()
+        fed = rest[2] if len(rest) > 2 else None
+        paths.append(fed is not None)
+        rows, next_ids = request.rows, request.next_ids
+        if fed is not None:  # the head ran right after the step, fed its tokens on the device
+            tokens, counts = fed[0].cpu().reshape(len(rows), -1), fed[1].cpu()
+            rows = counts.tolist()
+            next_ids = [tokens[i, :c].tolist() for i, c in enumerate(rows)]
         starts = list(itertools.accumulate(batch.query_lens[:-1], initial=0))
-        for i, rows in enumerate(request.rows):
-            if rows:
+        for i, n in enumerate(rows):
+            if n:
                 a = starts[i]
-                log.append((batch.positions[a], hidden[a:a + rows].clone(), request.next_ids[i], made[i],
+                log.append((batch.positions[a], hidden[a:a + n].clone(), next_ids[i], made[i],
                             len(request.tables[i]) * block))
         return out
 
     monkeypatch.setattr(runner_module, "run_mtp_drafts", spy)
     assert generate(llm, [ps[0]]) == [want[0]]
+    # the prompt's chunks: the head from host lists; decode and verify steps: right after them,
+    # fed their tokens on the device
+    assert not paths[0] and any(paths)
     cfg = model.config
     p = {k.removeprefix("mtp."): v for k, v in random_mtp_tensors(cfg, seed=11).items()}
     rot = int(cfg.head_dim * cfg.rope_parameters["partial_rotary_factor"])
@@ -351,6 +349,7 @@ def test_steps_without_drafts_run_the_catch_up_rows_uniformly(checkpoint, monkey
     graphs replay; steps 0: no draft rows, no logits) and leave what the row-list path leaves:
     the same drafts in the drafting steps, the tokens of transformers."""
     import qsaserve.engine.mtp_drafter as drafter
+    import qsaserve.engine.spec_decode as spec_decode
 
     model, path, ps, want, _ = checkpoint
     real_uniform, real_rows = drafter.mtp_uniform_drafts, drafter.uniform_rows
@@ -364,6 +363,7 @@ def test_steps_without_drafts_run_the_catch_up_rows_uniformly(checkpoint, monkey
     monkeypatch.setattr(drafter, "mtp_uniform_drafts", counted)
     for uniform in (True, False):
         monkeypatch.setattr(drafter, "uniform_rows", real_rows if uniform else (lambda *a: 0))
+        monkeypatch.setattr(spec_decode, "uniform_rows", real_rows if uniform else (lambda *a: 0))
         llm = engine(path, 3)
         spec, steps = llm.engine.spec, [0]
         room, end_step = spec.room, spec.end_step
@@ -376,7 +376,8 @@ def test_steps_without_drafts_run_the_catch_up_rows_uniformly(checkpoint, monkey
             seen = len(catch_up_only)
         else:
             assert len(catch_up_only) == seen  # the row lists never took the uniform path
-    assert any(any(d) for d in logs[0]) and logs[0] == logs[1]
+    drafting = [[d for d in log if any(d)] for log in logs]  # the head right after a step also runs in its last
+    assert drafting[0] and drafting[0] == drafting[1]
 
 
 def test_drafts_are_read_after_the_step_that_verifies_them_is_launched(checkpoint, monkeypatch):
@@ -388,9 +389,9 @@ def test_drafts_are_read_after_the_step_that_verifies_them_is_launched(checkpoin
     ex, events = llm.engine.executor, []
     draft, execute, result = ex.mtp_draft, ex.execute, DeferredDrafts.result
 
-    def logged_draft(request):
+    def logged_draft(request, fed=None):
         events.append("draft")
-        return draft(request)
+        return draft(request, fed)
 
     def logged_execute(batch, feed=None):
         drafted_rows = feed.dst if feed is not None else []

@@ -31,9 +31,14 @@ class InProcessExecutor(Rank0Views):
     def execute(self, batch: BatchInput, feed: TokenFeed | None = None) -> torch.Tensor:
         return self.runner.execute(batch, feed)
 
-    def mtp_draft(self, request: MtpDraftRequest) -> DeferredDrafts:
-        """The MTP head's drafts after the last step, on the device (engine/mtp_drafter.py)."""
-        return self.runner.mtp_draft(request)
+    # The step's tokens can feed the head from the device on a single rank (tensor parallelism
+    # sends the workers a host request instead).
+    drafts_from_device_tokens = True
+
+    def mtp_draft(self, request: MtpDraftRequest, fed=None) -> DeferredDrafts:
+        """The MTP head's drafts after the last step, on the device (engine/mtp_drafter.py; fed:
+        the step's tokens still on the device, with a full_request)."""
+        return self.runner.mtp_draft(request, fed)
 
     def shutdown(self) -> None:
         self.runner.bind_kv_cache([])

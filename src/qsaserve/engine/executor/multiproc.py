@@ -137,6 +137,8 @@ class MultiprocExecutor(Rank0Views):
         ids from rank 0's broadcast instead."""
         return self._on_every_rank((batch, feed is not None), lambda: self.runner.execute(batch, feed))
 
+    drafts_from_device_tokens = False  # the workers get host requests (in_process.py)
+
     def mtp_draft(self, request: MtpDraftRequest) -> DeferredDrafts:
         """The MTP head after the last step, on every rank (its layer is sharded as the target's);
         rank 0's drafts, on the device (every rank computes the same)."""
