@@ -320,18 +320,15 @@ class LLMEngine:
         errored = self._record_prompt_logprobs(logits, plan)
         head_drafts = None
         if self.spec is not None and self.spec.head_right_after(sched.chunks, plan, batch, prev is not None, self.executor):
-            # The MTP head over this step's rows, fed its tokens on the device before they are read.
-            if plan.verify:
-                on_device = self.spec.verify_launch(logits, plan, self.generator)
-                fed = on_device.emitted, on_device.num_emitted
-            else:
-                on_device = sample_deferred(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator)
-                fed = on_device.tokens, torch.ones_like(on_device.tokens)
+            # The MTP head over this step's rows, fed its tokens on the device before they are
+            # read: everything the host reads back is queued before the head.
+            on_device = self.spec.verify_launch(logits, plan, self.generator) if plan.verify else None
+            tokens = sample_deferred(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator)
+            fed = (on_device.emitted, on_device.num_emitted) if on_device else (tokens.tokens, torch.ones_like(tokens.tokens))
             request = self.spec.head_request(sched.chunks, batch, len(self.scheduler.running))
             head_drafts = self.executor.mtp_draft(request, fed)
-            verified = self.spec.verify_finish(on_device, plan) if plan.verify else None
-            sampled = on_device.result() if not plan.verify else \
-                sample(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator)
+            verified = self.spec.verify_finish(on_device, plan) if on_device else None
+            sampled = tokens.result()
         else:
             verified = self.spec.verify(logits, plan, self.generator) if plan.verify else None
             sampled = sample(logits[:num_sampled], plan.sample_seqs, self.eos_token_ids, self.generator, mask) \
