@@ -12,6 +12,8 @@ import torch
 from qsaserve import LLM, InvalidRequestError, SamplingParams
 from qsaserve.engine.batch import PLACEHOLDER_TOKEN
 from qsaserve.engine.mtp_drafter import DeferredDrafts
+from qsaserve.engine.rejection_sampler import VerifiedDrafts
+from qsaserve.engine.sampler import DeferredTokens
 
 from qwen4exp_testing import build_random_model, make_config, plant_reference_drafts, prompt_tokens, save_with_mtp
 from test_qwen4exp_spec_decode import (NEW, PARAMS, assert_preempted_and_freed, checkpoint_runs, generate, prompts,
@@ -402,8 +404,15 @@ def test_drafts_are_read_after_the_step_that_verifies_them_is_launched(checkpoin
     monkeypatch.setattr(ex, "mtp_draft", logged_draft)
     monkeypatch.setattr(ex, "execute", logged_execute)
     monkeypatch.setattr(DeferredDrafts, "result", lambda self: events.append("result") or result(self))
+    for cls in (DeferredTokens, VerifiedDrafts):  # the step's own tokens read back
+        monkeypatch.setattr(cls, "result", lambda self, read=cls.result: events.append("tokens") or read(self))
     assert generate(llm, [ps[0]]) == [want[0]]
     fed = [i for i, e in enumerate(events) if isinstance(e, tuple) and e[1]]
     assert fed and llm.engine.spec.stats.drafted > 0
-    for i in fed:  # a fed step: the head ran in the step before, the read comes after the launch
-        assert events[i - 1] == "draft" and events[i + 1] == "result"
+    launches = [i for i, e in enumerate(events) if isinstance(e, tuple)]
+    steps = [events[a + 1 : b] for a, b in zip(launches, launches[1:] + [len(events)])]
+    for i in fed:  # the head ran in the step before; its drafts are read once this step is launched
+        assert "draft" in steps[launches.index(i) - 1] and events[i + 1] == "result"
+    # decode and verify steps: the head is launched before the step's own tokens are read
+    early = [s for s in steps if "draft" in s and "tokens" in s and s.index("draft") < s.index("tokens")]
+    assert len(early) >= len(fed) - 1
