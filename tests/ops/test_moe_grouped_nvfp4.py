@@ -118,6 +118,7 @@ def _triton_checks(device):
         for choices in (1, 40, 100, 1000):  # every token-block size, K tails (H 80, I 48)
             check_nvfp4(device, dtype, n=9, k=2, e=4, h=80, inter=48,
                         configs=step_configs(choices, 1, 80, 48, torch.empty((), dtype=dtype).element_size()))
+    check_nvfp4(device, torch.float16)  # fp16 (5 exponent bits) decodes without the 2^63 factor
     # the released checkpoint's bf16 tiles up to 8,192 tokens (compiled for sm_90 after the interpreter run)
     for configs in configs_for(range(1, 8193), 10, 512, 2048, 512, 2):
         check_nvfp4(device, torch.bfloat16, n=5, k=2, e=4, h=48, inter=32, configs=configs)

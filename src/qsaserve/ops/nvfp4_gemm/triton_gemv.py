@@ -52,6 +52,15 @@ def _e2m1_scaled(top):
 
 
 @triton.jit
+def e2m1_bits(codes):
+    """uint8 E2M1 codes (low 4 bits) -> float32 e2m1(code) * 2^-126, exact (code 1 a subnormal):
+    the magnitude bits at float32 bits 22-24, the sign at bit 31 (_e2m1_scaled's result, one
+    code a byte)."""
+    c = codes.to(tl.int32)
+    return (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _decode_words(words, G: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_: tl.constexpr):
     """int32 words [G, BLOCK_N, 2] (8 codes each) -> float32 [G, BLOCK_N, 16] e2m1 * 2^-126 in
     column order: code j of word i is column 8i + j. Shifting code j to bits 28-31 drops the codes
