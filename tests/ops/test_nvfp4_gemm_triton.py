@@ -23,6 +23,7 @@ def _check(device, m, n, k, dtype, **kw):
 def _triton_checks(device):
     _check(device, 3, 72, 304, torch.float32, block_n=32, block_k=64)  # ragged N and K tiles
     _check(device, 1, 40, 128, torch.float32)
+    _check(device, 20, 72, 256, torch.float16, block_n=32, block_k=64)  # fp16 decodes without the 2^63 factor
     if device == "cuda":  # the interpreter's bf16 tl.dot is wrong (Triton 3.6): bf16 is checked here
         _check(device, 1, 4096, 4096, torch.bfloat16)
         _check(device, 64, 6144, 4096, torch.bfloat16)

@@ -1,7 +1,8 @@
 """NVFP4-weight GEMM as W4A16 (reference.py's layout): each program streams BLOCK_N weight rows as
 packed E2M1 (half a byte a weight) with their E4M3 group scales, decodes them in registers to the
-activation dtype (Marlin's idea: dequantize in the GEMM's load path) and runs tensor-core dots;
-the per-row global scale is applied once to the output."""
+activation dtype (Marlin's idea: dequantize in the GEMM's load path: triton_gemv's bit decode,
+then the group scale times 2^63, exact) and runs tensor-core dots; the per-row global scale (and
+2^63) is applied once to the output."""
 from __future__ import annotations
 
 import torch
@@ -10,24 +11,16 @@ import triton.language as tl
 
 from qsaserve.ops.device import num_sms
 from qsaserve.ops.nvfp4_gemm.reference import GROUP
+from qsaserve.ops.nvfp4_gemm.triton_gemv import e2m1_bits
 
-
-@triton.jit
-def _e2m1(code):
-    """uint8 E2M1 codes (low 4 bits) -> float32 values."""
-    mag = code & 7
-    exp = (mag >> 1).to(tl.int32)
-    man = (mag & 1).to(tl.float32)
-    sub = man * 0.5  # exponent field 0: 0 or 0.5
-    norm = (1.0 + man * 0.5) * tl.exp2((exp - 1).to(tl.float32))
-    v = tl.where(exp == 0, sub, norm)
-    return tl.where((code & 8) != 0, -v, v)
+_TWO_63 = tl.constexpr(2.0**63)
+_TWO_126 = tl.constexpr(2.0**126)
 
 
 @triton.jit
 def _w4a16_kernel(x_ptr, w_ptr, s_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, UNSCALED: tl.constexpr):
     pid_n, pid_m = tl.program_id(0), tl.program_id(1)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -43,14 +36,19 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_
         byte_ok = (k0 // 2 + half) < K // 2
         packed = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + (k0 // 2 + half)[None, :],
                          mask=n_ok[:, None] & byte_ok[None, :], other=0)
-        lo, hi = _e2m1(packed & 0xF), _e2m1(packed >> 4)
-        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # [n, k]: even k from the low nibble
+        lo, hi = e2m1_bits(packed & 0xF), e2m1_bits(packed >> 4)  # e2m1 * 2^-126
+        w = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K // GROUP_, GROUP_))  # [n, k]: even k from the low nibble
         g_ok = (k0 // GROUP_ + groups) < K // GROUP_
         s = tl.load(s_ptr + offs_n[:, None] * stride_sn + (k0 // GROUP_ + groups)[None, :],
                     mask=n_ok[:, None] & g_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.reshape(tl.reshape(w, (BLOCK_N, BLOCK_K // GROUP_, GROUP_)) * s[:, :, None], (BLOCK_N, BLOCK_K))
-        acc += tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=PRECISION)
+        if UNSCALED:  # fp16: 5 exponent bits
+            w = (w * _TWO_126) * s[:, :, None]
+        else:  # e2m1 * scale * 2^-63: exact and a normal float (the sums take 2^63 back)
+            w = w * (s * _TWO_63)[:, :, None]
+        acc += tl.dot(x, tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x.dtype)), input_precision=PRECISION)
     r = tl.load(r_ptr + offs_n, mask=n_ok, other=0.0)
+    if not UNSCALED:
+        r = r * _TWO_63
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], (acc * r[None, :]).to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 
@@ -81,7 +79,8 @@ def nvfp4_w4a16_gemm_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     grid = (triton.cdiv(n, bn), triton.cdiv(m, block_m))
     _w4a16_kernel[grid](x, packed, scale, row_scale, y, m, n, k, x.stride(0), packed.stride(0), scale.stride(0),
                         y.stride(0), BLOCK_M=block_m, BLOCK_N=bn, BLOCK_K=block_k, GROUP_=GROUP,
-                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps,
+                        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UNSCALED=x.dtype == torch.float16,
+                        num_warps=num_warps,
                         num_stages=num_stages)
     return y
 
