@@ -43,7 +43,7 @@ def drive(policy: DraftPolicy, clock: StepClock, steps: int, batch: int, accepte
 
 def test_drafting_follows_the_measured_costs_and_probes_the_other_kind():
     clock = StepClock(plain=1.0, verify=5.0)  # 1 + 2 accepted = 3 tokens per verify, for 5x the time
-    policy = DraftPolicy(clock, probe_interval=4)
+    policy = DraftPolicy(clock, probe_interval=4, max_probe_interval=4)  # probes at a fixed interval
     d = drive(policy, clock, 12, batch=8, accepted=2)
     # A decision is made during a step, before that step's time is in: step 1's (no time yet)
     # drafts; steps 2 and 3 decide before a plain step was timed; then plain, with a verify probe
@@ -56,6 +56,25 @@ def test_drafting_follows_the_measured_costs_and_probes_the_other_kind():
     # verify time; from then on drafting, with a plain probe every 4th decision.
     assert d == [False, False, True, False, True, True, False, True, True, True, False, True]
     assert policy.pays(8) is True
+
+
+def test_probes_that_confirm_the_preference_come_ever_less_often():
+    """Verifying never pays: each probe (a verify step) confirms plain decoding, so the gaps
+    between probes double up to max_probe_interval; once verifying pays, the probe that sees it
+    turns drafting on and the interval is back to probe_interval."""
+    clock = StepClock(plain=1.0, verify=50.0)
+    policy = DraftPolicy(clock, probe_interval=4, max_probe_interval=32)
+    d = drive(policy, clock, 200, batch=8, accepted=0)
+    probes = [i for i, drafts in enumerate(d) if drafts][1:]  # after the first (untimed) verify
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:3] == [8, 16, 32] and set(gaps[3:]) == {32}
+    assert policy.buckets[8].interval == 32
+    clock.verify = 0.5  # now a verify step costs half a plain one
+    d = drive(policy, clock, 40, batch=8, accepted=0, drafting=False)
+    first = d.index(True)
+    assert first < 32 and d[first + 2] and d[first + 3]  # the probe's time turns drafting on
+    plain = [i for i in range(first + 2, len(d)) if not d[i]]  # plain probes now, every 4, then 8
+    assert plain[0] - first == 4 and plain[1] - plain[0] == 8
 
 
 def test_buckets_are_timed_apart():
@@ -97,7 +116,7 @@ def test_engine_falls_back_when_verifying_does_not_pay_and_returns_when_it_does(
     llm = engine(path, {"method": "ngram", "num_speculative_tokens": 3, "disable_when_slower": True}, max_num_seqs=1)
     spec = llm.engine.spec
     clock = StepClock(plain=1.0, verify=50.0)  # no acceptance length makes this pay
-    spec.policy.clock, spec.policy.probe_interval = clock, 4
+    spec.policy.clock, spec.policy.probe_interval, spec.policy.max_probe_interval = clock, 4, 8
     started = spec.policy.step_started
 
     def timed(num_seqs, all_decode, drafted):

@@ -14,7 +14,10 @@ draft iff
 (a verify step's tokens per second at least a plain step's). A bucket without a verify time
 drafts (to time one), then takes one plain step (to time that). Every `probe_interval`-th decision
 of a bucket takes the other kind once, so changed costs (longer contexts) or acceptance are seen:
-drafting that stopped paying turns off, and turns back on once it pays again. Times and gain of
+drafting that stopped paying turns off, and turns back on once it pays again. A probe that leaves
+the preference as it was doubles the bucket's interval (up to `max_probe_interval`), one that
+turns it resets it: a steady bucket pays for ever fewer probes (each costs a step of the slower
+kind), a changing one keeps being probed. Times and gain of
 consecutive steps of a kind are exponential moving averages; a time after a gap (a probe)
 replaces the old one, which is stale by then (a wrong probe is corrected by the steps it starts).
 Whatever it decides, the tokens are those of decoding without drafts (verification keeps the
@@ -45,6 +48,8 @@ class BucketCost:
     verify: float | None = None
     gain: float | None = None  # tokens per sequence of this bucket's verify steps (set with verify)
     since_probe: int = 0  # decisions since this bucket last took the kind it does not prefer
+    interval: int = 0  # decisions between its probes (0: the policy's probe_interval)
+    probed: bool | None = None  # the preference when it last probed, until a decision sees the probe's time
     plain_step: int = -2  # the policy's step that was last timed as each kind
     verify_step: int = -2
 
@@ -56,10 +61,14 @@ def batch_bucket(num_seqs: int) -> int:
 
 class DraftPolicy:
     def __init__(self, clock: Callable[[], float] = time.perf_counter, probe_interval: int = 32,
-                 smoothing: float = 0.3, on_decision: Callable[[bool], None] | None = None):
+                 smoothing: float = 0.3, on_decision: Callable[[bool], None] | None = None,
+                 max_probe_interval: int = 512):
         """clock: seconds (injected by tests); on_decision(drafts): called once per step decided."""
         if probe_interval < 2:
             raise ValueError(f"probe_interval: must be >= 2, got {probe_interval}")
+        if max_probe_interval < probe_interval:
+            raise ValueError(f"max_probe_interval: must be >= probe_interval ({probe_interval}), got {max_probe_interval}")
+        self.max_probe_interval = max_probe_interval
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing: must be in (0, 1], got {smoothing}")
         self.clock, self.probe_interval, self.smoothing = clock, probe_interval, smoothing
@@ -134,7 +143,13 @@ class DraftPolicy:
             return False
         pays = cost.gain * cost.plain >= cost.verify
         cost.since_probe += 1
-        if cost.since_probe >= self.probe_interval:
+        interval = cost.interval or self.probe_interval
+        # A probe's step is timed after the decision made in it: the next one sees its time.
+        if cost.probed is not None and cost.since_probe == 2:
+            interval = min(2 * interval, self.max_probe_interval) if pays == cost.probed else self.probe_interval
+            cost.interval, cost.probed = interval, None
+        if cost.since_probe >= interval:
             cost.since_probe = 0
+            cost.probed = pays
             return not pays
         return pays
