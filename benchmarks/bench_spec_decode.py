@@ -18,8 +18,8 @@ no drafts (the head's catch-up row alone).
 
 "auto" (--auto-steps N): the speculating engine as a user runs it, with the automatic fallback
 (disable_when_slower) on, its real acceptance (random weights: drafts nearly always rejected, the
-worst case), k = 3: output tok/s over N steps against plain, and the steps it drafted in and fell
-back in. --profile-steps N: N more steps per mode under torch.profiler (device ms, launches, the
+worst case), k = 3: output tok/s over N steps against plain (after --auto-warm-up untimed steps,
+default 8, in which the policy times both kinds), and the steps it drafted in and fell back in. --profile-steps N: N more steps per mode under torch.profiler (device ms, launches, the
 top kernels per step). Prints one JSON line per row, then the document.
 
     PYTHONPATH=src python benchmarks/bench_spec_decode.py --model qwen4exp-small --batches 1,8,64 \
@@ -123,10 +123,11 @@ def profiled(engine: LLMEngine, steps: int) -> dict:
                                       "top_kernels", "top_host_ops")}
 
 
-def auto_steps(engine: LLMEngine, steps: int, rng: random.Random) -> dict:
+def auto_steps(engine: LLMEngine, steps: int, rng: random.Random, warm_up: int = 0) -> dict:
     """`steps` steps with the automatic fallback on and the real acceptance, k = max(KS) (n-gram:
-    a sequence's lookup topped up with random ids to what the policy allows): output tok/s and
-    the policy's decisions."""
+    a sequence's lookup topped up with random ids to what the policy allows), after `warm_up`
+    untimed ones (the policy's first decisions time both kinds): output tok/s and the policy's
+    decisions in the timed steps."""
     spec, vocab, k = engine.spec, engine.vocab_size, max(KS)
     spec.verify_launch = type(spec).verify_launch.__get__(spec)  # the real verify, not the forced acceptance
     spec.room = type(spec).room.__get__(spec)
@@ -140,13 +141,14 @@ def auto_steps(engine: LLMEngine, steps: int, rng: random.Random) -> dict:
             seq.draft_token_ids = (seq.draft_token_ids + [rng.randrange(vocab) for _ in range(k)])[:allowed]
 
         spec.propose = topped_up
+    _steps(engine, warm_up, warm_up=0)
     seqs = list(engine.scheduler.running)
     before_tokens = sum(s.num_output_tokens for s in seqs)
     before = spec.stats.as_dict()
     times = _steps(engine, steps, warm_up=0)
     after = spec.stats.as_dict()
     tokens = sum(s.num_output_tokens for s in seqs) - before_tokens
-    return {"steps": steps, "tokens": tokens, "tok_s": round(tokens / sum(times), 1),
+    return {"steps": steps, "warm_up_steps": warm_up, "tokens": tokens, "tok_s": round(tokens / sum(times), 1),
             "drafting_steps": after["drafting_steps"] - before["drafting_steps"],
             "fallback_steps": after["fallback_steps"] - before["fallback_steps"],
             "accepted": after["accepted"] - before["accepted"], "drafted": after["drafted"] - before["drafted"]}
@@ -175,8 +177,9 @@ def start(engine: LLMEngine, batch: int, context: int, steps: int, repeat_unit: 
 
 
 def run(model: str, batch: int, context: int, steps: int, force_accept: bool, enforce_eager: bool,
-        repeat_unit: int = 0, method: str = "ngram", auto: int = 0, profile: int = 0) -> list[dict]:
-    extra = auto + 4 * profile
+        repeat_unit: int = 0, method: str = "ngram", auto: int = 0, profile: int = 0,
+        auto_warm_up: int = 0) -> list[dict]:
+    extra = auto + auto_warm_up + 4 * profile
     rows, plain_ms = [], None
 
     def plain_row(engine: LLMEngine, ms: float, mode: str) -> dict:
@@ -227,7 +230,7 @@ def run(model: str, batch: int, context: int, steps: int, force_accept: bool, en
                    "drafted": after["drafted"] - before["drafted"], "accepted": accepted}
         emit(row, engine)
     if auto:
-        got = auto_steps(engine, auto, rng)
+        got = auto_steps(engine, auto, rng, auto_warm_up)
         row = {"model": model, "method": method, "batch": batch, "context": context, "repeat_unit": repeat_unit,
                "mode": "auto", "k": max(KS), **got, "over_plain": round(got["tok_s"] / (batch / plain_ms * 1e3), 3)}
         print(json.dumps(row), flush=True)
@@ -250,6 +253,7 @@ def main() -> None:
     ap.add_argument("--repeat-unit", type=int, default=0, help="prompts repeat a random unit of this many ids")
     ap.add_argument("--method", default="ngram", choices=("ngram", "mtp"))
     ap.add_argument("--auto-steps", type=int, default=0, help="steps of the 'auto' row (fallback on, real acceptance)")
+    ap.add_argument("--auto-warm-up", type=int, default=8, help="untimed steps before the 'auto' row's")
     ap.add_argument("--profile-steps", type=int, default=0, help="profiled steps per mode")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -257,7 +261,7 @@ def main() -> None:
     rows, config = [], None
     for b in (int(x) for x in args.batches.split(",")):
         got, config = run(args.model, b, args.context, args.steps, args.force_accept, args.enforce_eager,
-                          args.repeat_unit, args.method, args.auto_steps, args.profile_steps)
+                          args.repeat_unit, args.method, args.auto_steps, args.profile_steps, args.auto_warm_up)
         rows += got
     doc = {"bench": "spec_decode", **provenance(config), "rows": rows, "wall_s": round(time.perf_counter() - start, 1)}
     emit_report(doc, args.out)

@@ -27,7 +27,7 @@ def test_mtp_rows_compare_against_an_engine_without_speculation(bench, monkeypat
         return engine
 
     monkeypatch.setattr(bench, "build", build)
-    rows, config = bench.run("qwen4exp-tiny-mtp", 2, 24, 1, True, True, method="mtp", auto=6, profile=1)
+    rows, config = bench.run("qwen4exp-tiny-mtp", 2, 24, 1, True, True, method="mtp", auto=6, profile=1, auto_warm_up=2)
     assert [r["mode"] for r in rows] == ["plain", "head_only", "verify1", "verify2", "verify3", "auto"]
     assert built[0] is None and built[1] is not None  # the plain row's engine speculates not at all
     plain = rows[0]["step_ms"]
@@ -37,7 +37,7 @@ def test_mtp_rows_compare_against_an_engine_without_speculation(bench, monkeypat
         assert r["drafted"] > 0
     assert "profile" in rows[0] and "kernel_launches_per_step" in rows[1]["profile"]
     auto = rows[-1]
-    assert auto["steps"] == 6 and auto["tokens"] >= 6 * 2
+    assert auto["steps"] == 6 and auto["warm_up_steps"] == 2 and auto["tokens"] >= 6 * 2
     assert auto["drafting_steps"] + auto["fallback_steps"] >= 6  # one decision a step
     assert config.speculative_config.method == "mtp"
 
