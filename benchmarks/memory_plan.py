@@ -6,7 +6,8 @@ docs/weight_quantization.md.
 
 Assumptions (each printed with the result): every main-model parameter at the format's width and
 split evenly over the TP ranks (the replicated router, indexer, mixers and norms are under 1%);
-the unquantized embeddings / LM head are not counted; PLE (51B parameters) on the host or disk,
+the unquantized embeddings / LM head are not counted (NVFP4 experts' per-row float32 scales
+are: down_proj's on every rank); PLE (51B parameters) on the host or disk,
 as by default (--ple-placement disk), so 0 bytes on the GPU; the MTP head (4B) not loaded;
 gpu_memory_utilization 0.9; ACTIVATION_RESERVE per GPU for the largest step's activations, the
 CUDA graphs and the recurrent state slots; KV pages only (QSA index pages add ~3%).
@@ -25,8 +26,19 @@ QSA_LAYERS, KV_HEADS, HEAD_DIM = 12, 2, 256
 FORMATS = {  # bytes per parameter, scales included
     "bf16": 2.0,
     "fp8_block128": 1.0 + 4 / (128 * 128),  # E4M3 + one float32 per 128x128 block
-    "nvfp4": 0.5 + 1 / 16,  # E2M1 + one E4M3 per 16 (the per-tensor fp32 scale is negligible)
+    "nvfp4": 0.5 + 1 / 16,  # E2M1 + one E4M3 per 16; plus the routed experts' row scales (below)
 }
+# NVFP4 routed experts keep each weight row's float32 global scale (layers/quantization/nvfp4_moe.py):
+# gate | up rows split over the TP ranks, down_proj's hidden rows on every rank. The real shapes of
+# models/presets.py's qwen4exp-flash-12l (hidden 2560, expert intermediate 640), 48 layers.
+LAYERS, EXPERTS, HIDDEN, EXPERT_INTERMEDIATE = 48, 512, 2560, 640
+
+
+def row_scale_bytes(fmt: str, tp: int) -> float:
+    """Per GPU: the NVFP4 experts' float32 row scales (0 for the other formats)."""
+    if fmt != "nvfp4":
+        return 0.0
+    return LAYERS * EXPERTS * (2 * EXPERT_INTERMEDIATE / tp + HIDDEN) * 4
 TP_SIZES = (1, 2, 4, 8)
 KV_DTYPES = {"bf16": 2, "fp8": 1}
 
@@ -42,7 +54,7 @@ def plan() -> list[dict]:
     budget = GPU_BYTES * UTILIZATION - ACTIVATION_RESERVE
     for fmt, width in FORMATS.items():
         for tp in TP_SIZES:
-            weights = MAIN_PARAMS * width / tp
+            weights = MAIN_PARAMS * width / tp + row_scale_bytes(fmt, tp)
             free = budget - weights
             row = {"weights": fmt, "tp": tp, "weights_gb_per_gpu": round(weights / 1e9, 1), "fits": free > 0}
             for kv, nbytes in KV_DTYPES.items():
