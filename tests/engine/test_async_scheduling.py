@@ -84,6 +84,10 @@ def test_token_feed_rows():
     assert ids.tolist() == [10, 11, PLACEHOLDER_TOKEN, PLACEHOLDER_TOKEN]
     TokenFeed(torch.tensor([10, 11, 12]), [3, 1], [2, 0]).apply(ids)
     assert ids.tolist() == [10, 10, PLACEHOLDER_TOKEN, 12]
+    # an in-flight token and deferred MTP drafts ([sequences, k]) fed in one step
+    ids = torch.full((4,), PLACEHOLDER_TOKEN)
+    TokenFeed(torch.tensor([7]), [0], [0]).merged(TokenFeed(torch.tensor([[20, 21], [22, 23]]), [2, 3], [2, 3])).apply(ids)
+    assert ids.tolist() == [7, PLACEHOLDER_TOKEN, 22, 23]
 
 
 def test_stops_mid_batch_equal_sync(tiny_dir):

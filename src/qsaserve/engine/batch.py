@@ -54,6 +54,12 @@ class TokenFeed:
     dst: list[int]
     src: list[int]
 
+    def merged(self, other: "TokenFeed") -> "TokenFeed":
+        """Both feeds' rows from one source (their rows are disjoint)."""
+        tokens = torch.cat([self.tokens.reshape(-1), other.tokens.reshape(-1).to(self.tokens.dtype)])
+        n = self.tokens.numel()
+        return TokenFeed(tokens, self.dst + other.dst, self.src + [n + s for s in other.src])
+
     def apply(self, input_ids: torch.Tensor) -> None:
         """Writes the fed tokens into a device input-id buffer (in stream order)."""
         n = len(self.dst)

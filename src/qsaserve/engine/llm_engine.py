@@ -285,9 +285,7 @@ class LLMEngine:
             self.spec.begin_step(sched.chunks)
             drafts_fed = self.spec.draft_feed(sched.chunks)  # the last step's MTP drafts, still on the device
             if drafts_fed is not None:
-                if feed is not None:  # a drafting step runs synchronously: no token is in flight then
-                    raise RuntimeError("a step fed both in-flight tokens and deferred drafts")
-                feed = drafts_fed
+                feed = drafts_fed if feed is None else feed.merged(drafts_fed)
         logits = self.executor.execute(batch, feed) if feed is not None else self.executor.execute(batch)
         if self.spec is not None:  # their values, now that the step that reads them is queued
             self.spec.resolve_drafts(plan)
