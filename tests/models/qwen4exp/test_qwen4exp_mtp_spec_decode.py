@@ -59,7 +59,8 @@ def test_mtp_drafts_equal_transformers_and_leave_the_states_of_a_plain_run(check
 @pytest.mark.parametrize("k", [1, 3])
 def test_batched_chunked_and_preempted(checkpoint, k):
     """Three requests at once with 20-token steps (prefill chunks beside verify rows), one with a
-    penalty (never drafts: a plain row in the same batch); then a KV pool small enough to preempt."""
+    penalty (never drafts: a plain row in the same batch); with async scheduling (the penalty
+    request's steps alone overlap); then a KV pool small enough to preempt."""
     model, path, ps, want, _ = checkpoint
     params = [PARAMS, PARAMS, SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, repetition_penalty=1.0001)]
     runner = engine(path, k).engine.executor.runner
@@ -68,7 +69,7 @@ def test_batched_chunked_and_preempted(checkpoint, k):
     spec = runner.kv_spec
     per_block = spec.bytes_per_block + dataclasses.replace(spec, num_layers=1, kv_dtype=None).bytes_per_block
     small = 18 * per_block + 9 * k * runner.model.state_snapshot_bytes()
-    for kw in ({}, dict(kv_cache_memory=small, max_model_len=128)):
+    for kw in ({}, dict(async_scheduling=True), dict(kv_cache_memory=small, max_model_len=128)):
         base = generate(engine(path, **kw), ps, params)
         llm = engine(path, k, **kw)
         accept_all(llm, {tuple(q): w for q, w in zip(ps, base)})
