@@ -201,7 +201,8 @@ class SpecDecoder:
         n = chunks[0].num_new_tokens
         if any(c.num_new_tokens != n or c.num_drafts != n - 1 or not self.eligible(c.seq) for c in chunks):
             return False
-        return uniform_rows(batch, self.head_request(chunks, batch, 1), DcpGeometry()) > 0
+        rows_only = full_request([c.seq.block_table for c in chunks], batch.query_lens, 0)
+        return uniform_rows(batch, rows_only, DcpGeometry()) > 0
 
     def head_request(self, chunks: list[ScheduledChunk], batch, num_running: int) -> MtpDraftRequest:
         """head_right_after's host request (mtp_drafter.full_request): every row; k drafts for
