@@ -25,6 +25,7 @@ Times are CUDA-graph replays cycling over enough weight copies to exceed the L2.
 line per case, then the document).
 
     PYTHONPATH=src python benchmarks/bench_fp8_gemm.py [--out f.json] [--phases prefill,decode] [--shapes qkv,o,...]
+        [--decode-m 8,16,32,64] [--variants 'fp8_w8a16,fp8_w8a16_swap*,nvfp4_w4a16,nvfp4_w4a16_swap*']
 """
 from __future__ import annotations
 
@@ -127,7 +128,8 @@ def prefill(name, n, k, m, dev) -> list[dict]:
     return rows
 
 
-def decode(name, n, k, m, dev) -> list[dict]:
+def decode(name, n, k, m, dev, keep=None) -> list[dict]:
+    """keep(variant name) -> bool: the variants timed (None: all; bf16_cublas always, the peer)."""
     copies = max(2, -(-2 * L2_BYTES // (n * k)))
     ws = _weights(n, k, dev, copies)
     x = torch.randn(m, k, device=dev).to(torch.bfloat16)
@@ -195,6 +197,8 @@ def decode(name, n, k, m, dev) -> list[dict]:
         tiles["nvfp4_gemv"] = dict(block_n_tile=fbn, block_k=fbk, split_k=fsplit, num_stages=3)
         splits["nvfp4_gemv"] = fsplit
         variants.append(("nvfp4_gemv", lambda: [nvfp4_gemv_triton(x, *f) for f in fp4], fp4_bytes))
+    if keep is not None:
+        variants = [v for v in variants if v[0] == "bf16_cublas" or keep(v[0])]
     for variant, fn, nbytes in variants:
         try:
             t = graph_ms(fn) * 1e3 / copies
@@ -230,19 +234,26 @@ def make_rows(dev, args) -> list[dict]:
     unknown = sorted((phases - {"prefill", "decode"}) | (set(shapes) - set(SHAPES)))
     if unknown:
         raise SystemExit(f"--phases / --shapes: unknown {unknown}; phases prefill, decode; shapes {', '.join(SHAPES)}")
+    decode_m = [int(v) for v in args.decode_m.split(",")] if args.decode_m else DECODE_M
+    prefixes = args.variants.split(",") if args.variants else None
+    keep = (lambda v: any(v.startswith(p[:-1]) if p.endswith("*") else v == p for p in prefixes)) if prefixes else None
     rows = []
     for name in shapes:
         n, k = SHAPES[name]
         for m in PREFILL_M if "prefill" in phases else ():
             rows += prefill(name, n, k, m, dev)
-        for m in DECODE_M if "decode" in phases else ():
-            rows += decode(name, n, k, m, dev)
+        for m in decode_m if "decode" in phases else ():
+            rows += decode(name, n, k, m, dev, keep)
     return rows
 
 
 def configure(ap) -> None:
     ap.add_argument("--phases", default="prefill,decode", help="comma-separated: prefill, decode")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    ap.add_argument("--decode-m", default=None, help=f"comma-separated decode rows (default {DECODE_M})")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated decode variants, a trailing * a name prefix, e.g. "
+                         "fp8_w8a16,fp8_w8a16_swap*,nvfp4_w4a16 (default all; bf16_cublas always runs, the peer)")
 
 
 def main() -> None:
