@@ -14,9 +14,9 @@
   workspace_bytes, the float32 partials written and read back, not counted in TB/s) and the NVFP4 W4A16
   kernel (ops/nvfp4_gemm) against bf16 cuBLAS; from SWAP_M rows also the transposed W8A16 kernel
   (fp8_gemm/triton_swap_ab.py), "fp8_w8a16_swap_bnB_wW_stS" at SWAP_TILES (weight rows a program,
-  warps, stages) and each split in DECODE_SPLITS ("_sN"), and its NVFP4 form
-  (nvfp4_gemm/triton_swap_ab.py), "nvfp4_w4a16_swap_..." at NVFP4_SWAP_TILES x NVFP4_SWAP_SPLITS; TB/s counts the weight and scale bytes read, and
-  pct_roofline is that over the H200's 4.8 TB/s. At GEMV_M rows also the FMA GEMVs the dispatch
+  warps, stages) and each split in SWAP_SPLITS ("_sN"), and its NVFP4 form
+  (nvfp4_gemm/triton_swap_ab.py), "nvfp4_w4a16_swap_..." at NVFP4_SWAP_TILES x NVFP4_SWAP_SPLITS;
+  TB/s counts the weight and scale bytes read, and pct_roofline is that over the H200's 4.8 TB/s. At GEMV_M rows also the FMA GEMVs the dispatch
   takes up to 4 rows: "fp8_gemv" (fp8_gemm/triton_gemv.py at its pick_gemv_tile defaults, the row
   names its tile), "fp8_gemv_bnB_bkK_sS" at GEMV_SWEEP, "fp8_gemv_st1" (the defaults with the K
   loop not pipelined; one row only) and "nvfp4_gemv" (nvfp4_gemm/triton_gemv.py, defaults). A
@@ -64,6 +64,7 @@ GEMV_M = (1, 2, 4)  # decode rows that also time the GEMVs
 GEMV_SWEEP = ((16, 512, 1), (8, 1024, 1), (16, 1024, 1), (4, 2048, 1), (8, 1024, 4))
 SWAP_M = 4  # decode rows from which the transposed kernel is timed too
 SWAP_TILES = ((64, 4, 4), (128, 4, 4), (128, 8, 4), (64, 4, 6), (128, 4, 3))  # block_n_tile, num_warps, num_stages
+SWAP_SPLITS = (1, 2, 4)
 NVFP4_SWAP_TILES = ((64, 4, 4), (128, 4, 4), (128, 8, 3))
 NVFP4_SWAP_SPLITS = (1, 2, 4)
 HBM_TB_S = 4.8
@@ -166,7 +167,7 @@ def decode(name, n, k, m, dev, keep=None) -> list[dict]:
     tiles = {}
     if m >= SWAP_M:
         for bn_t, warps, stages in SWAP_TILES:
-            for split in DECODE_SPLITS:
+            for split in SWAP_SPLITS:
                 variant = f"fp8_w8a16_swap_bn{bn_t}_w{warps}_st{stages}" + (f"_s{split}" if split > 1 else "")
                 splits[variant] = split
                 tiles[variant] = dict(block_n_tile=bn_t, num_warps=warps, num_stages=stages, split_k=split)
@@ -259,8 +260,8 @@ def configure(ap) -> None:
 def main() -> None:
     kernel_bench_main("fp8_gemm", make_rows, configure, shapes=SHAPES, prefill_m=PREFILL_M, decode_m=DECODE_M,
                       tiles=TILES, decode_tiles=DECODE_TILES, decode_splits=DECODE_SPLITS, gemv_m=GEMV_M,
-                      gemv_sweep=GEMV_SWEEP, swap_m=SWAP_M, swap_tiles=SWAP_TILES, nvfp4_swap_tiles=NVFP4_SWAP_TILES,
-                      nvfp4_swap_splits=NVFP4_SWAP_SPLITS, hbm_tb_s=HBM_TB_S)
+                      gemv_sweep=GEMV_SWEEP, swap_m=SWAP_M, swap_tiles=SWAP_TILES, swap_splits=SWAP_SPLITS,
+                      nvfp4_swap_tiles=NVFP4_SWAP_TILES, nvfp4_swap_splits=NVFP4_SWAP_SPLITS, hbm_tb_s=HBM_TB_S)
 
 
 if __name__ == "__main__":

@@ -68,8 +68,8 @@ if [ "$mode" = single ]; then
     # FP8 decode (5-64 rows) on the transposed tile kernel instead (the A/B of the default).
     part latency_llama8b_wfp8_swap 150 env QSASERVE_FP8_DECODE_KERNEL=swap sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling --quantization fp8 --profile-steps 16 > '$out/latency_llama8b_wfp8_swap.json'"
     part latency_llama8b_wnvfp4_swap 150 env QSASERVE_NVFP4_DECODE_KERNEL=swap sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling --quantization nvfp4 --profile-steps 16 > '$out/latency_llama8b_wnvfp4_swap.json'"
-    # The decode tile kernels alone at 4-64 rows: the default against the transposed kernels' sweep.
-    part bench_fp8_decode 240 python benchmarks/bench_fp8_gemm.py --phases decode --decode-m 4,8,16,32,64 \
+    # The decode tile kernels alone at 8-64 rows: the default against the transposed kernels' sweep.
+    part bench_fp8_decode 270 python benchmarks/bench_fp8_gemm.py --phases decode --decode-m 8,16,32,64 \
         --variants 'fp8_w8a16,fp8_w8a16_swap*,nvfp4_w4a16,nvfp4_w4a16_swap*' --out "$out/bench_fp8_decode.json"
     for w in bf16 fp8; do
         q=$([ $w = bf16 ] || echo "--quantization $w")
