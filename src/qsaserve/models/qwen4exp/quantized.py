@@ -15,12 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from qsaserve.layers.quantization import Fp8Linear, WeightQuantConfig
-from qsaserve.layers.quantization.fp8 import TensorShard
 from qsaserve.layers.quantization.fp8_moe import Fp8Experts
 from qsaserve.layers.quantization.nvfp4_moe import Nvfp4Experts
 from qsaserve.models.qwen4exp import quantized_nvfp4
 from qsaserve.models.qwen4exp.quantized_nvfp4 import Nvfp4PackedWeight, Nvfp4RoutedExperts, nvfp4_packed
-from qsaserve.models.qwen4exp.quantized_expert_loader import QuantizedExpertLoader
+from qsaserve.models.qwen4exp.quantized_loaders import PackedPartLoader, QuantizedExpertLoader
 from qsaserve.ops.fp8_gemm import FP8, dequantize_weight
 
 logger = logging.getLogger("qsaserve")
@@ -28,14 +27,8 @@ logger = logging.getLogger("qsaserve")
 SCALE_SUFFIXES = ("_scale_inv", "_scale")  # <name>.weight_scale_inv (block) / <name>.weight_scale (tensor, channel)
 
 
-class _Fp8Loader:
-    """weight_loader(param, loaded, shard_id) of an Fp8PackedWeight's weight or weight_scale."""
-
-    def __init__(self, module: "Fp8PackedWeight", kind: str):
-        self.module, self.kind = module, kind
-
-    def shard(self, shard_id=None):
-        return self.module.rules[self.module.ids.index(shard_id)]
+class _Fp8Loader(PackedPartLoader):
+    """weight_loader of an Fp8PackedWeight's weight or weight_scale."""
 
     def view(self, param: torch.Tensor, shard_id=None) -> torch.Tensor:
         m = self.module
@@ -45,15 +38,9 @@ class _Fp8Loader:
             return param[a // m.block_n:(a + rows) // m.block_n]
         return param[a:a + rows]
 
-    def __call__(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-        m = self.module
-        rule = self.shard(shard_id)
-        shard = None
-        if rule.ranges is not None:
-            # a weight knows its full size; a block scale does not, so its last range may end anywhere
-            full = loaded.shape[rule.dim] if self.kind == "weight" else max(b for _, b in rule.ranges)
-            shard = TensorShard(rule.dim, tuple(rule.ranges), full)
-        m.load(self.kind, loaded, m.ids.index(shard_id), shard)
+    def full_extent(self, loaded: torch.Tensor, rule) -> int:
+        # a weight knows its full size; a block scale does not, so its last range may end anywhere
+        return loaded.shape[rule.dim] if self.kind == "weight" else max(b for _, b in rule.ranges)
 
 
 class Fp8PackedWeight(Fp8Linear):
@@ -125,7 +112,7 @@ def add_scale_targets(model: nn.Module, targets: dict) -> None:
                 targets[name + suffix] = (scale, shard_id)
 
 
-_QUANTIZED_LOADERS = (_Fp8Loader, QuantizedExpertLoader, quantized_nvfp4._Nvfp4Loader)
+_QUANTIZED_LOADERS = (PackedPartLoader, QuantizedExpertLoader)
 
 
 def is_quantized_target(targets: dict, name: str) -> bool:

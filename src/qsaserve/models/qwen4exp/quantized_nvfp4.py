@@ -20,8 +20,7 @@ import torch
 from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization import Nvfp4Linear
 from qsaserve.layers.quantization.nvfp4_moe import Nvfp4Experts
-from qsaserve.layers.quantization.shard import TensorShard
-from qsaserve.models.qwen4exp.quantized_expert_loader import QuantizedExpertLoader
+from qsaserve.models.qwen4exp.quantized_loaders import PackedPartLoader, QuantizedExpertLoader
 from qsaserve.ops.nvfp4_gemm import GROUP, dequantize_nvfp4
 
 logger = logging.getLogger("qsaserve")
@@ -31,30 +30,20 @@ SCALE_SUFFIXES = {"_scale": "weight_scale", "_scale_2": "row_scale"}
 _PER_COL = {"weight": None, "scale": GROUP}  # checkpoint columns per stored column (weight: by dtype)
 
 
-class _Nvfp4Loader:
-    """weight_loader(param, loaded, shard_id) of an Nvfp4PackedWeight's weight, weight_scale or
-    row_scale (kinds weight, scale, global)."""
-
-    def __init__(self, module: "Nvfp4PackedWeight", kind: str):
-        self.module, self.kind = module, kind
-
-    def shard(self, shard_id=None):
-        return self.module.rules[self.module.ids.index(shard_id)]
+class _Nvfp4Loader(PackedPartLoader):
+    """weight_loader of an Nvfp4PackedWeight's weight, weight_scale or row_scale (kinds weight,
+    scale, global)."""
 
     def view(self, param: torch.Tensor, shard_id=None) -> torch.Tensor:
         m = self.module
         i = m.ids.index(shard_id)
         return param[m.offsets[i]:m.offsets[i] + m.parts[i]]
 
-    def __call__(self, param: torch.Tensor, loaded: torch.Tensor, shard_id=None) -> None:
-        m = self.module
-        rule = self.shard(shard_id)
-        shard = None
-        if rule.ranges is not None and self.kind != "global":  # a global scale is one value for every rank
-            per_col = _PER_COL[self.kind] or (2 if loaded.dtype == torch.uint8 else 1)
-            full = loaded.shape[rule.dim] * (per_col if rule.dim == 1 else 1)  # in checkpoint columns / rows
-            shard = TensorShard(rule.dim, tuple(rule.ranges), full)
-        m.load(self.kind, loaded, m.ids.index(shard_id), shard)
+    def full_extent(self, loaded: torch.Tensor, rule) -> int | None:
+        if self.kind == "global":  # one value for every rank
+            return None
+        per_col = _PER_COL[self.kind] or (2 if loaded.dtype == torch.uint8 else 1)
+        return loaded.shape[rule.dim] * (per_col if rule.dim == 1 else 1)  # in checkpoint columns / rows
 
 
 class Nvfp4PackedWeight(Nvfp4Linear):
