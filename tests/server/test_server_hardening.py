@@ -260,8 +260,10 @@ def roomy_server():
 def test_long_tokenization_does_not_hold_up_short_requests(roomy_server):
     """One tokenizer thread served every chat request: a 7 MB conversation held up all others
     for seconds. Now the pool keeps a worker free of long jobs."""
-    big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello world " * 250_000}],
-                      "max_tokens": 2}).encode()  # 3 MB: seconds of tokenizing, then refused for length
+    # 6 MB: seconds of tokenizing (twice the margin over the short requests of 3 MB, which a busy
+    # 2-core machine could eat), then refused for length
+    big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello world " * 500_000}],
+                      "max_tokens": 2}).encode()
     results = {}
 
     def send_big(i):
