@@ -95,8 +95,8 @@ class LLMEngine:
         if config.speculative_config is not None:
             # Hybrid models keep k per-position state rows per slot after the prefix cache's rows.
             base = self.executor.num_state_snapshots if is_hybrid(hf) else None
-            self.spec = SpecDecoder(config.speculative_config, self.max_model_len, base, prefix_caching)
-            self.spec.align = self.executor.verify_graphs
+            self.spec = SpecDecoder(config.speculative_config, self.max_model_len, base, prefix_caching,
+                                    self.executor.verify_graphs)
 
     def _check_kv_capacity(self) -> int:
         """Refuses a cache that cannot hold one max-length request, logs the capacity (per rank under

@@ -22,7 +22,7 @@ import torch
 
 from qsaserve.engine.batch import BatchInput
 from qsaserve.engine.cuda_graph import StepMetadata
-from qsaserve.engine.sampler import _copy_to_host
+from qsaserve.engine.sampler import HostCopy
 from qsaserve.layers.attention import AttentionMetadata
 from qsaserve.errors import InvalidRequestError
 from qsaserve.models.interfaces import HasMtpHead, supports_mtp_drafts
@@ -48,7 +48,7 @@ class DeferredDrafts:
 
     def __init__(self, tokens: torch.Tensor | None, row_of: dict[int, int], wanted: list[int]):
         self.tokens, self.row_of, self.wanted = tokens, row_of, wanted
-        self._host, self._done = _copy_to_host(tokens) if tokens is not None else (None, None)
+        self._copy = HostCopy(tokens) if tokens is not None else None
 
     @classmethod
     def from_lists(cls, drafts: list[list[int]], device: torch.device) -> "DeferredDrafts":
@@ -61,9 +61,7 @@ class DeferredDrafts:
 
     def result(self) -> list[list[int]]:
         """Each batch sequence's drafts (waits for the one copy alone)."""
-        if self._done is not None:
-            self._done.synchronize()
-        host = self._host.tolist() if self._host is not None else []
+        host = self._copy.wait().tolist() if self._copy is not None else []
         return [host[self.row_of[i]][:d] if d and i in self.row_of else [] for i, d in enumerate(self.wanted)]
 
 
@@ -103,20 +101,23 @@ def _slot(table: list[int], position: int, block_size: int) -> int:
     return table[i] * block_size + position % block_size if i < len(table) else -1
 
 
-def uniform_rows(batch: BatchInput, request: MtpDraftRequest, dcp: DcpGeometry) -> int:
-    """n when the head's rows can run over every row of the step at once (mtp_uniform_drafts):
-    every sequence brought the same n rows after its first chunk (decode or verify steps: the
-    model runs them as decode rows) and each has at least one row whose next token is known
-    (drafting or not: a step the fallback keeps from drafting still runs the catch-up rows, and
-    runs them as a graph); 0 otherwise (run_mtp_drafts' row lists). Not under DCP (its step plan
+def uniform_step_rows(batch: BatchInput, dcp: DcpGeometry) -> int:
+    """n when every sequence of the step brought the same n rows after its first chunk (decode or
+    verify steps: the model runs them as decode rows), 0 otherwise. Not under DCP (its step plan
     is built from the rows' host lists)."""
     b = len(batch.query_lens)
     n = batch.query_lens[0] if b else 0
     if dcp.enabled or not 0 < n <= MAX_UNIFORM_ROWS or any(q != n for q in batch.query_lens):
         return 0
-    if any(length <= n for length in batch.seq_lens) or min(request.rows) < 1:
-        return 0
-    return n
+    return 0 if any(length <= n for length in batch.seq_lens) else n
+
+
+def uniform_rows(batch: BatchInput, request: MtpDraftRequest, dcp: DcpGeometry) -> int:
+    """n when the head's rows can run over every row of the step at once (mtp_uniform_drafts): a
+    uniform step (uniform_step_rows) where each sequence has at least one row whose next token is
+    known (drafting or not: a step the fallback keeps from drafting still runs the catch-up rows,
+    and runs them as a graph); 0 otherwise (run_mtp_drafts' row lists)."""
+    return uniform_step_rows(batch, dcp) if min(request.rows) >= 1 else 0
 
 
 # Rows per sequence the uniform path takes: a verify of up to 8 drafts (speculative_config's most).

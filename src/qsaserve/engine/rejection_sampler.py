@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from qsaserve.engine.sampler import _copy_to_host, to_device
+from qsaserve.engine.sampler import HostCopy, to_device
 from qsaserve.engine.sequence import Sequence
 
 
@@ -32,13 +32,11 @@ class VerifiedDrafts:
                  drafts: torch.Tensor, counts: torch.Tensor, bonus_at: torch.Tensor):
         self.emitted, self.num_emitted, self.finite = emitted, num_emitted, finite
         self._drafts, self._counts, self._bonus_at = drafts, counts, bonus_at  # for accepting_all
-        self._host, self._done = _copy_to_host(torch.cat([emitted, num_emitted[:, None], finite[:, None].long()], 1))
+        self._copy = HostCopy(torch.cat([emitted, num_emitted[:, None], finite[:, None].long()], 1))
 
     def result(self) -> tuple[list[list[int]], list[bool]]:
         """(per sequence the emitted tokens, whether all its rows were finite)."""
-        if self._done is not None:
-            self._done.synchronize()
-        rows = self._host.tolist()
+        rows = self._copy.wait().tolist()
         return [row[: row[-2]] for row in rows], [bool(row[-1]) for row in rows]
 
     def accepting_all(self) -> "VerifiedDrafts":

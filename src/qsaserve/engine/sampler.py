@@ -36,24 +36,31 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
     return t.to(device)
 
 
-def _copy_to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """Starts one non_blocking copy of a device tensor into pinned memory; the event marks its end."""
-    if t.device.type != "cuda":
-        return t, None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record(torch.cuda.current_stream(t.device))
-    return host, done
+class HostCopy:
+    """One non_blocking copy of a device tensor into pinned memory, started now; wait() returns
+    the host tensor once that copy alone is done (an event, not a stream or device synchronize).
+    A CPU tensor is its own copy."""
+
+    def __init__(self, t: torch.Tensor):
+        self._done = None
+        if t.device.type != "cuda":
+            self._host = t
+            return
+        self._host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        self._host.copy_(t, non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record(torch.cuda.current_stream(t.device))
+
+    def wait(self) -> torch.Tensor:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._host
 
 
 def read_back(t: torch.Tensor) -> torch.Tensor:
     """A device tensor on the host: one non_blocking copy into pinned memory, then a wait on
-    that copy alone (an event, not a stream or device synchronize)."""
-    host, done = _copy_to_host(t)
-    if done is not None:
-        done.synchronize()
-    return host
+    that copy alone."""
+    return HostCopy(t).wait()
 
 
 class DeferredTokens:
@@ -64,12 +71,10 @@ class DeferredTokens:
     def __init__(self, tokens: torch.Tensor, packed: torch.Tensor, unpack):
         self.tokens = tokens
         self._unpack = unpack
-        self._host, self._done = _copy_to_host(packed)
+        self._copy = HostCopy(packed)
 
     def result(self) -> list[SampledToken]:
-        if self._done is not None:
-            self._done.synchronize()
-        return self._unpack(self._host.tolist())
+        return self._unpack(self._copy.wait().tolist())
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

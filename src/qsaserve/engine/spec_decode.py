@@ -24,7 +24,7 @@ import torch
 from qsaserve.engine.block_manager import BlockManager, StateSnapshotPlan
 from qsaserve.engine.draft_policy import DraftPolicy
 from qsaserve.engine.batch import PLACEHOLDER_TOKEN, TokenFeed
-from qsaserve.engine.mtp_drafter import DeferredDrafts, MtpDraftRequest, full_request, uniform_rows
+from qsaserve.engine.mtp_drafter import DeferredDrafts, MtpDraftRequest, full_request, uniform_step_rows
 from qsaserve.engine.ngram_proposer import propose_ngram
 from qsaserve.engine.rejection_sampler import VerifiedDrafts, verify_drafts_on_device
 from qsaserve.engine.scheduler import ScheduledChunk
@@ -67,7 +67,7 @@ class SpecDecodeStats:
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, state_rows_base: int | None,
-                 prefix_caching: bool = False):
+                 prefix_caching: bool = False, verify_graphs: bool = False):
         """state_rows_base: first pool row of the per-position state rows (k per state slot, slot s
         at base + s * k), None for models without recurrent state. prefix_caching: the MTP head
         runs on every sequence's rows, so that a cached block holds the head's pages for a later
@@ -83,9 +83,9 @@ class SpecDecoder:
         self._pending: tuple[DeferredDrafts, dict[Sequence, tuple[int, list[int]]]] | None = None
         self.policy = DraftPolicy(on_decision=self._count_decision) if config.disable_when_slower else None
         self.model_drafts = config.method == "mtp"
-        # align_drafts acts only where a uniform verify replays a CUDA graph (the engine sets it
-        # when the runner captured verify graphs): elsewhere a topped-up draft is only more rows.
-        self.align = False
+        # align_drafts acts only where a uniform verify replays a CUDA graph (verify_graphs: the
+        # runner captured them): elsewhere a topped-up draft is only more rows.
+        self.align = verify_graphs
         # Each drafting sequence's token ids as an int64 array, extended by the tokens appended
         # since (converting the whole list would cost its length, every sequence, every step).
         self._ids: weakref.WeakKeyDictionary[Sequence, tuple[np.ndarray, int]] = weakref.WeakKeyDictionary()
@@ -201,8 +201,7 @@ class SpecDecoder:
         n = chunks[0].num_new_tokens
         if any(c.num_new_tokens != n or c.num_drafts != n - 1 or not self.eligible(c.seq) for c in chunks):
             return False
-        rows_only = full_request([c.seq.block_table for c in chunks], batch.query_lens, 0)
-        return uniform_rows(batch, rows_only, DcpGeometry()) > 0
+        return uniform_step_rows(batch, DcpGeometry()) > 0  # every row has a known next token here
 
     def head_request(self, chunks: list[ScheduledChunk], batch, num_running: int) -> MtpDraftRequest:
         """head_right_after's host request (mtp_drafter.full_request): every row; k drafts for

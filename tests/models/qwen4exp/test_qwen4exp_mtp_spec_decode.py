@@ -366,7 +366,7 @@ def test_steps_without_drafts_run_the_catch_up_rows_uniformly(checkpoint, monkey
     monkeypatch.setattr(drafter, "mtp_uniform_drafts", counted)
     for uniform in (True, False):
         monkeypatch.setattr(drafter, "uniform_rows", real_rows if uniform else (lambda *a: 0))
-        monkeypatch.setattr(spec_decode, "uniform_rows", real_rows if uniform else (lambda *a: 0))
+        monkeypatch.setattr(spec_decode, "uniform_step_rows", drafter.uniform_step_rows if uniform else (lambda *a: 0))
         llm = engine(path, 3)
         spec, steps = llm.engine.spec, [0]
         room, end_step = spec.room, spec.end_step
