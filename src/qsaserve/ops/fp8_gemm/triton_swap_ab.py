@@ -25,7 +25,8 @@ import triton
 import triton.language as tl
 
 from qsaserve.ops.fp8_gemm.reference import GROUP
-from qsaserve.ops.fp8_gemm.triton_gemm import _scale_k_stride, split_k_buffer, sum_split_k, w8a16_operands
+from qsaserve.ops.fp8_gemm.triton_gemm import (_scale_k_stride, decode_block_m, split_k_buffer, sum_split_k,
+                                              w8a16_operands)
 from qsaserve.ops.fp8_gemm.triton_gemv import split_k_range
 
 
@@ -55,11 +56,6 @@ def _w8a16_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & t_ok[None, :])
 
 
-def swap_block_t(m: int) -> int:
-    """Token columns a program takes: tl.dot's 16 at least (padding columns masked), at most 64."""
-    return max(16, min(64, triton.next_power_of_2(m)))
-
-
 def fp8_w8a16_swap_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
                           block_n_tile: int = 64, split_k: int = 1, num_warps: int = 4,
                           num_stages: int = 4) -> torch.Tensor:
@@ -75,7 +71,7 @@ def fp8_w8a16_swap_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tenso
     n = w.shape[0]
     if m == 0 or n == 0:
         return y
-    block_t = swap_block_t(m)
+    block_t = decode_block_m(m)  # token columns a program: tl.dot's 16 at least, at most 64
     out = split_k_buffer(y, split_k)
     grid = (triton.cdiv(n, block_n_tile), split_k, triton.cdiv(m, block_t))
     _w8a16_swap_kernel[grid](x, w, w_scale, out, m, n, k, block_n, x.stride(0), w.stride(0), w_scale.stride(0),
@@ -87,4 +83,4 @@ def fp8_w8a16_swap_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tenso
     return y
 
 
-__all__ = ["fp8_w8a16_swap_triton", "swap_block_t"]
+__all__ = ["fp8_w8a16_swap_triton"]

@@ -33,7 +33,7 @@ import triton.language as tl
 from qsaserve.ops.device import num_sms
 from qsaserve.ops.moe.grouped_config import FP8_BLOCK_K, GroupedConfig, max_blocks, step_configs
 from qsaserve.ops.nvfp4_gemm.reference import GROUP as NVFP4_GROUP
-from qsaserve.ops.nvfp4_gemm.triton_gemv import e2m1_bits
+from qsaserve.ops.nvfp4_gemm.triton_gemv import e2m1_bits, scaled_e2m1, sums_factor
 
 MODEL_DTYPE, FP8, NVFP4 = 0, 1, 2  # the kernels' FMT: weight formats
 
@@ -62,10 +62,6 @@ def _align_kernel(order_ptr, starts_ptr, sorted_ids_ptr, expert_ids_ptr, num_pad
     tl.store(expert_ids_ptr + b, expert)
 
 
-_TWO_63 = tl.constexpr(2.0**63)
-_TWO_126 = tl.constexpr(2.0**126)
-
-
 @triton.jit
 def _quantize_group(a):
     """a [BLOCK_M, 128] (one group of 128 channels per row) -> (E4M3 a / scale, float32 scale
@@ -82,7 +78,7 @@ def _nvfp4_tile(w_ptr, s_ptr, n, n_ok, k0, K, stride_wn, stride_sn, dtype: tl.co
     """Columns k0 .. k0 + BLOCK_K of rows n of one NVFP4 expert matrix (w_ptr, s_ptr at the
     expert: packed uint8 [N, K/2], E4M3 scales [N, K/16]) -> [BLOCK_K, BLOCK_N] in dtype: each
     E2M1 code decoded by bit arithmetic (the even column from the low nibble; nvfp4_gemm's
-    e2m1_bits, e2m1 * 2^-126) and times its group's scale and 2^63 (_nvfp4_sums_factor undoes
+    e2m1_bits, e2m1 * 2^-126) and times its group's scale and 2^63 (nvfp4_gemm's sums_factor undoes
     it; fp16, 5 exponent bits, takes 2^126 then the scale instead), a product every dtype holds
     exactly (2 x 4 significant bits, a normal float); the row's global scale is left to the
     caller. Masked rows and columns past K read 0."""
@@ -93,20 +89,8 @@ def _nvfp4_tile(w_ptr, s_ptr, n, n_ok, k0, K, stride_wn, stride_sn, dtype: tl.co
     w = tl.reshape(tl.join(e2m1_bits(packed & 0xF), e2m1_bits(packed >> 4)), (BLOCK_N, BLOCK_K))  # [n, k]
     s = tl.load(s_ptr + rows * stride_sn + group[None, :], mask=n_ok[:, None] & (group < K // GROUP)[None, :],
                 other=0.0).to(tl.float32)
-    w = tl.reshape(w, (BLOCK_N, BLOCK_K // GROUP, GROUP))
-    if dtype == tl.float16:
-        w = (w * _TWO_126) * s[:, :, None]
-    else:
-        w = w * (s * _TWO_63)[:, :, None]
+    w = scaled_e2m1(tl.reshape(w, (BLOCK_N, BLOCK_K // GROUP, GROUP)), s, dtype == tl.float16)
     return tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K)).to(dtype))
-
-
-@triton.jit
-def _nvfp4_sums_factor(dtype: tl.constexpr):
-    """What _nvfp4_tile's sums are multiplied by at the end (with the rows' global scales)."""
-    if dtype == tl.float16:
-        return 1.0
-    return _TWO_63
 
 
 @triton.jit
@@ -170,7 +154,7 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, ws_ptr, wr_ptr, act_ptr, sorted_ids_pt
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
     if FMT == 2:  # the rows' global scales (gate's and up's own)
-        f = _nvfp4_sums_factor(x_ptr.dtype.element_ty)
+        f = sums_factor(x_ptr.dtype.element_ty == tl.float16)
         acc_g *= tl.load(wr_ptr + e * stride_re + n, mask=n_ok, other=0.0)[None, :] * f
         acc_u *= tl.load(wr_ptr + e * stride_re + I + n, mask=n_ok, other=0.0)[None, :] * f
     dt = act_ptr.dtype.element_ty
@@ -219,7 +203,7 @@ def _grouped_down_kernel(act_ptr, w_ptr, ws_ptr, wr_ptr, rw_ptr, y_ptr, sorted_i
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if FMT == 2:
-        f = _nvfp4_sums_factor(act_ptr.dtype.element_ty)
+        f = sums_factor(act_ptr.dtype.element_ty == tl.float16)
         acc *= tl.load(wr_ptr + e * stride_re + n, mask=n_ok, other=0.0)[None, :] * f
     dt = y_ptr.dtype.element_ty
     rw = tl.load(rw_ptr + rows64, mask=valid, other=0.0).to(tl.float32)

@@ -11,10 +11,7 @@ import triton.language as tl
 
 from qsaserve.ops.device import num_sms
 from qsaserve.ops.nvfp4_gemm.reference import GROUP
-from qsaserve.ops.nvfp4_gemm.triton_gemv import e2m1_bits
-
-_TWO_63 = tl.constexpr(2.0**63)
-_TWO_126 = tl.constexpr(2.0**126)
+from qsaserve.ops.nvfp4_gemm.triton_gemv import e2m1_bits, scaled_e2m1, sums_factor
 
 
 @triton.jit
@@ -41,14 +38,10 @@ def _w4a16_kernel(x_ptr, w_ptr, s_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_
         g_ok = (k0 // GROUP_ + groups) < K // GROUP_
         s = tl.load(s_ptr + offs_n[:, None] * stride_sn + (k0 // GROUP_ + groups)[None, :],
                     mask=n_ok[:, None] & g_ok[None, :], other=0.0).to(tl.float32)
-        if UNSCALED:  # fp16: 5 exponent bits
-            w = (w * _TWO_126) * s[:, :, None]
-        else:  # e2m1 * scale * 2^-63: exact and a normal float (the sums take 2^63 back)
-            w = w * (s * _TWO_63)[:, :, None]
+        w = scaled_e2m1(w, s, UNSCALED)
         acc += tl.dot(x, tl.trans(tl.reshape(w, (BLOCK_N, BLOCK_K)).to(x.dtype)), input_precision=PRECISION)
     r = tl.load(r_ptr + offs_n, mask=n_ok, other=0.0)
-    if not UNSCALED:
-        r = r * _TWO_63
+    r = r * sums_factor(UNSCALED)
     tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :], (acc * r[None, :]).to(y_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
 

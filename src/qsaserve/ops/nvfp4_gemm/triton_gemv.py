@@ -60,6 +60,29 @@ def e2m1_bits(codes):
     return (((c & 7) << 22) | ((c & 8) << 28)).to(tl.float32, bitcast=True)
 
 
+_TWO_63 = tl.constexpr(2.0**63)
+_TWO_126 = tl.constexpr(2.0**126)
+
+
+@triton.jit
+def scaled_e2m1(w, s, UNSCALED: tl.constexpr):
+    """The tensor-core kernels' weights: w [N, G, 16] = e2m1 * 2^-126 (e2m1_bits,
+    _decode_words) times their group scales s [N, G] (float32), as e2m1 * s * 2^-63: exact (at
+    most 6 significant bits) and a normal float in bf16 / fp32, whose sums then take
+    sums_factor(). UNSCALED (fp16 activations: 5 exponent bits): e2m1 * s itself."""
+    if UNSCALED:
+        return (w * _TWO_126) * s[:, :, None]
+    return w * (s * _TWO_63)[:, :, None]
+
+
+@triton.jit
+def sums_factor(UNSCALED: tl.constexpr):
+    """What sums of scaled_e2m1 weights are multiplied by (with the rows' global scales)."""
+    if UNSCALED:
+        return 1.0
+    return _TWO_63
+
+
 @triton.jit
 def _decode_words(words, G: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_: tl.constexpr):
     """int32 words [G, BLOCK_N, 2] (8 codes each) -> float32 [G, BLOCK_N, 16] e2m1 * 2^-126 in

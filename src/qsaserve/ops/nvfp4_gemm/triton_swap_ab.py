@@ -25,14 +25,12 @@ import torch
 import triton
 import triton.language as tl
 
-from qsaserve.ops.fp8_gemm.triton_gemm import split_k_buffer, sum_split_k
+from qsaserve.ops.fp8_gemm.triton_gemm import decode_block_m, split_k_buffer, sum_split_k
 from qsaserve.ops.fp8_gemm.triton_gemv import split_k_range
 from qsaserve.ops.nvfp4_gemm.reference import GROUP
-from qsaserve.ops.nvfp4_gemm.triton_gemv import _decode_words, w4a16_operands
+from qsaserve.ops.nvfp4_gemm.triton_gemv import _decode_words, scaled_e2m1, sums_factor, w4a16_operands
 
 BLOCK_K = 128  # columns a K step: 8 groups of 16, 64 packed bytes a weight row
-_TWO_63 = tl.constexpr(2.0**63)
-_TWO_126 = tl.constexpr(2.0**126)
 
 
 @triton.jit
@@ -60,16 +58,12 @@ def _w4a16_swap_kernel(x_ptr, w_ptr, s_ptr, r_ptr, y_ptr, M, N, K, stride_xm, st
         w = _decode_words(words, BLOCK_N, G, GROUP_)  # [BLOCK_N, G, 16]: e2m1 * 2^-126
         s = tl.load(s_rows + (k0 // GROUP_ + g)[None, :], mask=n_ok[:, None] & (k0 + g * GROUP_ < K)[None, :],
                     other=0.0).to(tl.float32)
-        if UNSCALED:
-            w = (w * _TWO_126) * s[:, :, None]
-        else:
-            w = w * (s * _TWO_63)[:, :, None]
+        w = scaled_e2m1(w, s, UNSCALED)
         kk = k0 + offs_k
         xt = tl.load(x_cols + kk[:, None], mask=(kk < K)[:, None] & t_ok[None, :], other=0.0)  # [BLOCK_K, BLOCK_T]
         acc += tl.dot(tl.reshape(w, (BLOCK_N, BLOCK_K_)).to(xt.dtype), xt, input_precision=PRECISION)
     r = tl.load(r_ptr + n, mask=n_ok, other=0.0)
-    if not UNSCALED:
-        r = r * _TWO_63
+    r = r * sums_factor(UNSCALED)
     y_ptrs = y_base + t[None, :].to(tl.int64) * stride_ym + n[:, None]
     tl.store(y_ptrs, (acc * r[:, None]).to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & t_ok[None, :])
 
@@ -88,7 +82,7 @@ def nvfp4_w4a16_swap_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.
     n = packed.shape[0]
     if m == 0 or n == 0:
         return y
-    block_t = max(16, min(64, triton.next_power_of_2(m)))
+    block_t = decode_block_m(m)  # token columns a program: tl.dot's 16 at least, at most 64
     out = split_k_buffer(y, split_k)
     grid = (triton.cdiv(n, block_n_tile), split_k, triton.cdiv(m, block_t))
     _w4a16_swap_kernel[grid](x, words, scale, row_scale, out, m, n, k, x.stride(0), words.stride(0), scale.stride(0),
