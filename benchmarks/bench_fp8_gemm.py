@@ -15,7 +15,11 @@
   kernel (ops/nvfp4_gemm) against bf16 cuBLAS; from SWAP_M rows also the transposed W8A16 kernel
   (fp8_gemm/triton_swap_ab.py), "fp8_w8a16_swap_bnB_wW_stS" at SWAP_TILES (weight rows a program,
   warps, stages) and each split in SWAP_SPLITS ("_sN"), and its NVFP4 form
-  (nvfp4_gemm/triton_swap_ab.py), "nvfp4_w4a16_swap_..." at NVFP4_SWAP_TILES x NVFP4_SWAP_SPLITS;
+  (nvfp4_gemm/triton_swap_ab.py), "nvfp4_w4a16_swap_..." at NVFP4_SWAP_TILES x NVFP4_SWAP_SPLITS,
+  and what the engine runs there: "fp8_w8a16_swap" (the transposed kernel's defaults),
+  "nvfp4_dispatch" (ops.nvfp4_gemm.nvfp4_linear) and, as the alternative, "fp8_w8a8" (the
+  activations quantized per token group, then the W8A8 GEMM at its default tile; "_bn64": 64
+  weight rows a program);
   TB/s counts the weight and scale bytes read, and pct_roofline is that over the H200's 4.8 TB/s. At GEMV_M rows also the FMA GEMVs the dispatch
   takes up to 4 rows: "fp8_gemv" (fp8_gemm/triton_gemv.py at its pick_gemv_tile defaults, the row
   names its tile), "fp8_gemv_bnB_bkK_sS" at GEMV_SWEEP, "fp8_gemv_st1" (the defaults with the K
@@ -45,7 +49,7 @@ from qsaserve.ops.fp8_gemm.triton_gemv import fp8_gemv_triton
 from qsaserve.ops.fp8_gemm.triton_swap_ab import fp8_w8a16_swap_triton
 from qsaserve.ops.fp8_gemm.triton_gemv import pick_gemv_tile as pick_fp8_gemv_tile
 from qsaserve.ops.fp8_gemm.triton_quant import per_token_group_quant_triton
-from qsaserve.ops.nvfp4_gemm import quantize_nvfp4
+from qsaserve.ops.nvfp4_gemm import nvfp4_linear, quantize_nvfp4
 from qsaserve.ops.nvfp4_gemm.triton_gemm import nvfp4_w4a16_gemm_triton
 from qsaserve.ops.nvfp4_gemm.triton_gemv import nvfp4_gemv_triton
 from qsaserve.ops.nvfp4_gemm.triton_swap_ab import nvfp4_w4a16_swap_triton
@@ -166,6 +170,16 @@ def decode(name, n, k, m, dev, keep=None) -> list[dict]:
     variants.append(("nvfp4_w4a16", lambda: [nvfp4_w4a16_gemm_triton(x, *f) for f in fp4], fp4_bytes))
     tiles = {}
     if m >= SWAP_M:
+        # what the engine runs at these rows: the transposed kernel at its defaults, NVFP4's
+        # dispatch (transposed or tile by the weight's rows); and W8A8 (activations quantized per
+        # token group, then the E4M3 x E4M3 GEMM) as the alternative for the wider batches
+        variants.append(("fp8_w8a16_swap", lambda: [fp8_w8a16_swap_triton(x, q, s, 128) for _, q, s in ws], fp8_bytes))
+        variants.append(("nvfp4_dispatch", lambda: [nvfp4_linear(x, *f) for f in fp4], fp4_bytes))
+        variants.append(("fp8_w8a8", lambda: [fp8_w8a8_gemm_triton(*per_token_group_quant_triton(x), q, s, 128, x.dtype)
+                                              for _, q, s in ws], fp8_bytes))
+        variants.append(("fp8_w8a8_bn64", lambda: [fp8_w8a8_gemm_triton(*per_token_group_quant_triton(x), q, s, 128,
+                                                                        x.dtype, block_n_tile=64) for _, q, s in ws],
+                         fp8_bytes))
         for bn_t, warps, stages in SWAP_TILES:
             for split in SWAP_SPLITS:
                 variant = f"fp8_w8a16_swap_bn{bn_t}_w{warps}_st{stages}" + (f"_s{split}" if split > 1 else "")

@@ -122,17 +122,18 @@ def test_w8a16_dispatch_takes_the_gemv_up_to_gemv_rows(monkeypatch):
     monkeypatch.setattr(fp8_gemm, "use_triton", lambda x: True)
     monkeypatch.setattr(fp8_gemm.triton_gemv, "fp8_gemv_triton", lambda x, *a: calls.append(("gemv", x.shape[0])))
     monkeypatch.setattr(fp8_gemm.triton_gemm, "fp8_w8a16_gemm_triton", lambda x, *a: calls.append(("tile", x.shape[0])))
+    monkeypatch.setattr(fp8_gemm.triton_swap_ab, "fp8_w8a16_swap_triton",
+                        lambda x, *a, **tile: calls.append(("swap", x.shape[0], tile)))
     w, ws, bn = _weight(16, 256, "block", torch.Generator().manual_seed(0))
     for m in (1, fp8_gemm.GEMV_ROWS, fp8_gemm.GEMV_ROWS + 1, 64):
         fp8_gemm.fp8_w8a16_gemm(torch.zeros(m, 256), w, ws, bn)
-    assert fp8_gemm.GEMV_ROWS == 2
-    assert calls == [("gemv", 1), ("gemv", 2), ("tile", 3), ("tile", 64)]
-    monkeypatch.setattr(fp8_gemm, "DECODE_KERNEL", "swap")  # QSASERVE_FP8_DECODE_KERNEL=swap
-    monkeypatch.setattr(fp8_gemm.triton_swap_ab, "fp8_w8a16_swap_triton",
-                        lambda x, *a, **tile: calls.append(("swap", x.shape[0], tile["block_n_tile"])))
+    assert fp8_gemm.GEMV_ROWS == 2 and fp8_gemm.DECODE_KERNEL == "swap"
+    # the transposed kernel at its own launch defaults (pick_swap_split_k per weight)
+    assert calls == [("gemv", 1), ("gemv", 2), ("swap", 3, {}), ("swap", 64, {})]
+    monkeypatch.setattr(fp8_gemm, "DECODE_KERNEL", "tile")  # QSASERVE_FP8_DECODE_KERNEL=tile
     fp8_gemm.fp8_w8a16_gemm(torch.zeros(2, 256), w, ws, bn)
     fp8_gemm.fp8_w8a16_gemm(torch.zeros(8, 256), w, ws, bn)
-    assert calls[4:] == [("gemv", 2), ("swap", 8, 128)]
+    assert calls[4:] == [("gemv", 2), ("tile", 8)]
     monkeypatch.undo()
     x = torch.randn(2, 256)
     torch.testing.assert_close(fp8_gemm.fp8_w8a16_gemm(x, w, ws, bn), ref.fp8_w8a16_gemm_reference(x, w, ws, bn))

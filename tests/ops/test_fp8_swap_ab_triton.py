@@ -72,3 +72,17 @@ def bench_fp8_gemm():
 
 def test_the_compiled_tiles_are_the_benchmarks():
     assert tuple(bench_fp8_gemm().SWAP_TILES) == BENCH_TILES
+
+
+def test_split_rule_gives_every_sm_two_programs_where_k_allows():
+    """pick_swap_split_k at llama-8b's shapes on 132 SMs: the splits that led the H200 sweep
+    (docs/weight_quantization.md); a short K is not cut below 4 groups a program."""
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from qsaserve.ops.fp8_gemm.triton_swap_ab import pick_swap_split_k
+
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    assert {name: pick_swap_split_k(n, k, 132) for name, (n, k) in shapes.items()} == \
+        {"qkv": 4, "o": 4, "gate_up": 1, "down": 4}
+    assert pick_swap_split_k(4096, 1024, 132) == 2  # 8 groups of 128: 2 programs of 4
+    assert pick_swap_split_k(4096, 512, 132) == 1
+    assert pick_swap_split_k(8448, 4096, 132) == 2  # 132 row blocks: 2 a program with 2 splits

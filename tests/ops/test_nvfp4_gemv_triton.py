@@ -114,12 +114,18 @@ def test_nvfp4_dispatch_takes_the_gemv_up_to_gemv_rows(monkeypatch):
     monkeypatch.setattr(nvfp4_gemm.triton_gemm, "nvfp4_w4a16_gemm_triton",
                         lambda x, *a: calls.append(("tile", x.shape[0])) or torch.zeros(x.shape[0], 16))
     packed, scale, rs = _weight(16, 128, torch.Generator().manual_seed(0))
-    for m in (1, nvfp4_gemm.GEMV_ROWS, nvfp4_gemm.GEMV_ROWS + 1):
-        nvfp4_gemm.nvfp4_linear(torch.zeros(m, 128), packed, scale, rs)
-    assert nvfp4_gemm.GEMV_ROWS == 4 and calls == [("gemv", 1), ("gemv", 4), ("tile", 5)]
-    monkeypatch.setattr(nvfp4_gemm, "DECODE_KERNEL", "swap")  # QSASERVE_NVFP4_DECODE_KERNEL=swap: 5-64 rows
     monkeypatch.setattr(nvfp4_gemm.triton_swap_ab, "nvfp4_w4a16_swap_triton",
                         lambda x, *a, **tile: calls.append(("swap", x.shape[0])) or torch.zeros(x.shape[0], 16))
+    for m in (1, nvfp4_gemm.GEMV_ROWS, nvfp4_gemm.GEMV_ROWS + 1, 64, 65):
+        nvfp4_gemm.nvfp4_linear(torch.zeros(m, 128), packed, scale, rs)
+    # auto: 16 weight rows are one 64-row block, too few for the tile kernel: transposed to 64 rows
+    assert nvfp4_gemm.GEMV_ROWS == 4 and nvfp4_gemm.DECODE_KERNEL == "auto"
+    assert calls == [("gemv", 1), ("gemv", 4), ("swap", 5), ("swap", 64), ("tile", 65)]
+    # 264 row blocks (2 a program on 132 SMs) and more keep the tile kernel
+    assert nvfp4_gemm.takes_swap(8, 263 * 64, 132) and not nvfp4_gemm.takes_swap(8, 264 * 64, 132)
+    monkeypatch.setattr(nvfp4_gemm, "DECODE_KERNEL", "tile")  # QSASERVE_NVFP4_DECODE_KERNEL=tile
+    nvfp4_gemm.nvfp4_linear(torch.zeros(8, 128), packed, scale, rs)
+    monkeypatch.setattr(nvfp4_gemm, "DECODE_KERNEL", "swap")  # every decode batch, 5-64 rows
     for m in (4, 5, 64, 65):
         nvfp4_gemm.nvfp4_linear(torch.zeros(m, 128), packed, scale, rs)
-    assert calls[3:] == [("gemv", 4), ("swap", 5), ("swap", 64), ("tile", 65)]
+    assert calls[5:] == [("tile", 8), ("gemv", 4), ("swap", 5), ("swap", 64), ("tile", 65)]

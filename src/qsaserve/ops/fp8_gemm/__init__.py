@@ -3,10 +3,11 @@ reference.py), dispatched (`ops.dispatch.use_triton`): on CUDA the Triton kernel
 triton_quant.py, triton_gemv.py), else the torch references. `fp8_linear` is what layers call: up
 to DECODE_ROWS rows W8A16 (bf16 activations), more rows W8A8 with per-token-group activation
 scales, on every device, so the CPU reference computes what the GPU does. On CUDA the W8A16 op
-takes the FMA GEMV (triton_gemv.py) up to GEMV_ROWS rows, the tensor-core tile kernel above (same
-math, so the reference is one); QSASERVE_FP8_DECODE_KERNEL=swap (read at import) takes the
-transposed tile kernel (triton_swap_ab.py) there instead, until the H200 measurement decides the
-default (docs/weight_quantization.md)."""
+takes the FMA GEMV (triton_gemv.py) up to GEMV_ROWS rows and the transposed tensor-core kernel
+(triton_swap_ab.py) above (same math, so the reference is one): on an H200 it beat the
+untransposed tile kernel (triton_gemm.py) at 8-64 rows on llama-8b's shapes, 1.7x at 64 rows
+(docs/weight_quantization.md). QSASERVE_FP8_DECODE_KERNEL=tile (read at import) keeps the tile
+kernel, for A/B runs."""
 from __future__ import annotations
 
 import os
@@ -28,11 +29,9 @@ except ImportError:
 # largest (gate_up 48.3 against 57.1 us; the FMAs' issue rate, not the bandwidth, bounds it).
 GEMV_ROWS = 2
 DECODE_KERNELS = ("tile", "swap")
-DECODE_KERNEL = os.environ.get("QSASERVE_FP8_DECODE_KERNEL", "tile")
+DECODE_KERNEL = os.environ.get("QSASERVE_FP8_DECODE_KERNEL", "swap")
 if DECODE_KERNEL not in DECODE_KERNELS:
     raise ValueError(f"QSASERVE_FP8_DECODE_KERNEL: one of {', '.join(DECODE_KERNELS)}, got {DECODE_KERNEL!r}")
-# the transposed kernel's launch until its sweep is measured: 128 weight rows a program, 2 K splits
-SWAP_TILE = dict(block_n_tile=128, split_k=2, num_warps=4, num_stages=4)
 
 
 def per_token_group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,7 +55,7 @@ def fp8_w8a16_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bloc
         if x.shape[0] <= GEMV_ROWS:
             return triton_gemv.fp8_gemv_triton(x, w, w_scale, block_n)
         if DECODE_KERNEL == "swap":
-            return triton_swap_ab.fp8_w8a16_swap_triton(x, w, w_scale, block_n, **SWAP_TILE)
+            return triton_swap_ab.fp8_w8a16_swap_triton(x, w, w_scale, block_n)
         return triton_gemm.fp8_w8a16_gemm_triton(x, w, w_scale, block_n)
     return reference.fp8_w8a16_gemm_reference(x, w, w_scale, block_n)
 

@@ -15,19 +15,38 @@ weights' block scale per row before it joins the float32 sum (E4M3 is exact in b
 The grid is (N / BLOCK_N, split_k, M / BLOCK_T). With split_k > 1 each program takes a contiguous
 range of whole 128-column groups of K (triton_gemv.split_k_range) and writes its float32 partial
 sums to its plane of a [split_k, M, N] workspace, which triton_gemm's _split_k_sum_kernel adds in
-a fixed order (deterministic, no atomics, no host sync: CUDA-graph safe). Not yet timed on a GPU
-(benchmarks/bench_fp8_gemm.py's fp8_w8a16_swap rows); the dispatch (ops/fp8_gemm/__init__.py)
-does not take it until it is."""
+a fixed order (deterministic, no atomics, no host sync: CUDA-graph safe).
+
+The launch (64 weight rows, 4 warps, 4 stages, pick_swap_split_k's splits) is the one that led
+benchmarks/bench_fp8_gemm.py's sweep on an H200 at llama-8b's shapes and 8-64 rows
+(docs/weight_quantization.md): 128 weight rows a program lost at every shape."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
+from qsaserve.ops.device import num_sms
 from qsaserve.ops.fp8_gemm.reference import GROUP
 from qsaserve.ops.fp8_gemm.triton_gemm import (_scale_k_stride, decode_block_m, split_k_buffer, sum_split_k,
                                               w8a16_operands)
 from qsaserve.ops.fp8_gemm.triton_gemv import split_k_range
+
+
+SWAP_BLOCK_N = 64  # weight rows a program: one warpgroup's MMA M
+SWAP_WARPS = 4
+SWAP_STAGES = 4
+
+
+def pick_swap_split_k(n: int, k: int, sms: int, block_n_tile: int = SWAP_BLOCK_N) -> int:
+    """The fewest K splits in 1, 2, 4 that give at least 2 programs an SM, without cutting K below
+    4 blocks of 128 a program. On an H200 (132 SMs) at llama-8b's shapes: gate_up (448 row blocks)
+    1, qkv (96), o and down (64) 4, each the sweep's best or within 8% of it at 8-64 rows."""
+    programs = triton.cdiv(n, block_n_tile)
+    split = 1
+    while split < 4 and programs * split < 2 * sms and triton.cdiv(k, GROUP) >= 8 * split:
+        split *= 2
+    return split
 
 
 @triton.jit
@@ -57,14 +76,16 @@ def _w8a16_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
 
 
 def fp8_w8a16_swap_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
-                          block_n_tile: int = 64, split_k: int = 1, num_warps: int = 4,
-                          num_stages: int = 4) -> torch.Tensor:
+                          block_n_tile: int = SWAP_BLOCK_N, split_k: int | None = None,
+                          num_warps: int = SWAP_WARPS, num_stages: int = SWAP_STAGES) -> torch.Tensor:
     """x [M, K] bf16/fp16/fp32, w [N, K] E4M3, w_scale [Sn, Sk] -> [M, N] in x's dtype, as
     reference.fp8_w8a16_gemm_reference. block_n_tile: weight rows a program (the MMA's M: 64 a
-    warpgroup); split_k: programs a row block over K; num_warps / num_stages: the launch
+    warpgroup); split_k: programs a row block over K (None: pick_swap_split_k); num_warps / num_stages: the launch
     (benchmarks/bench_fp8_gemm.py sweeps them). M above 64 runs as more token blocks, each
     re-reading the weights."""
     x, y = w8a16_operands(x, w, w_scale, block_n, "fp8_w8a16_swap")
+    if split_k is None:
+        split_k = pick_swap_split_k(w.shape[0], w.shape[1], num_sms(x.device), block_n_tile)
     if split_k < 1 or block_n_tile < 16:
         raise ValueError(f"fp8_w8a16_swap: split_k must be >= 1 and block_n_tile >= 16, got {split_k}, {block_n_tile}")
     m, k = x.shape
@@ -83,4 +104,4 @@ def fp8_w8a16_swap_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tenso
     return y
 
 
-__all__ = ["fp8_w8a16_swap_triton"]
+__all__ = ["SWAP_BLOCK_N", "fp8_w8a16_swap_triton", "pick_swap_split_k"]

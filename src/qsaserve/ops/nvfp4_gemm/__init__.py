@@ -1,15 +1,19 @@
 """Linear layers with NVFP4 weights (ModelOpt layout, reference.py) run as W4A16, dispatched
 (`ops.dispatch.use_triton`): on CUDA the FMA GEMV (triton_gemv.py) up to GEMV_ROWS rows and the
-tensor-core kernel (triton_gemm.py) above, else the reference (the same math for both).
-QSASERVE_NVFP4_DECODE_KERNEL=swap (read at import) takes the transposed kernel
-(triton_swap_ab.py) from GEMV_ROWS + 1 to SWAP_ROWS rows instead, until the H200 measurement
-decides the default."""
+tensor-core kernel (triton_gemm.py) above, else the reference (the same math for both). From
+GEMV_ROWS + 1 to SWAP_ROWS rows a weight with too few 64-row blocks to give every SM two programs
+(the transposed kernel splits its K instead) takes the transposed kernel
+(triton_swap_ab.py) instead: on an H200 at llama-8b's shapes it led on qkv, o and down (8-32
+rows, 0.81-0.87x the tile kernel's time) and lost on gate_up (448 row blocks, 1.6x), where the
+tile kernel stays (docs/weight_quantization.md). QSASERVE_NVFP4_DECODE_KERNEL (read at import):
+auto (that rule), tile or swap (every decode batch), for A/B runs."""
 from __future__ import annotations
 
 import os
 
 import torch
 
+from qsaserve.ops.device import num_sms
 from qsaserve.ops.dispatch import use_triton
 from qsaserve.ops.nvfp4_gemm import reference
 from qsaserve.ops.nvfp4_gemm.reference import GROUP, dequantize_nvfp4, quantize_nvfp4
@@ -21,11 +25,18 @@ except ImportError:
 
 GEMV_ROWS = 4  # up to this many rows the GEMV (tl.dot would pad them to 16)
 SWAP_ROWS = 64  # decode batches; prefill chunks keep the tile kernel
-DECODE_KERNELS = ("tile", "swap")
-DECODE_KERNEL = os.environ.get("QSASERVE_NVFP4_DECODE_KERNEL", "tile")
+SWAP_BLOCK_N = 64  # weight rows a program of the transposed kernel (its default)
+DECODE_KERNELS = ("auto", "tile", "swap")
+DECODE_KERNEL = os.environ.get("QSASERVE_NVFP4_DECODE_KERNEL", "auto")
 if DECODE_KERNEL not in DECODE_KERNELS:
     raise ValueError(f"QSASERVE_NVFP4_DECODE_KERNEL: one of {', '.join(DECODE_KERNELS)}, got {DECODE_KERNEL!r}")
-SWAP_TILE = dict(block_n_tile=128, split_k=2, num_warps=4, num_stages=4)  # until its sweep is measured
+
+
+def takes_swap(m: int, n: int, sms: int) -> bool:
+    """Whether a W4A16 product of m rows by a weight of n rows runs transposed on CUDA."""
+    if m <= GEMV_ROWS or m > SWAP_ROWS or DECODE_KERNEL == "tile":
+        return False
+    return DECODE_KERNEL == "swap" or -(-n // SWAP_BLOCK_N) < 2 * sms
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
@@ -33,8 +44,8 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row
     """x [T, K] -> x @ W^T (+ bias) [T, N] in x's dtype."""
     if use_triton(x) and x.shape[0] <= GEMV_ROWS:
         y = triton_gemv.nvfp4_gemv_triton(x, packed, scale, row_scale)
-    elif use_triton(x) and DECODE_KERNEL == "swap" and x.shape[0] <= SWAP_ROWS:
-        y = triton_swap_ab.nvfp4_w4a16_swap_triton(x, packed, scale, row_scale, **SWAP_TILE)
+    elif use_triton(x) and takes_swap(x.shape[0], packed.shape[0], num_sms(x.device)):
+        y = triton_swap_ab.nvfp4_w4a16_swap_triton(x, packed, scale, row_scale)
     elif use_triton(x):
         y = triton_gemm.nvfp4_w4a16_gemm_triton(x, packed, scale, row_scale)
     else:
@@ -42,4 +53,4 @@ def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row
     return y if bias is None else y + bias
 
 
-__all__ = ["DECODE_KERNEL", "GEMV_ROWS", "GROUP", "dequantize_nvfp4", "nvfp4_linear", "quantize_nvfp4"]
+__all__ = ["DECODE_KERNEL", "GEMV_ROWS", "SWAP_ROWS", "takes_swap", "GROUP", "dequantize_nvfp4", "nvfp4_linear", "quantize_nvfp4"]

@@ -16,9 +16,9 @@ scale, unscaled.
 
 Grid (N / BLOCK_N, split_k, M / BLOCK_T); split_k > 1 takes contiguous ranges of whole 128-column
 blocks of K (triton_gemv.split_k_range) into a float32 [split_k, M, N] workspace, added in a
-fixed order (fp8_gemm's _split_k_sum_kernel): deterministic, no host sync. Not yet timed on a GPU
-(benchmarks/bench_fp8_gemm.py's nvfp4_w4a16_swap rows); the dispatch takes it for 5-64 rows with
-QSASERVE_NVFP4_DECODE_KERNEL=swap only."""
+fixed order (fp8_gemm's _split_k_sum_kernel): deterministic, no host sync. The launch defaults
+(64 weight rows, 4 warps, 4 stages, fp8's pick_swap_split_k) led benchmarks/bench_fp8_gemm.py's
+sweep on an H200; ops/nvfp4_gemm/__init__.py says which weights take it."""
 from __future__ import annotations
 
 import torch
@@ -26,7 +26,9 @@ import triton
 import triton.language as tl
 
 from qsaserve.ops.fp8_gemm.triton_gemm import decode_block_m, split_k_buffer, sum_split_k
+from qsaserve.ops.device import num_sms
 from qsaserve.ops.fp8_gemm.triton_gemv import split_k_range
+from qsaserve.ops.fp8_gemm.triton_swap_ab import SWAP_BLOCK_N, SWAP_STAGES, SWAP_WARPS, pick_swap_split_k
 from qsaserve.ops.nvfp4_gemm.reference import GROUP
 from qsaserve.ops.nvfp4_gemm.triton_gemv import _decode_words, scaled_e2m1, sums_factor, w4a16_operands
 
@@ -69,13 +71,15 @@ def _w4a16_swap_kernel(x_ptr, w_ptr, s_ptr, r_ptr, y_ptr, M, N, K, stride_xm, st
 
 
 def nvfp4_w4a16_swap_triton(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
-                            block_n_tile: int = 64, split_k: int = 1, num_warps: int = 4,
-                            num_stages: int = 4) -> torch.Tensor:
+                            block_n_tile: int = SWAP_BLOCK_N, split_k: int | None = None,
+                            num_warps: int = SWAP_WARPS, num_stages: int = SWAP_STAGES) -> torch.Tensor:
     """x [M, K] (K a multiple of 16), packed uint8 [N, K/2], scale E4M3 [N, K/16], row_scale float32
     [N] -> [M, N] in x's dtype, as reference.nvfp4_w4a16_gemm_reference. block_n_tile: weight rows
-    a program (the MMA's M); split_k: programs a row block over K; num_warps / num_stages: the
+    a program (the MMA's M); split_k: programs a row block over K (None: pick_swap_split_k); num_warps / num_stages: the
     launch (benchmarks/bench_fp8_gemm.py sweeps them)."""
     x, words, row_scale, y = w4a16_operands(x, packed, scale, row_scale, "nvfp4_w4a16_swap")
+    if split_k is None:
+        split_k = pick_swap_split_k(packed.shape[0], x.shape[1], num_sms(x.device), block_n_tile)
     if split_k < 1 or block_n_tile < 16:
         raise ValueError(f"nvfp4_w4a16_swap: split_k must be >= 1 and block_n_tile >= 16, got {split_k}, {block_n_tile}")
     m, k = x.shape
