@@ -185,3 +185,17 @@ def test_fp8_linear_reference_switches_to_w8a8_above_the_decode_rows():
     torch.testing.assert_close(ref.fp8_linear_reference(x, w, ws, bn), ref.fp8_w8a8_gemm_reference(xq, xs, w, ws, bn, x.dtype))
     few = x[: ref.DECODE_ROWS]
     torch.testing.assert_close(ref.fp8_linear_reference(few, w, ws, bn), few @ ref.dequantize_weight(w, ws, bn).t())
+
+
+def test_wide_weights_take_w8a8_from_two_rows():
+    """A weight of W8A8_DECODE_MIN_N rows (132 x 128: its 64 x 128 W8A8 tiles fill an H200) takes
+    W8A8 from 2 rows, on CPU as on the GPU; one row and narrower weights stay W8A16."""
+    assert ref.W8A8_DECODE_MIN_N == 132 * 128
+    assert [ref.takes_w8a8(m, ref.W8A8_DECODE_MIN_N) for m in (1, 2, 64, 65)] == [False, True, True, True]
+    assert [ref.takes_w8a8(m, ref.W8A8_DECODE_MIN_N - 1) for m in (1, 2, 64, 65)] == [False, False, False, True]
+    gen = torch.Generator().manual_seed(2)
+    w, ws, bn = _weight(ref.W8A8_DECODE_MIN_N, 128, "block", gen)
+    x = torch.randn(2, 128, generator=gen)
+    xq, xs = ref.per_token_group_quant_reference(x)
+    torch.testing.assert_close(ref.fp8_linear_reference(x, w, ws, bn), ref.fp8_w8a8_gemm_reference(xq, xs, w, ws, bn, x.dtype))
+    torch.testing.assert_close(ref.fp8_linear_reference(x[:1], w, ws, bn), x[:1] @ ref.dequantize_weight(w, ws, bn).t())

@@ -2,7 +2,8 @@
 reference.py), dispatched (`ops.dispatch.use_triton`): on CUDA the Triton kernels (triton_gemm.py,
 triton_quant.py, triton_gemv.py), else the torch references. `fp8_linear` is what layers call: up
 to DECODE_ROWS rows W8A16 (bf16 activations), more rows W8A8 with per-token-group activation
-scales, on every device, so the CPU reference computes what the GPU does. On CUDA the W8A16 op
+scales, and W8A8 from 2 rows for weights of W8A8_DECODE_MIN_N rows or more (reference.takes_w8a8),
+on every device, so the CPU reference computes what the GPU does. On CUDA the W8A16 op
 takes the FMA GEMV (triton_gemv.py) up to GEMV_ROWS rows and the transposed tensor-core kernel
 (triton_swap_ab.py) above (same math, so the reference is one): on an H200 it beat the
 untransposed tile kernel (triton_gemm.py) at 8-64 rows on llama-8b's shapes, 1.7x at 64 rows
@@ -16,8 +17,8 @@ import torch
 
 from qsaserve.ops.dispatch import use_triton
 from qsaserve.ops.fp8_gemm import reference
-from qsaserve.ops.fp8_gemm.reference import (DECODE_ROWS, FP8, GROUP, dequantize_weight, expand_scale,
-                                             quantize_weight_block, quantize_weight_rows)
+from qsaserve.ops.fp8_gemm.reference import (DECODE_ROWS, FP8, GROUP, W8A8_DECODE_MIN_N, dequantize_weight,
+                                             expand_scale, quantize_weight_block, quantize_weight_rows, takes_w8a8)
 
 try:  # CPU-only installs keep the references
     from qsaserve.ops.fp8_gemm import triton_gemm, triton_gemv, triton_quant, triton_swap_ab
@@ -63,7 +64,7 @@ def fp8_w8a16_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bloc
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] -> x @ W^T (+ bias) [T, N] in x's dtype (reference.fp8_linear_reference)."""
-    if x.shape[0] <= DECODE_ROWS:
+    if not takes_w8a8(x.shape[0], w.shape[0]):
         y = fp8_w8a16_gemm(x, w, w_scale, block_n)
     else:
         xq, xs = per_token_group_quant(x)
@@ -71,5 +72,5 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n:
     return y if bias is None else y + bias
 
 
-__all__ = ["DECODE_KERNEL", "DECODE_ROWS", "FP8", "GEMV_ROWS", "GROUP", "dequantize_weight", "expand_scale", "fp8_linear", "fp8_w8a16_gemm",
+__all__ = ["DECODE_KERNEL", "DECODE_ROWS", "FP8", "GEMV_ROWS", "GROUP", "W8A8_DECODE_MIN_N", "takes_w8a8", "dequantize_weight", "expand_scale", "fp8_linear", "fp8_w8a16_gemm",
            "fp8_w8a8_gemm", "per_token_group_quant", "quantize_weight_block", "quantize_weight_rows"]
