@@ -40,6 +40,11 @@ def _check_w8a8(device, m, n, k, kind, out_dtype, **tiles):
     want = ref.fp8_w8a8_gemm_reference(xq, xs, w, ws, bn, out_dtype)
     assert got.shape == (m, n) and got.dtype == out_dtype
     tol = dict(rtol=1e-4, atol=1e-4) if out_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    if device == "cuda" and out_dtype == torch.float32:
+        # Hopper's E4M3 MMA keeps about 14 bits of its sum within a 128-deep block (the kernel
+        # promotes to float32 between blocks): on an H200 the 128 x 128 tile was off by up to
+        # 1.26e-3 on sums of ~10, so the bound is relative to the largest product sum
+        tol = dict(rtol=1e-3, atol=want.abs().max().item() * 2**-12)
     torch.testing.assert_close(got, want, **tol)
 
 
