@@ -121,8 +121,11 @@ def test_nvfp4_dispatch_takes_the_gemv_up_to_gemv_rows(monkeypatch):
     # auto: 16 weight rows are one 64-row block, too few for the tile kernel: transposed to 64 rows
     assert nvfp4_gemm.GEMV_ROWS == 4 and nvfp4_gemm.DECODE_KERNEL == "auto"
     assert calls == [("gemv", 1), ("gemv", 4), ("swap", 5), ("swap", 64), ("tile", 65)]
-    # 264 row blocks (2 a program on 132 SMs) and more keep the tile kernel
+    # 264 row blocks (2 a program on 132 SMs) and more keep the tile kernel, from one row
     assert nvfp4_gemm.takes_swap(8, 263 * 64, 132) and not nvfp4_gemm.takes_swap(8, 264 * 64, 132)
+    assert nvfp4_gemm.WIDE_N == 264 * 64
+    assert nvfp4_gemm.takes_gemv(4, nvfp4_gemm.WIDE_N - 1) and not nvfp4_gemm.takes_gemv(1, nvfp4_gemm.WIDE_N)
+    assert not nvfp4_gemm.takes_swap(1, nvfp4_gemm.WIDE_N, 132)
     monkeypatch.setattr(nvfp4_gemm, "DECODE_KERNEL", "tile")  # QSASERVE_NVFP4_DECODE_KERNEL=tile
     nvfp4_gemm.nvfp4_linear(torch.zeros(8, 128), packed, scale, rs)
     monkeypatch.setattr(nvfp4_gemm, "DECODE_KERNEL", "swap")  # every decode batch, 5-64 rows
