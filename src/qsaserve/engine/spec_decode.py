@@ -27,6 +27,7 @@ from qsaserve.engine.batch import PLACEHOLDER_TOKEN, TokenFeed
 from qsaserve.engine.mtp_drafter import DeferredDrafts, MtpDraftRequest, full_request, uniform_step_rows
 from qsaserve.engine.ngram_proposer import propose_ngram
 from qsaserve.engine.rejection_sampler import VerifiedDrafts, verify_drafts_on_device
+from qsaserve.engine.sampler import to_device
 from qsaserve.engine.scheduler import ScheduledChunk
 from qsaserve.engine.sequence import Sequence
 from qsaserve.parallel.dcp import DcpGeometry
@@ -311,7 +312,9 @@ class SpecDecoder:
             extra = list(range(cursor, cursor + len(drafts)))
             cursor += len(drafts)
             rows.append([index] + extra + [index] * (self.k - len(drafts)))
-        return logits[torch.tensor(rows, device=logits.device)]
+        # pinned and non_blocking: a pageable copy would make the host wait for the step's forward
+        # before it can launch the head behind it
+        return logits[to_device(rows, torch.long, logits.device)]
 
     def verify(self, logits: torch.Tensor, plan, generator: torch.Generator) -> dict[int, tuple[list[int], bool]]:
         """seq_id -> (emitted tokens, all rows finite), for every verified sequence."""
