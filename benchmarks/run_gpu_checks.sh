@@ -67,13 +67,16 @@ if [ "$mode" = single ]; then
     part bench_fp8_gemm 150 python benchmarks/bench_fp8_gemm.py --out "$out/bench_fp8_gemm.json"
     # FP8 decode (3-64 rows) on the untransposed tile kernel instead (the A/B of the default).
     part latency_llama8b_wfp8_tile 150 env QSASERVE_FP8_DECODE_KERNEL=tile sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling --quantization fp8 --profile-steps 16 > '$out/latency_llama8b_wfp8_tile.json'"
+    # The FP8 decode GEMVs as programmatic dependent launches (ops/pdl.py, opt-in): the A/B.
+    part latency_llama8b_wfp8_pdl 150 env QSASERVE_PDL=1 sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling --quantization fp8 --profile-steps 16 > '$out/latency_llama8b_wfp8_pdl.json'"
+    part gpu_tests_pdl 120 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_pdl.xml" tests/ops/test_pdl.py
     part latency_llama8b_wnvfp4_swap 150 env QSASERVE_NVFP4_DECODE_KERNEL=swap sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling --quantization nvfp4 --profile-steps 16 > '$out/latency_llama8b_wnvfp4_swap.json'"
     # The decode tile kernels alone at 8-64 rows: the default against the transposed kernels' sweep.
     part bench_fp8_decode 270 python benchmarks/bench_fp8_gemm.py --phases decode --decode-m 8,16,32,64 \
         --variants 'fp8_w8a16,fp8_w8a16_swap*,nvfp4_w4a16,nvfp4_w4a16_swap*' --out "$out/bench_fp8_decode.json"
     # What the engine runs at 4-64 rows against the tile kernels and W8A8 (short: no sweep).
-    part bench_fp8_decode_engine 120 python benchmarks/bench_fp8_gemm.py --phases decode --decode-m 4,8,16,32,64 \
-        --variants 'fp8_w8a16,fp8_w8a16_swap,fp8_w8a8*,nvfp4_w4a16,nvfp4_dispatch' --out "$out/bench_fp8_decode_engine.json"
+    part bench_fp8_decode_engine 120 python benchmarks/bench_fp8_gemm.py --phases decode --decode-m 1,2,4,8,16,32,64 \
+        --variants 'fp8_w8a16,fp8_w8a16_swap,fp8_w8a8*,nvfp4_w4a16,nvfp4_dispatch,nvfp4_gemv,fp8_gemv,fp8_gemv_pdl' --out "$out/bench_fp8_decode_engine.json"
     for w in bf16 fp8; do
         q=$([ $w = bf16 ] || echo "--quantization $w")
         part throughput_llama8b_w$w 240 sh -c "python -m qsaserve.cli bench throughput llama-8b --load-format dummy --max-model-len 4096 $q > '$out/throughput_llama8b_w$w.json'"
