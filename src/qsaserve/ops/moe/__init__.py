@@ -5,10 +5,11 @@
   (triton_moe.py) for steps of at most DECODE_KERNEL_MAX_TOKENS tokens with fewer token-choices
   than experts, else the grouped GEMMs (triton_grouped.py); neither syncs with the host. Elsewhere
   the torch references (reference.py): the loop over experts, and its sync-free form.
-  Block-FP8 experts (w13_scale, w2_scale given): the grouped GEMMs' FP8 form at every size on
-  CUDA, block_fp8.moe_experts_block_fp8 elsewhere. NVFP4 experts (w13_row_scale, w2_row_scale
-  given too): the grouped GEMMs' NVFP4 (W4A16) form at every size on CUDA, as FP8 experts (the
-  decode kernels read model-dtype weights only), nvfp4.moe_experts_nvfp4 elsewhere.
+  Block-FP8 experts (w13_scale, w2_scale given): on CUDA the decode kernels' FP8 form where the
+  model-dtype experts take them (H and I multiples of 128), else the grouped GEMMs' FP8 form;
+  block_fp8.moe_experts_block_fp8 elsewhere. NVFP4 experts (w13_row_scale, w2_row_scale given
+  too): the grouped GEMMs' NVFP4 (W4A16) form at every size on CUDA, nvfp4.moe_experts_nvfp4
+  elsewhere.
 * `moe_router`, `moe_align_block_size`: references (the latter is the grouped path's sort).
 * `warm_up`: builds every kernel variant the dispatch can pick for steps up to a token budget."""
 from __future__ import annotations
@@ -44,9 +45,18 @@ def uses_decode_kernels(num_tokens: int, top_k: int, num_experts: int) -> bool:
     return num_tokens <= DECODE_KERNEL_MAX_TOKENS and num_tokens * top_k < num_experts
 
 
+def _decode_format_ok(scales: dict, hidden: int, inter: int) -> bool:
+    """Whether the decode kernels take these experts: model-dtype or block-FP8 of whole 128-groups."""
+    if not scales:
+        return True
+    return "w13_row_scale" not in scales and triton_moe.takes_fp8(hidden, inter)
+
+
 def _experts_triton(x, indices, weights, gate_up_proj, down_proj, scales):
-    if not scales and uses_decode_kernels(indices.shape[0], indices.shape[1], gate_up_proj.shape[0]):
-        return triton_moe.moe_experts_decode_triton(x, indices, weights.to(x.dtype), gate_up_proj, down_proj)
+    if (uses_decode_kernels(indices.shape[0], indices.shape[1], gate_up_proj.shape[0])
+            and _decode_format_ok(scales, x.shape[1], down_proj.shape[2])):
+        return triton_moe.moe_experts_decode_triton(x, indices, weights.to(x.dtype), gate_up_proj, down_proj,
+                                                    w13_scale=scales.get("w13_scale"), w2_scale=scales.get("w2_scale"))
     return triton_grouped.moe_experts_grouped_triton(x, indices, weights, gate_up_proj, down_proj, **scales)
 
 
@@ -124,7 +134,8 @@ def warm_up(gate_up_proj: torch.Tensor, down_proj: torch.Tensor, top_k: int, dty
     decode_blocks, grouped = _warm_up_plan(max_tokens, top_k, num_experts, h, two_i // 2,
                                            torch.empty((), dtype=dtype).element_size(), sms, fmt)
     for block_n in decode_blocks:
-        triton_moe.moe_experts_decode_triton(*inputs(1), gate_up_proj, down_proj, block_n=block_n)
+        triton_moe.moe_experts_decode_triton(*inputs(1), gate_up_proj, down_proj, block_n=block_n,
+                                             w13_scale=scales.get("w13_scale"), w2_scale=scales.get("w2_scale"))
         launches += 1
     for configs, n in grouped:
         triton_grouped.moe_experts_grouped_triton(*inputs(n), gate_up_proj, down_proj, configs=configs, **scales)
@@ -137,13 +148,15 @@ def _warm_up_plan(max_tokens: int, top_k: int, num_experts: int, hidden: int, in
                   fmt: str):
     """(decode-kernel row blocks, [(grouped configs, tokens)]) of steps of 1..max_tokens tokens;
     computed once per shape (every MoE layer of a model asks for the same). fmt: "" (model-dtype
-    weights), "fp8" or "nvfp4" (quantized experts take the grouped GEMMs at every size)."""
+    weights), "fp8" (the decode kernels where _decode_format_ok) or "nvfp4" (the grouped GEMMs at
+    every size)."""
     from qsaserve.ops.moe.grouped_config import configs_for
 
-    decode = [n for n in range(1, max_tokens + 1) if not fmt and uses_decode_kernels(n, top_k, num_experts)]
+    in_decode = fmt == "" or (fmt == "fp8" and triton_moe.takes_fp8(hidden, inter))
+    decode = [n for n in range(1, max_tokens + 1) if in_decode and uses_decode_kernels(n, top_k, num_experts)]
     blocks = dict.fromkeys((triton_moe.pick_block_n(n * top_k, inter, sms), triton_moe.pick_block_n(n, hidden, sms))
                            for n in decode)
-    grouped = [n for n in range(1, max_tokens + 1) if fmt or not uses_decode_kernels(n, top_k, num_experts)]
+    grouped = [n for n in range(1, max_tokens + 1) if n not in decode]
     configs = configs_for(grouped, top_k, num_experts, hidden, inter, elem_bytes, sms, fmt == "fp8")
     return tuple(blocks), tuple(configs.items())
 

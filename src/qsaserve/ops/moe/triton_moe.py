@@ -9,6 +9,11 @@ softmax, top-k and renormalisation, `moe_route_triton`):
                    indices[t, j] against x[t] -> silu(gate) * up, rounded as torch rounds each op;
   _down_kernel:    one program per (token, block of H): for each of the token's k choices,
                    down_e @ act, times its routing weight, summed over the choices.
+
+Both take block-FP8 experts too (FP8: E4M3 weights, 1 byte a weight read, and 128 x 128 block
+scales): each GEMM's input is rounded to E4M3 per token and group of 128 channels in registers, as
+the block-FP8 GEMM quantizes it, and the group's scale times the weight block's scale is folded
+into it, so the FMAs run on the E4M3 weights widened to float32.
 """
 from __future__ import annotations
 
@@ -17,28 +22,60 @@ import triton
 import triton.language as tl
 
 from qsaserve.ops.device import num_sms
+from qsaserve.ops.fp8_gemm.triton_quant import _round_to_e4m3
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, act_ptr, H, I, K,
-                    stride_x, stride_we, stride_wn, stride_a,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp8_group_input(v, BLOCK_K: tl.constexpr):
+    """v [BLOCK_K] float32 (BLOCK_K a multiple of 128, whole groups of 128 channels) -> (q [G, 128],
+    scale [G]): each group rounded to E4M3 at scale max|group| / 448 (at least 1e-10 / 448), as
+    block_fp8.quantize_groups; q * scale is what the block-FP8 GEMM multiplies."""
+    G: tl.constexpr = BLOCK_K // 128
+    v2 = tl.reshape(v, (G, 128))
+    scale = tl.maximum(tl.max(tl.abs(v2), 1), 1e-10) / 448.0
+    return _round_to_e4m3(tl.clamp(v2 / scale[:, None], -448.0, 448.0)), scale
+
+
+@triton.jit
+def _fp8_scaled(q, scale, ws_ptr, k0, K, stride_sk, BLOCK_K: tl.constexpr):
+    """_fp8_group_input's groups times their scale and the weight block scales ws_ptr[g * stride_sk]
+    of the groups (one 128-row block of weights) -> [BLOCK_K] float32, what multiplies the E4M3
+    weights of columns k0 .. k0 + BLOCK_K."""
+    g = k0 // 128 + tl.arange(0, BLOCK_K // 128)
+    ws = tl.load(ws_ptr + g * stride_sk, mask=g * 128 < K, other=0.0)
+    return tl.reshape(q * (scale * ws)[:, None], (BLOCK_K,))
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, act_ptr, s_ptr, H, I, K,
+                    stride_x, stride_we, stride_wn, stride_a, stride_se, stride_sn, stride_sk,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr = False):
     r = tl.program_id(0)  # (token, choice) = (r // K, r % K)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(1) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < I
     e = tl.load(idx_ptr + r).to(tl.int64)
     x_row = x_ptr + (r // K).to(tl.int64) * stride_x
     w_gate = w_ptr + e * stride_we + n[:, None] * stride_wn
     w_up = w_gate + I * stride_wn
+    # block FP8: the program's gate rows lie in one 128-row scale block, so do its up rows
+    s_gate = s_ptr + e * stride_se + (n0 // 128) * stride_sn
+    s_up = s_ptr + e * stride_se + ((I + n0) // 128) * stride_sn
     acc_g = tl.zeros([BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_N], tl.float32)
     for k0 in range(0, H, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < H
         xv = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
+        x_g = xv
+        x_u = xv
+        if FP8:  # W8A8: x rounded per token and 128-group, both scales folded into it
+            q, scale = _fp8_group_input(xv, BLOCK_K)
+            x_g = _fp8_scaled(q, scale, s_gate, k0, H, stride_sk, BLOCK_K)
+            x_u = _fp8_scaled(q, scale, s_up, k0, H, stride_sk, BLOCK_K)
         m = n_ok[:, None] & k_ok[None, :]
-        acc_g += tl.sum(tl.load(w_gate + k[None, :], mask=m, other=0.0).to(tl.float32) * xv[None, :], 1)
-        acc_u += tl.sum(tl.load(w_up + k[None, :], mask=m, other=0.0).to(tl.float32) * xv[None, :], 1)
+        acc_g += tl.sum(tl.load(w_gate + k[None, :], mask=m, other=0.0).to(tl.float32) * x_g[None, :], 1)
+        acc_u += tl.sum(tl.load(w_up + k[None, :], mask=m, other=0.0).to(tl.float32) * x_u[None, :], 1)
     dt = act_ptr.dtype.element_ty
     g = acc_g.to(dt).to(tl.float32)
     silu = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
@@ -46,11 +83,12 @@ def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, act_ptr, H, I, K,
 
 
 @triton.jit
-def _down_kernel(act_ptr, idx_ptr, rw_ptr, w_ptr, out_ptr, H, I, K,
-                 stride_a, stride_we, stride_wn, stride_o,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_kernel(act_ptr, idx_ptr, rw_ptr, w_ptr, out_ptr, s_ptr, H, I, K,
+                 stride_a, stride_we, stride_wn, stride_o, stride_se, stride_sn, stride_sk,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr = False):
     t = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(1) * BLOCK_N
+    n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < H
     dt = out_ptr.dtype.element_ty
     total = tl.zeros([BLOCK_N], tl.float32)
@@ -58,11 +96,15 @@ def _down_kernel(act_ptr, idx_ptr, rw_ptr, w_ptr, out_ptr, H, I, K,
         r = t * K + j
         e = tl.load(idx_ptr + r).to(tl.int64)
         rw = tl.load(rw_ptr + r).to(tl.float32)
+        s_rows = s_ptr + e * stride_se + (n0 // 128) * stride_sn
         acc = tl.zeros([BLOCK_N], tl.float32)
         for k0 in range(0, I, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < I
             a = tl.load(act_ptr + r.to(tl.int64) * stride_a + k, mask=k_ok, other=0.0).to(tl.float32)
+            if FP8:
+                q, scale = _fp8_group_input(a, BLOCK_K)
+                a = _fp8_scaled(q, scale, s_rows, k0, I, stride_sk, BLOCK_K)
             wv = tl.load(w_ptr + e * stride_we + n[:, None] * stride_wn + k[None, :],
                          mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(wv * a[None, :], 1)
@@ -131,15 +173,22 @@ def pick_block_n(rows: int, width: int, sms: int) -> int:
 
 def moe_experts_decode_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                               gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                              block_n: tuple[int, int] | None = None) -> torch.Tensor:
+                              block_n: tuple[int, int] | None = None, w13_scale: torch.Tensor | None = None,
+                              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [N, H], indices / weights [N, k], gate_up_proj [E, 2I, H], down_proj [E, H, I] -> [N, H]
     (SiLU experts), as moe_experts_sync_free. block_n: (gate/up, down) row blocks (default: by
-    pick_block_n; the benchmark compares others)."""
+    pick_block_n; the benchmark compares others). Block-FP8 experts (takes_fp8): E4M3 weights with
+    w13_scale [E, 2I/128, H/128] and w2_scale [E, H/128, I/128]; each GEMM's input is rounded per
+    token and 128-group as the block-FP8 GEMM's (block_fp8.moe_experts_block_fp8), its products
+    summed in float32 by FMAs, 1 byte a weight read."""
     n, k = indices.shape
     h = x.shape[1]
     inter = down_proj.shape[2]
     if gate_up_proj.stride(-1) != 1 or down_proj.stride(-1) != 1:
         raise ValueError("gate_up_proj, down_proj: the last dimension must be contiguous")
+    fp8 = w13_scale is not None
+    if fp8 and not takes_fp8(h, inter):
+        raise ValueError(f"block-FP8 experts in the decode kernels: H {h} and I {inter} must be multiples of 128")
     x = x.contiguous()
     idx = indices.contiguous()
     rw = weights.contiguous()
@@ -149,10 +198,20 @@ def moe_experts_decode_triton(x: torch.Tensor, indices: torch.Tensor, weights: t
         return out
     sms = num_sms(x.device)
     bn_gu, bn_down = block_n or (pick_block_n(n * k, inter, sms), pick_block_n(n, h, sms))
+    s13 = w13_scale if fp8 else gate_up_proj  # unread without FP8
+    s2 = w2_scale if fp8 else down_proj
+    st13 = (s13.stride(0), s13.stride(1), s13.stride(2)) if fp8 else (0, 0, 0)
+    st2 = (s2.stride(0), s2.stride(1), s2.stride(2)) if fp8 else (0, 0, 0)
     _gate_up_kernel[(n * k, triton.cdiv(inter, bn_gu))](
-        x, idx, gate_up_proj, act, h, inter, k, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
-        act.stride(0), BLOCK_N=bn_gu, BLOCK_K=min(512, triton.next_power_of_2(h)), num_warps=4)
+        x, idx, gate_up_proj, act, s13, h, inter, k, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
+        act.stride(0), *st13, BLOCK_N=bn_gu, BLOCK_K=min(512, triton.next_power_of_2(h)), FP8=fp8, num_warps=4)
     _down_kernel[(n, triton.cdiv(h, bn_down))](
-        act, idx, rw, down_proj, out, h, inter, k, act.stride(0), down_proj.stride(0), down_proj.stride(1),
-        out.stride(0), BLOCK_N=bn_down, BLOCK_K=min(512, triton.next_power_of_2(inter)), num_warps=4)
+        act, idx, rw, down_proj, out, s2, h, inter, k, act.stride(0), down_proj.stride(0), down_proj.stride(1),
+        out.stride(0), *st2, BLOCK_N=bn_down, BLOCK_K=min(512, triton.next_power_of_2(inter)), FP8=fp8, num_warps=4)
     return out
+
+
+def takes_fp8(hidden: int, inter: int) -> bool:
+    """Whether block-FP8 experts of this shape run in the decode kernels: whole 128-channel groups
+    on both GEMMs' inputs (and so whole scale blocks under every row block)."""
+    return hidden % 128 == 0 and inter % 128 == 0
