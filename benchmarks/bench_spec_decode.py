@@ -218,7 +218,7 @@ def run(model: str, batch: int, context: int, steps: int, force_accept: bool, en
             if plain_ms is None:
                 plain_ms = ms
                 row = plain_row(engine, ms, "plain")
-            else:  # the head's catch-up row, no drafts (eager: the head's graphs need drafting rows)
+            else:  # the head's catch-up row alone, no drafts (its own graph, mtp_graphs.py)
                 row = dict(plain_row(engine, ms, "head_only"), step_over_plain=round(ms / plain_ms, 3))
         else:
             row = {"model": model, "method": method, "batch": batch, "context": context, "repeat_unit": repeat_unit,
