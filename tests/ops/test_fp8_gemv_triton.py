@@ -137,3 +137,60 @@ def test_w8a16_dispatch_takes_the_gemv_up_to_gemv_rows(monkeypatch):
     monkeypatch.undo()
     x = torch.randn(2, 256)
     torch.testing.assert_close(fp8_gemm.fp8_w8a16_gemm(x, w, ws, bn), ref.fp8_w8a16_gemm_reference(x, w, ws, bn))
+
+
+def test_gated_gemv_is_silu_mul_then_the_gemv_under_the_interpreter():
+    """fp8_gemv_triton(gated=True) on gate | up equals ops.fused's SiLU * up then the W8A16
+    reference (float32 x: the interpreter truncates bf16 casts); 1-4 rows, a ragged K, split-K."""
+    from triton_interpreter import run_under_interpreter
+
+    run_under_interpreter(__file__, "t._gated_checks('cpu')")
+
+
+def _gated_checks(device):
+    import torch.nn.functional as F
+
+    from qsaserve.ops.fp8_gemm.triton_gemv import fp8_gemv_triton
+
+    gen = torch.Generator().manual_seed(5)
+    for m, n, k, split in ((1, 40, 300, 1), (3, 24, 256, 2), (4, 16, 640, 1)):
+        w, ws, bn = _weight(n, k, "block", gen)
+        gate_up = torch.randn(m, 2 * k, generator=gen)
+        want = ref.fp8_w8a16_gemm_reference(F.silu(gate_up[:, :k]) * gate_up[:, k:], w, ws, bn)
+        got = fp8_gemv_triton(gate_up.to(device), w.to(device), ws.to(device), bn, split_k=split, gated=True).cpu()
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        xb = gate_up.to(torch.bfloat16)  # bf16: SiLU and the product rounded as silu_mul rounds
+        got = fp8_gemv_triton(xb.to(device), w.to(device), ws.to(device), bn, split_k=split, gated=True).cpu()
+        if device != "cpu":  # (on CPU launched for the sm_90 compile check only)
+            act = (F.silu(xb[:, :k].float()).to(torch.bfloat16).float() * xb[:, k:].float()).to(torch.bfloat16)
+            want = ref.fp8_w8a16_gemm_reference(act.float(), w, ws, bn)
+            torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+def test_gated_gemv_on_gpu():
+    _gated_checks("cuda")
+
+
+def test_fp8_linear_silu_mul_fuses_at_gemv_rows_only(monkeypatch):
+    """On CUDA (faked) SiLU * up goes into the GEMV up to GEMV_ROWS rows; more rows (and CPU) run
+    ops.fused.silu_mul then fp8_linear, whose result the fused form equals on CPU."""
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    import torch.nn.functional as F
+
+    import qsaserve.ops.fp8_gemm as fp8_gemm
+
+    w, ws, bn = _weight(16, 256, "block", torch.Generator().manual_seed(6))
+    gate_up = torch.randn(3, 512, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(fp8_gemm.fp8_linear_silu_mul(gate_up, w, ws, bn),
+                               fp8_gemm.fp8_linear(F.silu(gate_up[:, :256]) * gate_up[:, 256:], w, ws, bn))
+    calls = []
+    monkeypatch.setattr(fp8_gemm, "use_triton", lambda x: True)
+    monkeypatch.setattr(fp8_gemm.triton_gemv, "fp8_gemv_triton",
+                        lambda x, *a, **kw: calls.append(("gemv", x.shape[0], kw.get("gated"))) or torch.zeros(x.shape[0], 16))
+    monkeypatch.setattr(fp8_gemm, "fp8_linear", lambda x, *a: calls.append(("linear", x.shape[0])) or torch.zeros(x.shape[0], 16))
+    monkeypatch.setattr(fp8_gemm.fused, "silu_mul", lambda x: x[:, : x.shape[1] // 2])
+    for m in (1, 2, 3):
+        fp8_gemm.fp8_linear_silu_mul(torch.zeros(m, 512), w, ws, bn)
+    assert calls == [("gemv", 1, True), ("gemv", 2, True), ("linear", 3)]

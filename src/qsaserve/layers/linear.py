@@ -15,6 +15,7 @@ from torch import nn
 
 from qsaserve.layers.quantization.fp8 import Fp8Linear
 from qsaserve.layers.quantization.nvfp4 import Nvfp4Linear
+from qsaserve.ops import fused
 from qsaserve.ops.dispatch import use_triton
 
 try:  # CPU-only installs: F.linear only
@@ -44,4 +45,12 @@ def linear(x: torch.Tensor, layer: nn.Linear | Fp8Linear | Nvfp4Linear) -> torch
     return linear_weight(x, layer.weight, layer.bias)
 
 
-__all__ = ["GEMV_ENABLED", "linear", "linear_weight", "use_gemv"]
+def silu_mul_linear(gate_up: torch.Tensor, layer: nn.Linear | Fp8Linear | Nvfp4Linear) -> torch.Tensor:
+    """SiLU(gate) * up of gate_up [T, 2I] (gate | up), then the layer: FP8 layers fuse the two at
+    decode rows (ops.fp8_gemm.fp8_linear_silu_mul), the others run ops.fused.silu_mul first."""
+    if isinstance(layer, Fp8Linear):
+        return layer.forward_silu_mul(gate_up)
+    return linear(fused.silu_mul(gate_up), layer)
+
+
+__all__ = ["GEMV_ENABLED", "linear", "linear_weight", "silu_mul_linear", "use_gemv"]

@@ -25,7 +25,8 @@ from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization.config import BLOCK, WeightQuantConfig
 from qsaserve.layers.quantization.shard import TensorShard, copy_part, take_shard
 from qsaserve.layers.quantization.warm_up import warm_up_row_counts
-from qsaserve.ops.fp8_gemm import FP8, dequantize_weight, fp8_linear, quantize_weight_block, quantize_weight_rows
+from qsaserve.ops.fp8_gemm import (FP8, dequantize_weight, fp8_linear, fp8_linear_silu_mul, quantize_weight_block,
+                                   quantize_weight_rows)
 
 
 class Fp8Linear(nn.Module):
@@ -46,6 +47,10 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, K] -> [T, N] in x's dtype."""
         return fp8_linear(x, self.weight, self.weight_scale, self.block_n, self.bias)
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [T, 2K] -> (SiLU(gate) * up) @ W^T [T, N]: at decode rows one kernel."""
+        return fp8_linear_silu_mul(gate_up, self.weight, self.weight_scale, self.block_n, self.bias)
 
     def warm_up(self, dtype: torch.dtype) -> int:
         """Builds this layer's FP8 kernels at every row count class a step may bring (launches made)."""

@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from qsaserve.ops import fused
 from qsaserve.ops.dispatch import use_triton
 from qsaserve.ops.fp8_gemm import reference
 from qsaserve.ops.fp8_gemm.reference import (DECODE_ROWS, FP8, GROUP, W8A8_DECODE_MIN_N, dequantize_weight,
@@ -72,5 +73,17 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n:
     return y if bias is None else y + bias
 
 
-__all__ = ["DECODE_KERNEL", "DECODE_ROWS", "FP8", "GEMV_ROWS", "GROUP", "W8A8_DECODE_MIN_N", "takes_w8a8", "dequantize_weight", "expand_scale", "fp8_linear", "fp8_w8a16_gemm",
+def fp8_linear_silu_mul(gate_up: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up [T, 2K] (gate | up) -> (SiLU(gate) * up) @ W^T (+ bias) [T, N], as
+    fp8_linear(ops.fused.silu_mul(gate_up), ...): on CUDA at the GEMV's rows one launch, the GEMV
+    computing SiLU * up as it loads its input (rounded where silu_mul rounds)."""
+    m = gate_up.shape[0]
+    if use_triton(gate_up) and 0 < m <= GEMV_ROWS and not takes_w8a8(m, w.shape[0]) and gate_up.stride(-1) == 1:
+        y = triton_gemv.fp8_gemv_triton(gate_up, w, w_scale, block_n, gated=True)
+        return y if bias is None else y + bias
+    return fp8_linear(fused.silu_mul(gate_up), w, w_scale, block_n, bias)
+
+
+__all__ = ["DECODE_KERNEL", "DECODE_ROWS", "FP8", "GEMV_ROWS", "GROUP", "W8A8_DECODE_MIN_N", "takes_w8a8", "dequantize_weight", "expand_scale", "fp8_linear", "fp8_linear_silu_mul", "fp8_w8a16_gemm",
            "fp8_w8a8_gemm", "per_token_group_quant", "quantize_weight_block", "quantize_weight_rows"]

@@ -39,10 +39,26 @@ TILE_BYTES = 16384  # E4M3 bytes a program loads an iteration at one row (16 x 1
 
 
 @triton.jit
-def _row_partial(acc, x_ptr, r, M, stride_xm, kk, k_ok, w, s, ROW_SCALE: tl.constexpr):
-    """acc [G, BLOCK_N] += row r of x times the tile w [G, BLOCK_N, 128], summed per 128-column
-    group (scaled by the block scales s [G, BLOCK_N] unless ROW_SCALE). Row r >= M loads zeros."""
-    xr = tl.load(x_ptr + r * stride_xm + kk, mask=k_ok & (r < M), other=0.0).to(tl.float32)
+def _row_input(x_ptr, r, M, stride_xm, kk, k_ok, K, GATED: tl.constexpr):
+    """Row r of the input at columns kk [G, 128] as float32 (zeros past K and for r >= M). GATED:
+    x holds gate | up (2K columns) and the input is SiLU(gate) * up, rounded to x's dtype where
+    ops.fused.silu_mul rounds (after the SiLU, after the product)."""
+    ok = k_ok & (r < M)
+    if GATED:
+        dt = x_ptr.dtype.element_ty
+        gate = tl.load(x_ptr + r * stride_xm + kk, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + r * stride_xm + K + kk, mask=ok, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+        return (act * up).to(dt).to(tl.float32)
+    return tl.load(x_ptr + r * stride_xm + kk, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _row_partial(acc, x_ptr, r, M, stride_xm, kk, k_ok, w, s, ROW_SCALE: tl.constexpr, K,
+                 GATED: tl.constexpr):
+    """acc [G, BLOCK_N] += row r of the input (_row_input) times the tile w [G, BLOCK_N, 128],
+    summed per 128-column group (scaled by the block scales s [G, BLOCK_N] unless ROW_SCALE)."""
+    xr = _row_input(x_ptr, r, M, stride_xm, kk, k_ok, K, GATED)
     part = tl.sum(w * xr[:, None, :], 2)
     if not ROW_SCALE:
         part = part * s
@@ -86,7 +102,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
                      stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, stride_ys,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_: tl.constexpr,
                      SPLIT_K: tl.constexpr, ROW_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False):
+                     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, GATED: tl.constexpr = False):
     G: tl.constexpr = BLOCK_K // GROUP_
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -114,12 +130,12 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
         if not ROW_SCALE:  # masked to 0 past K: a padded group adds 0 * 0, never 0 * garbage
             s = tl.load(s_rows + ((k0 // GROUP_) + g)[:, None] * stride_sk,
                         mask=n_ok[None, :] & (k0 + g * GROUP_ < k_hi)[:, None], other=0.0)
-        acc0 = _row_partial(acc0, x_ptr, 0, M, stride_xm, kk, k_ok, w, s, ROW_SCALE)
+        acc0 = _row_partial(acc0, x_ptr, 0, M, stride_xm, kk, k_ok, w, s, ROW_SCALE, K, GATED)
         if ROWS > 1:
-            acc1 = _row_partial(acc1, x_ptr, 1, M, stride_xm, kk, k_ok, w, s, ROW_SCALE)
+            acc1 = _row_partial(acc1, x_ptr, 1, M, stride_xm, kk, k_ok, w, s, ROW_SCALE, K, GATED)
         if ROWS > 2:
-            acc2 = _row_partial(acc2, x_ptr, 2, M, stride_xm, kk, k_ok, w, s, ROW_SCALE)
-            acc3 = _row_partial(acc3, x_ptr, 3, M, stride_xm, kk, k_ok, w, s, ROW_SCALE)
+            acc2 = _row_partial(acc2, x_ptr, 2, M, stride_xm, kk, k_ok, w, s, ROW_SCALE, K, GATED)
+            acc3 = _row_partial(acc3, x_ptr, 3, M, stride_xm, kk, k_ok, w, s, ROW_SCALE, K, GATED)
     rs = tl.full((BLOCK_N,), 1.0, tl.float32)
     if ROW_SCALE:
         rs = tl.load(s_ptr + (n // block_n) * stride_sn, mask=n_ok, other=0.0)
@@ -141,7 +157,7 @@ def pick_gemv_tile(n: int, k: int, sms: int, m: int = 1) -> tuple[int, int, int]
 
 def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
                     block_n_tile: int | None = None, block_k: int | None = None, split_k: int | None = None,
-                    num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
+                    num_warps: int | None = None, num_stages: int = 3, gated: bool = False) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS; bf16/fp16/fp32), w [N, K] E4M3 (unit last stride), w_scale
     [Sn, Sk] float32 -> y [M, N] in x's dtype, as reference.fp8_w8a16_gemm_reference.
     block_n: weight rows per scale row (128 block, 1 per-channel, N per-tensor, or a common divisor
@@ -150,9 +166,17 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
     while one is used; 16 KiB each at the default tiles, 38-67 KB of shared memory with x's rows
     in the sm_90 compile; benchmarks/bench_fp8_gemm.py sweeps them).
     split_k > 1 writes float32 partials to a [split_k, M, N] workspace (2 x split_k x M x N x 4
-    bytes of traffic) summed by a second launch."""
-    x, y = w8a16_operands(x, w, w_scale, block_n, "fp8_gemv")
-    m, k = x.shape
+    bytes of traffic) summed by a second launch. gated: x is [M, 2K] (gate | up, unit last stride)
+    and the product is SiLU(gate) * up @ W^T, the SiLU computed as the input is loaded (as
+    ops.fused.silu_mul then this GEMV, one launch fewer)."""
+    if gated:
+        if x.dim() != 2 or x.shape[1] != 2 * w.shape[1] or x.stride(-1) != 1:
+            raise ValueError(f"fp8_gemv: gated x must be [M, 2K] = [M, {2 * w.shape[1]}] with a unit last stride, "
+                             f"got {tuple(x.shape)}")
+        _, y = w8a16_operands(x[:, : w.shape[1]], w, w_scale, block_n, "fp8_gemv")
+    else:
+        x, y = w8a16_operands(x, w, w_scale, block_n, "fp8_gemv")
+    m, k = x.shape[0], w.shape[1]  # gated x holds 2K columns
     n = w.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"fp8_gemv: at most {MAX_ROWS} rows of x, got {m}")
@@ -169,7 +193,7 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
         x, w, w_scale, out, m, n, k, block_n, x.stride(0), w.stride(0), w_scale.stride(0), _scale_k_stride(w_scale),
         out.stride(-2), out.stride(0) if split > 1 else 0, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, GROUP_=GROUP,
         SPLIT_K=split, ROW_SCALE=w_scale.shape[1] == 1, NUM_STAGES=num_stages, num_warps=num_warps or 4,
-        PDL=use_pdl, PREFETCH=use_pdl and w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0,
+        PDL=use_pdl, PREFETCH=use_pdl and w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0, GATED=gated,
         **pdl.launch_options(x))
     sum_split_k(out, y, split)
     return y
