@@ -88,8 +88,10 @@ if [ "$mode" = single ]; then
     part spec_q4small_mtp 330 $spec --model qwen4exp-small-mtp --method mtp --force-accept --out "$out/spec_q4small_mtp.json"
     part spec_q4small_ngram 270 $spec --model qwen4exp-small --force-accept --out "$out/spec_q4small_ngram.json"
     part spec_llama1b_ngram 200 $spec --model llama-1b --repeat-unit 64 --out "$out/spec_llama1b_ngram.json"
-    # The decode kernels the engine takes (the transposed ones) first, alone: the rest took over 200 s.
-    part gpu_tests_swap 200 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_swap.xml" \
+    # The decode kernels the engine takes that no GPU has run yet (the transposed ones, the gated
+    # FP8 GEMV, the FP8 MoE decode kernels, PDL) first, alone: the rest took over 200 s.
+    part gpu_tests_swap 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_swap.xml" \
+        tests/ops/test_fp8_gemv_triton.py tests/ops/test_moe_decode_fp8.py tests/ops/test_pdl.py \
         tests/ops/test_fp8_swap_ab_triton.py tests/ops/test_nvfp4_swap_ab_triton.py tests/ops/test_fp8_gemm_triton.py
     part gpu_tests_quant 300 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_quant.xml" \
         tests/ops/test_nvfp4_gemm_triton.py tests/ops/test_moe_grouped_fp8.py tests/ops/test_moe_grouped_nvfp4.py \
