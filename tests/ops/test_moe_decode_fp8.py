@@ -2,7 +2,7 @@
 block-FP8 reference (ops/moe/block_fp8.moe_experts_block_fp8, sync-free): float32 activations
 tightly (the inputs rounded per token and 128-group exactly as the reference rounds them),
 several 128-row and 128-column scale blocks, a K tail of masked groups, repeated and distinct
-experts, every row block the heuristic may pick; under the Triton interpreter on CPU and on a GPU
+experts, the narrowest and widest row blocks; under the Triton interpreter on CPU and on a GPU
 (bf16 there too). The dispatch: steps of the decode kernels' sizes take them with FP8 experts
 whose H and I are multiples of 128, the others the grouped GEMMs; NVFP4 experts never."""
 import pytest
@@ -38,10 +38,9 @@ def check_fp8(device, dtype, n, k, e, h, inter, block_n=None, seed=0):
 
 
 def _triton_checks(device):
-    check_fp8(device, torch.float32, n=1, k=3, e=6, h=256, inter=128)
-    check_fp8(device, torch.float32, n=3, k=2, e=5, h=640, inter=256, seed=1)  # BLOCK_K 512: a tail of 1 group
-    for block_n in ((4, 32), (32, 4), (16, 8)):
-        check_fp8(device, torch.float32, n=2, k=3, e=7, h=384, inter=256, block_n=block_n, seed=2)
+    check_fp8(device, torch.float32, n=2, k=2, e=5, h=640, inter=256, seed=1)  # BLOCK_K 512: a tail of 1 group
+    for block_n in ((4, 32), (32, 4)):  # the narrowest and widest row blocks the heuristic may pick
+        check_fp8(device, torch.float32, n=1, k=3, e=6, h=256, inter=128, block_n=block_n, seed=2)
     if device != "cpu":  # the interpreter truncates bf16 casts; qwen4exp-flash's shapes at batch 1
         check_fp8(device, torch.bfloat16, n=1, k=10, e=64, h=2048, inter=512)
         check_fp8(device, torch.bfloat16, n=4, k=10, e=64, h=2048, inter=512, seed=3)
