@@ -41,7 +41,7 @@ SWAP_STAGES = 4
 def pick_swap_split_k(n: int, k: int, sms: int, block_n_tile: int = SWAP_BLOCK_N) -> int:
     """The fewest K splits in 1, 2, 4 that give at least 2 programs an SM, without cutting K below
     4 blocks of 128 a program. On an H200 (132 SMs) at llama-8b's shapes: gate_up (448 row blocks)
-    1, qkv (96), o and down (64) 4, each the sweep's best or within 8% of it at 8-64 rows."""
+    1, qkv (96), o and down (64) 4, each the sweep's best or within 10% of it at 8-64 rows."""
     programs = triton.cdiv(n, block_n_tile)
     split = 1
     while split < 4 and programs * split < 2 * sms and triton.cdiv(k, GROUP) >= 8 * split:
