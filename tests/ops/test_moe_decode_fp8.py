@@ -7,7 +7,7 @@ experts, the narrowest and widest row blocks; under the Triton interpreter on CP
 whose H and I are multiples of 128, the others the grouped GEMMs; NVFP4 experts never."""
 import pytest
 import torch
-from triton_interpreter import triton_check_tests
+from triton_interpreter import interpreter_fp8_cast_shim, triton_check_tests
 
 from qsaserve.ops.moe.block_fp8 import moe_experts_block_fp8, quantize_blocks
 
@@ -38,6 +38,8 @@ def check_fp8(device, dtype, n, k, e, h, inter, block_n=None, seed=0):
 
 
 def _triton_checks(device):
+    if device == "cpu":
+        interpreter_fp8_cast_shim()  # E4M3 rounding as a GPU's cvt does
     check_fp8(device, torch.float32, n=2, k=2, e=5, h=640, inter=256, seed=1)  # BLOCK_K 512: a tail of 1 group
     for block_n in ((4, 32), (32, 4)):  # the narrowest and widest row blocks the heuristic may pick
         check_fp8(device, torch.float32, n=1, k=3, e=6, h=256, inter=128, block_n=block_n, seed=2)

@@ -18,6 +18,7 @@ the Triton interpreter (which has no inline PTX) and before sm_90 it is always o
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -26,14 +27,18 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENABLED = os.environ.get("QSASERVE_PDL", "0") == "1"
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it at import too
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper_or_later(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def enabled(t: torch.Tensor) -> bool:
     """Whether kernels on t's device use PDL: QSASERVE_PDL=1, a CUDA tensor of sm_90 or later, not
     the interpreter."""
-    if not ENABLED or t.device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return torch.cuda.get_device_capability(t.device)[0] >= 9
+    return ENABLED and t.device.type == "cuda" and not _INTERPRETED and _hopper_or_later(t.device)
 
 
 def launch_options(t: torch.Tensor) -> dict:
@@ -59,12 +64,12 @@ PREFETCH_BYTES = tl.constexpr(2048)  # per pointer of prefetch_l2 (the size is p
 
 
 @triton.jit
-def prefetch_l2(ptrs, PDL: tl.constexpr):
+def prefetch_l2(ptrs):
     """Asks for the PREFETCH_BYTES from each pointer of ptrs (16-byte aligned) to be brought into
-    L2 (cp.async.bulk.prefetch: a hint; nothing is read into registers or waited for)."""
-    if PDL:
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 2048; mov.u32 $0, 0;", "=r,l",
-                                  [ptrs], dtype=tl.int32, is_pure=False, pack=1)
+    L2 (cp.async.bulk.prefetch: a hint; nothing is read into registers or waited for). Inline PTX:
+    call it under a constexpr that is false under the interpreter."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 2048; mov.u32 $0, 0;", "=r,l",
+                              [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
 __all__ = ["ENABLED", "PREFETCH_BYTES", "enabled", "launch_dependents", "launch_options", "prefetch_l2", "wait_for_prior"]

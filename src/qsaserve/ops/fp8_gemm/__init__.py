@@ -7,8 +7,8 @@ on every device, so the CPU reference computes what the GPU does. On CUDA the W8
 takes the FMA GEMV (triton_gemv.py) up to GEMV_ROWS rows and the transposed tensor-core kernel
 (triton_swap_ab.py) above (same math, so the reference is one): on an H200 it beat the
 untransposed tile kernel (triton_gemm.py) at 8-64 rows on llama-8b's shapes except gate_up at
-8-16 (4% behind), 1.7x over a layer at 64 rows (docs/weight_quantization.md). QSASERVE_FP8_DECODE_KERNEL=tile (read at import) keeps the tile
-kernel, for A/B runs."""
+8-16 (4% behind), 1.7x over a layer at 64 rows (docs/weight_quantization.md).
+QSASERVE_FP8_DECODE_KERNEL=tile (read at import) keeps the tile kernel, for A/B runs."""
 from __future__ import annotations
 
 import os

@@ -17,7 +17,7 @@ DECODE_ROWS = 64  # up to this many rows take the W8A16 decode path, more the W8
 # ... except that a weight of this many rows or more takes W8A8 from 2 rows: its 64 x 128 tiles
 # fill 132 SMs, and on an H200 llama-8b's gate_up (28,672 rows) ran W8A8 in 37.7 us at 4-64 rows
 # against 48.7-137 us W8A16 (docs/weight_quantization.md); 1 row keeps the GEMV (30.9 us)
-W8A8_DECODE_MIN_N = 132 * 128
+W8A8_DECODE_MIN_N = 132 * 128  # (NVFP4's GEMV stops at the same width: nvfp4_gemm.WIDE_N)
 _EPS = 1e-10  # an all-zero group gets a tiny scale, not a division by zero
 
 

@@ -116,7 +116,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
     launch_dependents(PDL)
     if PREFETCH:
         if k_hi - k_lo >= PREFETCH_BYTES:  # each row's leading weight bytes of this program's range
-            prefetch_l2(w_ptr + tl.minimum(n, N - 1).to(tl.int64) * stride_wn + k_lo, PDL)
+            prefetch_l2(w_ptr + tl.minimum(n, N - 1).to(tl.int64) * stride_wn + k_lo)
     wait_for_prior(PDL)
     acc0 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((G, BLOCK_N), dtype=tl.float32)

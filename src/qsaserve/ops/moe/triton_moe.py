@@ -22,18 +22,15 @@ import triton
 import triton.language as tl
 
 from qsaserve.ops.device import num_sms
-from qsaserve.ops.fp8_gemm.triton_quant import _round_to_e4m3
+from qsaserve.ops.moe.triton_grouped import _quantize_group
 
 
 @triton.jit
 def _fp8_group_input(v, BLOCK_K: tl.constexpr):
-    """v [BLOCK_K] float32 (BLOCK_K a multiple of 128, whole groups of 128 channels) -> (q [G, 128],
-    scale [G]): each group rounded to E4M3 at scale max|group| / 448 (at least 1e-10 / 448), as
-    block_fp8.quantize_groups; q * scale is what the block-FP8 GEMM multiplies."""
-    G: tl.constexpr = BLOCK_K // 128
-    v2 = tl.reshape(v, (G, 128))
-    scale = tl.maximum(tl.max(tl.abs(v2), 1), 1e-10) / 448.0
-    return _round_to_e4m3(tl.clamp(v2 / scale[:, None], -448.0, 448.0)), scale
+    """v [BLOCK_K] float32 (whole groups of 128 channels) -> (q [G, 128] float32, scale [G]): the
+    grouped GEMMs' activation quantization (triton_grouped._quantize_group), its E4M3 values widened."""
+    q, scale = _quantize_group(tl.reshape(v, (BLOCK_K // 128, 128)))
+    return q.to(tl.float32), scale
 
 
 @triton.jit

@@ -18,6 +18,7 @@ import torch
 
 from qsaserve.ops.device import num_sms
 from qsaserve.ops.dispatch import use_triton
+from qsaserve.ops.fp8_gemm.reference import W8A8_DECODE_MIN_N
 from qsaserve.ops.nvfp4_gemm import reference
 from qsaserve.ops.nvfp4_gemm.reference import GROUP, dequantize_nvfp4, quantize_nvfp4
 
@@ -28,8 +29,7 @@ except ImportError:
 
 GEMV_ROWS = 4  # up to this many rows the GEMV (tl.dot would pad them to 16)
 SWAP_ROWS = 64  # decode batches; prefill chunks keep the tile kernel
-SWAP_BLOCK_N = 64  # weight rows a program of the transposed kernel (its default)
-WIDE_N = 132 * 128  # weights of this many rows skip the GEMV (fp8_gemm's W8A8_DECODE_MIN_N)
+WIDE_N = W8A8_DECODE_MIN_N  # weights of this many rows skip the GEMV
 DECODE_KERNELS = ("auto", "tile", "swap")
 DECODE_KERNEL = os.environ.get("QSASERVE_NVFP4_DECODE_KERNEL", "auto")
 if DECODE_KERNEL not in DECODE_KERNELS:
@@ -45,7 +45,7 @@ def takes_swap(m: int, n: int, sms: int) -> bool:
     """Whether a W4A16 product of m rows by a weight of n rows runs transposed on CUDA."""
     if takes_gemv(m, n) or m > SWAP_ROWS or DECODE_KERNEL == "tile":
         return False
-    return DECODE_KERNEL == "swap" or -(-n // SWAP_BLOCK_N) < 2 * sms
+    return DECODE_KERNEL == "swap" or -(-n // triton_swap_ab.SWAP_BLOCK_N) < 2 * sms
 
 
 def nvfp4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, row_scale: torch.Tensor,
