@@ -3,13 +3,15 @@ block-FP8 reference (ops/moe/block_fp8.moe_experts_block_fp8, sync-free): float3
 tightly (the inputs rounded per token and 128-group exactly as the reference rounds them),
 several 128-row and 128-column scale blocks, a K tail of masked groups, repeated and distinct
 experts, the narrowest and widest row blocks; under the Triton interpreter on CPU and on a GPU
-(bf16 there too). The dispatch: steps of the decode kernels' sizes take them with FP8 experts
+(bf16 there too, held as the grouped GEMMs' bf16: no further from the unquantized result than the
+reference). The dispatch: steps of the decode kernels' sizes take them with FP8 experts
 whose H and I are multiples of 128, the others the grouped GEMMs; NVFP4 experts never."""
 import pytest
 import torch
 from triton_interpreter import interpreter_fp8_cast_shim, triton_check_tests
 
-from qsaserve.ops.moe.block_fp8 import moe_experts_block_fp8, quantize_blocks
+from qsaserve.ops.moe.block_fp8 import dequantize_blocks, moe_experts_block_fp8, quantize_blocks
+from qsaserve.ops.moe.reference import moe_experts_sync_free
 
 
 def _case(n, k, e, h, inter, dtype, seed=0):
@@ -33,8 +35,14 @@ def check_fp8(device, dtype, n, k, e, h, inter, block_n=None, seed=0):
                                     w13_scale=s13.to(device), w2_scale=s2.to(device)).cpu()
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    else:  # bf16: both round the GEMM outputs, activation and weighted rows; allow one step
-        torch.testing.assert_close(got.float(), want.float(), atol=want.abs().max().item() * 2**-7, rtol=2**-7)
+        return
+    # bf16: a one-ulp difference in a GEMM output (summation order) now and then flips the E4M3
+    # rounding of the down GEMM's input, or its group's scale, a 2^-4 step; so, as the grouped
+    # GEMMs' test, the kernels may be no further from the unquantized result than the reference is
+    exact = moe_experts_sync_free(x.float(), idx, w.float(), dequantize_blocks(gu, s13), dequantize_blocks(down, s2))
+    err, ref_err = (got.float() - exact).abs(), (want.float() - exact).abs()
+    assert err.mean() <= 1.25 * ref_err.mean() and err.max() <= 1.25 * ref_err.max(), \
+        (float(err.mean()), float(ref_err.mean()), float(err.max()), float(ref_err.max()))
 
 
 def _triton_checks(device):

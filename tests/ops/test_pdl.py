@@ -35,7 +35,8 @@ GEMV_SIGNATURE = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_pt
 def test_gemv_compiles_for_sm90_with_the_prefetch_then_the_wait_before_reading_x():
     from qsaserve.ops.fp8_gemm.triton_gemv import _fp8_gemv_kernel
 
-    constexprs = dict(ROWS=1, BLOCK_N=16, BLOCK_K=1024, GROUP_=128, SPLIT_K=1, ROW_SCALE=False, NUM_STAGES=3)
+    constexprs = dict(ROWS=1, BLOCK_N=16, BLOCK_K=1024, GROUP_=128, SPLIT_K=1, ROW_SCALE=False, NUM_STAGES=3,
+                      THREADS=128)
     ptx = _ptx(_fp8_gemv_kernel, GEMV_SIGNATURE, dict(constexprs, PDL=True, PREFETCH=True), {"launch_pdl": True})
     wait = ptx.index("griddepcontrol.wait")
     assert ptx.index("griddepcontrol.launch_dependents") < wait
@@ -46,6 +47,33 @@ def test_gemv_compiles_for_sm90_with_the_prefetch_then_the_wait_before_reading_x
     assert body.index("griddepcontrol.wait") < first_read
     plain = _ptx(_fp8_gemv_kernel, GEMV_SIGNATURE, dict(constexprs, PDL=False, PREFETCH=False))
     assert "griddepcontrol" not in plain and "prefetch" not in plain
+
+
+@pytest.mark.parametrize("block_n", [16, 8, 4])
+def test_gemv_prefetch_issues_one_distinct_address_a_thread(block_n):
+    """The prefetch's pointer tensor is laid out one element a thread over all 128 (a smaller one
+    is replicated and each thread requests the same bytes again: the first PDL run's slowdown)."""
+    import re
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from qsaserve.ops.fp8_gemm.triton_gemv import _fp8_gemv_kernel
+
+    consts = dict(ROWS=1, BLOCK_N=block_n, BLOCK_K=1024, GROUP_=128, SPLIT_K=1, ROW_SCALE=False, NUM_STAGES=3,
+                  PDL=True, PREFETCH=True, THREADS=128, GATED=False)
+    sig = {name: GEMV_SIGNATURE.get(name, "constexpr") for name in _fp8_gemv_kernel.arg_names}
+    ttgir = triton.compile(ASTSource(fn=_fp8_gemv_kernel, signature=sig, constexprs=consts),
+                           target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True}).asm["ttgir"]
+    op = next(line for line in ttgir.splitlines() if "bulk.prefetch" in line)
+    rows, chunks, layout = re.search(r"tensor<(\d+)x(\d+)x!tt\.ptr<[^>]*>, #(\w+)>", op).groups()
+    assert (int(rows), int(chunks)) == (block_n, 128 // block_n)
+    spec = next(line for line in ttgir.splitlines() if line.startswith(f"#{layout} ="))
+    per_thread, per_warp, warps = (
+        [int(v) for v in re.search(rf"{key} = \[(\d+), (\d+)\]", spec).groups()]
+        for key in ("sizePerThread", "threadsPerWarp", "warpsPerCTA"))
+    assert per_thread == [1, 1]
+    assert [per_warp[0] * warps[0], per_warp[1] * warps[1]] == [int(rows), int(chunks)]
 
 
 def test_the_kernels_before_the_gemvs_signal_with_pdl_on():

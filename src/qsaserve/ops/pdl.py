@@ -27,6 +27,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENABLED = os.environ.get("QSASERVE_PDL", "0") == "1"
+# QSASERVE_PDL_PREFETCH=0: PDL without the GEMV's L2 prefetch (the A/B of what each part gives)
+PREFETCH = os.environ.get("QSASERVE_PDL_PREFETCH", "1") == "1"
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it at import too
 
 
@@ -39,6 +41,11 @@ def enabled(t: torch.Tensor) -> bool:
     """Whether kernels on t's device use PDL: QSASERVE_PDL=1, a CUDA tensor of sm_90 or later, not
     the interpreter."""
     return ENABLED and t.device.type == "cuda" and not _INTERPRETED and _hopper_or_later(t.device)
+
+
+def prefetches(t: torch.Tensor) -> bool:
+    """Whether a PDL kernel on t's device prefetches its leading weight bytes before it waits."""
+    return PREFETCH and enabled(t)
 
 
 def launch_options(t: torch.Tensor) -> dict:
@@ -60,16 +67,20 @@ def wait_for_prior(PDL: tl.constexpr):
         gdc_wait()
 
 
-PREFETCH_BYTES = tl.constexpr(2048)  # per pointer of prefetch_l2 (the size is part of the instruction)
+PREFETCH_CHUNK = tl.constexpr(256)  # bytes of one prefetch instruction (the size is part of it)
 
 
 @triton.jit
 def prefetch_l2(ptrs):
-    """Asks for the PREFETCH_BYTES from each pointer of ptrs (16-byte aligned) to be brought into
-    L2 (cp.async.bulk.prefetch: a hint; nothing is read into registers or waited for). Inline PTX:
-    call it under a constexpr that is false under the interpreter."""
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 2048; mov.u32 $0, 0;", "=r,l",
+    """Asks for the PREFETCH_CHUNK bytes from each pointer of ptrs (16-byte aligned) to be brought
+    into L2 (cp.async.bulk.prefetch: a hint; nothing is read into registers or waited for). Each
+    thread issues the instruction for the elements it holds, so ptrs should hold one distinct
+    address per thread (a tensor of num_warps * 32 elements): a smaller tensor is replicated over
+    the threads and each address requested several times. Inline PTX: call it under a constexpr
+    that is false under the interpreter."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], 256; mov.u32 $0, 0;", "=r,l",
                               [ptrs], dtype=tl.int32, is_pure=False, pack=1)
 
 
-__all__ = ["ENABLED", "PREFETCH_BYTES", "enabled", "launch_dependents", "launch_options", "prefetch_l2", "wait_for_prior"]
+__all__ = ["ENABLED", "PREFETCH", "PREFETCH_CHUNK", "enabled", "launch_dependents", "launch_options", "prefetch_l2",
+           "prefetches", "wait_for_prior"]
