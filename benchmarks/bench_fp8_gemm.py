@@ -2,7 +2,10 @@
 6144 x 4096, o 4096 x 4096, fused gate_up 28672 x 4096, down 4096 x 14336).
 
 * prefill (M = 512, 2048, 8192): the block-FP8 W8A8 GEMM at its default tile and at TILES, and
-  the best tile with its per-token-group activation quantization added, against torch._scaled_mm per-tensor FP8 (the peer) and
+  the best tile with its per-token-group activation quantization added, and cuBLAS's block-scaled
+  GEMM on the same operands ("scaled_mm_blockwise", fp8_gemm/scaled_mm.py: what prefill runs on
+  sm_90; "_with_act_quant": with its quantization; max_abs_diff_vs_triton: the two GEMMs'
+  distance), against torch._scaled_mm per-tensor FP8 (the peer) and
   bf16 cuBLAS (F.linear), in the same run; TFLOP/s and the ratios the issue asks for (>= 0.9x
   _scaled_mm, >= 1.6x bf16).
 * decode (M = 1 ... 64): the W8A16 kernel (bf16 activations, E4M3 weights; "fp8_w8a16" at its
@@ -19,7 +22,7 @@
   and what the engine runs there: "fp8_w8a16_swap" (the transposed kernel's defaults),
   "nvfp4_dispatch" (ops.nvfp4_gemm.nvfp4_linear) and, as the alternative, "fp8_w8a8" (the
   activations quantized per token group, then the W8A8 GEMM at its default tile; "_bn64": 64
-  weight rows a program);
+  weight rows a program; "_scaled_mm": cuBLAS's block-scaled GEMM);
   TB/s counts the weight and scale bytes read, and pct_roofline is that over the H200's 4.8 TB/s. At GEMV_M rows also the FMA GEMVs the dispatch
   takes up to 4 rows: "fp8_gemv" (fp8_gemm/triton_gemv.py at its pick_gemv_tile defaults, the row
   names its tile), "fp8_gemv_pdl" (the same as programmatic dependent launches, ops/pdl.py),
@@ -50,6 +53,7 @@ from qsaserve.ops.fp8_gemm.triton_gemm import (decode_block_m, fp8_w8a16_gemm_tr
 from qsaserve.ops.fp8_gemm.triton_gemv import fp8_gemv_triton
 from qsaserve.ops.fp8_gemm.triton_swap_ab import fp8_w8a16_swap_triton
 from qsaserve.ops.fp8_gemm.triton_gemv import pick_gemv_tile as pick_fp8_gemv_tile
+from qsaserve.ops.fp8_gemm.scaled_mm import ROWS_MULTIPLE, fp8_w8a8_gemm_scaled_mm
 from qsaserve.ops.fp8_gemm.triton_quant import per_token_group_quant_triton
 from qsaserve.ops.nvfp4_gemm import nvfp4_linear, quantize_nvfp4
 from qsaserve.ops.nvfp4_gemm.triton_gemm import nvfp4_w4a16_gemm_triton
@@ -96,6 +100,7 @@ def prefill(name, n, k, m, dev) -> list[dict]:
     x = torch.randn(m, k, device=dev).to(torch.bfloat16)
     flops = 2 * m * n * k
     xq, xs = per_token_group_quant_triton(x)
+    xq4, xs4 = per_token_group_quant_triton(x, ROWS_MULTIPLE, scale_column_major=True)
     x_pt_s = (x.float().abs().amax() / 448).reshape(())
     x_pt = (x.float() / x_pt_s).clamp(-448, 448).to(torch.float8_e4m3fn)
     pts = [_per_tensor(w) for w, _, _ in ws]
@@ -104,6 +109,8 @@ def prefill(name, n, k, m, dev) -> list[dict]:
         "scaled_mm_per_tensor": lambda: [torch._scaled_mm(x_pt, q.t(), scale_a=x_pt_s, scale_b=s, out_dtype=torch.bfloat16)
                                          for q, s in pts],
     }
+    runs["scaled_mm_blockwise"] = lambda: [fp8_w8a8_gemm_scaled_mm(xq4, xs4, q, s, torch.bfloat16) for _, q, s in ws]
+    runs["scaled_mm_blockwise_with_act_quant"] = lambda: [_scaled_mm_blockwise(x, q, s) for _, q, s in ws]
     runs["block_fp8_gemm_default"] = lambda: [fp8_w8a8_gemm_triton(xq, xs, q, s, 128, torch.bfloat16) for _, q, s in ws]
     for i, tile in enumerate(TILES):
         runs[f"block_fp8_gemm_t{i}"] = lambda tile=tile: [fp8_w8a8_gemm_triton(xq, xs, q, s, 128, torch.bfloat16, **tile)
@@ -125,14 +132,26 @@ def prefill(name, n, k, m, dev) -> list[dict]:
     for variant, t in us.items():
         row = {"phase": "prefill", "shape": name, "n": n, "k": k, "m": m, "variant": variant, "us": round(t, 2),
                "tflops": round(flops / t / 1e6, 1)}
-        if variant.startswith("block_fp8") and "scaled_mm_per_tensor" in us:
+        if variant.startswith(("block_fp8", "scaled_mm_blockwise")) and "scaled_mm_per_tensor" in us:
             row["x_vs_scaled_mm"] = round(us["scaled_mm_per_tensor"] / t, 3)
             row["x_vs_bf16"] = round(us["bf16_cublas"] / t, 3)
         if variant == "block_fp8_with_act_quant":
             row["tile"] = best_tile
+        if variant == "scaled_mm_blockwise":  # cuBLAS against the Triton GEMM on the same operands
+            want = fp8_w8a8_gemm_triton(xq, xs, ws[0][1], ws[0][2], 128, torch.bfloat16).float()
+            got = fp8_w8a8_gemm_scaled_mm(xq4, xs4, ws[0][1], ws[0][2], torch.bfloat16)[:m].float()
+            row["max_abs_diff_vs_triton"] = float((got - want).abs().max())
+            row["max_abs_triton"] = float(want.abs().max())
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
+
+
+def _scaled_mm_blockwise(x, q, s):
+    """What fp8_linear runs for prefill on sm_90: the activations quantized for cuBLAS, then its
+    block-scaled GEMM."""
+    xq, xs = per_token_group_quant_triton(x, ROWS_MULTIPLE, scale_column_major=True)
+    return fp8_w8a8_gemm_scaled_mm(xq, xs, q, s, x.dtype)[: x.shape[0]]
 
 
 def _with_pdl(fn):
@@ -185,11 +204,13 @@ def decode(name, n, k, m, dev, keep=None) -> list[dict]:
     if m >= SWAP_M:
         # what the engine runs at these rows: the transposed kernel at its defaults, NVFP4's
         # dispatch (transposed or tile by the weight's rows); and W8A8 (activations quantized per
-        # token group, then the E4M3 x E4M3 GEMM) as the alternative for the wider batches
+        # token group, then the E4M3 x E4M3 GEMM; "_scaled_mm": cuBLAS's block-scaled GEMM) as the
+        # alternative for the wider batches
         variants.append(("fp8_w8a16_swap", lambda: [fp8_w8a16_swap_triton(x, q, s, 128) for _, q, s in ws], fp8_bytes))
         variants.append(("nvfp4_dispatch", lambda: [nvfp4_linear(x, *f) for f in fp4], fp4_bytes))
         variants.append(("fp8_w8a8", lambda: [fp8_w8a8_gemm_triton(*per_token_group_quant_triton(x), q, s, 128, x.dtype)
                                               for _, q, s in ws], fp8_bytes))
+        variants.append(("fp8_w8a8_scaled_mm", lambda: [_scaled_mm_blockwise(x, q, s) for _, q, s in ws], fp8_bytes))
         variants.append(("fp8_w8a8_bn64", lambda: [fp8_w8a8_gemm_triton(*per_token_group_quant_triton(x), q, s, 128,
                                                                         x.dtype, block_n_tile=64) for _, q, s in ws],
                          fp8_bytes))

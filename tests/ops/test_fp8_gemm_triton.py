@@ -18,11 +18,17 @@ def _weight(n, k, kind, gen):
     return q, s, (n if kind == "tensor" else 1)
 
 
-def _check_quant(device, m, k):
+def _check_quant(device, m, k, rows_multiple=1, scale_column_major=False):
     from qsaserve.ops.fp8_gemm.triton_quant import per_token_group_quant_triton
 
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)) * 3
-    q, s = per_token_group_quant_triton(x.to(device))
+    q, s = per_token_group_quant_triton(x.to(device), rows_multiple, scale_column_major)
+    rows = -(-m // rows_multiple) * rows_multiple
+    assert q.shape == (rows, k) and s.shape == (rows, -(-k // 128))
+    if scale_column_major:  # cuBLAS's block-scaled layout: a group's scales adjacent over the rows
+        assert s.stride() == (1, rows)
+    assert (q[m:].float() == 0).all() and (s[m:] == 1).all()  # padding rows: zero, unit scale
+    q, s = q[:m], s[:m]
     want_q, want_s = ref.per_token_group_quant_reference(x)
     torch.testing.assert_close(s.cpu(), want_s, rtol=1e-6, atol=0)
     # same scale: the E4M3 values agree up to the rounding of one tie
@@ -72,6 +78,7 @@ def _launch_w8a16_bf16_for_compile_check(m=1, n=72, k=256, **tiles):
 def _triton_checks(device):
     _check_quant(device, 3, 300)  # a ragged last group
     _check_quant(device, 2, 128)
+    _check_quant(device, 5, 256, rows_multiple=4, scale_column_major=True)  # the block-scaled GEMM's operands
     for kind in ("block", "channel", "tensor"):
         _check_w8a8(device, 70, 200, 300, kind, torch.float32, block_m=32, block_n_tile=64)
         _check_w8a16(device, 3, 200, 300, kind, torch.float32, block_n_tile=64)

@@ -8,7 +8,9 @@ takes the FMA GEMV (triton_gemv.py) up to GEMV_ROWS rows and the transposed tens
 (triton_swap_ab.py) above (same math, so the reference is one): on an H200 it beat the
 untransposed tile kernel (triton_gemm.py) at 8-64 rows on llama-8b's shapes except gate_up at
 8-16 (4% behind), 1.7x over a layer at 64 rows (docs/weight_quantization.md).
-QSASERVE_FP8_DECODE_KERNEL=tile (read at import) keeps the tile kernel, for A/B runs."""
+QSASERVE_FP8_DECODE_KERNEL=tile (read at import) keeps the tile kernel, for A/B runs. Prefill
+(more than DECODE_ROWS rows) of 128 x 128 block weights on sm_90 runs cuBLAS's block-scaled GEMM
+(scaled_mm.py), the Triton W8A8 GEMM elsewhere."""
 from __future__ import annotations
 
 import os
@@ -17,7 +19,7 @@ import torch
 
 from qsaserve.ops import fused
 from qsaserve.ops.dispatch import use_triton
-from qsaserve.ops.fp8_gemm import reference
+from qsaserve.ops.fp8_gemm import reference, scaled_mm
 from qsaserve.ops.fp8_gemm.reference import (DECODE_ROWS, FP8, GROUP, W8A8_DECODE_MIN_N, dequantize_weight,
                                              expand_scale, quantize_weight_block, quantize_weight_rows, takes_w8a8)
 
@@ -65,8 +67,12 @@ def fp8_w8a16_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bloc
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] -> x @ W^T (+ bias) [T, N] in x's dtype (reference.fp8_linear_reference)."""
-    if not takes_w8a8(x.shape[0], w.shape[0]):
+    m = x.shape[0]
+    if not takes_w8a8(m, w.shape[0]):
         y = fp8_w8a16_gemm(x, w, w_scale, block_n)
+    elif m > DECODE_ROWS and use_triton(x) and scaled_mm.takes(x, w, w_scale, block_n):
+        xq, xs = triton_quant.per_token_group_quant_triton(x, scaled_mm.ROWS_MULTIPLE, scale_column_major=True)
+        y = scaled_mm.fp8_w8a8_gemm_scaled_mm(xq, xs, w, w_scale, x.dtype)[:m]
     else:
         xq, xs = per_token_group_quant(x)
         y = fp8_w8a8_gemm(xq, xs, w, w_scale, block_n, x.dtype)

@@ -25,7 +25,7 @@ def _round_to_e4m3(y):
 
 
 @triton.jit
-def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, G, stride_xm, stride_qm, stride_sm,
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, G, stride_xm, stride_qm, stride_sm, stride_sg,
                         FP8_MAX_: tl.constexpr, EPS: tl.constexpr, GROUP_: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
@@ -35,19 +35,28 @@ def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, G, stride_xm, stride_qm, stride_
     scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX_, EPS)
     q = _round_to_e4m3(tl.clamp(x / scale, -FP8_MAX_, FP8_MAX_))
     tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + m * stride_sm + g, scale)
+    tl.store(s_ptr + m * stride_sm + g * stride_sg, scale)
 
 
-def per_token_group_quant_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (unit last stride) -> (E4M3 [M, K], scale [M, ceil(K/128)] float32)."""
+def per_token_group_quant_triton(x: torch.Tensor, rows_multiple: int = 1,
+                                 scale_column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (unit last stride) -> (E4M3 [M', K], scale [M', ceil(K/128)] float32), M' = M
+    rounded up to rows_multiple (the extra rows zero, their scales one); scale_column_major: the
+    scales' rows adjacent in memory (strides (1, M')), the layout cuBLAS's block-scaled GEMM reads
+    (scaled_mm.py)."""
     m, k = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
     g = triton.cdiv(k, GROUP)
-    q = torch.empty((m, k), dtype=FP8, device=x.device)
-    s = torch.empty((m, g), dtype=torch.float32, device=x.device)
+    rows = -(-m // rows_multiple) * rows_multiple
+    q = torch.empty((rows, k), dtype=FP8, device=x.device)
+    s = (torch.empty((g, rows), dtype=torch.float32, device=x.device).t() if scale_column_major
+         else torch.empty((rows, g), dtype=torch.float32, device=x.device))
+    if rows > m:
+        q[m:].zero_()
+        s[m:].fill_(1.0)
     if m and k:
-        _group_quant_kernel[(m, g)](x, q, s, k, g, x.stride(0), q.stride(0), s.stride(0),
+        _group_quant_kernel[(m, g)](x, q, s, k, g, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
                                     FP8_MAX_=FP8_MAX, EPS=_EPS, GROUP_=GROUP, num_warps=1)
     return q, s
 

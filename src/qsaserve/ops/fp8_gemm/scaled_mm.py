@@ -1,0 +1,62 @@
+"""The block-FP8 W8A8 GEMM as torch's block-scaled cuBLAS GEMM: `F.scaled_mm` with the activations
+scaled per token and 128 columns (ScalingType.BlockWise1x128) and the weights per 128 x 128 block
+(BlockWise128x128), DeepSeek's recipe, which PyTorch runs on sm_90 only (CUDA 12.9+).
+
+Same operands as triton_gemm.fp8_w8a8_gemm_triton (reference.fp8_w8a8_gemm_reference is the
+contract of both), in the layouts cuBLAS reads: the activations' rows a multiple of 4 and their
+scales column-major (triton_quant.per_token_group_quant_triton writes both when asked), and the
+weights' K blocks a multiple of 4 (the 128 x 128 scale grid is passed transposed, a view).
+Taken for prefill where `takes` holds (fp8_linear); QSASERVE_FP8_GEMM=triton (read at import)
+keeps the Triton GEMM everywhere, for A/B runs."""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from qsaserve.ops.fp8_gemm.reference import GROUP
+
+ROWS_MULTIPLE = 4  # cuBLAS's block-scaled GEMM wants the activation rows (and scale rows) so aligned
+GEMMS = ("auto", "triton")
+GEMM = os.environ.get("QSASERVE_FP8_GEMM", "auto")
+if GEMM not in GEMMS:
+    raise ValueError(f"QSASERVE_FP8_GEMM: one of {', '.join(GEMMS)}, got {GEMM!r}")
+_RECIPES = getattr(F, "ScalingType", None)  # torch >= 2.10
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) == (9, 0)
+
+
+def available(t: torch.Tensor) -> bool:
+    """Whether t's device runs the block-scaled GEMM: a CUDA sm_90 device, a torch with
+    F.scaled_mm's recipes, not QSASERVE_FP8_GEMM=triton."""
+    return (GEMM == "auto" and _RECIPES is not None and hasattr(_RECIPES, "BlockWise128x128")
+            and t.device.type == "cuda" and _sm90(t.device))
+
+
+def takes(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int) -> bool:
+    """Whether x [M, K] by the weight w [N, K] (w_scale [Sn, Sk], block_n rows a scale row) runs
+    here: `available`, 128 x 128 block scales, N and K whole blocks, K's blocks a multiple of 4."""
+    n, k = w.shape
+    return (available(x) and block_n == GROUP and n % GROUP == 0 and k % (GROUP * 4) == 0
+            and tuple(w_scale.shape) == (n // GROUP, k // GROUP) and w_scale.stride(-1) == 1
+            and w.stride(-1) == 1 and w_scale.dtype == torch.float32)
+
+
+def fp8_w8a8_gemm_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                            out_dtype: torch.dtype) -> torch.Tensor:
+    """xq [M', K] E4M3 (M' a multiple of ROWS_MULTIPLE) with x_scale [M', K/128] float32
+    column-major (strides (1, M')), w [N, K] E4M3 with w_scale [N/128, K/128] -> [M', N] out_dtype
+    (rows past the real tokens are the caller's to drop)."""
+    if xq.shape[0] % ROWS_MULTIPLE or x_scale.stride(0) != 1:
+        raise ValueError(f"fp8_w8a8_gemm_scaled_mm: xq's rows must be a multiple of {ROWS_MULTIPLE} and x_scale "
+                         f"column-major, got {tuple(xq.shape)} and strides {x_scale.stride()}")
+    return F.scaled_mm(xq, w.t(), x_scale, _RECIPES.BlockWise1x128, w_scale.t(), _RECIPES.BlockWise128x128,
+                       output_dtype=out_dtype)
+
+
+__all__ = ["GEMM", "ROWS_MULTIPLE", "available", "fp8_w8a8_gemm_scaled_mm", "takes"]
