@@ -79,6 +79,7 @@ def _triton_checks(device):
     _check_quant(device, 3, 300)  # a ragged last group
     _check_quant(device, 2, 128)
     _check_quant(device, 5, 256, rows_multiple=4, scale_column_major=True)  # the block-scaled GEMM's operands
+    _check_quant(device, 3, 1300)  # 11 groups: two programs of 8, the second masked past the 11th
     for kind in ("block", "channel", "tensor"):
         _check_w8a8(device, 70, 200, 300, kind, torch.float32, block_m=32, block_n_tile=64)
         _check_w8a16(device, 3, 200, 300, kind, torch.float32, block_n_tile=64)

@@ -1,6 +1,6 @@
 """Dynamic per-token-group FP8 quantization of activations (the A operand of the W8A8 GEMM): one
-program per (token, group of 128 columns) reads the group once, writes its E4M3 values and its
-float32 scale amax / 448 (reference.per_token_group_quant_reference).
+program per token and GROUPS_PER_PROGRAM groups of 128 columns reads them once, writes their E4M3
+values and each group's float32 scale amax / 448 (reference.per_token_group_quant_reference).
 
 The value is rounded to the E4M3 grid (nearest, ties to even) in float32 before the cast, so the
 cast itself is exact: Triton 3.6's interpreter drops the carry when a cast rounds up into the next
@@ -26,16 +26,19 @@ def _round_to_e4m3(y):
 
 @triton.jit
 def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, G, stride_xm, stride_qm, stride_sm, stride_sg,
-                        FP8_MAX_: tl.constexpr, EPS: tl.constexpr, GROUP_: tl.constexpr):
+                        FP8_MAX_: tl.constexpr, EPS: tl.constexpr, GROUP_: tl.constexpr, GROUPS: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
-    g = tl.program_id(1)
-    k = g * GROUP_ + tl.arange(0, GROUP_)
+    g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
+    k = g[:, None] * GROUP_ + tl.arange(0, GROUP_)[None, :]  # [GROUPS, 128]
     ok = k < K
     x = tl.load(x_ptr + m * stride_xm + k, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 0) / FP8_MAX_, EPS)
-    q = _round_to_e4m3(tl.clamp(x / scale, -FP8_MAX_, FP8_MAX_))
+    scale = tl.maximum(tl.max(tl.abs(x), 1) / FP8_MAX_, EPS)
+    q = _round_to_e4m3(tl.clamp(x / scale[:, None], -FP8_MAX_, FP8_MAX_))
     tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + m * stride_sm + g * stride_sg, scale)
+    tl.store(s_ptr + m * stride_sm + g * stride_sg, scale, mask=g < G)
+
+
+GROUPS_PER_PROGRAM = 8  # 1,024 columns a program: one group a program (128 values) left the HBM idle
 
 
 def per_token_group_quant_triton(x: torch.Tensor, rows_multiple: int = 1,
@@ -56,8 +59,10 @@ def per_token_group_quant_triton(x: torch.Tensor, rows_multiple: int = 1,
         q[m:].zero_()
         s[m:].fill_(1.0)
     if m and k:
-        _group_quant_kernel[(m, g)](x, q, s, k, g, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
-                                    FP8_MAX_=FP8_MAX, EPS=_EPS, GROUP_=GROUP, num_warps=1)
+        groups = min(GROUPS_PER_PROGRAM, triton.next_power_of_2(g))
+        _group_quant_kernel[(m, triton.cdiv(g, groups))](
+            x, q, s, k, g, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+            FP8_MAX_=FP8_MAX, EPS=_EPS, GROUP_=GROUP, GROUPS=groups, num_warps=4 if groups >= 4 else 1)
     return q, s
 
 
