@@ -25,8 +25,7 @@
   weight rows a program; "_scaled_mm": cuBLAS's block-scaled GEMM);
   TB/s counts the weight and scale bytes read, and pct_roofline is that over the H200's 4.8 TB/s. At GEMV_M rows also the FMA GEMVs the dispatch
   takes up to 4 rows: "fp8_gemv" (fp8_gemm/triton_gemv.py at its pick_gemv_tile defaults, the row
-  names its tile), "fp8_gemv_pdl" (the same as programmatic dependent launches, ops/pdl.py),
-  "fp8_gemv_bnB_bkK_sS" at GEMV_SWEEP, "fp8_gemv_st1" (the defaults with the K
+  names its tile), "fp8_gemv_bnB_bkK_sS" at GEMV_SWEEP, "fp8_gemv_st1" (the defaults with the K
   loop not pipelined; one row only) and "nvfp4_gemv" (nvfp4_gemm/triton_gemv.py, defaults). A
   variant that raises gets a row with "error" and the others still run.
 Times are CUDA-graph replays cycling over enough weight copies to exceed the L2. Prints JSON (one
@@ -44,7 +43,6 @@ import torch.nn.functional as F
 
 from qsaserve.bench.common import kernel_bench_main
 from qsaserve.bench.gpu_timing import graph_ms
-from qsaserve.ops import pdl
 from qsaserve.ops.fp8_gemm import quantize_weight_block
 from qsaserve.ops.device import max_shared_bytes, num_sms
 from qsaserve.ops.fp8_gemm.triton_gemm import (decode_block_m, fp8_w8a16_gemm_triton, fp8_w8a8_gemm_triton,
@@ -154,17 +152,6 @@ def _scaled_mm_blockwise(x, q, s):
     return fp8_w8a8_gemm_scaled_mm(xq, xs, q, s, x.dtype)[: x.shape[0]]
 
 
-def _with_pdl(fn):
-    """fn run (and so captured) with QSASERVE_PDL's switch on."""
-    def run():
-        pdl.ENABLED = True
-        try:
-            return fn()
-        finally:
-            pdl.ENABLED = False
-    return run
-
-
 def decode(name, n, k, m, dev, keep=None) -> list[dict]:
     """keep(variant name) -> bool: the variants timed (None: all; bf16_cublas always, the peer)."""
     copies = max(2, -(-2 * L2_BYTES // (n * k)))
@@ -233,10 +220,6 @@ def decode(name, n, k, m, dev, keep=None) -> list[dict]:
         tiles["fp8_gemv"] = dict(block_n_tile=gbn, block_k=gbk, split_k=gsplit, num_stages=3)
         splits["fp8_gemv"] = gsplit
         variants.append(("fp8_gemv", lambda: [fp8_gemv_triton(x, q, s, 128) for _, q, s in ws], fp8_bytes))
-        # the same launched as programmatic dependents (ops/pdl.py): each GEMV signals at its start,
-        # so the next one prefetches its leading weight bytes while this one streams
-        variants.append(("fp8_gemv_pdl", _with_pdl(lambda: [fp8_gemv_triton(x, q, s, 128) for _, q, s in ws]),
-                         fp8_bytes))
         for gt in GEMV_SWEEP:
             variant = "fp8_gemv_bn{}_bk{}_s{}".format(*gt)
             splits[variant] = gt[2]

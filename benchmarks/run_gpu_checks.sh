@@ -67,10 +67,6 @@ if [ "$mode" = single ]; then
     part bench_fp8_gemm 150 python benchmarks/bench_fp8_gemm.py --out "$out/bench_fp8_gemm.json"
     # FP8 decode (3-64 rows) on the untransposed tile kernel instead (the A/B of the default).
     part latency_llama8b_wfp8_tile 150 env QSASERVE_FP8_DECODE_KERNEL=tile sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling --quantization fp8 --profile-steps 16 > '$out/latency_llama8b_wfp8_tile.json'"
-    # The FP8 decode GEMVs as programmatic dependent launches (ops/pdl.py, opt-in): the A/B.
-    part latency_llama8b_wfp8_pdl 150 env QSASERVE_PDL=1 sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling --quantization fp8 --profile-steps 16 > '$out/latency_llama8b_wfp8_pdl.json'"
-    part latency_llama8b_wfp8_pdl_noprefetch 150 env QSASERVE_PDL=1 QSASERVE_PDL_PREFETCH=0 sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling --quantization fp8 --profile-steps 16 > '$out/latency_llama8b_wfp8_pdl_noprefetch.json'"
-    part gpu_tests_pdl 120 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_pdl.xml" tests/ops/test_pdl.py
     # Prefill of block-FP8 weights through cuBLAS's block-scaled GEMM (ops/fp8_gemm/scaled_mm.py).
     part gpu_tests_scaled_mm 120 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_scaled_mm.xml" tests/ops/test_fp8_scaled_mm.py
     part bench_fp8_prefill 200 python benchmarks/bench_fp8_gemm.py --phases prefill --out "$out/bench_fp8_prefill.json"
@@ -81,7 +77,7 @@ if [ "$mode" = single ]; then
         --variants 'fp8_w8a16,fp8_w8a16_swap*,nvfp4_w4a16,nvfp4_w4a16_swap*' --out "$out/bench_fp8_decode.json"
     # What the engine runs at 4-64 rows against the tile kernels and W8A8 (short: no sweep).
     part bench_fp8_decode_engine 120 python benchmarks/bench_fp8_gemm.py --phases decode --decode-m 1,2,4,8,16,32,64 \
-        --variants 'fp8_w8a16,fp8_w8a16_swap,fp8_w8a8*,nvfp4_w4a16,nvfp4_dispatch,nvfp4_gemv,fp8_gemv,fp8_gemv_pdl' --out "$out/bench_fp8_decode_engine.json"
+        --variants 'fp8_w8a16,fp8_w8a16_swap,fp8_w8a8*,nvfp4_w4a16,nvfp4_dispatch,nvfp4_gemv,fp8_gemv' --out "$out/bench_fp8_decode_engine.json"
     for w in bf16 fp8; do
         q=$([ $w = bf16 ] || echo "--quantization $w")
         part throughput_llama8b_w$w 240 sh -c "python -m qsaserve.cli bench throughput llama-8b --load-format dummy --max-model-len 4096 $q > '$out/throughput_llama8b_w$w.json'"
@@ -94,9 +90,9 @@ if [ "$mode" = single ]; then
     part spec_q4small_ngram 270 $spec --model qwen4exp-small --force-accept --out "$out/spec_q4small_ngram.json"
     part spec_llama1b_ngram 200 $spec --model llama-1b --repeat-unit 64 --out "$out/spec_llama1b_ngram.json"
     # The decode kernels the engine takes that no GPU has run yet (the transposed ones, the gated
-    # FP8 GEMV, the FP8 MoE decode kernels, PDL) first, alone: the rest took over 200 s.
+    # FP8 GEMV, the FP8 MoE decode kernels) first, alone: the rest took over 200 s.
     part gpu_tests_swap 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_swap.xml" \
-        tests/ops/test_fp8_gemv_triton.py tests/ops/test_moe_decode_fp8.py tests/ops/test_pdl.py \
+        tests/ops/test_fp8_gemv_triton.py tests/ops/test_moe_decode_fp8.py \
         tests/ops/test_fp8_swap_ab_triton.py tests/ops/test_nvfp4_swap_ab_triton.py tests/ops/test_fp8_gemm_triton.py
     part gpu_tests_quant 300 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_quant.xml" \
         tests/ops/test_nvfp4_gemm_triton.py tests/ops/test_moe_grouped_fp8.py tests/ops/test_moe_grouped_nvfp4.py \

@@ -23,9 +23,7 @@ import triton.language as tl
 from qsaserve.ops.attention.configs import MAX_SPLITS, DecodeConfig, decode_config, num_decode_splits
 from qsaserve.ops.attention.triton_common import (LOG2E, ShardKeys, _key_position, _M_INIT, check_scales, dcp_args,
                                                   interpreted)
-from qsaserve.ops import pdl
 from qsaserve.ops.device import num_sms
-from qsaserve.ops.pdl import launch_dependents
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,9 +190,7 @@ def _merge_kernel(
     stride_ot, stride_oh, stride_et, stride_eh, stride_pr, stride_ph, stride_ps, stride_lr, stride_lh,
     S_POW2: tl.constexpr, S_BLOCK: tl.constexpr,
     D: tl.constexpr, D_POW2: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, WRITE_LSE: tl.constexpr,
-    PDL: tl.constexpr = False,
 ):
-    launch_dependents(PDL)  # the o projection's GEMV may start its weight prefetch (ops/pdl.py)
     prow = tl.program_id(0)
     head = tl.program_id(1)
     idx = prow // qlen_max
@@ -330,6 +326,6 @@ def paged_decode(
             # count would compile a new kernel each time a step's batch or context moved it.
             S_POW2=max(MAX_SPLITS, triton.next_power_of_2(num_splits)), S_BLOCK=16,
             D=d, D_POW2=d_pow2, HAS_SEQ_IDS=seq_ids is not None, WRITE_LSE=lse is not None,
-            num_warps=4 if d >= 128 else 2, PDL=pdl.enabled(out),
+            num_warps=4 if d >= 128 else 2,
         )
     return out

@@ -19,21 +19,16 @@ instructions an iteration (64 weights a thread), where carrying the next tile in
 The grid is one program per BLOCK_N rows (pick_gemv_tile) and, with split_k > 1, split_k programs
 per row block over contiguous whole-128-column ranges of K, whose float32 partial sums
 triton_gemm's _split_k_sum_kernel adds in a fixed order: deterministic, no atomics, no host sync
-(CUDA-graph safe). With QSASERVE_PDL=1 (ops/pdl.py) the kernel is launched as a programmatic
-dependent: it prefetches the weight bytes its first iterations read into L2 (each row's leading
-128 / BLOCK_N chunks of 256 bytes, one chunk a thread: 32 KiB a program at 4 warps), then waits
-for the kernel before it, then reads x."""
+(CUDA-graph safe)."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from qsaserve.ops import pdl
 from qsaserve.ops.device import num_sms
 from qsaserve.ops.fp8_gemm.reference import GROUP
 from qsaserve.ops.fp8_gemm.triton_gemm import _scale_k_stride, split_k_buffer, sum_split_k, w8a16_operands
-from qsaserve.ops.pdl import PREFETCH_CHUNK, launch_dependents, prefetch_l2, wait_for_prior
 
 MAX_ROWS = 4  # rows of x one pass over the weights serves
 TILE_BYTES = 16384  # E4M3 bytes a program loads an iteration at one row (16 x 1024); half at more rows
@@ -103,8 +98,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
                      stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, stride_ys,
                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_: tl.constexpr,
                      SPLIT_K: tl.constexpr, ROW_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                     PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False, GATED: tl.constexpr = False,
-                     THREADS: tl.constexpr = 128):
+                     GATED: tl.constexpr = False):
     G: tl.constexpr = BLOCK_K // GROUP_
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
@@ -114,14 +108,6 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
     w_rows = w_ptr + n[None, :, None].to(tl.int64) * stride_wn
     s_rows = s_ptr + (n // block_n)[None, :] * stride_sn
     k_lo, k_hi, y_base = split_k_range(y_ptr, K, stride_ys, GROUP_, SPLIT_K)
-    # ops/pdl.py: the weights depend on no kernel before this one, x (and y's memory) may
-    launch_dependents(PDL)
-    if PREFETCH:  # the bytes the first iterations read: each row's leading THREADS // BLOCK_N chunks
-        CHUNKS: tl.constexpr = THREADS // BLOCK_N
-        if k_hi - k_lo >= PREFETCH_CHUNK:  # one distinct address a thread; past the range: its last chunk
-            off = tl.minimum(k_lo + tl.arange(0, CHUNKS) * PREFETCH_CHUNK, k_hi - PREFETCH_CHUNK)
-            prefetch_l2(w_ptr + tl.minimum(n, N - 1).to(tl.int64)[:, None] * stride_wn + off[None, :])
-    wait_for_prior(PDL)
     acc0 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
     acc1 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
@@ -192,13 +178,11 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
         raise ValueError(f"fp8_gemv: block_k a power-of-two multiple of {GROUP}, split_k >= 1; got {bk}, {split}")
     out = split_k_buffer(y, split)
     rows = triton.next_power_of_2(m)  # 3 rows take the 4-row variant, the 4th masked
-    use_pdl, warps = pdl.enabled(x), num_warps or 4
     _fp8_gemv_kernel[(triton.cdiv(n, bn), split)](
         x, w, w_scale, out, m, n, k, block_n, x.stride(0), w.stride(0), w_scale.stride(0), _scale_k_stride(w_scale),
         out.stride(-2), out.stride(0) if split > 1 else 0, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, GROUP_=GROUP,
-        SPLIT_K=split, ROW_SCALE=w_scale.shape[1] == 1, NUM_STAGES=num_stages, num_warps=warps,
-        PDL=use_pdl, PREFETCH=pdl.prefetches(x) and w.data_ptr() % 16 == 0 and w.stride(0) % 16 == 0
-        and bn <= 32 * warps, GATED=gated, THREADS=32 * warps, **pdl.launch_options(x))
+        SPLIT_K=split, ROW_SCALE=w_scale.shape[1] == 1, NUM_STAGES=num_stages, num_warps=num_warps or 4,
+        GATED=gated)
     sum_split_k(out, y, split)
     return y
 

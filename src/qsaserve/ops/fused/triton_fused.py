@@ -17,17 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from qsaserve.ops import pdl
-from qsaserve.ops.pdl import launch_dependents
-
 _MAX_NORM_COLS = 32768  # one row per program, held whole in registers
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
                      stride_x0, stride_x1, inner, stride_r, stride_o, stride_ro, n_cols, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    launch_dependents(PDL)  # a decode GEMV after it may start its weight prefetch (ops/pdl.py)
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -75,7 +71,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return out
     block, warps = _norm_launch_config(n_cols)
     _rms_norm_kernel[(rows,)](x, x, weight, out, out, s0, s1, inner, 0, n_cols, 0, n_cols, eps,
-                              HAS_RESIDUAL=False, BLOCK=block, num_warps=warps, PDL=pdl.enabled(x))
+                              HAS_RESIDUAL=False, BLOCK=block, num_warps=warps)
     return out
 
 
@@ -94,8 +90,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
         return out, new_residual
     block, warps = _norm_launch_config(n_cols)
     _rms_norm_kernel[(rows,)](x, residual, weight, out, new_residual, x.stride(0), 0, 1, residual.stride(0),
-                              n_cols, n_cols, n_cols, eps, HAS_RESIDUAL=True, BLOCK=block, num_warps=warps,
-                              PDL=pdl.enabled(x))
+                              n_cols, n_cols, n_cols, eps, HAS_RESIDUAL=True, BLOCK=block, num_warps=warps)
     return out, new_residual
 
 
@@ -154,8 +149,7 @@ def rope_qk_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: tor
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    launch_dependents(PDL)
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -176,7 +170,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(inter))
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](x, out, x.stride(0), out.stride(0), inter,
-                                                        BLOCK=block, num_warps=4, PDL=pdl.enabled(x))
+                                                        BLOCK=block, num_warps=4)
     return out
 
 
