@@ -4,6 +4,7 @@ JSON per case: wall ms, device ms, kernel launches, device idle inside the step,
 and host ops (engine.profiling.summarize_events), and how many blocking syncs the host made.
 
     PYTHONPATH=src python benchmarks/profile_prefill.py qwen4exp-small --cases 1x1024,1x8192,16x1024
+    PYTHONPATH=src python benchmarks/profile_prefill.py llama-8b --max-model-len 4096 --cases 1x1024 --quantization fp8
 """
 from __future__ import annotations
 
@@ -43,9 +44,11 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=9000)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--quantization", default=None, help="the engine's --quantization (fp8, nvfp4)")
     args = ap.parse_args()
     extra = {"max_num_batched_tokens": args.max_num_batched_tokens} if args.max_num_batched_tokens else {}
-    config = EngineConfig(model=args.model, load_format="dummy", max_model_len=args.max_model_len, **extra)
+    config = EngineConfig(model=args.model, load_format="dummy", max_model_len=args.max_model_len,
+                          quantization=args.quantization, **extra)
     engine = LLMEngine(config, progress=False)
     rng = random.Random(0)
     rows = []
@@ -69,7 +72,7 @@ def main() -> None:
             rows.append(row)
     finally:
         engine.shutdown()
-    print(json.dumps({"bench": "profile_prefill", "model": args.model, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    print(json.dumps({"bench": "profile_prefill", "model": args.model, "quantization": args.quantization, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                       "rows": rows}))
 
 

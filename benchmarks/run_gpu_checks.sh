@@ -71,6 +71,11 @@ if [ "$mode" = single ]; then
     part gpu_tests_scaled_mm 120 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_scaled_mm.xml" tests/ops/test_fp8_scaled_mm.py
     part bench_fp8_prefill 200 python benchmarks/bench_fp8_gemm.py --phases prefill --out "$out/bench_fp8_prefill.json"
     part latency_llama8b_wfp8_triton_gemm 150 env QSASERVE_FP8_GEMM=triton sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling --quantization fp8 --profile-steps 16 > '$out/latency_llama8b_wfp8_triton_gemm.json'"
+    # Where llama-8b's 1,024-token prefill spends its time with FP8 weights (TTFT 1.5-1.9x bf16's) and bf16.
+    for w in bf16 fp8; do
+        q=$([ $w = bf16 ] || echo "--quantization $w")
+        part profile_prefill_llama8b_w$w 150 sh -c "python benchmarks/profile_prefill.py llama-8b --max-model-len 4096 --cases 1x1024 $q > '$out/profile_prefill_llama8b_w$w.json'"
+    done
     part latency_llama8b_wnvfp4_swap 150 env QSASERVE_NVFP4_DECODE_KERNEL=swap sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling --quantization nvfp4 --profile-steps 16 > '$out/latency_llama8b_wnvfp4_swap.json'"
     # The decode tile kernels alone at 8-64 rows: the default against the transposed kernels' sweep.
     part bench_fp8_decode 270 python benchmarks/bench_fp8_gemm.py --phases decode --decode-m 8,16,32,64 \
