@@ -16,7 +16,9 @@ def test_takes_whole_128_blocks_with_k_blocks_a_multiple_of_4(monkeypatch):
     from qsaserve.ops.fp8_gemm import scaled_mm
 
     monkeypatch.setattr(scaled_mm, "available", lambda t: True)
-    x = torch.zeros(1, 1)
+    x = torch.zeros(1, 1, dtype=torch.bfloat16)
+    w, s = _weight(256, 512)
+    assert not scaled_mm.takes(x.float(), w, s, 128) and not scaled_mm.takes(x.half(), w, s, 128)  # bf16 only
     for (n, k), want in (((256, 512), True), ((256, 384), False), ((200, 512), False), ((6144, 4096), True)):
         w, s = _weight(n, k)
         assert scaled_mm.takes(x, w, s, 128) is want, (n, k)
@@ -58,7 +60,7 @@ def test_fp8_linear_hands_prefill_to_it_in_its_layout(monkeypatch):
     monkeypatch.setattr(scaled_mm, "fp8_w8a8_gemm_scaled_mm", gemm)
     monkeypatch.setattr(fp8, "fp8_w8a16_gemm", lambda x, w, s, bn: ref.fp8_w8a16_gemm_reference(x, w, s, bn))
     w, s = _weight(256, 512)
-    x = torch.randn(70, 512)
+    x = torch.randn(70, 512).to(torch.bfloat16)
     torch.testing.assert_close(fp8.fp8_linear(x, w, s, 128), ref.fp8_linear_reference(x, w, s, 128))
     assert calls == [72]  # 70 tokens padded to 72; the output has 70 rows
     fp8.fp8_linear(x[:8], w, s, 128)

@@ -40,9 +40,10 @@ def available(t: torch.Tensor) -> bool:
 
 def takes(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int) -> bool:
     """Whether x [M, K] by the weight w [N, K] (w_scale [Sn, Sk], block_n rows a scale row) runs
-    here: `available`, 128 x 128 block scales, N and K whole blocks, K's blocks a multiple of 4."""
+    here: `available`, bf16 activations (the output dtype measured; others keep the Triton GEMM),
+    128 x 128 block scales, N and K whole blocks, K's blocks a multiple of 4."""
     n, k = w.shape
-    return (available(x) and block_n == GROUP and n % GROUP == 0 and k % (GROUP * 4) == 0
+    return (available(x) and x.dtype == torch.bfloat16 and block_n == GROUP and n % GROUP == 0 and k % (GROUP * 4) == 0
             and tuple(w_scale.shape) == (n // GROUP, k // GROUP) and w_scale.stride(-1) == 1
             and w.stride(-1) == 1 and w_scale.dtype == torch.float32)
 
