@@ -24,15 +24,19 @@ def test_takes_whole_128_blocks_with_k_blocks_a_multiple_of_4(monkeypatch):
         assert scaled_mm.takes(x, w, s, 128) is want, (n, k)
     w, s = _weight(256, 512)
     assert not scaled_mm.takes(x, w, s, 64)  # not 128-row blocks
-    assert not scaled_mm.takes(x, w, *ref.quantize_weight_rows(torch.randn(256, 512))[1:], 1)  # per channel
+    assert not scaled_mm.takes(x, w, *ref.quantize_weight_rows(torch.randn(256, 512))[1:], 128)  # per-channel scales
+    assert not scaled_mm.takes(x, w, s[:, :2], 128)  # a scale grid that is not the weight's
     monkeypatch.setattr(scaled_mm, "available", lambda t: False)
     assert not scaled_mm.takes(x, w, s, 128)
 
 
-def test_not_available_on_cpu():
+def test_not_available_on_cpu_nor_before_cuda_12_9(monkeypatch):
     from qsaserve.ops.fp8_gemm import scaled_mm
 
     assert not scaled_mm.available(torch.zeros(1))
+    for version, want in (("12.8", False), ("12.9", True), ("13.0", True), (None, False)):
+        monkeypatch.setattr(torch.version, "cuda", version)
+        assert scaled_mm._cuda_at_least(12, 9) is want, version
 
 
 def test_fp8_linear_hands_prefill_to_it_in_its_layout(monkeypatch):
@@ -86,6 +90,7 @@ def test_block_scaled_gemm_equals_the_reference_on_sm90():
         torch.testing.assert_close(got, want, rtol=2**-8, atol=want.abs().max().item() * 2**-9)
     w, s = _weight(256, 512)
     x = torch.randn(70, 512, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    assert scaled_mm.takes(x.cuda(), w.cuda(), s.cuda(), 128)  # fp8_linear's path below is cuBLAS's
     got = fp8_linear(x.cuda(), w.cuda(), s.cuda(), 128).float().cpu()
     # on the GPU's quantized activations (its division may round a tie the other way than torch's)
     xq, xs = per_token_group_quant_triton(x.cuda())

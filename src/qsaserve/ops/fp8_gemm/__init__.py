@@ -8,9 +8,10 @@ takes the FMA GEMV (triton_gemv.py) up to GEMV_ROWS rows and the transposed tens
 (triton_swap_ab.py) above (same math, so the reference is one): on an H200 it beat the
 untransposed tile kernel (triton_gemm.py) at 8-64 rows on llama-8b's shapes except gate_up at
 8-16 (4% behind), 1.7x over a layer at 64 rows (docs/weight_quantization.md).
-QSASERVE_FP8_DECODE_KERNEL=tile (read at import) keeps the tile kernel, for A/B runs. Prefill
-(more than DECODE_ROWS rows) of 128 x 128 block weights on sm_90 runs cuBLAS's block-scaled GEMM
-(scaled_mm.py), the Triton W8A8 GEMM elsewhere."""
+QSASERVE_FP8_DECODE_KERNEL=tile (read at import) keeps the tile kernel, for A/B runs. More than
+DECODE_ROWS rows (prefill, and steps of more than 64 decode rows) of bf16 activations by 128 x 128
+block weights run cuBLAS's block-scaled GEMM on sm_90 (scaled_mm.takes), the Triton W8A8 GEMM
+elsewhere."""
 from __future__ import annotations
 
 import os

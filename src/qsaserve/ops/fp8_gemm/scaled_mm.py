@@ -6,8 +6,9 @@ Same operands as triton_gemm.fp8_w8a8_gemm_triton (reference.fp8_w8a8_gemm_refer
 contract of both), in the layouts cuBLAS reads: the activations' rows a multiple of 4 and their
 scales column-major (triton_quant.per_token_group_quant_triton writes both when asked), and the
 weights' K blocks a multiple of 4 (the 128 x 128 scale grid is passed transposed, a view).
-Taken for prefill where `takes` holds (fp8_linear); QSASERVE_FP8_GEMM=triton (read at import)
-keeps the Triton GEMM everywhere, for A/B runs."""
+Taken above DECODE_ROWS rows where `takes` holds (fp8_linear): prefill, and decode or verify
+steps of more than 64 rows (in CUDA graphs too: cuBLAS captures); QSASERVE_FP8_GEMM=triton (read
+at import) keeps the Triton GEMM everywhere, for A/B runs."""
 from __future__ import annotations
 
 import functools
@@ -26,16 +27,22 @@ if GEMM not in GEMMS:
 _RECIPES = getattr(F, "ScalingType", None)  # torch >= 2.10
 
 
+def _cuda_at_least(major: int, minor: int) -> bool:
+    version = torch.version.cuda
+    return version is not None and tuple(int(v) for v in version.split(".")[:2]) >= (major, minor)
+
+
 @functools.lru_cache(maxsize=None)
 def _sm90(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def available(t: torch.Tensor) -> bool:
-    """Whether t's device runs the block-scaled GEMM: a CUDA sm_90 device, a torch with
-    F.scaled_mm's recipes, not QSASERVE_FP8_GEMM=triton."""
+    """Whether t's device runs the block-scaled GEMM: a CUDA sm_90 device, a torch built for CUDA
+    12.9 or later (torch refuses the recipe with an older cuBLASLt) with F.scaled_mm's recipes,
+    not QSASERVE_FP8_GEMM=triton."""
     return (GEMM == "auto" and _RECIPES is not None and hasattr(_RECIPES, "BlockWise128x128")
-            and t.device.type == "cuda" and _sm90(t.device))
+            and t.device.type == "cuda" and _cuda_at_least(12, 9) and _sm90(t.device))
 
 
 def takes(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int) -> bool:
@@ -44,8 +51,8 @@ def takes(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int)
     128 x 128 block scales, N and K whole blocks, K's blocks a multiple of 4."""
     n, k = w.shape
     return (available(x) and x.dtype == torch.bfloat16 and block_n == GROUP and n % GROUP == 0 and k % (GROUP * 4) == 0
-            and tuple(w_scale.shape) == (n // GROUP, k // GROUP) and w_scale.stride(-1) == 1
-            and w.stride(-1) == 1 and w_scale.dtype == torch.float32)
+            and tuple(w_scale.shape) == (n // GROUP, k // GROUP) and w_scale.dtype == torch.float32
+            and w.is_contiguous() and w_scale.is_contiguous())
 
 
 def fp8_w8a8_gemm_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
