@@ -24,15 +24,15 @@ def _round_to_e4m3(y):
     return ((y / step + magic) - magic) * step
 
 
-@triton.jit
-def _group_quant_kernel(x_ptr, q_ptr, s_ptr, K, G, stride_xm, stride_qm, stride_sm, stride_sg,
+@triton.jit(do_not_specialize=["M"])  # the real rows change with every step: one build for all
+def _group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, G, stride_xm, stride_qm, stride_sm, stride_sg,
                         FP8_MAX_: tl.constexpr, EPS: tl.constexpr, GROUP_: tl.constexpr, GROUPS: tl.constexpr):
-    m = tl.program_id(0).to(tl.int64)
+    m = tl.program_id(0).to(tl.int64)  # rows from M on are padding: zeros, unit scales
     g = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     k = g[:, None] * GROUP_ + tl.arange(0, GROUP_)[None, :]  # [GROUPS, 128]
     ok = k < K
-    x = tl.load(x_ptr + m * stride_xm + k, mask=ok, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), 1) / FP8_MAX_, EPS)
+    x = tl.load(x_ptr + m * stride_xm + k, mask=ok & (m < M), other=0.0).to(tl.float32)
+    scale = tl.where(m < M, tl.maximum(tl.max(tl.abs(x), 1) / FP8_MAX_, EPS), 1.0)
     q = _round_to_e4m3(tl.clamp(x / scale[:, None], -FP8_MAX_, FP8_MAX_))
     tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=ok)
     tl.store(s_ptr + m * stride_sm + g * stride_sg, scale, mask=g < G)
@@ -55,13 +55,10 @@ def per_token_group_quant_triton(x: torch.Tensor, rows_multiple: int = 1,
     q = torch.empty((rows, k), dtype=FP8, device=x.device)
     s = (torch.empty((g, rows), dtype=torch.float32, device=x.device).t() if scale_column_major
          else torch.empty((rows, g), dtype=torch.float32, device=x.device))
-    if rows > m:
-        q[m:].zero_()
-        s[m:].fill_(1.0)
-    if m and k:
+    if rows and k:
         groups = min(GROUPS_PER_PROGRAM, triton.next_power_of_2(g))
-        _group_quant_kernel[(m, triton.cdiv(g, groups))](
-            x, q, s, k, g, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
+        _group_quant_kernel[(rows, triton.cdiv(g, groups))](
+            x, q, s, m, k, g, x.stride(0), q.stride(0), s.stride(0), s.stride(1),
             FP8_MAX_=FP8_MAX, EPS=_EPS, GROUP_=GROUP, GROUPS=groups, num_warps=4 if groups >= 4 else 1)
     return q, s
 
