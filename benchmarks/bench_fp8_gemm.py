@@ -51,7 +51,7 @@ from qsaserve.ops.fp8_gemm.triton_gemm import (decode_block_m, fp8_w8a16_gemm_tr
 from qsaserve.ops.fp8_gemm.triton_gemv import fp8_gemv_triton
 from qsaserve.ops.fp8_gemm.triton_swap_ab import fp8_w8a16_swap_triton
 from qsaserve.ops.fp8_gemm.triton_gemv import pick_gemv_tile as pick_fp8_gemv_tile
-from qsaserve.ops.fp8_gemm.scaled_mm import ROWS_MULTIPLE, fp8_w8a8_gemm_scaled_mm
+from qsaserve.ops.fp8_gemm.scaled_mm import ROWS_MULTIPLE, fp8_linear_scaled_mm, fp8_w8a8_gemm_scaled_mm
 from qsaserve.ops.fp8_gemm.triton_quant import per_token_group_quant_triton
 from qsaserve.ops.nvfp4_gemm import nvfp4_linear, quantize_nvfp4
 from qsaserve.ops.nvfp4_gemm.triton_gemm import nvfp4_w4a16_gemm_triton
@@ -108,7 +108,7 @@ def prefill(name, n, k, m, dev) -> list[dict]:
                                          for q, s in pts],
     }
     runs["scaled_mm_blockwise"] = lambda: [fp8_w8a8_gemm_scaled_mm(xq4, xs4, q, s, torch.bfloat16) for _, q, s in ws]
-    runs["scaled_mm_blockwise_with_act_quant"] = lambda: [_scaled_mm_blockwise(x, q, s) for _, q, s in ws]
+    runs["scaled_mm_blockwise_with_act_quant"] = lambda: [fp8_linear_scaled_mm(x, q, s) for _, q, s in ws]
     runs["block_fp8_gemm_default"] = lambda: [fp8_w8a8_gemm_triton(xq, xs, q, s, 128, torch.bfloat16) for _, q, s in ws]
     for i, tile in enumerate(TILES):
         runs[f"block_fp8_gemm_t{i}"] = lambda tile=tile: [fp8_w8a8_gemm_triton(xq, xs, q, s, 128, torch.bfloat16, **tile)
@@ -143,13 +143,6 @@ def prefill(name, n, k, m, dev) -> list[dict]:
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
-
-
-def _scaled_mm_blockwise(x, q, s):
-    """What fp8_linear runs for prefill on sm_90: the activations quantized for cuBLAS, then its
-    block-scaled GEMM."""
-    xq, xs = per_token_group_quant_triton(x, ROWS_MULTIPLE, scale_column_major=True)
-    return fp8_w8a8_gemm_scaled_mm(xq, xs, q, s, x.dtype)[: x.shape[0]]
 
 
 def decode(name, n, k, m, dev, keep=None) -> list[dict]:
@@ -197,7 +190,7 @@ def decode(name, n, k, m, dev, keep=None) -> list[dict]:
         variants.append(("nvfp4_dispatch", lambda: [nvfp4_linear(x, *f) for f in fp4], fp4_bytes))
         variants.append(("fp8_w8a8", lambda: [fp8_w8a8_gemm_triton(*per_token_group_quant_triton(x), q, s, 128, x.dtype)
                                               for _, q, s in ws], fp8_bytes))
-        variants.append(("fp8_w8a8_scaled_mm", lambda: [_scaled_mm_blockwise(x, q, s) for _, q, s in ws], fp8_bytes))
+        variants.append(("fp8_w8a8_scaled_mm", lambda: [fp8_linear_scaled_mm(x, q, s) for _, q, s in ws], fp8_bytes))
         variants.append(("fp8_w8a8_bn64", lambda: [fp8_w8a8_gemm_triton(*per_token_group_quant_triton(x), q, s, 128,
                                                                         x.dtype, block_n_tile=64) for _, q, s in ws],
                          fp8_bytes))

@@ -72,8 +72,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n:
     if not takes_w8a8(m, w.shape[0]):
         y = fp8_w8a16_gemm(x, w, w_scale, block_n)
     elif m > DECODE_ROWS and use_triton(x) and scaled_mm.takes(x, w, w_scale, block_n):
-        xq, xs = triton_quant.per_token_group_quant_triton(x, scaled_mm.ROWS_MULTIPLE, scale_column_major=True)
-        y = scaled_mm.fp8_w8a8_gemm_scaled_mm(xq, xs, w, w_scale, x.dtype)[:m]
+        y = scaled_mm.fp8_linear_scaled_mm(x, w, w_scale)
     else:
         xq, xs = per_token_group_quant(x)
         y = fp8_w8a8_gemm(xq, xs, w, w_scale, block_n, x.dtype)

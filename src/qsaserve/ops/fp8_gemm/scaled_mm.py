@@ -33,16 +33,17 @@ def _cuda_at_least(major: int, minor: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _sm90(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) == (9, 0)
+def _supported(device: torch.device) -> bool:
+    """F.scaled_mm's recipes, a torch built for CUDA 12.9 or later (torch refuses the recipe with an
+    older cuBLASLt) and an sm_90 device (asked once per device: fp8_linear asks every call)."""
+    return (_RECIPES is not None and hasattr(_RECIPES, "BlockWise128x128") and _cuda_at_least(12, 9)
+            and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 def available(t: torch.Tensor) -> bool:
-    """Whether t's device runs the block-scaled GEMM: a CUDA sm_90 device, a torch built for CUDA
-    12.9 or later (torch refuses the recipe with an older cuBLASLt) with F.scaled_mm's recipes,
-    not QSASERVE_FP8_GEMM=triton."""
-    return (GEMM == "auto" and _RECIPES is not None and hasattr(_RECIPES, "BlockWise128x128")
-            and t.device.type == "cuda" and _cuda_at_least(12, 9) and _sm90(t.device))
+    """Whether t's device runs the block-scaled GEMM: a CUDA device `_supported`, not
+    QSASERVE_FP8_GEMM=triton."""
+    return GEMM == "auto" and t.device.type == "cuda" and _supported(t.device)
 
 
 def takes(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int) -> bool:
@@ -67,4 +68,13 @@ def fp8_w8a8_gemm_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Te
                        output_dtype=out_dtype)
 
 
-__all__ = ["GEMM", "ROWS_MULTIPLE", "available", "fp8_w8a8_gemm_scaled_mm", "takes"]
+def fp8_linear_scaled_mm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] bf16 -> x @ W^T [M, N] where `takes` holds: the activations quantized per token and
+    128 columns in cuBLAS's layout (padded rows, column-major scales), the GEMM, the padding dropped."""
+    from qsaserve.ops.fp8_gemm import triton_quant  # CUDA only, as this GEMM
+
+    xq, xs = triton_quant.per_token_group_quant_triton(x, ROWS_MULTIPLE, scale_column_major=True)
+    return fp8_w8a8_gemm_scaled_mm(xq, xs, w, w_scale, x.dtype)[: x.shape[0]]
+
+
+__all__ = ["GEMM", "ROWS_MULTIPLE", "available", "fp8_linear_scaled_mm", "fp8_w8a8_gemm_scaled_mm", "takes"]
