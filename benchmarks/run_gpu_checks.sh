@@ -86,6 +86,10 @@ if [ "$mode" = single ]; then
     for w in bf16 fp8; do
         q=$([ $w = bf16 ] || echo "--quantization $w")
         part throughput_llama8b_w$w 240 sh -c "python -m qsaserve.cli bench throughput llama-8b --load-format dummy --max-model-len 4096 $q > '$out/throughput_llama8b_w$w.json'"
+        # The same workload with async scheduling (host work overlapped), and a step of its shape
+        # (128 rows at 1K context) profiled: where a step goes when weights are not all of it.
+        part throughput_llama8b_w${w}_async 240 sh -c "python -m qsaserve.cli bench throughput llama-8b --load-format dummy --max-model-len 4096 --async-scheduling $q > '$out/throughput_llama8b_w${w}_async.json'"
+        part latency_llama8b_w${w}_b128 150 sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 128 --decode-context 1024 --prompt-lens 1024 --ttft-trials 1 --async-scheduling $q --profile-steps 16 --profile-batch-sizes 128 > '$out/latency_llama8b_w${w}_b128.json'"
         part latency_flash12l_w$w 300 sh -c "python -m qsaserve.cli bench latency qwen4exp-flash-12l --load-format dummy --max-model-len 9000 --batch-sizes 1,64 --decode-context 8192 --prompt-lens 8192 --ple-placement gpu --async-scheduling $q > '$out/latency_flash12l_w$w.json'"
     done
     # Speculative decoding (issue 24): the verify step for k = 1, 2, 3 against the plain decode step.
