@@ -70,6 +70,9 @@ if [ "$mode" = single ]; then
     # Prefill of block-FP8 weights through cuBLAS's block-scaled GEMM (ops/fp8_gemm/scaled_mm.py).
     part gpu_tests_scaled_mm 120 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_scaled_mm.xml" tests/ops/test_fp8_scaled_mm.py
     part bench_fp8_prefill 200 python benchmarks/bench_fp8_gemm.py --phases prefill --out "$out/bench_fp8_prefill.json"
+    # Decode and verify rows (8-256) on the transposed split-K W8A8 GEMM (ops/fp8_gemm/triton_w8a8_swap.py).
+    part gpu_tests_w8a8_swap 150 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_w8a8_swap.xml" tests/ops/test_fp8_w8a8_swap.py
+    part bench_fp8_swap 300 python benchmarks/bench_fp8_swap.py --out "$out/bench_fp8_swap.json"
     part latency_llama8b_wfp8_triton_gemm 150 env QSASERVE_FP8_GEMM=triton sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling --quantization fp8 --profile-steps 16 > '$out/latency_llama8b_wfp8_triton_gemm.json'"
     # Where llama-8b's 1,024-token prefill spends its time with FP8 weights (TTFT 1.5-1.9x bf16's) and bf16.
     for w in bf16 fp8; do

@@ -1,0 +1,99 @@
+"""The transposed block-FP8 W8A8 GEMM for decode and verify rows (ops/fp8_gemm/triton_w8a8_swap.py)
+against the W8A8 reference, under the Triton interpreter (then compiled for sm_90) and on a GPU:
+1 to 300 rows (one token block of 16 to 128 and several), block-128 / per-channel / per-tensor
+scales and a block_n that does not divide the tile (48), N and K not multiples of the tile, split
+over K (ranges of unequal and zero length), float32 and bf16 out; and its launch rule."""
+import pytest
+import torch
+from triton_interpreter import triton_check_tests
+
+from qsaserve.ops.fp8_gemm import reference as ref
+
+
+def _weight(n, k, kind, gen):
+    w = torch.randn(n, k, generator=gen) * k**-0.5
+    if kind == "block":
+        q, s = ref.quantize_weight_block(w)
+        return q, s, 128
+    if kind == "block48":  # scale rows of 48 weight rows (a fused projection's common divisor): a
+        # block_n that does not divide the tile; scales drawn, as the kernel only reads them
+        q, s = ref.quantize_weight_block(w)
+        return q, torch.rand(-(-n // 48), s.shape[1], generator=gen) * 0.02 + 1e-3, 48
+    q, s = ref.quantize_weight_rows(w, per_tensor=kind == "tensor")
+    return q, s, (n if kind == "tensor" else 1)
+
+
+def _check(device, m, n, k, kind, out_dtype, **launch):
+    from qsaserve.ops.fp8_gemm.triton_w8a8_swap import fp8_w8a8_swap_triton
+
+    gen = torch.Generator().manual_seed(m * 13 + n + k)
+    w, ws, bn = _weight(n, k, kind, gen)
+    xq, xs = ref.per_token_group_quant_reference(torch.randn(m, k, generator=gen))
+    got = fp8_w8a8_swap_triton(xq.to(device), xs.to(device), w.to(device), ws.to(device), bn, out_dtype,
+                               **launch).cpu()
+    want = ref.fp8_w8a8_gemm_reference(xq, xs, w, ws, bn, out_dtype)
+    assert got.shape == (m, n) and got.dtype == out_dtype
+    tol = dict(rtol=1e-4, atol=1e-4) if out_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    if device == "cuda" and out_dtype == torch.float32:
+        # Hopper's E4M3 wgmma sums a 128-deep block in a reduced-precision accumulator (see
+        # test_fp8_gemm_triton._check_w8a8): the bound is relative to the largest sum
+        tol = dict(rtol=1e-3, atol=want.abs().max().item() * 2**-10)
+    torch.testing.assert_close(got, want, **tol)
+
+
+def _triton_checks(device):
+    for kind in ("block", "channel", "tensor", "block48"):
+        for m in (1, 5, 17, 40, 70, 130):  # 16 to 128 token columns; 130: two token blocks of 128
+            # N = 200: a ragged last row block; K = 320: a ragged last group
+            _check(device, m, 200, 320, kind, torch.float32, block_n_tile=64, num_stages=2)
+        # split over 3 groups: 3 programs of one group, then 4 (one with none)
+        _check(device, 9, 200, 320, kind, torch.float32, block_n_tile=64, split_k=3)
+        _check(device, 33, 40, 320, kind, torch.float32, block_n_tile=32, split_k=4)
+    for m in (3, 64, 100):  # the default launch (pick_w8a8_swap_tile), bf16 out
+        _check(device, m, 136, 1024, "block", torch.bfloat16)
+    _check(device, 300, 136, 384, "block", torch.bfloat16, block_n_tile=128, split_k=2)  # 3 token blocks
+    if device == "cpu":  # the launches the rule gives llama-8b's shapes, at small N (the sm_90 compile sees them)
+        for m in (8, 32, 64, 128, 256):
+            for n, k in ((6144, 4096), (4096, 14336)):
+                from qsaserve.ops.fp8_gemm.triton_w8a8_swap import pick_w8a8_swap_tile
+
+                bn, split, warps, stages = pick_w8a8_swap_tile(m, n, k, 132)
+                _check(device, m, bn, 128 * 2 * split, "block", torch.bfloat16, block_n_tile=bn, split_k=split,
+                       num_warps=warps, num_stages=stages)
+    if device == "cuda":  # llama-8b's projections at decode and verify rows
+        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+            for m in (8, 64, 128, 256):
+                _check(device, m, n, k, "block", torch.bfloat16)
+
+
+test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)
+
+
+def test_rejects_bad_launches_and_scales():
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from qsaserve.ops.fp8_gemm.triton_w8a8_swap import fp8_w8a8_swap_triton
+
+    w, ws, bn = _weight(16, 256, "block", torch.Generator().manual_seed(0))
+    xq, xs = ref.per_token_group_quant_reference(torch.zeros(4, 256))
+    with pytest.raises(ValueError, match="split_k"):
+        fp8_w8a8_swap_triton(xq, xs, w, ws, bn, torch.float32, block_n_tile=64, split_k=0, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="block_n_tile"):
+        fp8_w8a8_swap_triton(xq, xs, w, ws, bn, torch.float32, block_n_tile=24, split_k=1, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="x_scale"):
+        fp8_w8a8_swap_triton(xq, xs[:, :1], w, ws, bn, torch.float32)
+    with pytest.raises(ValueError, match="fp8_w8a8_swap"):
+        fp8_w8a8_swap_triton(xq, xs, w, ws[:, :1].repeat(1, 3), bn, torch.float32)  # Sk neither 1 nor ceil(K/128)
+
+
+def test_launch_rule_at_llama_8b_shapes():
+    """pick_w8a8_swap_tile on 132 SMs: 64 weight rows a program up to 64 tokens, 128 above; K split
+    until every SM has 2 programs, never below 4 groups of 128 a program."""
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    from qsaserve.ops.fp8_gemm.triton_w8a8_swap import pick_w8a8_swap_tile
+
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    at = {m: {name: pick_w8a8_swap_tile(m, n, k, 132)[:2] for name, (n, k) in shapes.items()} for m in (8, 128)}
+    assert at[8] == {"qkv": (64, 4), "o": (64, 8), "gate_up": (64, 1), "down": (64, 8)}
+    assert at[128] == {"qkv": (128, 8), "o": (128, 8), "gate_up": (128, 2), "down": (128, 8)}
+    assert pick_w8a8_swap_tile(8, 4096, 512, 132)[1] == 1  # 4 groups: not cut
+    assert pick_w8a8_swap_tile(128, 4096, 4096, 132)[2] == 8  # 128 x 128 float32 accumulator: 8 warps
