@@ -36,6 +36,16 @@ def hf_smollm2(smollm2_gguf_path):
     return model.eval()
 
 
+@pytest.fixture
+def fp8_w8a16_decode_rows(monkeypatch):
+    """FP8 linears keep the activations unquantized (W8A16) up to ops.fp8_gemm.DECODE_ROWS rows,
+    as QSASERVE_FP8_DECODE_KERNEL=swap does, so a short prompt's arithmetic is exactly the
+    dequantized weights' (the oracle tests against transformers); in this process only."""
+    from qsaserve.ops.fp8_gemm import reference
+
+    monkeypatch.setattr(reference, "W8A16_ROWS", reference.DECODE_ROWS)
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests need CUDA: on a CPU machine they are skipped, saying so, never passed."""
     import torch

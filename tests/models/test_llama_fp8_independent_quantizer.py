@@ -12,7 +12,7 @@ import torch
 from qsaserve.layers.quantization import Fp8Linear
 from qsaserve.loader import load_checkpoint
 from qsaserve.models.registry import build_model
-from qsaserve.ops.fp8_gemm import DECODE_ROWS, fp8_linear
+from qsaserve.ops.fp8_gemm import DECODE_ROWS, W8A16_ROWS, fp8_linear
 from qsaserve.parallel.state import ParallelContext
 
 E4M3_MAX = 448.0
@@ -96,7 +96,7 @@ def test_prefill_rows_match_the_independent_w8a8_rounding(smollm2_shaped):
     want = _independent_token_group_dequant(x) @ _independent_block_dequant(hf["model.layers.0.mlp.down_proj.weight"]).t()
     got = fp8_linear(x, down.weight, down.weight_scale, down.block_n)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    decode = x[:DECODE_ROWS]  # W8A16: the activations are not rounded
+    decode = x[:W8A16_ROWS]  # W8A16 (the GEMV's rows): the activations are not rounded
     want16 = decode @ _independent_block_dequant(hf["model.layers.0.mlp.down_proj.weight"]).t()
     torch.testing.assert_close(fp8_linear(decode, down.weight, down.weight_scale, down.block_n), want16,
                                rtol=1e-5, atol=1e-5)

@@ -3,7 +3,8 @@ block-128 (`quant_method: fp8`, weight_scale_inv), per-tensor (weight_scale) and
 per-channel checkpoints, `--quantization fp8` at load, `qsaserve quantize`'s checkpoint loading
 back to the same model, unserved methods refused, and TP2 shards of the TP1 model. The oracle is
 transformers' Llama with each projection replaced by the dequantized FP8 weight (float32, CPU;
-prompts within ops.fp8_gemm.DECODE_ROWS run the W8A16 path, whose math is exactly that)."""
+prompts within ops.fp8_gemm.DECODE_ROWS with the activations left unquantized there, the
+fp8_w8a16_decode_rows fixture: the W8A16 math, exactly that)."""
 import json
 
 import pytest
@@ -75,7 +76,7 @@ def _loaded_model(path, quantization=None, tp=1, rank=0):
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_online_fp8_matches_transformers_with_block_dequantized_weights(tmp_path, tied):
+def test_online_fp8_matches_transformers_with_block_dequantized_weights(tmp_path, tied, fp8_w8a16_decode_rows):
     hf = _save_llama(tmp_path, tied=tied)
     got = _greedy(tmp_path, quantization="fp8")
     assert got == _greedy_hf(_dequantized_hf(hf, _block_dequant), PROMPT)
@@ -105,7 +106,7 @@ def test_quantize_writes_the_standard_layout_and_loads_back_to_the_online_model(
     assert _greedy(out) == _greedy(src, quantization="fp8")
 
 
-def test_quantize_keep_layers_leaves_those_layers_float(tmp_path):
+def test_quantize_keep_layers_leaves_those_layers_float(tmp_path, fp8_w8a16_decode_rows):
     src, out = tmp_path / "src", tmp_path / "fp8"
     hf = _save_llama(src)
     summary = write_fp8_checkpoint(load_checkpoint(str(src)), str(out), dtype=torch.float32, keep_layers=[1])
@@ -157,7 +158,7 @@ CT = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore
 
 
 @pytest.mark.parametrize("scheme", ["tensor", "channel"])
-def test_per_tensor_and_compressed_tensors_channel_checkpoints(tmp_path, scheme):
+def test_per_tensor_and_compressed_tensors_channel_checkpoints(tmp_path, scheme, fp8_w8a16_decode_rows):
     src, dst = tmp_path / "src", tmp_path / "q"
     hf = _save_llama(src)
     qc, quantize = ({"quant_method": "fp8", "activation_scheme": "static"}, _per_tensor) if scheme == "tensor" else (CT, _per_channel)

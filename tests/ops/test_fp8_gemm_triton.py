@@ -191,14 +191,36 @@ def test_block_quantization_round_trip_and_layout():
     torch.testing.assert_close(s[1, 2], w[128:, 256:].abs().max() / 448)
 
 
-def test_fp8_linear_reference_switches_to_w8a8_above_the_decode_rows():
+def test_fp8_linear_reference_switches_to_w8a8_above_the_w8a16_rows():
+    """Up to W8A16_ROWS (2) rows the activations stay unquantized, from 3 rows on they are
+    quantized per token group (the transposed W8A8 GEMM's decode rows, then prefill)."""
+    assert ref.W8A16_ROWS == 2 and ref.DECODE_KERNEL == "w8a8"
     gen = torch.Generator().manual_seed(1)
     w, ws, bn = _weight(64, 256, "block", gen)
-    x = torch.randn(ref.DECODE_ROWS + 1, 256, generator=gen)
-    xq, xs = ref.per_token_group_quant_reference(x)
-    torch.testing.assert_close(ref.fp8_linear_reference(x, w, ws, bn), ref.fp8_w8a8_gemm_reference(xq, xs, w, ws, bn, x.dtype))
-    few = x[: ref.DECODE_ROWS]
+    for rows in (ref.W8A16_ROWS + 1, ref.DECODE_ROWS + 1):
+        x = torch.randn(rows, 256, generator=gen)
+        xq, xs = ref.per_token_group_quant_reference(x)
+        torch.testing.assert_close(ref.fp8_linear_reference(x, w, ws, bn),
+                                   ref.fp8_w8a8_gemm_reference(xq, xs, w, ws, bn, x.dtype))
+    few = x[: ref.W8A16_ROWS]
     torch.testing.assert_close(ref.fp8_linear_reference(few, w, ws, bn), few @ ref.dequantize_weight(w, ws, bn).t())
+
+
+def test_decode_kernel_switch_keeps_w8a16_to_the_decode_rows():
+    """QSASERVE_FP8_DECODE_KERNEL=swap (the A/B of the W8A8 decode path): W8A16 up to DECODE_ROWS,
+    in a fresh interpreter (read at import); an unknown value is refused naming the variable."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("from qsaserve.ops.fp8_gemm import reference as r; "
+            "print(r.W8A16_ROWS, r.takes_w8a8(64, 4096), r.takes_w8a8(65, 4096))")
+    env = dict(os.environ, QSASERVE_FP8_DECODE_KERNEL="swap")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["64", "False", "True"]
+    env["QSASERVE_FP8_DECODE_KERNEL"] = "fast"
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "QSASERVE_FP8_DECODE_KERNEL" in bad.stderr
 
 
 def test_wide_weights_take_w8a8_from_two_rows():
@@ -206,7 +228,7 @@ def test_wide_weights_take_w8a8_from_two_rows():
     W8A8 from 2 rows, on CPU as on the GPU; one row and narrower weights stay W8A16."""
     assert ref.W8A8_DECODE_MIN_N == 132 * 128
     assert [ref.takes_w8a8(m, ref.W8A8_DECODE_MIN_N) for m in (1, 2, 64, 65)] == [False, True, True, True]
-    assert [ref.takes_w8a8(m, ref.W8A8_DECODE_MIN_N - 1) for m in (1, 2, 64, 65)] == [False, False, False, True]
+    assert [ref.takes_w8a8(m, ref.W8A8_DECODE_MIN_N - 1) for m in (1, 2, 3, 65)] == [False, False, True, True]
     gen = torch.Generator().manual_seed(2)
     w, ws, bn = _weight(ref.W8A8_DECODE_MIN_N, 128, "block", gen)
     x = torch.randn(2, 128, generator=gen)

@@ -114,7 +114,8 @@ def test_rejects_more_rows_and_bad_tiles():
 
 def test_w8a16_dispatch_takes_the_gemv_up_to_gemv_rows(monkeypatch):
     """On CUDA tensors (faked: use_triton patched, the kernels replaced by recorders) the W8A16 op
-    takes the GEMV up to GEMV_ROWS rows and the tile kernel above; CPU tensors the reference."""
+    takes the GEMV up to GEMV_ROWS rows and the transposed kernel above (the tile kernel under
+    QSASERVE_FP8_DECODE_KERNEL=tile); CPU tensors the reference."""
     pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
     import qsaserve.ops.fp8_gemm as fp8_gemm
 
@@ -127,7 +128,7 @@ def test_w8a16_dispatch_takes_the_gemv_up_to_gemv_rows(monkeypatch):
     w, ws, bn = _weight(16, 256, "block", torch.Generator().manual_seed(0))
     for m in (1, fp8_gemm.GEMV_ROWS, fp8_gemm.GEMV_ROWS + 1, 64):
         fp8_gemm.fp8_w8a16_gemm(torch.zeros(m, 256), w, ws, bn)
-    assert fp8_gemm.GEMV_ROWS == 2 and fp8_gemm.DECODE_KERNEL == "swap"
+    assert fp8_gemm.GEMV_ROWS == 2 and fp8_gemm.DECODE_KERNEL == "w8a8"  # W8A16 past 2 rows: A/B runs only
     # the transposed kernel at its own launch defaults (pick_swap_split_k per weight)
     assert calls == [("gemv", 1), ("gemv", 2), ("swap", 3, {}), ("swap", 64, {})]
     monkeypatch.setattr(fp8_gemm, "DECODE_KERNEL", "tile")  # QSASERVE_FP8_DECODE_KERNEL=tile

@@ -63,12 +63,18 @@ def test_fp8_linear_hands_prefill_to_it_in_its_layout(monkeypatch):
     monkeypatch.setattr(triton_quant, "per_token_group_quant_triton", quant)
     monkeypatch.setattr(scaled_mm, "fp8_w8a8_gemm_scaled_mm", gemm)
     monkeypatch.setattr(fp8, "fp8_w8a16_gemm", lambda x, w, s, bn: ref.fp8_w8a16_gemm_reference(x, w, s, bn))
+
+    def decode_gemm(xq, xs, w, ws, bn, out_dtype):  # the transposed W8A8 GEMM of decode rows
+        calls.append(("decode", xq.shape[0]))
+        return ref.fp8_w8a8_gemm_reference(xq, xs, w, ws, bn, out_dtype)
+
+    monkeypatch.setattr(fp8.triton_w8a8_swap, "fp8_w8a8_swap_triton", decode_gemm)
     w, s = _weight(256, 512)
     x = torch.randn(70, 512).to(torch.bfloat16)
     torch.testing.assert_close(fp8.fp8_linear(x, w, s, 128), ref.fp8_linear_reference(x, w, s, 128))
     assert calls == [72]  # 70 tokens padded to 72; the output has 70 rows
-    fp8.fp8_linear(x[:8], w, s, 128)
-    assert calls == [72]  # decode rows keep the decode kernels
+    torch.testing.assert_close(fp8.fp8_linear(x[:8], w, s, 128), ref.fp8_linear_reference(x[:8], w, s, 128))
+    assert calls == [72, ("decode", 8)]  # decode rows keep the decode kernels
 
 
 @pytest.mark.gpu

@@ -1,8 +1,8 @@
 """Tensor parallel Llama with FP8 weights (CPU, gloo): `--quantization fp8` at TP2 gives the greedy
 tokens of TP1 (each rank holds the blocks of the TP1 model, tests/models/test_llama_fp8_weights.py).
 
-Steps of at most DECODE_ROWS rows run W8A16 (activations unrounded): TP2's logprobs equal TP1's
-within float32 reordering. Larger steps run W8A8, where the row-parallel sums' order moves an
+Steps of at most W8A16_ROWS (2) rows run W8A16 (activations unrounded): with steps held to 2 rows,
+TP2's logprobs equal TP1's within float32 reordering. Larger steps run W8A8, where the row-parallel sums' order moves an
 activation by ~1e-7, enough to flip its E4M3 rounding (a 6% step) now and then; how often depends
 on the CPU's matmul kernels (on an AVX-512 machine 22 of these 255 logprobs moved by more than
 1e-3, the most by 0.26). So there the typical logprob must agree closely and none may be far off; a wrong shard
@@ -10,7 +10,7 @@ moves every logprob by whole nats."""
 import statistics
 
 from qsaserve import SamplingParams
-from qsaserve.ops.fp8_gemm import DECODE_ROWS
+from qsaserve.ops.fp8_gemm import W8A16_ROWS
 
 from parallel_helpers import assert_same_outputs, run_engine, tiny_llama, token_logprobs
 
@@ -22,7 +22,7 @@ ENGINE = dict(max_model_len=256, kv_cache_memory=1 << 22, block_size=16, distrib
 
 def test_tp2_fp8_matches_tp1_fp8(tmp_path):
     path = tiny_llama(tmp_path, hidden=256, intermediate=512, head_dim=64)  # 128-wide FP8 blocks
-    w8a16 = dict(ENGINE, max_num_batched_tokens=DECODE_ROWS)  # every step W8A16
+    w8a16 = dict(ENGINE, max_num_batched_tokens=W8A16_ROWS, max_num_seqs=W8A16_ROWS)  # every step W8A16
     assert_same_outputs(run_engine(path, PROMPTS, PARAMS, **w8a16),
                         run_engine(path, PROMPTS, PARAMS, tensor_parallel_size=2, **w8a16), 2e-4)
     base = run_engine(path, PROMPTS, PARAMS, **ENGINE)

@@ -4,7 +4,8 @@ shared-expert gate in the model dtype. Expert intermediate size 128, so gate and
 128-row blocks. The oracle is transformers' qwen4_exp with every quantized tensor replaced by its
 dequantization and, for the routed experts, their inputs rounded per token and 128 channels as a
 W8A8 GEMM sees them (ops.moe's FP8 experts quantize activations at every step size); prompts stay
-within ops.fp8_gemm.DECODE_ROWS, whose W8A16 dense path is exactly the dequantized arithmetic."""
+within ops.fp8_gemm.DECODE_ROWS, whose dense path with unquantized activations (the
+fp8_w8a16_decode_rows fixture) is exactly the dequantized arithmetic."""
 import json
 import types
 
@@ -160,7 +161,7 @@ def test_block_fp8_checkpoint_loader_contract(tmp_path):
         _loaded(out)
 
 
-def test_fp8_moe_logits_match_transformers_on_dequantized_weights(tmp_path):
+def test_fp8_moe_logits_match_transformers_on_dequantized_weights(tmp_path, fp8_w8a16_decode_rows):
     hf = build_random_model(make_config(**MOE), seed=12)
     hf.save_pretrained(tmp_path)
     llm = _engine(tmp_path, quantization="fp8")

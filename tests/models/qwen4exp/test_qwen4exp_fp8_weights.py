@@ -2,7 +2,8 @@
 the shared expert as FP8 layers; experts of intermediate size 16 (not a multiple of 128) stay in the
 model dtype (the FP8 MoE blocks: test_qwen4exp_fp8_moe.py). Oracle: transformers' qwen4_exp with
 each quantized tensor replaced by its block-FP8 dequantization (float32, CPU; prompts within
-ops.fp8_gemm.DECODE_ROWS, whose W8A16 path is exactly that arithmetic)."""
+ops.fp8_gemm.DECODE_ROWS with the activations left unquantized there, the fp8_w8a16_decode_rows
+fixture: exactly that arithmetic)."""
 import json
 
 import torch
@@ -43,7 +44,7 @@ def _dequantized(model):
     return model
 
 
-def test_online_fp8_mixers_match_transformers_with_dequantized_weights(tmp_path, caplog):
+def test_online_fp8_mixers_match_transformers_with_dequantized_weights(tmp_path, caplog, fp8_w8a16_decode_rows):
     hf = build_random_model(make_config(), seed=4)
     hf.save_pretrained(tmp_path)
     with caplog.at_level("WARNING", logger="qsaserve"):
@@ -57,7 +58,7 @@ def test_online_fp8_mixers_match_transformers_with_dequantized_weights(tmp_path,
     assert got == _hf_greedy(_dequantized(hf), PROMPT, 6)
 
 
-def test_block_fp8_checkpoint_loads_with_the_shared_expert_in_fp8(tmp_path):
+def test_block_fp8_checkpoint_loads_with_the_shared_expert_in_fp8(tmp_path, fp8_w8a16_decode_rows):
     src, out = tmp_path / "src", tmp_path / "fp8"
     hf = build_random_model(make_config(), seed=5)
     hf.save_pretrained(src)

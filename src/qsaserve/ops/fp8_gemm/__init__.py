@@ -1,42 +1,37 @@
 """Linear layers with FP8 E4M3 weights and float32 block / channel / tensor scales (layout in
-reference.py), dispatched (`ops.dispatch.use_triton`): on CUDA the Triton kernels (triton_gemm.py,
-triton_quant.py, triton_gemv.py), else the torch references. `fp8_linear` is what layers call: up
-to DECODE_ROWS rows W8A16 (bf16 activations), more rows W8A8 with per-token-group activation
-scales, and W8A8 from 2 rows for weights of W8A8_DECODE_MIN_N rows or more (reference.takes_w8a8),
-on every device, so the CPU reference computes what the GPU does. On CUDA the W8A16 op
-takes the FMA GEMV (triton_gemv.py) up to GEMV_ROWS rows and the transposed tensor-core kernel
-(triton_swap_ab.py) above (same math, so the reference is one): on an H200 it beat the
-untransposed tile kernel (triton_gemm.py) at 8-64 rows on llama-8b's shapes except gate_up at
-8-16 (4% behind), 1.7x over a layer at 64 rows (docs/weight_quantization.md).
-QSASERVE_FP8_DECODE_KERNEL=tile (read at import) keeps the tile kernel, for A/B runs. More than
-DECODE_ROWS rows (prefill, and steps of more than 64 decode rows) of bf16 activations by 128 x 128
-block weights run cuBLAS's block-scaled GEMM on sm_90 (scaled_mm.takes), the Triton W8A8 GEMM
-elsewhere."""
+reference.py), dispatched (`ops.dispatch.use_triton`): on CUDA the Triton kernels, else the torch
+references. `fp8_linear` is what layers call, on every device the same numerics (so the CPU
+reference computes what the GPU does): up to reference.W8A16_ROWS (2) rows W8A16 (bf16
+activations; on CUDA the FMA GEMV, triton_gemv.py), more rows W8A8 with per-token-group
+activation scales (triton_quant.py), and W8A8 from 2 rows for weights of W8A8_DECODE_MIN_N rows or
+more (reference.takes_w8a8). On CUDA the W8A8 rows run the transposed split-K GEMM
+(triton_w8a8_swap.py) up to DECODE_ROWS (64; decode and verify steps), and above it, for bf16
+activations by 128 x 128 block weights on sm_90, cuBLAS's block-scaled GEMM (scaled_mm.takes),
+else the Triton prefill GEMM (triton_gemm.py): at 128-256 rows cuBLAS led the transposed kernel
+on an H200 (docs/weight_quantization.md).
+QSASERVE_FP8_DECODE_KERNEL=swap / tile (reference.DECODE_KERNEL, read at import) keeps W8A16 up
+to 64 rows on the transposed (triton_swap_ab.py) or untransposed (triton_gemm.py) W8A16 kernel,
+for A/B runs."""
 from __future__ import annotations
-
-import os
 
 import torch
 
 from qsaserve.ops import fused
 from qsaserve.ops.dispatch import use_triton
 from qsaserve.ops.fp8_gemm import reference, scaled_mm
-from qsaserve.ops.fp8_gemm.reference import (DECODE_ROWS, FP8, GROUP, W8A8_DECODE_MIN_N, dequantize_weight,
-                                             expand_scale, quantize_weight_block, quantize_weight_rows, takes_w8a8)
+from qsaserve.ops.fp8_gemm.reference import (DECODE_KERNEL, DECODE_ROWS, FP8, GROUP, W8A8_DECODE_MIN_N, W8A16_ROWS,
+                                             dequantize_weight, expand_scale, quantize_weight_block,
+                                             quantize_weight_rows, takes_w8a8)
 
 try:  # CPU-only installs keep the references
-    from qsaserve.ops.fp8_gemm import triton_gemm, triton_gemv, triton_quant, triton_swap_ab
+    from qsaserve.ops.fp8_gemm import triton_gemm, triton_gemv, triton_quant, triton_swap_ab, triton_w8a8_swap
 except ImportError:
-    triton_gemm = triton_gemv = triton_quant = triton_swap_ab = None
+    triton_gemm = triton_gemv = triton_quant = triton_swap_ab = triton_w8a8_swap = None
 
 # Up to this many rows the W8A16 op runs as the FMA GEMV: measured on an H200 (bench_fp8_gemm,
 # 58189b2) it led at 1 and 2 rows on every llama-8b shape, at 4 rows the tile kernel led on the
 # largest (gate_up 48.3 against 57.1 us; the FMAs' issue rate, not the bandwidth, bounds it).
 GEMV_ROWS = 2
-DECODE_KERNELS = ("tile", "swap")
-DECODE_KERNEL = os.environ.get("QSASERVE_FP8_DECODE_KERNEL", "swap")
-if DECODE_KERNEL not in DECODE_KERNELS:
-    raise ValueError(f"QSASERVE_FP8_DECODE_KERNEL: one of {', '.join(DECODE_KERNELS)}, got {DECODE_KERNEL!r}")
 
 
 def per_token_group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +45,8 @@ def fp8_w8a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_sc
                   out_dtype: torch.dtype) -> torch.Tensor:
     """xq [M, K] E4M3, x_scale [M, ceil(K/128)], w [N, K] E4M3, w_scale [Sn, Sk] -> [M, N] out_dtype."""
     if use_triton(xq):
+        if xq.shape[0] <= DECODE_ROWS:
+            return triton_w8a8_swap.fp8_w8a8_swap_triton(xq, x_scale, w, w_scale, block_n, out_dtype)
         return triton_gemm.fp8_w8a8_gemm_triton(xq, x_scale, w, w_scale, block_n, out_dtype)
     return reference.fp8_w8a8_gemm_reference(xq, x_scale, w, w_scale, block_n, out_dtype)
 
@@ -59,9 +56,9 @@ def fp8_w8a16_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bloc
     if use_triton(x):
         if x.shape[0] <= GEMV_ROWS:
             return triton_gemv.fp8_gemv_triton(x, w, w_scale, block_n)
-        if DECODE_KERNEL == "swap":
-            return triton_swap_ab.fp8_w8a16_swap_triton(x, w, w_scale, block_n)
-        return triton_gemm.fp8_w8a16_gemm_triton(x, w, w_scale, block_n)
+        if DECODE_KERNEL == "tile":
+            return triton_gemm.fp8_w8a16_gemm_triton(x, w, w_scale, block_n)
+        return triton_swap_ab.fp8_w8a16_swap_triton(x, w, w_scale, block_n)
     return reference.fp8_w8a16_gemm_reference(x, w, w_scale, block_n)
 
 
@@ -91,5 +88,5 @@ def fp8_linear_silu_mul(gate_up: torch.Tensor, w: torch.Tensor, w_scale: torch.T
     return fp8_linear(fused.silu_mul(gate_up), w, w_scale, block_n, bias)
 
 
-__all__ = ["DECODE_KERNEL", "DECODE_ROWS", "FP8", "GEMV_ROWS", "GROUP", "W8A8_DECODE_MIN_N", "takes_w8a8", "dequantize_weight", "expand_scale", "fp8_linear", "fp8_linear_silu_mul", "fp8_w8a16_gemm",
+__all__ = ["DECODE_KERNEL", "DECODE_ROWS", "FP8", "GEMV_ROWS", "GROUP", "W8A8_DECODE_MIN_N", "W8A16_ROWS", "takes_w8a8", "dequantize_weight", "expand_scale", "fp8_linear", "fp8_linear_silu_mul", "fp8_w8a16_gemm",
            "fp8_w8a8_gemm", "per_token_group_quant", "quantize_weight_block", "quantize_weight_rows"]

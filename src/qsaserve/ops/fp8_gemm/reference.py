@@ -8,12 +8,24 @@ per-tensor). This one layout covers block-128 (block_n 128), per-channel (block_
 (block_n a common divisor of the parts, layers/quantization/fp8.py)."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 128  # columns per K block of weight scales, and per activation quantization group
-DECODE_ROWS = 64  # up to this many rows take the W8A16 decode path, more the W8A8 GEMM
+DECODE_ROWS = 64  # up to this many rows take the decode kernels, more the prefill GEMM
+# Up to this many rows the activations stay bf16 (W8A16: the FMA GEMV), more are quantized (W8A8).
+# QSASERVE_FP8_DECODE_KERNEL=swap / tile (read at import, for A/B runs) keeps W8A16 up to
+# DECODE_ROWS on the W8A16 tensor-core kernels, the decode path before the transposed W8A8 GEMM
+# (triton_w8a8_swap.py), which read llama-8b's weights 1.3-1.5x faster at 8-64 rows on an H200
+# (docs/weight_quantization.md).
+DECODE_KERNELS = ("w8a8", "swap", "tile")
+DECODE_KERNEL = os.environ.get("QSASERVE_FP8_DECODE_KERNEL", "w8a8")
+if DECODE_KERNEL not in DECODE_KERNELS:
+    raise ValueError(f"QSASERVE_FP8_DECODE_KERNEL: one of {', '.join(DECODE_KERNELS)}, got {DECODE_KERNEL!r}")
+W8A16_ROWS = 2 if DECODE_KERNEL == "w8a8" else DECODE_ROWS
 # ... except that a weight of this many rows or more takes W8A8 from 2 rows: its 64 x 128 tiles
 # fill 132 SMs, and on an H200 llama-8b's gate_up (28,672 rows) ran W8A8 in 37.7 us at 4-64 rows
 # against 48.7-137 us W8A16 (docs/weight_quantization.md); 1 row keeps the GEMV (30.9 us)
@@ -23,7 +35,7 @@ _EPS = 1e-10  # an all-zero group gets a tiny scale, not a division by zero
 
 def takes_w8a8(m: int, n: int) -> bool:
     """Whether m rows by an [n, K] weight quantize their activations (W8A8) rather than W8A16."""
-    return m > DECODE_ROWS or (m >= 2 and n >= W8A8_DECODE_MIN_N)
+    return m > W8A16_ROWS or (m >= 2 and n >= W8A8_DECODE_MIN_N)
 
 
 def expand_scale(scale: torch.Tensor, block_n: int, n: int, k: int) -> torch.Tensor:
