@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-# Row counts whose kernel variants a step may build: the W8A16 / W4A16 row blocks (16, 32, 64) with
-# and without Triton's divisible-by-16 specialization, 1, and the W8A8 GEMM on both sides of it;
-# 2 and 4 for the decode GEMVs' 2- and 4-row variants (3 rows take the 4-row one).
+# Row counts whose kernel variants a step may build: the decode kernels' token blocks (16, 32, 64:
+# the FP8 W8A8 and NVFP4 W4A16 transposed GEMMs) with and without Triton's divisible-by-16
+# specialization, 1, and the prefill GEMM on both sides of 64; 2 and 4 for the decode GEMVs' 2- and
+# 4-row variants (3 rows take the 4-row one).
 WARM_UP_ROWS = (1, 2, 4, 16, 17, 32, 33, 64, 65, 128)
 
 

@@ -1,11 +1,12 @@
 """FP8-weight GEMMs: y [M, N] = x [M, K] @ W^T with W E4M3 [N, K] and float32 scales
 [Sn, Sk] (reference.py's layout; K blocks of 128 = GROUP).
 
-* `fp8_w8a8_gemm_triton` (prefill, > DECODE_ROWS rows): the activations come quantized per token
+* `fp8_w8a8_gemm_triton` (prefill, > DECODE_ROWS rows, where cuBLAS's block-scaled GEMM does not
+  take them): the activations come quantized per token
   and 128-group (triton_quant.py); each K step is one FP8 tensor-core dot of a 128-deep tile,
   scaled by the activation's group scale per row and the weight's block scale per column, summed
   in float32 (vLLM's `w8a8_block_fp8_matmul` scheme).
-* `fp8_w8a16_gemm_triton` (decode, 1-64 rows): activations stay bf16 (no quantization kernel, no
+* `fp8_w8a16_gemm_triton` (decode, 1-64 rows, under QSASERVE_FP8_DECODE_KERNEL=tile): activations stay bf16 (no quantization kernel, no
   extra error on the path a token's latency waits on); each program streams BLOCK_N weight rows
   once as E4M3 (1 byte a weight: the step's whole cost) and widens them to the activation dtype
   in registers. The grid has one program per BLOCK_N rows (pick_decode_block_n) and, with

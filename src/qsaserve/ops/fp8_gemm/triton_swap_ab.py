@@ -1,4 +1,5 @@
-"""FP8-weight W8A16 GEMM for decode batches (a few to 64 rows), computed transposed:
+"""FP8-weight W8A16 GEMM for decode batches (a few to 64 rows; the engine's path there under
+QSASERVE_FP8_DECODE_KERNEL=swap, the W8A8 transposed GEMM otherwise), computed transposed:
 y^T [N, M] = W [N, K] @ x^T [K, M], W E4M3 [N, K] with float32 scales [Sn, Sk] (reference.py's
 layout), x bf16/fp16/fp32 [M, K] not quantized. Same contract as triton_gemm.fp8_w8a16_gemm_triton
 (reference.fp8_w8a16_gemm_reference).
