@@ -93,7 +93,7 @@ def test_launch_rule_at_llama_8b_shapes():
 
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
     at = {m: {name: pick_w8a8_swap_tile(m, n, k, 132) for name, (n, k) in shapes.items()} for m in (8, 32, 64)}
-    small = {"qkv": (64, 4, 4, 5), "o": (64, 4, 4, 5), "gate_up": (64, 1, 4, 5), "down": (64, 4, 4, 5)}
+    small = {"qkv": (64, 4, 4, 5), "o": (64, 4, 4, 5), "gate_up": (64, 1, 4, 3), "down": (64, 4, 4, 5)}
     assert at[8] == small and at[32] == small
     assert at[64] == {"qkv": (64, 4, 4, 3), "o": (64, 4, 4, 3), "gate_up": (128, 1, 4, 4), "down": (64, 4, 4, 3)}
     assert pick_w8a8_swap_tile(8, 4096, 512, 132)[1] == 1  # 4 groups: not cut

@@ -69,22 +69,22 @@ def swap_block_t(m: int) -> int:
 def pick_w8a8_swap_tile(m: int, n: int, k: int, sms: int) -> tuple[int, int, int, int]:
     """(block_n_tile, split_k, num_warps, num_stages) for m rows by an [n, k] weight, from
     benchmarks/bench_fp8_swap.py on an H200 (fp8_swap_h200_2026-12-03_69ea61a.json, llama-8b's
-    four projections at 8-256 rows, 16 launches each): 64 weight rows a program, 4 warps, 5 stages
-    up to 32 token columns and 3 at more (at 64 tokens 5 stages lost 10-40%); at 64 token columns a
-    weight of at least 128 rows a SM takes 128 rows a program and 4 stages (gate_up 38.8 against
-    53.2 us: every program re-reads the activation tile from L2); and the fewest K splits in 1, 2,
-    4 that give 1.5 programs an SM without cutting K below 4 blocks of 128 a program (gate_up's
-    224 programs at 64 tokens lost 30% split in 2). Within 4% of the sweep's best at every llama-8b
-    shape from 8 to 64 rows."""
+    four projections at 8-256 rows, 16 launches each): 64 weight rows a program and 4 warps; at 64
+    token columns a weight of at least 128 rows a SM takes 128 rows a program and 4 stages (gate_up
+    38.8 against 53.2 us: every program re-reads the activation tile from L2); the fewest K splits
+    in 1, 2, 4 that give 1.5 programs an SM without cutting K below 4 blocks of 128 a program
+    (gate_up's 224 programs at 64 tokens lost 30% split in 2); 5 stages for split programs up to 32
+    token columns (their K ranges are short: down at 8 rows 20.4 against 23.1 us at 3), else 3
+    (gate_up unsplit at 32 rows: 34.5 against 46.3 us at 5; at 64 tokens 5 lost 6-40%). Within 3%
+    of the sweep's best at every llama-8b shape from 8 to 64 rows."""
     block_t = swap_block_t(m)
-    if block_t == 64 and triton.cdiv(n, 128) >= sms:
-        bn, stages = 128, 4
-    else:
-        bn, stages = 64, (5 if block_t <= 32 else 3)
+    wide = block_t == 64 and triton.cdiv(n, 128) >= sms
+    bn = 128 if wide else 64
     programs = triton.cdiv(n, bn) * triton.cdiv(m, block_t)
     split = 1
     while split < 4 and 2 * programs * split < 3 * sms and triton.cdiv(k, GROUP) >= 8 * split:
         split *= 2
+    stages = 4 if wide else (5 if split > 1 and block_t <= 32 else 3)
     return bn, split, 4, stages
 
 
