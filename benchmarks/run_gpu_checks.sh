@@ -60,6 +60,9 @@ if [ "$mode" = single ]; then
     part throughput_llama1b_async 200 sh -c "python -m qsaserve.cli bench throughput llama-1b --load-format dummy --max-model-len 4096 --async-scheduling --peer hf > '$out/throughput_llama1b_async.json'"
     # Quantized weights (issue 26): the FP8 / NVFP4 GEMMs against torch._scaled_mm and cuBLAS, llama-8b
     # decode and the nano-vllm workload per weight format, the real-shape 12-layer preset in FP8.
+    # The FP8 GEMV with the RMSNorm before it joined in (batch-1 decode's qkv and gate_up), first:
+    # the latency parts below run it.
+    part gpu_tests_norm_gemv 120 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_norm_gemv.xml" tests/ops/test_fp8_norm_gemv.py
     for w in bf16 fp8 nvfp4; do
         q=$([ $w = bf16 ] || echo "--quantization $w")
         part latency_llama8b_w$w 150 sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling $q --profile-steps 16 > '$out/latency_llama8b_w$w.json'"

@@ -15,6 +15,7 @@ from torch import nn
 
 from qsaserve.layers.quantization.fp8 import Fp8Linear
 from qsaserve.layers.quantization.nvfp4 import Nvfp4Linear
+from qsaserve.layers.rmsnorm import RMSNorm
 from qsaserve.ops import fused
 from qsaserve.ops.dispatch import use_triton
 
@@ -53,4 +54,17 @@ def silu_mul_linear(gate_up: torch.Tensor, layer: nn.Linear | Fp8Linear | Nvfp4L
     return linear(fused.silu_mul(gate_up), layer)
 
 
-__all__ = ["GEMV_ENABLED", "linear", "linear_weight", "silu_mul_linear", "use_gemv"]
+def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                    layer: nn.Linear | Fp8Linear | Nvfp4Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer(norm(x + residual)), x + residual), or (layer(norm(x)), x) without a residual: FP8
+    layers join the norm to the GEMV at its rows (ops.fp8_gemm.fp8_linear_rms_norm), the others
+    run the norm first."""
+    if isinstance(layer, Fp8Linear):
+        return layer.forward_rms_norm(x, residual, norm.weight, norm.eps)
+    if residual is None:
+        return linear(norm(x), layer), x
+    h, residual = norm(x, residual)
+    return linear(h, layer), residual
+
+
+__all__ = ["GEMV_ENABLED", "linear", "linear_weight", "rms_norm_linear", "silu_mul_linear", "use_gemv"]

@@ -23,7 +23,7 @@ from qsaserve.cache.kv_cache import KVCacheSpec
 from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.attention import Attention, AttentionMetadata
 from qsaserve.layers.dcp_attention import DcpAttention
-from qsaserve.layers.linear import linear, silu_mul_linear
+from qsaserve.layers.linear import linear, rms_norm_linear, silu_mul_linear
 from qsaserve.layers.quantization import QUANTIZED_LINEARS, WeightQuantConfig, make_linear
 from qsaserve.layers.quantization.fp8 import TensorShard
 from qsaserve.layers.rmsnorm import RMSNorm
@@ -97,9 +97,10 @@ class LlamaAttention(nn.Module):
         else:
             self.attn = Attention(self.num_heads, self.num_kv_heads, c.head_dim, c.head_dim**-0.5)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = linear(x, self.qkv_proj).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """qkv: the qkv projection of the normed input (the decoder layer computes it with the norm)."""
+        t = qkv.shape[0]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -117,9 +118,10 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = make_linear(c.hidden_size, [inter, inter], False, quant, prefix + "mlp.gate_proj")
         self.down_proj = make_linear(inter, [c.hidden_size], False, quant, prefix + "mlp.down_proj")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up: the gate | up projection of the normed input (computed with the norm)."""
         # SiLU(gate) * up, then down_proj (one kernel for FP8 weights at decode rows)
-        return self.ctx.all_reduce(silu_mul_linear(linear(x, self.gate_up_proj), self.down_proj))
+        return self.ctx.all_reduce(silu_mul_linear(gate_up, self.down_proj))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -135,12 +137,11 @@ class LlamaDecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's MLP output (the embeddings when residual is None); residual: the
         residual stream before it. Returns this layer's (MLP output, residual); the next norm adds them."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h, residual = self.post_attention_layernorm(self.self_attn(h, positions, meta), residual)
-        return self.mlp(h), residual
+        # each norm joins the projection after it (one kernel for FP8 weights at the GEMV's rows)
+        qkv, residual = rms_norm_linear(x, residual, self.input_layernorm, self.self_attn.qkv_proj)
+        out = self.self_attn(qkv, positions, meta)
+        gate_up, residual = rms_norm_linear(out, residual, self.post_attention_layernorm, self.mlp.gate_up_proj)
+        return self.mlp(gate_up), residual
 
 
 def checkpoint_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:

@@ -25,8 +25,8 @@ from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization.config import BLOCK, WeightQuantConfig
 from qsaserve.layers.quantization.shard import TensorShard, copy_part, take_shard
 from qsaserve.layers.quantization.warm_up import warm_up_row_counts
-from qsaserve.ops.fp8_gemm import (FP8, dequantize_weight, fp8_linear, fp8_linear_silu_mul, quantize_weight_block,
-                                   quantize_weight_rows)
+from qsaserve.ops.fp8_gemm import (FP8, GEMV_ROWS, dequantize_weight, fp8_linear, fp8_linear_rms_norm, fp8_linear_silu_mul,
+                                   quantize_weight_block, quantize_weight_rows)
 
 
 class Fp8Linear(nn.Module):
@@ -52,9 +52,25 @@ class Fp8Linear(nn.Module):
         """gate_up [T, 2K] -> (SiLU(gate) * up) @ W^T [T, N]: at decode rows one kernel."""
         return fp8_linear_silu_mul(gate_up, self.weight, self.weight_scale, self.block_n, self.bias)
 
+    def forward_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                         eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(RMSNorm(x + residual) * norm_weight @ W^T, x + residual): at the GEMV's rows one kernel."""
+        return fp8_linear_rms_norm(x, residual, norm_weight, eps, self.weight, self.weight_scale, self.block_n,
+                                   self.bias)
+
     def warm_up(self, dtype: torch.dtype) -> int:
-        """Builds this layer's FP8 kernels at every row count class a step may bring (launches made)."""
-        return warm_up_row_counts(self, dtype)
+        """Builds this layer's FP8 kernels at every row count class a step may bring, and the
+        RMSNorm-joined GEMV (with and without a residual, norm weights in dtype or float32) at its
+        rows (launches made)."""
+        launches = warm_up_row_counts(self, dtype)
+        x = torch.zeros(GEMV_ROWS, self.in_features, dtype=dtype, device=self.weight.device)
+        for norm_dtype in dict.fromkeys((dtype, torch.float32)):
+            g = torch.ones(self.in_features, dtype=norm_dtype, device=x.device)
+            for rows in range(1, GEMV_ROWS + 1):
+                for residual in (None, x[:rows]):
+                    self.forward_rms_norm(x[:rows], residual, g, 1e-6)
+                    launches += 1
+        return launches
 
     def linear_part(self, x: torch.Tensor, part: int) -> torch.Tensor:
         """x [T, K] -> x @ W_part^T [T, rows of the part]: one part's rows, alone."""

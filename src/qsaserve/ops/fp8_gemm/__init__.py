@@ -88,5 +88,25 @@ def fp8_linear_silu_mul(gate_up: torch.Tensor, w: torch.Tensor, w_scale: torch.T
     return fp8_linear(fused.silu_mul(gate_up), w, w_scale, block_n, bias)
 
 
-__all__ = ["DECODE_KERNEL", "DECODE_ROWS", "FP8", "GEMV_ROWS", "GROUP", "W8A8_DECODE_MIN_N", "W8A16_ROWS", "takes_w8a8", "dequantize_weight", "expand_scale", "fp8_linear", "fp8_linear_silu_mul", "fp8_w8a16_gemm",
+def fp8_linear_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                        w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
+                        bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] (a block's output), residual [T, K] or None -> (fp8_linear(h) [T, N], the next
+    residual), h = RMSNorm(x + residual) * norm_weight, as ops.fused.add_rms_norm (rms_norm and x
+    itself without a residual) then fp8_linear: on CUDA at the GEMV's rows one launch
+    (triton_gemv.fp8_norm_gemv_triton: the normalized input stays float32 inside the GEMV, not
+    rounded to x's dtype); elsewhere the two ops."""
+    m = x.shape[0]
+    if (use_triton(x) and 0 < m <= GEMV_ROWS and not takes_w8a8(m, w.shape[0]) and x.dim() == 2
+            and (residual is None or residual.dtype == x.dtype)):
+        y, summed = triton_gemv.fp8_norm_gemv_triton(x, residual, norm_weight, eps, w, w_scale, block_n)
+        return (y if bias is None else y + bias), summed
+    if residual is None:
+        h, summed = fused.rms_norm(x, norm_weight, eps), x
+    else:
+        h, summed = fused.add_rms_norm(x, residual, norm_weight, eps)
+    return fp8_linear(h, w, w_scale, block_n, bias), summed
+
+
+__all__ = ["DECODE_KERNEL", "DECODE_ROWS", "FP8", "GEMV_ROWS", "GROUP", "W8A8_DECODE_MIN_N", "W8A16_ROWS", "takes_w8a8", "dequantize_weight", "expand_scale", "fp8_linear", "fp8_linear_rms_norm", "fp8_linear_silu_mul", "fp8_w8a16_gemm",
            "fp8_w8a8_gemm", "per_token_group_quant", "quantize_weight_block", "quantize_weight_rows"]

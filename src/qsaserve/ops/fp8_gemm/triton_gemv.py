@@ -50,11 +50,36 @@ def _row_input(x_ptr, r, M, stride_xm, kk, k_ok, K, GATED: tl.constexpr):
 
 
 @triton.jit
+def _norm_row_input(x_ptr, res_ptr, g_ptr, sum_ptr, r, M, stride_xm, kk, k_ok, ss, HAS_RES: tl.constexpr,
+                    store_sum):
+    """Row r of the block output x (+ the residual) at columns kk [G, 128] for a GEMV whose input is
+    RMSNorm(x + residual) * g: returns (the sum, rounded to x's dtype as the residual stream is,
+    times g, float32; ss [G] + the sum's squares per group). store_sum: this program writes the
+    sum (the next residual) to sum_ptr."""
+    ok = k_ok & (r < M)
+    dt = x_ptr.dtype.element_ty
+    v = tl.load(x_ptr + r * stride_xm + kk, mask=ok, other=0.0)
+    if HAS_RES:
+        v = (v.to(tl.float32) + tl.load(res_ptr + r * stride_xm + kk, mask=ok, other=0.0).to(tl.float32)).to(dt)
+        tl.store(sum_ptr + r * stride_xm + kk, v, mask=ok & store_sum)
+    v = v.to(tl.float32)
+    g = tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+    return v * g, ss + tl.sum(v * v, 1)
+
+
+@triton.jit
 def _row_partial(acc, x_ptr, r, M, stride_xm, kk, k_ok, w, s, ROW_SCALE: tl.constexpr, K,
                  GATED: tl.constexpr):
     """acc [G, BLOCK_N] += row r of the input (_row_input) times the tile w [G, BLOCK_N, 128],
     summed per 128-column group (scaled by the block scales s [G, BLOCK_N] unless ROW_SCALE)."""
     xr = _row_input(x_ptr, r, M, stride_xm, kk, k_ok, K, GATED)
+    return _scaled_partial(acc, xr, w, s, ROW_SCALE)
+
+
+@triton.jit
+def _scaled_partial(acc, xr, w, s, ROW_SCALE: tl.constexpr):
+    """acc [G, BLOCK_N] + the tile w [G, BLOCK_N, 128] times the row input xr [G, 128], summed
+    per 128-column group (scaled by the block scales s unless ROW_SCALE)."""
     part = tl.sum(w * xr[:, None, :], 2)
     if not ROW_SCALE:
         part = part * s
@@ -132,6 +157,59 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
     store_rows(y_base, n, n_ok, rs, M, stride_ym, acc0, acc1, acc2, acc3, ROWS)
 
 
+# RMSNorm joined to the GEMV: each program sees whole rows of the input (no split-K), so it sums
+# their squares as it streams them and scales its finished sums by 1 / rms once; rows at M and
+# past are zero and never stored.
+@triton.jit(do_not_specialize=["eps"])
+def _fp8_norm_gemv_kernel(x_ptr, res_ptr, g_ptr, sum_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n, eps,
+                          stride_xm, stride_wn, stride_sn, stride_sk, stride_ym,
+                          ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_: tl.constexpr,
+                          ROW_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_RES: tl.constexpr):
+    G: tl.constexpr = BLOCK_K // GROUP_
+    pid = tl.program_id(0)
+    first = pid == 0  # the program that writes the summed residual
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < N
+    g = tl.arange(0, G)
+    col = g[:, None] * GROUP_ + tl.arange(0, GROUP_)[None, :]
+    w_rows = w_ptr + n[None, :, None].to(tl.int64) * stride_wn
+    s_rows = s_ptr + (n // block_n)[None, :] * stride_sn
+    acc0 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
+    acc1 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
+    ss0 = tl.zeros((G,), dtype=tl.float32)
+    ss1 = tl.zeros((G,), dtype=tl.float32)
+    ss2 = tl.zeros((G,), dtype=tl.float32)
+    ss3 = tl.zeros((G,), dtype=tl.float32)
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+        kk = k0 + col
+        k_ok = kk < K
+        w = tl.load(w_rows + kk[:, None, :], mask=n_ok[None, :, None] & k_ok[:, None, :], other=0.0).to(tl.float32)
+        s = tl.zeros((G, BLOCK_N), dtype=tl.float32)
+        if not ROW_SCALE:
+            s = tl.load(s_rows + ((k0 // GROUP_) + g)[:, None] * stride_sk,
+                        mask=n_ok[None, :] & (k0 + g * GROUP_ < K)[:, None], other=0.0)
+        x0, ss0 = _norm_row_input(x_ptr, res_ptr, g_ptr, sum_ptr, 0, M, stride_xm, kk, k_ok, ss0, HAS_RES, first)
+        acc0 = _scaled_partial(acc0, x0, w, s, ROW_SCALE)
+        if ROWS > 1:
+            x1, ss1 = _norm_row_input(x_ptr, res_ptr, g_ptr, sum_ptr, 1, M, stride_xm, kk, k_ok, ss1, HAS_RES, first)
+            acc1 = _scaled_partial(acc1, x1, w, s, ROW_SCALE)
+        if ROWS > 2:
+            x2, ss2 = _norm_row_input(x_ptr, res_ptr, g_ptr, sum_ptr, 2, M, stride_xm, kk, k_ok, ss2, HAS_RES, first)
+            acc2 = _scaled_partial(acc2, x2, w, s, ROW_SCALE)
+            x3, ss3 = _norm_row_input(x_ptr, res_ptr, g_ptr, sum_ptr, 3, M, stride_xm, kk, k_ok, ss3, HAS_RES, first)
+            acc3 = _scaled_partial(acc3, x3, w, s, ROW_SCALE)
+    rs = tl.full((BLOCK_N,), 1.0, tl.float32)
+    if ROW_SCALE:
+        rs = tl.load(s_ptr + (n // block_n) * stride_sn, mask=n_ok, other=0.0)
+    acc0 = acc0 * tl.rsqrt(tl.sum(ss0, 0) / K + eps)
+    acc1 = acc1 * tl.rsqrt(tl.sum(ss1, 0) / K + eps)
+    acc2 = acc2 * tl.rsqrt(tl.sum(ss2, 0) / K + eps)
+    acc3 = acc3 * tl.rsqrt(tl.sum(ss3, 0) / K + eps)
+    store_rows(y_ptr, n, n_ok, rs, M, stride_ym, acc0, acc1, acc2, acc3, ROWS)
+
+
 def pick_gemv_tile(n: int, k: int, sms: int, m: int = 1) -> tuple[int, int, int]:
     """(block_n_tile, block_k, split_k) defaults for m rows, from bench_fp8_gemm on an H200
     (fp8_gemm_h200_2026-12-02_58189b2.json, llama-8b's qkv, o and gate_up at 1, 2 and 4 rows):
@@ -187,4 +265,42 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
     return y
 
 
-__all__ = ["MAX_ROWS", "TILE_BYTES", "fp8_gemv_triton", "pick_gemv_tile", "split_k_range", "store_rows"]
+def fp8_norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                         w: torch.Tensor, w_scale: torch.Tensor, block_n: int, block_n_tile: int | None = None,
+                         block_k: int | None = None, num_warps: int | None = None,
+                         num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm and the GEMV in one launch: x [M, K] (M <= MAX_ROWS; the block output), residual
+    [M, K] or None, norm_weight [K] -> (y [M, N] in x's dtype, h) with h = x + residual (rounded to
+    x's dtype, a new tensor; x itself without a residual) and y = (RMSNorm(h) * norm_weight) @ W^T,
+    as ops.fused.add_rms_norm (or rms_norm) then fp8_gemv_triton, except that the normalized input
+    is not rounded to x's dtype (the sums are scaled by 1 / rms once, in float32). The tile is
+    pick_gemv_tile's; no split-K (each program needs whole rows for their rms)."""
+    x, y = w8a16_operands(x, w, w_scale, block_n, "fp8_norm_gemv")
+    m, k = x.shape
+    n = w.shape[0]
+    if m > MAX_ROWS:
+        raise ValueError(f"fp8_norm_gemv: at most {MAX_ROWS} rows of x, got {m}")
+    if norm_weight.shape != (k,) or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"fp8_norm_gemv: norm_weight must be [K] = [{k}] and residual x's shape {tuple(x.shape)}, "
+                         f"got {tuple(norm_weight.shape)} and {None if residual is None else tuple(residual.shape)}")
+    x = x.contiguous()
+    h = x if residual is None else torch.empty_like(x)
+    if m == 0 or n == 0:
+        if residual is not None:
+            torch.add(x, residual, out=h)
+        return y, h
+    bn, bk, _ = pick_gemv_tile(n, k, num_sms(x.device), m)
+    bn, bk = block_n_tile or bn, block_k or bk
+    if bk % GROUP or bk & (bk - 1):
+        raise ValueError(f"fp8_norm_gemv: block_k a power-of-two multiple of {GROUP}, got {bk}")
+    res = x if residual is None else residual.contiguous()
+    _fp8_norm_gemv_kernel[(triton.cdiv(n, bn),)](
+        x, res, norm_weight.contiguous(), h, w, w_scale, y, m, n, k, block_n, eps, x.stride(0), w.stride(0),
+        w_scale.stride(0), _scale_k_stride(w_scale), y.stride(0), ROWS=triton.next_power_of_2(m), BLOCK_N=bn,
+        BLOCK_K=bk, GROUP_=GROUP, ROW_SCALE=w_scale.shape[1] == 1, NUM_STAGES=num_stages,
+        HAS_RES=residual is not None, num_warps=num_warps or 4)
+    return y, h
+
+
+__all__ = ["MAX_ROWS", "TILE_BYTES", "fp8_gemv_triton", "fp8_norm_gemv_triton", "pick_gemv_tile", "split_k_range",
+           "store_rows"]
