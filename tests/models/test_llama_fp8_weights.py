@@ -253,7 +253,8 @@ def test_memory_plan_counts_the_fp8_weights(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
 def test_fp8_kernels_on_gpu_match_the_cpu_reference_and_cuda_graphs_match_eager(tmp_path):
-    """The Triton FP8 path (W8A16 for the short prompt and decode, W8A8 for the 100-token prompt)
+    """The Triton FP8 path (the GEMV for decode, the transposed W8A8 GEMM for the 10-token prompt
+    and the prefill W8A8 GEMM for the 100-token one)
     against the CPU reference path: the prompt tokens' logprobs; decode replayed in CUDA graphs
     against eager steps: the same greedy tokens."""
     _save_llama(tmp_path, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)

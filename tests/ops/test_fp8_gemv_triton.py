@@ -125,10 +125,11 @@ def test_w8a16_dispatch_takes_the_gemv_up_to_gemv_rows(monkeypatch):
     monkeypatch.setattr(fp8_gemm.triton_gemm, "fp8_w8a16_gemm_triton", lambda x, *a: calls.append(("tile", x.shape[0])))
     monkeypatch.setattr(fp8_gemm.triton_swap_ab, "fp8_w8a16_swap_triton",
                         lambda x, *a, **tile: calls.append(("swap", x.shape[0], tile)))
+    monkeypatch.setattr(fp8_gemm, "DECODE_KERNEL", "w8a8")  # the default (W8A16 past 2 rows: direct calls, A/B runs)
     w, ws, bn = _weight(16, 256, "block", torch.Generator().manual_seed(0))
     for m in (1, fp8_gemm.GEMV_ROWS, fp8_gemm.GEMV_ROWS + 1, 64):
         fp8_gemm.fp8_w8a16_gemm(torch.zeros(m, 256), w, ws, bn)
-    assert fp8_gemm.GEMV_ROWS == 2 and fp8_gemm.DECODE_KERNEL == "w8a8"  # W8A16 past 2 rows: A/B runs only
+    assert fp8_gemm.GEMV_ROWS == 2
     # the transposed kernel at its own launch defaults (pick_swap_split_k per weight)
     assert calls == [("gemv", 1), ("gemv", 2), ("swap", 3, {}), ("swap", 64, {})]
     monkeypatch.setattr(fp8_gemm, "DECODE_KERNEL", "tile")  # QSASERVE_FP8_DECODE_KERNEL=tile

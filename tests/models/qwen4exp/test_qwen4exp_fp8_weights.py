@@ -152,7 +152,7 @@ def test_fp8_tensors_of_unquantized_layers_are_paired_with_their_scales_and_dequ
         raise AssertionError("an FP8 tensor without its scale was accepted")
 
 
-def test_quantize_keep_layers_leaves_those_mixers_float(tmp_path):
+def test_quantize_keep_layers_leaves_those_mixers_float(tmp_path, fp8_w8a16_decode_rows):
     src, out = tmp_path / "src", tmp_path / "fp8"
     hf = build_random_model(make_config(), seed=6)
     hf.save_pretrained(src)

@@ -1,11 +1,13 @@
 """Linear layers with FP8 E4M3 weights and float32 block / channel / tensor scales (layout in
 reference.py), dispatched (`ops.dispatch.use_triton`): on CUDA the Triton kernels, else the torch
 references. `fp8_linear` is what layers call, on every device the same numerics (so the CPU
-reference computes what the GPU does): up to reference.W8A16_ROWS (2) rows W8A16 (bf16
+reference computes what the GPU does; `fp8_linear_rms_norm`'s joined kernel is the one exception:
+on CUDA it does not round the normalized input to the activation dtype): up to reference.W8A16_ROWS (2) rows W8A16 (bf16
 activations; on CUDA the FMA GEMV, triton_gemv.py), more rows W8A8 with per-token-group
 activation scales (triton_quant.py), and W8A8 from 2 rows for weights of W8A8_DECODE_MIN_N rows or
 more (reference.takes_w8a8). On CUDA the W8A8 rows run the transposed split-K GEMM
-(triton_w8a8_swap.py) up to DECODE_ROWS (64; decode and verify steps), and above it, for bf16
+(triton_w8a8_swap.py) up to DECODE_ROWS (64; decode and verify steps, from 2 rows for the wide
+weights), and above it, for bf16
 activations by 128 x 128 block weights on sm_90, cuBLAS's block-scaled GEMM (scaled_mm.takes),
 else the Triton prefill GEMM (triton_gemm.py): at 128-256 rows cuBLAS led the transposed kernel
 on an H200 (docs/weight_quantization.md).

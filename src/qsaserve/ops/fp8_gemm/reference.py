@@ -26,9 +26,10 @@ DECODE_KERNEL = os.environ.get("QSASERVE_FP8_DECODE_KERNEL", "w8a8")
 if DECODE_KERNEL not in DECODE_KERNELS:
     raise ValueError(f"QSASERVE_FP8_DECODE_KERNEL: one of {', '.join(DECODE_KERNELS)}, got {DECODE_KERNEL!r}")
 W8A16_ROWS = 2 if DECODE_KERNEL == "w8a8" else DECODE_ROWS
-# ... except that a weight of this many rows or more takes W8A8 from 2 rows: its 64 x 128 tiles
-# fill 132 SMs, and on an H200 llama-8b's gate_up (28,672 rows) ran W8A8 in 37.7 us at 4-64 rows
-# against 48.7-137 us W8A16 (docs/weight_quantization.md); 1 row keeps the GEMV (30.9 us)
+# ... except that a weight of this many rows or more takes W8A8 from 2 rows (measured when W8A8 at
+# decode rows was the 64 x 128 tile GEMM, whose tiles fill 132 SMs at this width: llama-8b's gate_up,
+# 28,672 rows, ran in 37.7 us at 4-64 rows against 48.7-137 us W8A16; docs/weight_quantization.md;
+# its 2-row steps now take the transposed W8A8 GEMM, timed from 8 rows); 1 row keeps the GEMV (30.9 us)
 W8A8_DECODE_MIN_N = 132 * 128  # (NVFP4's GEMV stops at the same width: nvfp4_gemm.WIDE_N)
 _EPS = 1e-10  # an all-zero group gets a tiny scale, not a division by zero
 

@@ -32,8 +32,10 @@ from qsaserve.ops.fp8_gemm.triton_gemv import split_k_range
 MAX_BLOCK_T = 128  # token columns a program; more rows run as more token blocks (weights re-read from L2)
 
 
-# M unspecialized: the rows change with every step, one build for every count in a token block size
-@triton.jit(do_not_specialize=["M"])
+# M and stride_ys (M * N, the split-K plane stride) unspecialized: the rows change with every step,
+# and the plane stride's divisibility by 16 would follow M at an N that is not a multiple of 16:
+# one build for every row count of a token block size
+@triton.jit(do_not_specialize=["M", "stride_ys"])
 def _w8a8_swap_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, block_n,
                       stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_ym, stride_ys,
                       BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -93,22 +95,24 @@ def fp8_w8a8_swap_triton(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tenso
                          split_k: int | None = None, num_warps: int | None = None,
                          num_stages: int | None = None) -> torch.Tensor:
     """xq [M, K] E4M3, x_scale [M, ceil(K/128)] float32, w [N, K] E4M3, w_scale [Sn, Sk] ->
-    [M, N] in out_dtype, as reference.fp8_w8a8_gemm_reference. block_n_tile (weight rows a
-    program, a multiple of 16), split_k, num_warps, num_stages: the launch, None from
+    [M, N] in out_dtype, as reference.fp8_w8a8_gemm_reference (x_scale with a unit column
+    stride). block_n_tile (weight rows a program, a power of two >= 16), split_k, num_warps,
+    num_stages: the launch, None from
     pick_w8a8_swap_tile (benchmarks/bench_fp8_swap.py sweeps them)."""
     _check(xq, w, w_scale, block_n, "fp8_w8a8_swap")
     m, k = xq.shape
     n = w.shape[0]
-    if x_scale.dim() != 2 or x_scale.shape[0] < m or x_scale.shape[1] != triton.cdiv(k, GROUP):
-        raise ValueError(f"fp8_w8a8_swap: x_scale must be [M, ceil(K/{GROUP})] = [{m}, {triton.cdiv(k, GROUP)}], "
-                         f"got {tuple(x_scale.shape)}")
+    if (x_scale.dim() != 2 or x_scale.shape[0] < m or x_scale.shape[1] != triton.cdiv(k, GROUP)
+            or x_scale.stride(1) != 1):
+        raise ValueError(f"fp8_w8a8_swap: x_scale must be [M, ceil(K/{GROUP})] = [{m}, {triton.cdiv(k, GROUP)}] with a "
+                         f"unit column stride, got {tuple(x_scale.shape)} with strides {x_scale.stride()}")
     launch = (block_n_tile, split_k, num_warps, num_stages)
     if None in launch:
         rule = pick_w8a8_swap_tile(m, n, k, num_sms(xq.device))
         launch = tuple(rule[i] if v is None else v for i, v in enumerate(launch))
     bn, split, warps, stages = launch
-    if split < 1 or bn < 16 or bn % 16:
-        raise ValueError(f"fp8_w8a8_swap: split_k >= 1 and block_n_tile a multiple of 16, got {split}, {bn}")
+    if split < 1 or bn < 16 or bn & (bn - 1):
+        raise ValueError(f"fp8_w8a8_swap: split_k >= 1 and block_n_tile a power of two >= 16, got {split}, {bn}")
     if xq.stride(-1) != 1:
         xq = xq.contiguous()
     y = torch.empty((m, n), dtype=out_dtype, device=xq.device)
