@@ -26,27 +26,18 @@ import torch.nn.functional as F
 
 from qsaserve.bench.common import kernel_bench_main
 from qsaserve.bench.gpu_timing import graph_ms
-from qsaserve.ops.fp8_gemm import fp8_linear, quantize_weight_block
+from qsaserve.ops.fp8_gemm import fp8_linear
 from qsaserve.ops.fp8_gemm.scaled_mm import fp8_linear_scaled_mm
 from qsaserve.ops.fp8_gemm.triton_gemm import fp8_w8a8_gemm_triton
 from qsaserve.ops.fp8_gemm.triton_quant import per_token_group_quant_triton
 from qsaserve.ops.fp8_gemm.triton_swap_ab import fp8_w8a16_swap_triton
 from qsaserve.ops.fp8_gemm.triton_w8a8_swap import fp8_w8a8_swap_triton
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+from bench_fp8_gemm import L2_BYTES, SHAPES, _weights  # the same shapes and weight copies (benchmarks/ on sys.path)
+
 M = (8, 16, 32, 64, 128, 256)
 SWEEP = ((64, 4, 3), (64, 4, 5), (128, 4, 4), (128, 8, 4))  # block_n_tile, num_warps, num_stages
 SPLITS = (1, 2, 4, 8)
-L2_BYTES = 60 << 20
-
-
-def _weights(n, k, dev, copies):
-    out = []
-    for i in range(copies):
-        w = torch.randn(n, k, device=dev, generator=torch.Generator(device=dev).manual_seed(i)) * k**-0.5
-        q, s = quantize_weight_block(w)
-        out.append((w.to(torch.bfloat16), q, s))
-    return out
 
 
 def case(name, n, k, m, dev) -> list[dict]:

@@ -40,10 +40,17 @@ def _check_quant(device, m, k, rows_multiple=1, scale_column_major=False):
 def _check_w8a8(device, m, n, k, kind, out_dtype, **tiles):
     from qsaserve.ops.fp8_gemm.triton_gemm import fp8_w8a8_gemm_triton
 
-    gen = torch.Generator().manual_seed(m * 7 + n)
-    w, ws, bn = _weight(n, k, kind, gen)
+    check_w8a8(fp8_w8a8_gemm_triton, device, m, n, k, _weight(n, k, kind, torch.Generator().manual_seed(m * 7 + n)),
+               out_dtype, m * 7 + n, **tiles)
+
+
+def check_w8a8(kernel, device, m, n, k, weight, out_dtype, seed, **tiles):
+    """kernel(xq, x_scale, w, w_scale, block_n, out_dtype, **tiles) on `device` against the W8A8
+    reference; weight = (w, w_scale, block_n)."""
+    gen = torch.Generator().manual_seed(seed)
+    w, ws, bn = weight
     xq, xs = ref.per_token_group_quant_reference(torch.randn(m, k, generator=gen))
-    got = fp8_w8a8_gemm_triton(xq.to(device), xs.to(device), w.to(device), ws.to(device), bn, out_dtype, **tiles).cpu()
+    got = kernel(xq.to(device), xs.to(device), w.to(device), ws.to(device), bn, out_dtype, **tiles).cpu()
     want = ref.fp8_w8a8_gemm_reference(xq, xs, w, ws, bn, out_dtype)
     assert got.shape == (m, n) and got.dtype == out_dtype
     tol = dict(rtol=1e-4, atol=1e-4) if out_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)

@@ -5,40 +5,19 @@ scales and a block_n that does not divide the tile (48), N and K not multiples o
 over K (ranges of unequal and zero length), float32 and bf16 out; and its launch rule."""
 import pytest
 import torch
+from test_fp8_gemm_triton import check_w8a8
+from test_fp8_gemv_triton import _weight
 from triton_interpreter import triton_check_tests
 
 from qsaserve.ops.fp8_gemm import reference as ref
 
 
-def _weight(n, k, kind, gen):
-    w = torch.randn(n, k, generator=gen) * k**-0.5
-    if kind == "block":
-        q, s = ref.quantize_weight_block(w)
-        return q, s, 128
-    if kind == "block48":  # scale rows of 48 weight rows (a fused projection's common divisor): a
-        # block_n that does not divide the tile; scales drawn, as the kernel only reads them
-        q, s = ref.quantize_weight_block(w)
-        return q, torch.rand(-(-n // 48), s.shape[1], generator=gen) * 0.02 + 1e-3, 48
-    q, s = ref.quantize_weight_rows(w, per_tensor=kind == "tensor")
-    return q, s, (n if kind == "tensor" else 1)
-
-
 def _check(device, m, n, k, kind, out_dtype, **launch):
     from qsaserve.ops.fp8_gemm.triton_w8a8_swap import fp8_w8a8_swap_triton
 
-    gen = torch.Generator().manual_seed(m * 13 + n + k)
-    w, ws, bn = _weight(n, k, kind, gen)
-    xq, xs = ref.per_token_group_quant_reference(torch.randn(m, k, generator=gen))
-    got = fp8_w8a8_swap_triton(xq.to(device), xs.to(device), w.to(device), ws.to(device), bn, out_dtype,
-                               **launch).cpu()
-    want = ref.fp8_w8a8_gemm_reference(xq, xs, w, ws, bn, out_dtype)
-    assert got.shape == (m, n) and got.dtype == out_dtype
-    tol = dict(rtol=1e-4, atol=1e-4) if out_dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
-    if device == "cuda" and out_dtype == torch.float32:
-        # Hopper's E4M3 wgmma sums a 128-deep block in a reduced-precision accumulator (see
-        # test_fp8_gemm_triton._check_w8a8): the bound is relative to the largest sum
-        tol = dict(rtol=1e-3, atol=want.abs().max().item() * 2**-10)
-    torch.testing.assert_close(got, want, **tol)
+    seed = m * 13 + n + k
+    check_w8a8(fp8_w8a8_swap_triton, device, m, n, k, _weight(n, k, kind, torch.Generator().manual_seed(seed)),
+               out_dtype, seed, **launch)
 
 
 def _triton_checks(device):

@@ -51,17 +51,24 @@ def pick_swap_split_k(n: int, k: int, sms: int, block_n_tile: int = SWAP_BLOCK_N
 
 
 @triton.jit
+def swap_tile(w_ptr, x_ptr, M, N, stride_wn, stride_xm, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The transposed FP8 kernels' tile (W8A16 here, W8A8 in triton_w8a8_swap.py): program (pid_n, ., pid_t)
+    takes weight rows offs_n and token columns offs_t -> (offs_n, offs_t, n_ok, t_ok, the weight
+    rows' base pointers [BLOCK_N, 1], x^T's column pointers [1, BLOCK_T])."""
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = tl.program_id(2) * BLOCK_T + tl.arange(0, BLOCK_T)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    x_cols = x_ptr + offs_t[None, :].to(tl.int64) * stride_xm
+    return offs_n, offs_t, offs_n < N, offs_t < M, w_rows, x_cols
+
+
+@triton.jit
 def _w8a16_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
                        stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, stride_ys,
                        BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr, PRECISION: tl.constexpr):
-    pid_n, pid_t = tl.program_id(0), tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_n, offs_t, n_ok, t_ok, w_rows, x_cols = swap_tile(w_ptr, x_ptr, M, N, stride_wn, stride_xm, BLOCK_N, BLOCK_T)
     offs_k = tl.arange(0, BLOCK_K)
-    n_ok, t_ok = offs_n < N, offs_t < M
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
-    x_cols = x_ptr + offs_t[None, :].to(tl.int64) * stride_xm  # [1, BLOCK_T]: x^T's columns
     s_rows = s_ptr + (offs_n // block_n) * stride_sn
     k_lo, k_hi, y_base = split_k_range(y_ptr, K, stride_ys, BLOCK_K, SPLIT_K)
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
@@ -105,4 +112,4 @@ def fp8_w8a16_swap_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tenso
     return y
 
 
-__all__ = ["SWAP_BLOCK_N", "fp8_w8a16_swap_triton", "pick_swap_split_k"]
+__all__ = ["SWAP_BLOCK_N", "fp8_w8a16_swap_triton", "pick_swap_split_k", "swap_tile"]

@@ -28,6 +28,7 @@ from qsaserve.ops.device import num_sms
 from qsaserve.ops.fp8_gemm.reference import GROUP
 from qsaserve.ops.fp8_gemm.triton_gemm import _check, _scale_k_stride, split_k_buffer, sum_split_k
 from qsaserve.ops.fp8_gemm.triton_gemv import split_k_range
+from qsaserve.ops.fp8_gemm.triton_swap_ab import swap_tile
 
 MAX_BLOCK_T = 128  # token columns a program; more rows run as more token blocks (weights re-read from L2)
 
@@ -39,13 +40,8 @@ MAX_BLOCK_T = 128  # token columns a program; more rows run as more token blocks
 def _w8a8_swap_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, block_n,
                       stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_ym, stride_ys,
                       BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-    pid_n, pid_t = tl.program_id(0), tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_n, offs_t, n_ok, t_ok, w_rows, x_cols = swap_tile(w_ptr, x_ptr, M, N, stride_wn, stride_xm, BLOCK_N, BLOCK_T)
     offs_k = tl.arange(0, BLOCK_K)
-    n_ok, t_ok = offs_n < N, offs_t < M
-    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn  # [BLOCK_N, 1]
-    x_cols = x_ptr + offs_t[None, :].to(tl.int64) * stride_xm  # [1, BLOCK_T]: xq^T's columns
     ws_rows = ws_ptr + (offs_n // block_n) * stride_wsn
     xs_cols = xs_ptr + offs_t.to(tl.int64) * stride_xsm
     k_lo, k_hi, y_base = split_k_range(y_ptr, K, stride_ys, BLOCK_K, SPLIT_K)
