@@ -237,6 +237,30 @@ def test_a_tp_size_that_splits_an_input_block_is_refused():
     assert e.value.param == "tensor_parallel_size"
 
 
+def test_fp8_linear_warm_up_runs_every_form_it_builds(monkeypatch):
+    """Fp8Linear.warm_up (run at startup on CUDA) calls the plain, the SiLU * up and the
+    RMSNorm-joined forms at their row counts; on CPU the same calls run the references, and each
+    form is called with the shapes the model's steps give it."""
+    from qsaserve.layers.quantization import fp8 as fp8_layer
+    from qsaserve.layers.quantization.warm_up import WARM_UP_ROWS
+
+    layer = Fp8Linear(256, [128, 128], False, weight_quant_config({}, "fp8"), "mlp.down_proj")
+    layer.weight.data = quantize_weight_block(torch.randn(256, 256))[0]
+    layer.weight_scale.data = torch.full((2, 2), 0.01)
+    calls = []
+    for name in ("forward", "forward_silu_mul", "forward_rms_norm"):
+        real = getattr(Fp8Linear, name)
+        monkeypatch.setattr(Fp8Linear, name, lambda self, x, *a, _real=real, _name=name:
+                            calls.append((_name, tuple(x.shape), len(a) and a[0] is not None)) or _real(self, x, *a))
+    launches = layer.warm_up(torch.float32)
+    rows = list(WARM_UP_ROWS)
+    assert [c[1][0] for c in calls if c[0] == "forward"] == rows
+    assert [c[1] for c in calls if c[0] == "forward_silu_mul"] == [(r, 512) for r in rows]
+    joined = [(c[1][0], c[2]) for c in calls if c[0] == "forward_rms_norm"]
+    assert joined == [(1, False), (1, True), (2, False), (2, True)]  # norm weights in float32 only (dtype is)
+    assert launches == 2 * len(rows) + len(joined) and fp8_layer.GEMV_ROWS == 2
+
+
 def test_memory_plan_counts_the_fp8_weights(tmp_path):
     from qsaserve import LLM
 

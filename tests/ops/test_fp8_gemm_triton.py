@@ -37,6 +37,24 @@ def _check_quant(device, m, k, rows_multiple=1, scale_column_major=False):
     assert (q.cpu().float() == want_q.float()).float().mean() > 0.99
 
 
+def _check_gated_quant(device, m, k, rows_multiple=1, scale_column_major=False):
+    """The quantization of SiLU(gate) * up from gate | up: bit-equal to ops.fused.silu_mul's
+    values quantized (float32 x: the interpreter truncates bf16 casts; bf16 on the GPU)."""
+    import torch.nn.functional as F
+
+    from qsaserve.ops.fp8_gemm.triton_quant import per_token_group_quant_triton
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    gate_up = (torch.randn(m, 2 * k, generator=torch.Generator().manual_seed(m + 3 * k)) * 3).to(dtype)
+    q, s = per_token_group_quant_triton(gate_up.to(device), rows_multiple, scale_column_major, gated=True)
+    act = (F.silu(gate_up[:, :k].float()).to(dtype).float() * gate_up[:, k:].float()).to(dtype)
+    want_q, want_s = per_token_group_quant_triton(act.to(device), rows_multiple, scale_column_major)
+    assert torch.equal(s.cpu(), want_s.cpu()) and torch.equal(q.cpu().float(), want_q.cpu().float())
+    assert s.stride() == want_s.stride()
+    ref_q, ref_s = ref.per_token_group_quant_reference(act.float())
+    torch.testing.assert_close(s[:m].cpu(), ref_s, rtol=1e-6, atol=0)
+
+
 def _check_w8a8(device, m, n, k, kind, out_dtype, **tiles):
     from qsaserve.ops.fp8_gemm.triton_gemm import fp8_w8a8_gemm_triton
 
@@ -88,6 +106,8 @@ def _triton_checks(device):
     _check_quant(device, 2, 128)
     _check_quant(device, 5, 256, rows_multiple=4, scale_column_major=True)  # the block-scaled GEMM's operands
     _check_quant(device, 3, 1300)  # 11 groups: two programs of 8, the second masked past the 11th
+    _check_gated_quant(device, 3, 1300)  # gate | up: a ragged last group, two programs
+    _check_gated_quant(device, 5, 256, rows_multiple=4, scale_column_major=True)  # cuBLAS's layout
     for kind in ("block", "channel", "tensor"):
         _check_w8a8(device, 70, 200, 300, kind, torch.float32, block_m=32, block_n_tile=64)
         _check_w8a16(device, 3, 200, 300, kind, torch.float32, block_n_tile=64)

@@ -176,8 +176,9 @@ def test_gated_gemv_on_gpu():
 
 
 def test_fp8_linear_silu_mul_fuses_at_gemv_rows_only(monkeypatch):
-    """On CUDA (faked) SiLU * up goes into the GEMV up to GEMV_ROWS rows; more rows (and CPU) run
-    ops.fused.silu_mul then fp8_linear, whose result the fused form equals on CPU."""
+    """On CUDA (faked) SiLU * up goes into the GEMV up to GEMV_ROWS rows and into the activation
+    quantization at W8A8 rows; W8A16 rows past the GEMV's (and CPU) run ops.fused.silu_mul then
+    fp8_linear, whose result the fused form equals on CPU."""
     pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
     import torch.nn.functional as F
 
@@ -192,7 +193,13 @@ def test_fp8_linear_silu_mul_fuses_at_gemv_rows_only(monkeypatch):
     monkeypatch.setattr(fp8_gemm.triton_gemv, "fp8_gemv_triton",
                         lambda x, *a, **kw: calls.append(("gemv", x.shape[0], kw.get("gated"))) or torch.zeros(x.shape[0], 16))
     monkeypatch.setattr(fp8_gemm, "fp8_linear", lambda x, *a: calls.append(("linear", x.shape[0])) or torch.zeros(x.shape[0], 16))
+    monkeypatch.setattr(fp8_gemm, "_w8a8_linear",
+                        lambda x, *a, gated=False: calls.append(("w8a8", x.shape[0], gated)) or torch.zeros(x.shape[0], 16))
     monkeypatch.setattr(fp8_gemm.fused, "silu_mul", lambda x: x[:, : x.shape[1] // 2])
-    for m in (1, 2, 3):
+    for m in (1, 2, 3, 70):
         fp8_gemm.fp8_linear_silu_mul(torch.zeros(m, 512), w, ws, bn)
-    assert calls == [("gemv", 1, True), ("gemv", 2, True), ("linear", 3)]
+    # W8A8 rows: the quantization computes SiLU * up (gated), no silu_mul launch
+    assert calls == [("gemv", 1, True), ("gemv", 2, True), ("w8a8", 3, True), ("w8a8", 70, True)]
+    monkeypatch.setattr(fp8_gemm, "takes_w8a8", lambda m, n: m > 64)  # QSASERVE_FP8_DECODE_KERNEL=swap's rows
+    fp8_gemm.fp8_linear_silu_mul(torch.zeros(3, 512), w, ws, bn)
+    assert calls[-1] == ("linear", 3)  # W8A16 past the GEMV's rows: silu_mul, then the linear

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from qsaserve.ops.fp8_gemm import reference as ref
+from qsaserve.ops.fused.reference import silu_mul_reference
 
 
 def _weight(n, k, seed=0):
@@ -46,7 +47,8 @@ def test_fp8_linear_hands_prefill_to_it_in_its_layout(monkeypatch):
 
     calls = []
 
-    def quant(x, rows_multiple=1, scale_column_major=False):  # the kernel's contract, in torch
+    def quant(x, rows_multiple=1, scale_column_major=False, gated=False):  # the kernel's contract, in torch
+        x = silu_mul_reference(x) if gated else x
         q, s = ref.per_token_group_quant_reference(x)
         rows = -(-x.shape[0] // rows_multiple) * rows_multiple
         q = torch.cat([q, torch.zeros(rows - x.shape[0], x.shape[1], dtype=q.dtype)])
@@ -75,6 +77,13 @@ def test_fp8_linear_hands_prefill_to_it_in_its_layout(monkeypatch):
     assert calls == [72]  # 70 tokens padded to 72; the output has 70 rows
     torch.testing.assert_close(fp8.fp8_linear(x[:8], w, s, 128), ref.fp8_linear_reference(x[:8], w, s, 128))
     assert calls == [72, ("decode", 8)]  # decode rows keep the decode kernels
+    # SiLU * up into the quantization, prefill and decode rows: what silu_mul then fp8_linear gives
+    w2, s2 = _weight(256, 512, seed=1)
+    gate_up = torch.randn(70, 1024).to(torch.bfloat16)
+    for rows in (70, 8):
+        torch.testing.assert_close(fp8.fp8_linear_silu_mul(gate_up[:rows], w2, s2, 128),
+                                   ref.fp8_linear_reference(silu_mul_reference(gate_up[:rows]), w2, s2, 128))
+    assert calls[2:] == [72, ("decode", 8)]
 
 
 @pytest.mark.gpu

@@ -24,7 +24,7 @@ from torch import nn
 from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization.config import BLOCK, WeightQuantConfig
 from qsaserve.layers.quantization.shard import TensorShard, copy_part, take_shard
-from qsaserve.layers.quantization.warm_up import warm_up_row_counts
+from qsaserve.layers.quantization.warm_up import WARM_UP_ROWS, warm_up_row_counts
 from qsaserve.ops.fp8_gemm import (FP8, GEMV_ROWS, dequantize_weight, fp8_linear, fp8_linear_rms_norm, fp8_linear_silu_mul,
                                    quantize_weight_block, quantize_weight_rows)
 
@@ -59,10 +59,14 @@ class Fp8Linear(nn.Module):
                                    self.bias)
 
     def warm_up(self, dtype: torch.dtype) -> int:
-        """Builds this layer's FP8 kernels at every row count class a step may bring, and the
-        RMSNorm-joined GEMV (with and without a residual, norm weights in dtype or float32) at its
-        rows (launches made)."""
+        """Builds this layer's FP8 kernels at every row count class a step may bring, with SiLU *
+        up joined in as well (the gated GEMV and quantization), and the RMSNorm-joined GEMV (with
+        and without a residual, norm weights in dtype or float32) at its rows (launches made)."""
         launches = warm_up_row_counts(self, dtype)
+        gate_up = torch.zeros(max(WARM_UP_ROWS), 2 * self.in_features, dtype=dtype, device=self.weight.device)
+        for rows in WARM_UP_ROWS:
+            self.forward_silu_mul(gate_up[:rows])
+        launches += len(WARM_UP_ROWS)
         x = torch.zeros(GEMV_ROWS, self.in_features, dtype=dtype, device=self.weight.device)
         for norm_dtype in dict.fromkeys((dtype, torch.float32)):
             g = torch.ones(self.in_features, dtype=norm_dtype, device=x.device)

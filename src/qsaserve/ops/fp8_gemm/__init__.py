@@ -36,11 +36,12 @@ except ImportError:
 GEMV_ROWS = 2
 
 
-def per_token_group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (E4M3 [M, K], scale [M, ceil(K/128)] float32)."""
+def per_token_group_quant(x: torch.Tensor, gated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (E4M3 [M, K], scale [M, ceil(K/128)] float32). gated: x is [M, 2K] (gate | up)
+    and the quantized value SiLU(gate) * up (as ops.fused.silu_mul rounds it)."""
     if use_triton(x):
-        return triton_quant.per_token_group_quant_triton(x)
-    return reference.per_token_group_quant_reference(x)
+        return triton_quant.per_token_group_quant_triton(x, gated=gated)
+    return reference.per_token_group_quant_reference(fused.silu_mul(x) if gated else x)
 
 
 def fp8_w8a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
@@ -67,26 +68,38 @@ def fp8_w8a16_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bloc
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, K] -> x @ W^T (+ bias) [T, N] in x's dtype (reference.fp8_linear_reference)."""
-    m = x.shape[0]
-    if not takes_w8a8(m, w.shape[0]):
+    if not takes_w8a8(x.shape[0], w.shape[0]):
         y = fp8_w8a16_gemm(x, w, w_scale, block_n)
-    elif m > DECODE_ROWS and use_triton(x) and scaled_mm.takes(x, w, w_scale, block_n):
-        y = scaled_mm.fp8_linear_scaled_mm(x, w, w_scale)
     else:
-        xq, xs = per_token_group_quant(x)
-        y = fp8_w8a8_gemm(xq, xs, w, w_scale, block_n, x.dtype)
+        y = _w8a8_linear(x, w, w_scale, block_n)
     return y if bias is None else y + bias
+
+
+def _w8a8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
+                 gated: bool = False) -> torch.Tensor:
+    """x quantized per token group, then the W8A8 GEMM (cuBLAS's block-scaled one above DECODE_ROWS
+    rows where scaled_mm.takes). gated: x is gate | up, the input SiLU(gate) * up."""
+    if x.shape[0] > DECODE_ROWS and use_triton(x) and scaled_mm.takes(x, w, w_scale, block_n):
+        return scaled_mm.fp8_linear_scaled_mm(x, w, w_scale, gated=gated)
+    xq, xs = per_token_group_quant(x, gated=gated)
+    return fp8_w8a8_gemm(xq, xs, w, w_scale, block_n, x.dtype)
 
 
 def fp8_linear_silu_mul(gate_up: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
     """gate_up [T, 2K] (gate | up) -> (SiLU(gate) * up) @ W^T (+ bias) [T, N], as
     fp8_linear(ops.fused.silu_mul(gate_up), ...): on CUDA at the GEMV's rows one launch, the GEMV
-    computing SiLU * up as it loads its input (rounded where silu_mul rounds)."""
+    computing SiLU * up as it loads its input, and at W8A8 rows the activation quantization doing
+    so (both rounded where silu_mul rounds: the same values, one launch fewer)."""
     m = gate_up.shape[0]
-    if use_triton(gate_up) and 0 < m <= GEMV_ROWS and not takes_w8a8(m, w.shape[0]) and gate_up.stride(-1) == 1:
-        y = triton_gemv.fp8_gemv_triton(gate_up, w, w_scale, block_n, gated=True)
-        return y if bias is None else y + bias
+    if use_triton(gate_up) and 0 < m and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        if not takes_w8a8(m, w.shape[0]):
+            if m <= GEMV_ROWS:
+                y = triton_gemv.fp8_gemv_triton(gate_up, w, w_scale, block_n, gated=True)
+                return y if bias is None else y + bias
+        else:  # the activation quantization computes SiLU * up as it loads its input
+            y = _w8a8_linear(gate_up, w, w_scale, block_n, gated=True)
+            return y if bias is None else y + bias
     return fp8_linear(fused.silu_mul(gate_up), w, w_scale, block_n, bias)
 
 

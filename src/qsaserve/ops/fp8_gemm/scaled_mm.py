@@ -68,12 +68,13 @@ def fp8_w8a8_gemm_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Te
                        output_dtype=out_dtype)
 
 
-def fp8_linear_scaled_mm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+def fp8_linear_scaled_mm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """x [M, K] bf16 -> x @ W^T [M, N] where `takes` holds: the activations quantized per token and
-    128 columns in cuBLAS's layout (padded rows, column-major scales), the GEMM, the padding dropped."""
+    128 columns in cuBLAS's layout (padded rows, column-major scales), the GEMM, the padding dropped.
+    gated: x is [M, 2K] (gate | up) and the input SiLU(gate) * up (triton_quant's gated form)."""
     from qsaserve.ops.fp8_gemm import triton_quant  # CUDA only, as this GEMM
 
-    xq, xs = triton_quant.per_token_group_quant_triton(x, ROWS_MULTIPLE, scale_column_major=True)
+    xq, xs = triton_quant.per_token_group_quant_triton(x, ROWS_MULTIPLE, scale_column_major=True, gated=gated)
     return fp8_w8a8_gemm_scaled_mm(xq, xs, w, w_scale, x.dtype)[: x.shape[0]]
 
 
