@@ -61,9 +61,7 @@ def rms_norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNor
     run the norm first."""
     if isinstance(layer, Fp8Linear):
         return layer.forward_rms_norm(x, residual, norm.weight, norm.eps)
-    if residual is None:
-        return linear(norm(x), layer), x
-    h, residual = norm(x, residual)
+    h, residual = fused.rms_norm_residual(x, residual, norm.weight, norm.eps)
     return linear(h, layer), residual
 
 

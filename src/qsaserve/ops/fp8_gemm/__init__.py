@@ -92,15 +92,14 @@ def fp8_linear_silu_mul(gate_up: torch.Tensor, w: torch.Tensor, w_scale: torch.T
     computing SiLU * up as it loads its input, and at W8A8 rows the activation quantization doing
     so (both rounded where silu_mul rounds: the same values, one launch fewer)."""
     m = gate_up.shape[0]
-    if use_triton(gate_up) and 0 < m and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
-        if not takes_w8a8(m, w.shape[0]):
-            if m <= GEMV_ROWS:
-                y = triton_gemv.fp8_gemv_triton(gate_up, w, w_scale, block_n, gated=True)
-                return y if bias is None else y + bias
-        else:  # the activation quantization computes SiLU * up as it loads its input
-            y = _w8a8_linear(gate_up, w, w_scale, block_n, gated=True)
-            return y if bias is None else y + bias
-    return fp8_linear(fused.silu_mul(gate_up), w, w_scale, block_n, bias)
+    joined = use_triton(gate_up) and 0 < m and gate_up.dim() == 2 and gate_up.stride(-1) == 1
+    if joined and takes_w8a8(m, w.shape[0]):  # the activation quantization computes SiLU * up
+        y = _w8a8_linear(gate_up, w, w_scale, block_n, gated=True)
+    elif joined and m <= GEMV_ROWS:  # the GEMV does
+        y = triton_gemv.fp8_gemv_triton(gate_up, w, w_scale, block_n, gated=True)
+    else:
+        return fp8_linear(fused.silu_mul(gate_up), w, w_scale, block_n, bias)
+    return y if bias is None else y + bias
 
 
 def fp8_linear_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -116,10 +115,7 @@ def fp8_linear_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
             and (residual is None or residual.dtype == x.dtype)):
         y, summed = triton_gemv.fp8_norm_gemv_triton(x, residual, norm_weight, eps, w, w_scale, block_n)
         return (y if bias is None else y + bias), summed
-    if residual is None:
-        h, summed = fused.rms_norm(x, norm_weight, eps), x
-    else:
-        h, summed = fused.add_rms_norm(x, residual, norm_weight, eps)
+    h, summed = fused.rms_norm_residual(x, residual, norm_weight, eps)
     return fp8_linear(h, w, w_scale, block_n, bias), summed
 
 

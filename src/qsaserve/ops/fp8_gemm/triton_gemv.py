@@ -68,12 +68,15 @@ def _norm_row_input(x_ptr, res_ptr, g_ptr, sum_ptr, r, M, stride_xm, kk, k_ok, s
 
 
 @triton.jit
-def _row_partial(acc, x_ptr, r, M, stride_xm, kk, k_ok, w, s, ROW_SCALE: tl.constexpr, K,
-                 GATED: tl.constexpr):
-    """acc [G, BLOCK_N] += row r of the input (_row_input) times the tile w [G, BLOCK_N, 128],
-    summed per 128-column group (scaled by the block scales s [G, BLOCK_N] unless ROW_SCALE)."""
-    xr = _row_input(x_ptr, r, M, stride_xm, kk, k_ok, K, GATED)
-    return _scaled_partial(acc, xr, w, s, ROW_SCALE)
+def _row_step(acc, ss, x_ptr, res_ptr, g_ptr, sum_ptr, r, M, stride_xm, kk, k_ok, K, w, s, first,
+              ROW_SCALE: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
+    """One K tile of row r: (acc [G, BLOCK_N] + the row's input (_row_input, or _norm_row_input
+    under NORM) times the tile w, ss [G] + its squares under NORM)."""
+    if NORM:
+        xr, ss = _norm_row_input(x_ptr, res_ptr, g_ptr, sum_ptr, r, M, stride_xm, kk, k_ok, ss, HAS_RES, first)
+    else:
+        xr = _row_input(x_ptr, r, M, stride_xm, kk, k_ok, K, GATED)
+    return _scaled_partial(acc, xr, w, s, ROW_SCALE), ss
 
 
 @triton.jit
@@ -116,15 +119,17 @@ def store_rows(y_base, n, n_ok, rs, M, stride_ym, acc0, acc1, acc2, acc3, ROWS: 
         tl.store(out + 3 * stride_ym, (tl.sum(acc3, 0) * rs).to(ty), mask=n_ok & (3 < M))
 
 
-# stride_ys (M * N, the split-K plane stride) unspecialized: its divisibility by 16 would differ
-# between row counts at an N that is not a multiple of 16, building a variant warm-up never ran
-@triton.jit(do_not_specialize=["stride_ys"])
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
-                     stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, stride_ys,
-                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_: tl.constexpr,
-                     SPLIT_K: tl.constexpr, ROW_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                     GATED: tl.constexpr = False):
+@triton.jit
+def _gemv_body(x_ptr, res_ptr, g_ptr, sum_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n, eps,
+               stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, stride_ys,
+               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_: tl.constexpr,
+               SPLIT_K: tl.constexpr, ROW_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr, GATED: tl.constexpr,
+               NORM: tl.constexpr, HAS_RES: tl.constexpr):
+    """Both GEMV kernels' program. NORM: the input is RMSNorm(x + residual) * g, each program
+    summing the squares of whole rows as it streams them (no split-K) and scaling its finished sums
+    by 1 / rms once; program 0 writes the summed residual."""
     G: tl.constexpr = BLOCK_K // GROUP_
+    first = tl.program_id(0) == 0
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     g = tl.arange(0, G)
@@ -137,6 +142,10 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
     acc1 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
+    ss0 = tl.zeros((G,), dtype=tl.float32)  # NORM: the rows' squares, per 128-column group
+    ss1 = tl.zeros((G,), dtype=tl.float32)
+    ss2 = tl.zeros((G,), dtype=tl.float32)
+    ss3 = tl.zeros((G,), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + col
         k_ok = kk < k_hi
@@ -145,69 +154,49 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
         if not ROW_SCALE:  # masked to 0 past K: a padded group adds 0 * 0, never 0 * garbage
             s = tl.load(s_rows + ((k0 // GROUP_) + g)[:, None] * stride_sk,
                         mask=n_ok[None, :] & (k0 + g * GROUP_ < k_hi)[:, None], other=0.0)
-        acc0 = _row_partial(acc0, x_ptr, 0, M, stride_xm, kk, k_ok, w, s, ROW_SCALE, K, GATED)
+        acc0, ss0 = _row_step(acc0, ss0, x_ptr, res_ptr, g_ptr, sum_ptr, 0, M, stride_xm, kk, k_ok, K, w, s, first,
+                              ROW_SCALE, GATED, NORM, HAS_RES)
         if ROWS > 1:
-            acc1 = _row_partial(acc1, x_ptr, 1, M, stride_xm, kk, k_ok, w, s, ROW_SCALE, K, GATED)
+            acc1, ss1 = _row_step(acc1, ss1, x_ptr, res_ptr, g_ptr, sum_ptr, 1, M, stride_xm, kk, k_ok, K, w, s,
+                                  first, ROW_SCALE, GATED, NORM, HAS_RES)
         if ROWS > 2:
-            acc2 = _row_partial(acc2, x_ptr, 2, M, stride_xm, kk, k_ok, w, s, ROW_SCALE, K, GATED)
-            acc3 = _row_partial(acc3, x_ptr, 3, M, stride_xm, kk, k_ok, w, s, ROW_SCALE, K, GATED)
+            acc2, ss2 = _row_step(acc2, ss2, x_ptr, res_ptr, g_ptr, sum_ptr, 2, M, stride_xm, kk, k_ok, K, w, s,
+                                  first, ROW_SCALE, GATED, NORM, HAS_RES)
+            acc3, ss3 = _row_step(acc3, ss3, x_ptr, res_ptr, g_ptr, sum_ptr, 3, M, stride_xm, kk, k_ok, K, w, s,
+                                  first, ROW_SCALE, GATED, NORM, HAS_RES)
     rs = tl.full((BLOCK_N,), 1.0, tl.float32)
     if ROW_SCALE:
         rs = tl.load(s_ptr + (n // block_n) * stride_sn, mask=n_ok, other=0.0)
+    if NORM:
+        acc0 = acc0 * tl.rsqrt(tl.sum(ss0, 0) / K + eps)
+        acc1 = acc1 * tl.rsqrt(tl.sum(ss1, 0) / K + eps)
+        acc2 = acc2 * tl.rsqrt(tl.sum(ss2, 0) / K + eps)
+        acc3 = acc3 * tl.rsqrt(tl.sum(ss3, 0) / K + eps)
     store_rows(y_base, n, n_ok, rs, M, stride_ym, acc0, acc1, acc2, acc3, ROWS)
 
 
-# RMSNorm joined to the GEMV: each program sees whole rows of the input (no split-K), so it sums
-# their squares as it streams them and scales its finished sums by 1 / rms once; rows at M and
-# past are zero and never stored.
+# stride_ys (M * N, the split-K plane stride) unspecialized: its divisibility by 16 would differ
+# between row counts at an N that is not a multiple of 16, building a variant warm-up never ran
+@triton.jit(do_not_specialize=["stride_ys"])
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
+                     stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, stride_ys,
+                     ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_: tl.constexpr,
+                     SPLIT_K: tl.constexpr, ROW_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr,
+                     GATED: tl.constexpr = False):
+    _gemv_body(x_ptr, x_ptr, x_ptr, x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n, 0.0,
+               stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, stride_ys,
+               ROWS, BLOCK_N, BLOCK_K, GROUP_, SPLIT_K, ROW_SCALE, NUM_STAGES, GATED, False, False)
+
+
+# The GEMV with the RMSNorm before it joined in: its own kernel (and name in profiles).
 @triton.jit(do_not_specialize=["eps"])
 def _fp8_norm_gemv_kernel(x_ptr, res_ptr, g_ptr, sum_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n, eps,
                           stride_xm, stride_wn, stride_sn, stride_sk, stride_ym,
                           ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_: tl.constexpr,
                           ROW_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_RES: tl.constexpr):
-    G: tl.constexpr = BLOCK_K // GROUP_
-    pid = tl.program_id(0)
-    first = pid == 0  # the program that writes the summed residual
-    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    g = tl.arange(0, G)
-    col = g[:, None] * GROUP_ + tl.arange(0, GROUP_)[None, :]
-    w_rows = w_ptr + n[None, :, None].to(tl.int64) * stride_wn
-    s_rows = s_ptr + (n // block_n)[None, :] * stride_sn
-    acc0 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
-    acc1 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
-    acc2 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
-    acc3 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
-    ss0 = tl.zeros((G,), dtype=tl.float32)
-    ss1 = tl.zeros((G,), dtype=tl.float32)
-    ss2 = tl.zeros((G,), dtype=tl.float32)
-    ss3 = tl.zeros((G,), dtype=tl.float32)
-    for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
-        kk = k0 + col
-        k_ok = kk < K
-        w = tl.load(w_rows + kk[:, None, :], mask=n_ok[None, :, None] & k_ok[:, None, :], other=0.0).to(tl.float32)
-        s = tl.zeros((G, BLOCK_N), dtype=tl.float32)
-        if not ROW_SCALE:
-            s = tl.load(s_rows + ((k0 // GROUP_) + g)[:, None] * stride_sk,
-                        mask=n_ok[None, :] & (k0 + g * GROUP_ < K)[:, None], other=0.0)
-        x0, ss0 = _norm_row_input(x_ptr, res_ptr, g_ptr, sum_ptr, 0, M, stride_xm, kk, k_ok, ss0, HAS_RES, first)
-        acc0 = _scaled_partial(acc0, x0, w, s, ROW_SCALE)
-        if ROWS > 1:
-            x1, ss1 = _norm_row_input(x_ptr, res_ptr, g_ptr, sum_ptr, 1, M, stride_xm, kk, k_ok, ss1, HAS_RES, first)
-            acc1 = _scaled_partial(acc1, x1, w, s, ROW_SCALE)
-        if ROWS > 2:
-            x2, ss2 = _norm_row_input(x_ptr, res_ptr, g_ptr, sum_ptr, 2, M, stride_xm, kk, k_ok, ss2, HAS_RES, first)
-            acc2 = _scaled_partial(acc2, x2, w, s, ROW_SCALE)
-            x3, ss3 = _norm_row_input(x_ptr, res_ptr, g_ptr, sum_ptr, 3, M, stride_xm, kk, k_ok, ss3, HAS_RES, first)
-            acc3 = _scaled_partial(acc3, x3, w, s, ROW_SCALE)
-    rs = tl.full((BLOCK_N,), 1.0, tl.float32)
-    if ROW_SCALE:
-        rs = tl.load(s_ptr + (n // block_n) * stride_sn, mask=n_ok, other=0.0)
-    acc0 = acc0 * tl.rsqrt(tl.sum(ss0, 0) / K + eps)
-    acc1 = acc1 * tl.rsqrt(tl.sum(ss1, 0) / K + eps)
-    acc2 = acc2 * tl.rsqrt(tl.sum(ss2, 0) / K + eps)
-    acc3 = acc3 * tl.rsqrt(tl.sum(ss3, 0) / K + eps)
-    store_rows(y_ptr, n, n_ok, rs, M, stride_ym, acc0, acc1, acc2, acc3, ROWS)
+    _gemv_body(x_ptr, res_ptr, g_ptr, sum_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n, eps,
+               stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, 0,
+               ROWS, BLOCK_N, BLOCK_K, GROUP_, 1, ROW_SCALE, NUM_STAGES, False, True, HAS_RES)
 
 
 def pick_gemv_tile(n: int, k: int, sms: int, m: int = 1) -> tuple[int, int, int]:

@@ -36,6 +36,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     return add_rms_norm_reference(x, residual, weight, eps)
 
 
+def rms_norm_residual(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual), or (norm(x), x) when residual is None (a model's first
+    block): the normed input and the next residual."""
+    if residual is None:
+        return rms_norm(x, weight, eps), x
+    return add_rms_norm(x, residual, weight, eps)
+
+
 def rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q [T, Hq, D], k [T, Hk, D] at positions [T], cos/sin fp32 tables [max_positions, rot / 2]
@@ -79,7 +88,7 @@ def sigmoid_gated_add(x: torch.Tensor, y: torch.Tensor, gate: torch.Tensor) -> t
     return sigmoid_gated_add_reference(x, y, gate)
 
 
-__all__ = ["add_rms_norm", "norm_rope_heads", "one_centred_rms_norm", "rms_norm", "rope_qk", "sigmoid_gated_add",
+__all__ = ["add_rms_norm", "norm_rope_heads", "one_centred_rms_norm", "rms_norm", "rms_norm_residual", "rope_qk", "sigmoid_gated_add",
            "silu_mul", "triton_fused", "add_rms_norm_reference", "grouped_rms_norm_reference",
            "norm_rope_heads_reference", "one_centred_rms_norm_reference", "rms_norm_one_centred",
            "rms_norm_reference", "rope_qk_reference_", "rope_reference", "sigmoid_gated_add_reference",
