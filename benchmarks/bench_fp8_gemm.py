@@ -25,8 +25,9 @@
   weight rows a program; "_scaled_mm": cuBLAS's block-scaled GEMM);
   TB/s counts the weight and scale bytes read, and pct_roofline is that over the H200's 4.8 TB/s. At GEMV_M rows also the FMA GEMVs the dispatch
   takes up to 4 rows: "fp8_gemv" (fp8_gemm/triton_gemv.py at its pick_gemv_tile defaults, the row
-  names its tile), "fp8_gemv_bnB_bkK_sS" at GEMV_SWEEP, "fp8_gemv_st1" (the defaults with the K
-  loop not pipelined; one row only) and "nvfp4_gemv" (nvfp4_gemm/triton_gemv.py, defaults). A
+  names its tile), "fp8_gemv_bnB_bkK_sS_wW_stT" at GEMV_SWEEP, "fp8_norm_gemv" (the GEMV with
+  the RMSNorm and residual add before it joined in, defaults; 1-2 rows), "fp8_gemv_st1" (the
+  defaults with the K loop not pipelined; one row only) and "nvfp4_gemv" (nvfp4_gemm/triton_gemv.py, defaults). A
   variant that raises gets a row with "error" and the others still run.
 Times are CUDA-graph replays cycling over enough weight copies to exceed the L2. Prints JSON (one
 line per case, then the document).
@@ -48,7 +49,7 @@ from qsaserve.ops.device import max_shared_bytes, num_sms
 from qsaserve.ops.fp8_gemm.triton_gemm import (decode_block_m, fp8_w8a16_gemm_triton, fp8_w8a8_gemm_triton,
                                               pick_decode_block_n, pick_decode_split_k, pick_decode_unroll,
                                               w8a16_shared_bytes)
-from qsaserve.ops.fp8_gemm.triton_gemv import fp8_gemv_triton
+from qsaserve.ops.fp8_gemm.triton_gemv import fp8_gemv_triton, fp8_norm_gemv_triton
 from qsaserve.ops.fp8_gemm.triton_swap_ab import fp8_w8a16_swap_triton
 from qsaserve.ops.fp8_gemm.triton_gemv import pick_gemv_tile as pick_fp8_gemv_tile
 from qsaserve.ops.fp8_gemm.scaled_mm import ROWS_MULTIPLE, fp8_linear_scaled_mm, fp8_w8a8_gemm_scaled_mm
@@ -67,9 +68,12 @@ TILES = [dict(block_m=bm, block_n_tile=bn, num_warps=w, num_stages=s)
 DECODE_TILES = [dict(block_n_tile=bn, k_unroll=u) for bn, u in ((16, 1), (16, 4), (32, 4), (64, 4), (32, 2))]
 DECODE_SPLITS = (1, 2, 4, 8)  # split_k of each decode tile (1: the variant's name has no _s suffix)
 GEMV_M = (1, 2, 4)  # decode rows that also time the GEMVs
-# block_n_tile, block_k, split_k: 8 KiB tiles against the 16 KiB defaults, the widest K tile, and a
-# 4-way split for the 4096-row projections
-GEMV_SWEEP = ((16, 512, 1), (8, 1024, 1), (16, 1024, 1), (4, 2048, 1), (8, 1024, 4))
+# block_n_tile, block_k, split_k, num_warps, num_stages: 8 KiB tiles against the 16 KiB defaults,
+# the widest K tile, a 4-way split for the 4096-row projections, and more warps a program (each
+# thread then holds half the tile: more warps an SM to hide the widening's latency) or more stages
+GEMV_SWEEP = ((16, 512, 1, 4, 3), (8, 1024, 1, 4, 3), (16, 1024, 1, 4, 3), (4, 2048, 1, 4, 3), (8, 1024, 4, 4, 3),
+              (16, 1024, 1, 8, 3), (32, 1024, 1, 8, 3), (16, 2048, 1, 8, 3), (32, 512, 1, 8, 4), (16, 1024, 1, 4, 4),
+              (16, 512, 1, 2, 4), (8, 1024, 1, 2, 3))
 SWAP_M = 4  # decode rows from which the transposed kernel is timed too
 SWAP_TILES = ((64, 4, 4), (128, 4, 4), (128, 8, 4), (64, 4, 6), (128, 4, 3))  # block_n_tile, num_warps, num_stages
 SWAP_SPLITS = (1, 2, 4)
@@ -214,9 +218,13 @@ def decode(name, n, k, m, dev, keep=None) -> list[dict]:
         splits["fp8_gemv"] = gsplit
         variants.append(("fp8_gemv", lambda: [fp8_gemv_triton(x, q, s, 128) for _, q, s in ws], fp8_bytes))
         for gt in GEMV_SWEEP:
-            variant = "fp8_gemv_bn{}_bk{}_s{}".format(*gt)
+            variant = "fp8_gemv_bn{}_bk{}_s{}_w{}_st{}".format(*gt)
             splits[variant] = gt[2]
             variants.append((variant, lambda gt=gt: [fp8_gemv_triton(x, q, s, 128, *gt) for _, q, s in ws], fp8_bytes))
+        if m <= 2:  # the GEMV with the RMSNorm before it joined in (qkv and gate_up at batch 1)
+            g = torch.ones(k, device=dev, dtype=x.dtype)
+            variants.append(("fp8_norm_gemv", lambda: [fp8_norm_gemv_triton(x, x, g, 1e-5, q, s, 128)
+                                                       for _, q, s in ws], fp8_bytes))
         if m == 1:
             tiles["fp8_gemv_st1"] = dict(tiles["fp8_gemv"], num_stages=1)
             splits["fp8_gemv_st1"] = gsplit

@@ -54,8 +54,9 @@ def _norm_row_input(x_ptr, res_ptr, g_ptr, sum_ptr, r, M, stride_xm, kk, k_ok, s
                     store_sum):
     """Row r of the block output x (+ the residual) at columns kk [G, 128] for a GEMV whose input is
     RMSNorm(x + residual) * g: returns (the sum, rounded to x's dtype as the residual stream is,
-    times g, float32; ss [G] + the sum's squares per group). store_sum: this program writes the
-    sum (the next residual) to sum_ptr."""
+    times g, float32; ss [G, 128] + the sum's squares, elementwise: reduced once after the loop, not
+    across threads every tile). store_sum: this program writes the sum (the next residual) to
+    sum_ptr."""
     ok = k_ok & (r < M)
     dt = x_ptr.dtype.element_ty
     v = tl.load(x_ptr + r * stride_xm + kk, mask=ok, other=0.0)
@@ -64,14 +65,14 @@ def _norm_row_input(x_ptr, res_ptr, g_ptr, sum_ptr, r, M, stride_xm, kk, k_ok, s
         tl.store(sum_ptr + r * stride_xm + kk, v, mask=ok & store_sum)
     v = v.to(tl.float32)
     g = tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-    return v * g, ss + tl.sum(v * v, 1)
+    return v * g, ss + v * v
 
 
 @triton.jit
 def _row_step(acc, ss, x_ptr, res_ptr, g_ptr, sum_ptr, r, M, stride_xm, kk, k_ok, K, w, s, first,
               ROW_SCALE: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
     """One K tile of row r: (acc [G, BLOCK_N] + the row's input (_row_input, or _norm_row_input
-    under NORM) times the tile w, ss [G] + its squares under NORM)."""
+    under NORM) times the tile w, ss [G, 128] + its squares under NORM)."""
     if NORM:
         xr, ss = _norm_row_input(x_ptr, res_ptr, g_ptr, sum_ptr, r, M, stride_xm, kk, k_ok, ss, HAS_RES, first)
     else:
@@ -142,10 +143,10 @@ def _gemv_body(x_ptr, res_ptr, g_ptr, sum_ptr, w_ptr, s_ptr, y_ptr, M, N, K, blo
     acc1 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((G, BLOCK_N), dtype=tl.float32)
-    ss0 = tl.zeros((G,), dtype=tl.float32)  # NORM: the rows' squares, per 128-column group
-    ss1 = tl.zeros((G,), dtype=tl.float32)
-    ss2 = tl.zeros((G,), dtype=tl.float32)
-    ss3 = tl.zeros((G,), dtype=tl.float32)
+    ss0 = tl.zeros((G, GROUP_), dtype=tl.float32)  # NORM: the rows' squares, per column of the tile
+    ss1 = tl.zeros((G, GROUP_), dtype=tl.float32)
+    ss2 = tl.zeros((G, GROUP_), dtype=tl.float32)
+    ss3 = tl.zeros((G, GROUP_), dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=NUM_STAGES):
         kk = k0 + col
         k_ok = kk < k_hi
@@ -168,10 +169,10 @@ def _gemv_body(x_ptr, res_ptr, g_ptr, sum_ptr, w_ptr, s_ptr, y_ptr, M, N, K, blo
     if ROW_SCALE:
         rs = tl.load(s_ptr + (n // block_n) * stride_sn, mask=n_ok, other=0.0)
     if NORM:
-        acc0 = acc0 * tl.rsqrt(tl.sum(ss0, 0) / K + eps)
-        acc1 = acc1 * tl.rsqrt(tl.sum(ss1, 0) / K + eps)
-        acc2 = acc2 * tl.rsqrt(tl.sum(ss2, 0) / K + eps)
-        acc3 = acc3 * tl.rsqrt(tl.sum(ss3, 0) / K + eps)
+        acc0 = acc0 * tl.rsqrt(tl.sum(tl.sum(ss0, 1), 0) / K + eps)
+        acc1 = acc1 * tl.rsqrt(tl.sum(tl.sum(ss1, 1), 0) / K + eps)
+        acc2 = acc2 * tl.rsqrt(tl.sum(tl.sum(ss2, 1), 0) / K + eps)
+        acc3 = acc3 * tl.rsqrt(tl.sum(tl.sum(ss3, 1), 0) / K + eps)
     store_rows(y_base, n, n_ok, rs, M, stride_ym, acc0, acc1, acc2, acc3, ROWS)
 
 
