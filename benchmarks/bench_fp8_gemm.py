@@ -26,7 +26,9 @@
   TB/s counts the weight and scale bytes read, and pct_roofline is that over the H200's 4.8 TB/s. At GEMV_M rows also the FMA GEMVs the dispatch
   takes up to 4 rows: "fp8_gemv" (fp8_gemm/triton_gemv.py at its pick_gemv_tile defaults, the row
   names its tile), "fp8_gemv_bnB_bkK_sS_wW_stT" at GEMV_SWEEP, "fp8_norm_gemv" (the GEMV with
-  the RMSNorm and residual add before it joined in, defaults; 1-2 rows), "fp8_gemv_st1" (the
+  the RMSNorm and residual add before it joined in, defaults; 1-2 rows), "fp8_gemv_residual" (the
+  GEMV adding its output to a residual and preparing the next norm), "fp8_prenormed_gemv" (the
+  GEMV after that norm, 512 partial sums), "fp8_gemv_st1" (the
   defaults with the K loop not pipelined; one row only) and "nvfp4_gemv" (nvfp4_gemm/triton_gemv.py, defaults). A
   variant that raises gets a row with "error" and the others still run.
 Times are CUDA-graph replays cycling over enough weight copies to exceed the L2. Prints JSON (one
@@ -49,7 +51,8 @@ from qsaserve.ops.device import max_shared_bytes, num_sms
 from qsaserve.ops.fp8_gemm.triton_gemm import (decode_block_m, fp8_w8a16_gemm_triton, fp8_w8a8_gemm_triton,
                                               pick_decode_block_n, pick_decode_split_k, pick_decode_unroll,
                                               w8a16_shared_bytes)
-from qsaserve.ops.fp8_gemm.triton_gemv import fp8_gemv_triton, fp8_norm_gemv_triton
+from qsaserve.ops.fp8_gemm.triton_gemv import (fp8_gemv_residual_triton, fp8_gemv_triton, fp8_norm_gemv_triton,
+                                              fp8_prenormed_gemv_triton)
 from qsaserve.ops.fp8_gemm.triton_swap_ab import fp8_w8a16_swap_triton
 from qsaserve.ops.fp8_gemm.triton_gemv import pick_gemv_tile as pick_fp8_gemv_tile
 from qsaserve.ops.fp8_gemm.scaled_mm import ROWS_MULTIPLE, fp8_linear_scaled_mm, fp8_w8a8_gemm_scaled_mm
@@ -221,10 +224,17 @@ def decode(name, n, k, m, dev, keep=None) -> list[dict]:
             variant = "fp8_gemv_bn{}_bk{}_s{}_w{}_st{}".format(*gt)
             splits[variant] = gt[2]
             variants.append((variant, lambda gt=gt: [fp8_gemv_triton(x, q, s, 128, *gt) for _, q, s in ws], fp8_bytes))
-        if m <= 2:  # the GEMV with the RMSNorm before it joined in (qkv and gate_up at batch 1)
-            g = torch.ones(k, device=dev, dtype=x.dtype)
+        if m <= 2:  # the GEMV with the RMSNorm before it joined in (qkv and gate_up at batch 1), the GEMV
+            # adding its output to the residual and preparing the next norm (o and down), the one after it
+            g, gn, res = (torch.ones(k, device=dev, dtype=x.dtype), torch.ones(n, device=dev, dtype=x.dtype),
+                          torch.zeros(m, n, device=dev, dtype=x.dtype))
+            parts = torch.ones(512, 4, device=dev)
             variants.append(("fp8_norm_gemv", lambda: [fp8_norm_gemv_triton(x, x, g, 1e-5, q, s, 128)
                                                        for _, q, s in ws], fp8_bytes))
+            variants.append(("fp8_gemv_residual", lambda: [fp8_gemv_residual_triton(x, q, s, 128, res, gn)
+                                                           for _, q, s in ws], fp8_bytes))
+            variants.append(("fp8_prenormed_gemv", lambda: [fp8_prenormed_gemv_triton(x, parts, 1e-5, q, s, 128)
+                                                            for _, q, s in ws], fp8_bytes))
         if m == 1:
             tiles["fp8_gemv_st1"] = dict(tiles["fp8_gemv"], num_stages=1)
             splits["fp8_gemv_st1"] = gsplit

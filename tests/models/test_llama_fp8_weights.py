@@ -248,17 +248,21 @@ def test_fp8_linear_warm_up_runs_every_form_it_builds(monkeypatch):
     layer.weight.data = quantize_weight_block(torch.randn(256, 256))[0]
     layer.weight_scale.data = torch.full((2, 2), 0.01)
     calls = []
-    for name in ("forward", "forward_silu_mul", "forward_rms_norm"):
+    for name in ("forward", "forward_silu_mul", "forward_rms_norm", "forward_prenormed"):
         real = getattr(Fp8Linear, name)
         monkeypatch.setattr(Fp8Linear, name, lambda self, x, *a, _real=real, _name=name:
-                            calls.append((_name, tuple(x.shape), len(a) and a[0] is not None)) or _real(self, x, *a))
+                            calls.append((_name, tuple(getattr(x, "hg", x).shape), len(a) and a[0] is not None))
+                            or _real(self, x, *a))
     launches = layer.warm_up(torch.float32)
     rows = list(WARM_UP_ROWS)
     assert [c[1][0] for c in calls if c[0] == "forward"] == rows
     assert [c[1] for c in calls if c[0] == "forward_silu_mul"] == [(r, 512) for r in rows]
     joined = [(c[1][0], c[2]) for c in calls if c[0] == "forward_rms_norm"]
     assert joined == [(1, False), (1, True), (2, False), (2, True)]  # norm weights in float32 only (dtype is)
-    assert launches == 2 * len(rows) + len(joined) and fp8_layer.GEMV_ROWS == 2
+    # the residual-joined GEMV only where its kernel takes the call (CUDA; none here), the prenormed one at its rows
+    prenormed = [c[1] for c in calls if c[0] == "forward_prenormed"]
+    assert prenormed == [(1, 256), (2, 256)] and fp8_layer.RESIDUAL_ROWS == 2
+    assert launches == 2 * len(rows) + len(joined) + len(prenormed) and fp8_layer.GEMV_ROWS == 2
 
 
 def test_memory_plan_counts_the_fp8_weights(tmp_path):

@@ -59,17 +59,23 @@ def _triton_checks(device):
         # the default tiles of llama-8b's projections (pick_gemv_tile on 132 SMs, given here to
         # keep N and K small) at each row variant, bf16 x, block and per-channel scales, so the
         # sm_90 compile check sees the launches the engine makes
-        for bn, bk, split in ((16, 1024, 1), (16, 512, 1), (8, 2048, 1), (16, 1024, 2), (8, 2048, 2)):
+        for bn, bk, split, warps in ((8, 1024, 1, 2), (16, 512, 1, 4), (16, 1024, 1, 4), (8, 2048, 1, 4),
+                                     (16, 1024, 2, 4), (8, 2048, 2, 4)):
             for m in (1, 2, 4):
-                _check(device, m, 48, 4096, "block", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split)
+                _check(device, m, 48, 4096, "block", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split,
+                       num_warps=warps)
             _check(device, 1, 48, 4096, "channel", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split)
             # the defaults unpipelined (bench_fp8_gemm's fp8_gemv_st1, one row)
             _check(device, 1, 48, 4096, "block", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split,
                    num_stages=1)
         # the benchmark's sweep (bench_fp8_gemm.GEMV_SWEEP) at each row variant
-        for bn, bk, split in ((16, 512, 1), (8, 1024, 1), (4, 2048, 1), (8, 1024, 4)):
+        for bn, bk, split, warps, stages in ((16, 512, 1, 4, 3), (8, 1024, 1, 4, 3), (4, 2048, 1, 4, 3),
+                                             (8, 1024, 4, 4, 3), (16, 1024, 1, 8, 3), (32, 1024, 1, 8, 3),
+                                             (16, 2048, 1, 8, 3), (32, 512, 1, 8, 4), (16, 1024, 1, 4, 4),
+                                             (16, 512, 1, 2, 4)):
             for m in (1, 2, 4):
-                _check(device, m, 48, 4096, "block", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split)
+                _check(device, m, 48, 4096, "block", torch.bfloat16, block_n_tile=bn, block_k=bk, split_k=split,
+                       num_warps=warps, num_stages=stages)
     if device == "cuda":  # llama-8b's projections at the default tiles, and the dispatch
         from qsaserve.ops.fp8_gemm import fp8_w8a16_gemm
 
@@ -91,12 +97,15 @@ def test_default_tiles_at_llama_8b_shapes():
     pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
     from qsaserve.ops.fp8_gemm.triton_gemv import pick_gemv_tile
 
-    for m, bk in ((1, 1024), (2, 512)):
+    narrow, tall = (8, 1024, 1, 2), (16, 512, 1, 4)
+    expected = {1: dict.fromkeys(LLAMA_8B, narrow),  # 8 rows over 2 warps at one row
+                2: {"qkv": tall, "o": narrow, "gate_up": tall, "down": narrow}}  # at two, up to 4 x 8 rows a SM
+    for m, want in expected.items():
         tiles = {name: pick_gemv_tile(n, k, 132, m) for name, (n, k) in LLAMA_8B.items()}
-        assert tiles == {name: (16, bk, 1) for name in LLAMA_8B}
-        for name, (bn, _, _) in tiles.items():
+        assert tiles == want
+        for name, (bn, _, _, _) in tiles.items():
             assert -(-LLAMA_8B[name][0] // bn) >= 132  # every SM gets a program
-    assert pick_gemv_tile(576, 256, 132) == (4, 256, 1)  # small N narrows the block, small K caps BLOCK_K
+    assert pick_gemv_tile(576, 256, 132) == (4, 256, 1, 2)  # small N narrows the block, small K caps BLOCK_K
 
 
 def test_rejects_more_rows_and_bad_tiles():

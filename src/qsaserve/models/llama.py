@@ -23,7 +23,7 @@ from qsaserve.cache.kv_cache import KVCacheSpec
 from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.attention import Attention, AttentionMetadata
 from qsaserve.layers.dcp_attention import DcpAttention
-from qsaserve.layers.linear import linear, rms_norm_linear, silu_mul_linear
+from qsaserve.layers.linear import linear, linear_residual, rms_norm_linear, silu_mul_linear
 from qsaserve.layers.quantization import QUANTIZED_LINEARS, WeightQuantConfig, make_linear
 from qsaserve.layers.quantization.fp8 import TensorShard
 from qsaserve.layers.rmsnorm import RMSNorm
@@ -31,6 +31,7 @@ from qsaserve.layers.rotary import RotaryEmbedding
 from qsaserve.layers.vocab_parallel import vocab_parallel_embedding, vocab_parallel_logits
 from qsaserve.models.interfaces import (SupportsCudaGraphs, SupportsDummyWeights, SupportsKVRotation, SupportsLayerProfile,
                                         SupportsVOffsets)
+from qsaserve.ops.fp8_gemm import SummedResidual
 from qsaserve.ops.head_transform import fold_into_columns, fold_into_rows
 from qsaserve.parallel.state import ParallelContext
 from qsaserve.parallel.tp import even_range, kv_head_range, kv_heads_per_rank, shard_vocab, take, vocab_shard_rows
@@ -97,8 +98,11 @@ class LlamaAttention(nn.Module):
         else:
             self.attn = Attention(self.num_heads, self.num_kv_heads, c.head_dim, c.head_dim**-0.5)
 
-    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """qkv: the qkv projection of the normed input (the decoder layer computes it with the norm)."""
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, residual: torch.Tensor,
+                next_norm: RMSNorm) -> tuple[torch.Tensor | SummedResidual, torch.Tensor | None]:
+        """qkv: the qkv projection of the normed input (the decoder layer computes it with the norm).
+        -> (output, residual) for next_norm (layers.linear.linear_residual: on one rank, FP8 decode
+        rows add the output to the residual in o_proj's kernel)."""
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -106,7 +110,10 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary.rotate_qk(positions, q, k)  # on CUDA in place: q, k stay views of the qkv output
-        return self.ctx.all_reduce(linear(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta), self.o_proj))
+        attn = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta)
+        if self.ctx.tp_size == 1:
+            return linear_residual(attn, self.o_proj, residual, next_norm)
+        return self.ctx.all_reduce(linear(attn, self.o_proj)), residual
 
 
 class LlamaMLP(nn.Module):
@@ -118,10 +125,14 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = make_linear(c.hidden_size, [inter, inter], False, quant, prefix + "mlp.gate_proj")
         self.down_proj = make_linear(inter, [c.hidden_size], False, quant, prefix + "mlp.down_proj")
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """gate_up: the gate | up projection of the normed input (computed with the norm)."""
+    def forward(self, gate_up: torch.Tensor, residual: torch.Tensor,
+                next_norm: RMSNorm | None) -> tuple[torch.Tensor | SummedResidual, torch.Tensor | None]:
+        """gate_up: the gate | up projection of the normed input (computed with the norm).
+        -> (output, residual) for next_norm, as LlamaAttention.forward."""
         # SiLU(gate) * up, then down_proj (one kernel for FP8 weights at decode rows)
-        return self.ctx.all_reduce(silu_mul_linear(gate_up, self.down_proj))
+        if self.ctx.tp_size == 1:
+            return linear_residual(gate_up, self.down_proj, residual, next_norm, gated=True)
+        return self.ctx.all_reduce(silu_mul_linear(gate_up, self.down_proj)), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -133,15 +144,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = LlamaMLP(c, ctx, quant, prefix)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor | SummedResidual, residual: torch.Tensor | None, positions: torch.Tensor,
+                meta: AttentionMetadata, next_norm: RMSNorm | None = None
+                ) -> tuple[torch.Tensor | SummedResidual, torch.Tensor | None]:
         """x: the previous layer's MLP output (the embeddings when residual is None); residual: the
-        residual stream before it. Returns this layer's (MLP output, residual); the next norm adds them."""
-        # each norm joins the projection after it (one kernel for FP8 weights at the GEMV's rows)
+        residual stream before it. Returns this layer's (MLP output, residual); the next norm adds
+        them. next_norm: that norm (the next layer's input norm), which FP8 decode rows prepare in
+        the down projection's kernel (x then a SummedResidual, residual None)."""
+        # each norm joins the projection after it (one kernel for FP8 weights at the GEMV's rows),
+        # and at decode rows each projection before a norm adds its output to the residual
         qkv, residual = rms_norm_linear(x, residual, self.input_layernorm, self.self_attn.qkv_proj)
-        out = self.self_attn(qkv, positions, meta)
+        out, residual = self.self_attn(qkv, positions, meta, residual, self.post_attention_layernorm)
         gate_up, residual = rms_norm_linear(out, residual, self.post_attention_layernorm, self.mlp.gate_up_proj)
-        return self.mlp(gate_up), residual
+        return self.mlp(gate_up, residual, next_norm)
 
 
 def checkpoint_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -250,8 +265,9 @@ class LlamaForCausalLM(nn.Module, SupportsCudaGraphs, SupportsDummyWeights, Supp
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x = vocab_parallel_embedding(self.embed_tokens.weight, input_ids, self.config.vocab_size, self.ctx)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, meta)
+        for i, layer in enumerate(self.layers):
+            next_norm = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else None
+            x, residual = layer(x, residual, positions, meta, next_norm)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

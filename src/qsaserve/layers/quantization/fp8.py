@@ -25,8 +25,9 @@ from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization.config import BLOCK, WeightQuantConfig
 from qsaserve.layers.quantization.shard import TensorShard, copy_part, take_shard
 from qsaserve.layers.quantization.warm_up import WARM_UP_ROWS, warm_up_row_counts
-from qsaserve.ops.fp8_gemm import (FP8, GEMV_ROWS, dequantize_weight, fp8_linear, fp8_linear_rms_norm, fp8_linear_silu_mul,
-                                   quantize_weight_block, quantize_weight_rows)
+from qsaserve.ops.fp8_gemm import (FP8, GEMV_ROWS, RESIDUAL_ROWS, SummedResidual, dequantize_weight, fp8_linear,
+                                   fp8_linear_prenormed, fp8_linear_residual, fp8_linear_rms_norm, fp8_linear_silu_mul,
+                                   joins_residual, quantize_weight_block, quantize_weight_rows)
 
 
 class Fp8Linear(nn.Module):
@@ -58,10 +59,26 @@ class Fp8Linear(nn.Module):
         return fp8_linear_rms_norm(x, residual, norm_weight, eps, self.weight, self.weight_scale, self.block_n,
                                    self.bias)
 
+    def joins_residual(self, x: torch.Tensor, residual: torch.Tensor | None, gated: bool = False) -> bool:
+        """forward_residual takes this input in one kernel (ops.fp8_gemm.joins_residual)."""
+        return joins_residual(x, self.weight, residual, self.bias, gated)
+
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                         gated: bool = False) -> SummedResidual:
+        """This layer's output (of SiLU(gate) * up when gated) added to the residual, with the next
+        RMSNorm's numerator (norm_weight): one kernel; only where joins_residual."""
+        return fp8_linear_residual(x, self.weight, self.weight_scale, self.block_n, residual, norm_weight, gated)
+
+    def forward_prenormed(self, summed: SummedResidual, eps: float) -> torch.Tensor:
+        """RMSNorm(summed.h) * summed.norm_weight @ W^T: at the GEMV's rows one kernel."""
+        return fp8_linear_prenormed(summed, eps, self.weight, self.weight_scale, self.block_n, self.bias)
+
     def warm_up(self, dtype: torch.dtype) -> int:
         """Builds this layer's FP8 kernels at every row count class a step may bring, with SiLU *
-        up joined in as well (the gated GEMV and quantization), and the RMSNorm-joined GEMV (with
-        and without a residual, norm weights in dtype or float32) at its rows (launches made)."""
+        up joined in as well (the gated GEMV and quantization), the RMSNorm-joined GEMV (with
+        and without a residual, norm weights in dtype or float32) at its rows, and at the
+        residual-joined rows the GEMV adding its output to the residual (plain and gated) and the
+        prenormed GEMV after it (launches made)."""
         launches = warm_up_row_counts(self, dtype)
         gate_up = torch.zeros(max(WARM_UP_ROWS), 2 * self.in_features, dtype=dtype, device=self.weight.device)
         for rows in WARM_UP_ROWS:
@@ -74,6 +91,17 @@ class Fp8Linear(nn.Module):
                 for residual in (None, x[:rows]):
                     self.forward_rms_norm(x[:rows], residual, g, 1e-6)
                     launches += 1
+        out_norm = torch.ones(self.out_features, dtype=dtype, device=x.device)
+        residual = torch.zeros(RESIDUAL_ROWS, self.out_features, dtype=dtype, device=x.device)
+        for norm_dtype in dict.fromkeys((dtype, torch.float32)):
+            for rows in range(1, RESIDUAL_ROWS + 1):
+                for gated, inp in ((False, x[:rows]), (True, gate_up[:rows])):
+                    if self.joins_residual(inp, residual[:rows], gated):
+                        self.forward_residual(inp, residual[:rows], out_norm.to(norm_dtype), gated)
+                        launches += 1
+                summed = SummedResidual(x[:rows], x[:rows], torch.zeros(1, 4, device=x.device), g)
+                self.forward_prenormed(summed, 1e-6)
+                launches += 1
         return launches
 
     def linear_part(self, x: torch.Tensor, part: int) -> torch.Tensor:

@@ -16,12 +16,15 @@ to 64 rows on the transposed (triton_swap_ab.py) or untransposed (triton_gemm.py
 for A/B runs."""
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from qsaserve.ops import fused
 from qsaserve.ops.dispatch import use_triton
 from qsaserve.ops.fp8_gemm import reference, scaled_mm
-from qsaserve.ops.fp8_gemm.reference import (DECODE_KERNEL, DECODE_ROWS, FP8, GROUP, W8A8_DECODE_MIN_N, W8A16_ROWS,
+from qsaserve.ops.fp8_gemm.reference import (DECODE_KERNEL, DECODE_ROWS, FP8, GROUP, RESIDUAL_ROWS, W8A8_DECODE_MIN_N,
+                                             W8A16_ROWS,
                                              dequantize_weight, expand_scale, quantize_weight_block,
                                              quantize_weight_rows, takes_w8a8)
 
@@ -119,5 +122,49 @@ def fp8_linear_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
     return fp8_linear(h, w, w_scale, block_n, bias), summed
 
 
-__all__ = ["DECODE_KERNEL", "DECODE_ROWS", "FP8", "GEMV_ROWS", "GROUP", "W8A8_DECODE_MIN_N", "W8A16_ROWS", "takes_w8a8", "dequantize_weight", "expand_scale", "fp8_linear", "fp8_linear_rms_norm", "fp8_linear_silu_mul", "fp8_w8a16_gemm",
+class SummedResidual(NamedTuple):
+    """A block output that the projection producing it already added to the residual stream
+    (fp8_linear_residual), with the next RMSNorm's numerator: h [T, K] the residual stream, hg =
+    h * norm_weight [T, K] (both in the activation dtype), partials [P, 4] float32, the producer's
+    per-program sums of h's squares (row r in column r), and the norm weight hg was made with."""
+    h: torch.Tensor
+    hg: torch.Tensor
+    partials: torch.Tensor
+    norm_weight: torch.Tensor
+
+
+def joins_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None,
+                   bias: torch.Tensor | None = None, gated: bool = False) -> bool:
+    """fp8_linear_residual's joined kernel takes this call: on CUDA, 1-RESIDUAL_ROWS rows on the
+    GEMV (not W8A8), no bias, a residual of the output's shape and x's dtype."""
+    m = x.shape[0]
+    return (use_triton(x) and x.dim() == 2 and 0 < m <= RESIDUAL_ROWS and m <= GEMV_ROWS
+            and not takes_w8a8(m, w.shape[0]) and bias is None and residual is not None
+            and residual.dtype == x.dtype and residual.shape == (m, w.shape[0])
+            and (not gated or x.stride(-1) == 1))
+
+
+def fp8_linear_residual(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
+                        residual: torch.Tensor, norm_weight: torch.Tensor, gated: bool = False) -> SummedResidual:
+    """fp8_linear(x) (fp8_linear_silu_mul's input when gated) added to the residual, with the next
+    RMSNorm's numerator, in one launch (triton_gemv.fp8_gemv_residual_triton). Only where
+    joins_residual."""
+    h, hg, partials = triton_gemv.fp8_gemv_residual_triton(x, w, w_scale, block_n, residual, norm_weight, gated=gated)
+    return SummedResidual(h, hg, partials, norm_weight)
+
+
+def fp8_linear_prenormed(summed: SummedResidual, eps: float, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm(summed.h) * summed.norm_weight @ W^T (+ bias): at the GEMV's rows one launch
+    (triton_gemv.fp8_prenormed_gemv_triton, the normalization applied to the float32 sums),
+    elsewhere ops.fused.rms_norm then fp8_linear."""
+    m = summed.hg.shape[0]
+    if use_triton(summed.hg) and 0 < m <= RESIDUAL_ROWS and m <= GEMV_ROWS and not takes_w8a8(m, w.shape[0]):
+        y = triton_gemv.fp8_prenormed_gemv_triton(summed.hg, summed.partials, eps, w, w_scale, block_n)
+        return y if bias is None else y + bias
+    return fp8_linear(fused.rms_norm(summed.h, summed.norm_weight, eps), w, w_scale, block_n, bias)
+
+
+__all__ = ["DECODE_KERNEL", "DECODE_ROWS", "FP8", "GEMV_ROWS", "GROUP", "W8A8_DECODE_MIN_N", "W8A16_ROWS", "takes_w8a8", "dequantize_weight", "expand_scale", "fp8_linear", "fp8_linear_prenormed", "fp8_linear_residual", "fp8_linear_rms_norm", "fp8_linear_silu_mul",
+           "joins_residual", "RESIDUAL_ROWS", "SummedResidual", "fp8_w8a16_gemm",
            "fp8_w8a8_gemm", "per_token_group_quant", "quantize_weight_block", "quantize_weight_rows"]

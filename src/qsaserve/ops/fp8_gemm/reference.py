@@ -16,6 +16,7 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 GROUP = 128  # columns per K block of weight scales, and per activation quantization group
 DECODE_ROWS = 64  # up to this many rows take the decode kernels, more the prefill GEMM
+RESIDUAL_ROWS = 2  # rows the residual-joined FP8 GEMV and the prenormed GEMV after it take (CUDA; the GEMV's)
 # Up to this many rows the activations stay bf16 (W8A16: the FMA GEMV), more are quantized (W8A8).
 # QSASERVE_FP8_DECODE_KERNEL=swap / tile (read at import, for A/B runs) keeps W8A16 up to
 # DECODE_ROWS on the W8A16 tensor-core kernels, the decode path before the transposed W8A8 GEMM

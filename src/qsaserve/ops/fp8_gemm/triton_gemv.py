@@ -27,10 +27,12 @@ import triton
 import triton.language as tl
 
 from qsaserve.ops.device import num_sms
-from qsaserve.ops.fp8_gemm.reference import GROUP
+from qsaserve.ops.fp8_gemm.reference import GROUP, RESIDUAL_ROWS
 from qsaserve.ops.fp8_gemm.triton_gemm import _scale_k_stride, split_k_buffer, sum_split_k, w8a16_operands
 
 MAX_ROWS = 4  # rows of x one pass over the weights serves
+PART_ROWS: tl.constexpr = tl.constexpr(4)  # the partial sums of squares' row stride
+PART_BLOCK = 256  # partial sums the prenormed GEMV adds at a time
 TILE_BYTES = 16384  # E4M3 bytes a program loads an iteration at one row (16 x 1024); half at more rows
 
 
@@ -121,14 +123,46 @@ def store_rows(y_base, n, n_ok, rs, M, stride_ym, acc0, acc1, acc2, acc3, ROWS: 
 
 
 @triton.jit
+def _residual_row(acc, rs, r, M, n, n_ok, res_ptr, g_ptr, h_ptr, hg_ptr, part_ptr, stride_m):
+    """RESIDUAL_OUT's epilogue for row r: the block output (acc [G, BLOCK_N] summed, times the row
+    scales rs, rounded to the residual's dtype as a stored output is) plus the residual, rounded:
+    h, stored; h times the next RMSNorm's weight g, stored in the same dtype (hg); and the sum of
+    h's squares over this program's columns, stored at part_ptr[program, r]."""
+    ok = n_ok & (r < M)
+    ty = h_ptr.dtype.element_ty
+    out = (tl.sum(acc, 0) * rs).to(ty).to(tl.float32)
+    h = (out + tl.load(res_ptr + r * stride_m + n, mask=ok, other=0.0).to(tl.float32)).to(ty)
+    tl.store(h_ptr + r * stride_m + n, h, mask=ok)
+    hf = tl.where(ok, h.to(tl.float32), 0.0)
+    g = tl.load(g_ptr + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(hg_ptr + r * stride_m + n, (hf * g).to(ty), mask=ok)
+    tl.store(part_ptr + tl.program_id(0) * PART_ROWS + r, tl.sum(hf * hf, 0), mask=r < M)
+
+
+@triton.jit
+def _inv_rms(part_ptr, n_parts, r, K, eps, PART_BLOCK: tl.constexpr):
+    """PRENORMED: 1 / rms of row r from the producer's n_parts per-program sums of squares,
+    PART_BLOCK at a time (one build for any producer; a fixed order: deterministic)."""
+    p = tl.arange(0, PART_BLOCK)
+    ss = tl.zeros((PART_BLOCK,), dtype=tl.float32)
+    for p0 in range(0, n_parts, PART_BLOCK):
+        ss += tl.load(part_ptr + (p0 + p) * PART_ROWS + r, mask=p0 + p < n_parts, other=0.0)
+    return tl.rsqrt(tl.sum(ss, 0) / K + eps)
+
+
+@triton.jit
 def _gemv_body(x_ptr, res_ptr, g_ptr, sum_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n, eps,
                stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, stride_ys,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_: tl.constexpr,
                SPLIT_K: tl.constexpr, ROW_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr, GATED: tl.constexpr,
-               NORM: tl.constexpr, HAS_RES: tl.constexpr):
-    """Both GEMV kernels' program. NORM: the input is RMSNorm(x + residual) * g, each program
+               NORM: tl.constexpr, HAS_RES: tl.constexpr, hg_ptr, part_ptr, n_parts,
+               RESIDUAL_OUT: tl.constexpr, PRENORMED: tl.constexpr, PART_BLOCK: tl.constexpr):
+    """Every FP8 GEMV kernel's program. NORM: the input is RMSNorm(x + residual) * g, each program
     summing the squares of whole rows as it streams them (no split-K) and scaling its finished sums
-    by 1 / rms once; program 0 writes the summed residual."""
+    by 1 / rms once; program 0 writes the summed residual. RESIDUAL_OUT (no split-K): instead of
+    y, the epilogue writes h = y + residual (sum_ptr), h * g (hg_ptr) and the per-program sums of
+    h's squares (part_ptr [programs, PART_ROWS]; _residual_row). PRENORMED: x is such an h * g and
+    the finished sums are scaled by 1 / rms from the producer's n_parts partial sums (_inv_rms)."""
     G: tl.constexpr = BLOCK_K // GROUP_
     first = tl.program_id(0) == 0
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -173,7 +207,16 @@ def _gemv_body(x_ptr, res_ptr, g_ptr, sum_ptr, w_ptr, s_ptr, y_ptr, M, N, K, blo
         acc1 = acc1 * tl.rsqrt(tl.sum(tl.sum(ss1, 1), 0) / K + eps)
         acc2 = acc2 * tl.rsqrt(tl.sum(tl.sum(ss2, 1), 0) / K + eps)
         acc3 = acc3 * tl.rsqrt(tl.sum(tl.sum(ss3, 1), 0) / K + eps)
-    store_rows(y_base, n, n_ok, rs, M, stride_ym, acc0, acc1, acc2, acc3, ROWS)
+    if PRENORMED:
+        acc0 = acc0 * _inv_rms(part_ptr, n_parts, 0, K, eps, PART_BLOCK)
+        if ROWS > 1:
+            acc1 = acc1 * _inv_rms(part_ptr, n_parts, 1, K, eps, PART_BLOCK)
+    if RESIDUAL_OUT:
+        _residual_row(acc0, rs, 0, M, n, n_ok, res_ptr, g_ptr, sum_ptr, hg_ptr, part_ptr, stride_ym)
+        if ROWS > 1:
+            _residual_row(acc1, rs, 1, M, n, n_ok, res_ptr, g_ptr, sum_ptr, hg_ptr, part_ptr, stride_ym)
+    else:
+        store_rows(y_base, n, n_ok, rs, M, stride_ym, acc0, acc1, acc2, acc3, ROWS)
 
 
 # stride_ys (M * N, the split-K plane stride) unspecialized: its divisibility by 16 would differ
@@ -186,7 +229,8 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
                      GATED: tl.constexpr = False):
     _gemv_body(x_ptr, x_ptr, x_ptr, x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n, 0.0,
                stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, stride_ys,
-               ROWS, BLOCK_N, BLOCK_K, GROUP_, SPLIT_K, ROW_SCALE, NUM_STAGES, GATED, False, False)
+               ROWS, BLOCK_N, BLOCK_K, GROUP_, SPLIT_K, ROW_SCALE, NUM_STAGES, GATED, False, False,
+               x_ptr, s_ptr, 0, False, False, 1)
 
 
 # The GEMV with the RMSNorm before it joined in: its own kernel (and name in profiles).
@@ -197,20 +241,61 @@ def _fp8_norm_gemv_kernel(x_ptr, res_ptr, g_ptr, sum_ptr, w_ptr, s_ptr, y_ptr, M
                           ROW_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr, HAS_RES: tl.constexpr):
     _gemv_body(x_ptr, res_ptr, g_ptr, sum_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n, eps,
                stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, 0,
-               ROWS, BLOCK_N, BLOCK_K, GROUP_, 1, ROW_SCALE, NUM_STAGES, False, True, HAS_RES)
+               ROWS, BLOCK_N, BLOCK_K, GROUP_, 1, ROW_SCALE, NUM_STAGES, False, True, HAS_RES,
+               x_ptr, s_ptr, 0, False, False, 1)
 
 
-def pick_gemv_tile(n: int, k: int, sms: int, m: int = 1) -> tuple[int, int, int]:
-    """(block_n_tile, block_k, split_k) defaults for m rows, from bench_fp8_gemm on an H200
-    (fp8_gemm_h200_2026-12-02_58189b2.json, llama-8b's qkv, o and gate_up at 1, 2 and 4 rows):
-    16 weight rows a program (at N = 4096, 256 programs on 132 SMs, it beat 8 rows: o 7.25 against
-    7.49 us at one row), BLOCK_K 1024 at one row and 512 at more (16 x 512 led every shape at 2
-    and 4 rows: gate_up 37.0 against 43.1 us at two), no split-K (a second launch that lost
-    everywhere: qkv 9.36 us unsplit against 11.90 split in 2, 14.84 in 4). N below 16 rows per SM
-    takes 8 or 4 rows; BLOCK_K no wider than K needs."""
+# The GEMV whose epilogue adds the residual and prepares the next RMSNorm (RESIDUAL_OUT), and the
+# GEMV after that norm (PRENORMED): two kernels (and names in profiles).
+@triton.jit
+def _fp8_gemv_residual_kernel(x_ptr, res_ptr, g_ptr, h_ptr, hg_ptr, part_ptr, w_ptr, s_ptr, M, N, K, block_n,
+                              stride_xm, stride_wn, stride_sn, stride_sk, stride_hm,
+                              ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              GROUP_: tl.constexpr, ROW_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr,
+                              GATED: tl.constexpr):
+    _gemv_body(x_ptr, res_ptr, g_ptr, h_ptr, w_ptr, s_ptr, h_ptr, M, N, K, block_n, 0.0,
+               stride_xm, stride_wn, stride_sn, stride_sk, stride_hm, 0,
+               ROWS, BLOCK_N, BLOCK_K, GROUP_, 1, ROW_SCALE, NUM_STAGES, GATED, False, False,
+               hg_ptr, part_ptr, 0, True, False, 1)
+
+
+@triton.jit(do_not_specialize=["eps", "n_parts"])
+def _fp8_prenormed_gemv_kernel(x_ptr, part_ptr, n_parts, eps, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
+                               stride_xm, stride_wn, stride_sn, stride_sk, stride_ym,
+                               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               GROUP_: tl.constexpr, ROW_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr,
+                               PART_BLOCK: tl.constexpr):
+    _gemv_body(x_ptr, x_ptr, x_ptr, x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n, eps,
+               stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, 0,
+               ROWS, BLOCK_N, BLOCK_K, GROUP_, 1, ROW_SCALE, NUM_STAGES, False, False, False,
+               x_ptr, part_ptr, n_parts, False, True, PART_BLOCK)
+
+
+def pick_gemv_tile(n: int, k: int, sms: int, m: int = 1) -> tuple[int, int, int, int]:
+    """(block_n_tile, block_k, split_k, num_warps) defaults for m rows, from bench_fp8_gemm on an
+    H200 (llama-8b's qkv, o, gate_up and down; gemv_sweep_h200_2026-12-04_585c6a5.json): at one
+    row 8 weight rows a program over 2 warps (the same 128 weights a thread as 16 rows over 4
+    warps, twice the programs) led every shape (o 7.05 against 7.33 us, down 17.29 against 17.73);
+    at two rows the same for N up to 4 x 8 rows a SM (o 8.17 against 8.73, down 19.38 against
+    22.81), 16 rows over 4 warps and BLOCK_K 512 above (qkv 10.92 against 12.57); 8 warps lost
+    everywhere. No split-K (a second launch that lost everywhere: qkv 9.36 us unsplit against
+    11.90 split in 2, 14.84 in 4, at 58189b2). N below one program a SM takes 4 rows; BLOCK_K no
+    wider than K needs."""
+    narrow = m == 1 or (m == 2 and triton.cdiv(n, 8) <= 4 * sms)
+    bn, warps = (8, 2) if narrow else (16, 4)
+    if triton.cdiv(n, bn) < sms:
+        bn = next((b for b in (8,) if triton.cdiv(n, b) >= sms), 4)
+    bk = max(GROUP, min(1024 if narrow else 512, triton.next_power_of_2(k)))
+    return bn, bk, 1, warps
+
+
+def pick_norm_gemv_tile(n: int, k: int, sms: int, m: int = 1) -> tuple[int, int, int]:
+    """(block_n_tile, block_k, num_warps) of the RMSNorm-joined GEMV: 16 rows over 4 warps (every
+    program loads and squares the whole input rows, so fewer, taller programs), BLOCK_K 1024 at
+    one row, 512 at more (58189b2's GEMV sweep)."""
     bn = next((b for b in (16, 8) if triton.cdiv(n, b) >= sms), 4)
     bk = max(GROUP, min(TILE_BYTES // 16 if m == 1 else TILE_BYTES // 32, triton.next_power_of_2(k)))
-    return bn, bk, 1
+    return bn, bk, 4
 
 
 def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
@@ -240,7 +325,7 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
         raise ValueError(f"fp8_gemv: at most {MAX_ROWS} rows of x, got {m}")
     if m == 0 or n == 0:
         return y
-    bn, bk, split = pick_gemv_tile(n, k, num_sms(x.device), m)
+    bn, bk, split, warps = pick_gemv_tile(n, k, num_sms(x.device), m)
     bn, bk, split = block_n_tile or bn, block_k or bk, split_k or split
     if bk % GROUP or bk & (bk - 1) or split < 1:
         raise ValueError(f"fp8_gemv: block_k a power-of-two multiple of {GROUP}, split_k >= 1; got {bk}, {split}")
@@ -249,7 +334,7 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
     _fp8_gemv_kernel[(triton.cdiv(n, bn), split)](
         x, w, w_scale, out, m, n, k, block_n, x.stride(0), w.stride(0), w_scale.stride(0), _scale_k_stride(w_scale),
         out.stride(-2), out.stride(0) if split > 1 else 0, ROWS=rows, BLOCK_N=bn, BLOCK_K=bk, GROUP_=GROUP,
-        SPLIT_K=split, ROW_SCALE=w_scale.shape[1] == 1, NUM_STAGES=num_stages, num_warps=num_warps or 4,
+        SPLIT_K=split, ROW_SCALE=w_scale.shape[1] == 1, NUM_STAGES=num_stages, num_warps=num_warps or warps,
         GATED=gated)
     sum_split_k(out, y, split)
     return y
@@ -279,7 +364,7 @@ def fp8_norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_we
         if residual is not None:
             torch.add(x, residual, out=h)
         return y, h
-    bn, bk, _ = pick_gemv_tile(n, k, num_sms(x.device), m)
+    bn, bk, warps = pick_norm_gemv_tile(n, k, num_sms(x.device), m)
     bn, bk = block_n_tile or bn, block_k or bk
     if bk % GROUP or bk & (bk - 1):
         raise ValueError(f"fp8_norm_gemv: block_k a power-of-two multiple of {GROUP}, got {bk}")
@@ -288,9 +373,75 @@ def fp8_norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_we
         x, res, norm_weight.contiguous(), h, w, w_scale, y, m, n, k, block_n, eps, x.stride(0), w.stride(0),
         w_scale.stride(0), _scale_k_stride(w_scale), y.stride(0), ROWS=triton.next_power_of_2(m), BLOCK_N=bn,
         BLOCK_K=bk, GROUP_=GROUP, ROW_SCALE=w_scale.shape[1] == 1, NUM_STAGES=num_stages,
-        HAS_RES=residual is not None, num_warps=num_warps or 4)
+        HAS_RES=residual is not None, num_warps=num_warps or warps)
     return y, h
 
 
-__all__ = ["MAX_ROWS", "TILE_BYTES", "fp8_gemv_triton", "fp8_norm_gemv_triton", "pick_gemv_tile", "split_k_range",
+def _launch(m: int, n: int, k: int, x: torch.Tensor, block_n_tile, block_k, num_warps) -> tuple[int, int, int]:
+    bn, bk, _, warps = pick_gemv_tile(n, k, num_sms(x.device), m)
+    bn, bk = block_n_tile or bn, block_k or bk
+    if bk % GROUP or bk & (bk - 1):
+        raise ValueError(f"fp8_gemv: block_k a power-of-two multiple of {GROUP}, got {bk}")
+    return bn, bk, num_warps or warps
+
+
+def fp8_gemv_residual_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
+                             residual: torch.Tensor, norm_weight: torch.Tensor, gated: bool = False,
+                             block_n_tile: int | None = None, block_k: int | None = None,
+                             num_warps: int | None = None,
+                             num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The GEMV with the residual add and the next RMSNorm's numerator in its epilogue: x [M, K]
+    (M <= RESIDUAL_ROWS; gate | up [M, 2K] when gated, as fp8_gemv_triton), residual [M, N] in x's
+    dtype, norm_weight [N] -> (h, hg, partials): h = y + residual [M, N] (y = x @ W^T rounded to
+    x's dtype, then the sum rounded: as fp8_gemv_triton then ops.fused's residual add), hg = h *
+    norm_weight rounded to x's dtype, and partials [programs, 4] float32, row r's sums of h's
+    squares over each program's columns, for fp8_prenormed_gemv_triton. y itself is not stored."""
+    if gated:
+        if x.dim() != 2 or x.shape[1] != 2 * w.shape[1] or x.stride(-1) != 1:
+            raise ValueError(f"fp8_gemv_residual: gated x must be [M, 2K] = [M, {2 * w.shape[1]}] with a unit last "
+                             f"stride, got {tuple(x.shape)}")
+        _, h = w8a16_operands(x[:, : w.shape[1]], w, w_scale, block_n, "fp8_gemv_residual")
+    else:
+        x, h = w8a16_operands(x, w, w_scale, block_n, "fp8_gemv_residual")
+    m, k, n = x.shape[0], w.shape[1], w.shape[0]
+    if not 0 < m <= RESIDUAL_ROWS or residual.shape != (m, n) or residual.dtype != x.dtype or norm_weight.shape != (n,):
+        raise ValueError(f"fp8_gemv_residual: 1-{RESIDUAL_ROWS} rows, residual [M, N] = [{m}, {n}] in {x.dtype} and "
+                         f"norm_weight [N]; got {m} rows, residual {tuple(residual.shape)} {residual.dtype}, "
+                         f"norm_weight {tuple(norm_weight.shape)}")
+    bn, bk, warps = _launch(m, n, k, x, block_n_tile, block_k, num_warps)
+    grid = triton.cdiv(n, bn)
+    hg = torch.empty_like(h)
+    partials = torch.empty((grid, 4), dtype=torch.float32, device=x.device)
+    _fp8_gemv_residual_kernel[(grid,)](
+        x, residual.contiguous(), norm_weight.contiguous(), h, hg, partials, w, w_scale, m, n, k, block_n,
+        x.stride(0), w.stride(0), w_scale.stride(0), _scale_k_stride(w_scale), h.stride(0),
+        ROWS=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, GROUP_=GROUP, ROW_SCALE=w_scale.shape[1] == 1,
+        NUM_STAGES=num_stages, GATED=gated, num_warps=warps)
+    return h, hg, partials
+
+
+def fp8_prenormed_gemv_triton(hg: torch.Tensor, partials: torch.Tensor, eps: float, w: torch.Tensor,
+                              w_scale: torch.Tensor, block_n: int, block_n_tile: int | None = None,
+                              block_k: int | None = None, num_warps: int | None = None,
+                              num_stages: int = 3) -> torch.Tensor:
+    """The GEMV after fp8_gemv_residual_triton's epilogue: hg [M, K] and partials [P, 4] from it
+    -> y [M, N] = (hg @ W^T) / rms in hg's dtype, rms = sqrt(sum of row r's partials / K + eps):
+    RMSNorm(h) * g @ W^T with the normalization applied once to the float32 sums (as
+    fp8_norm_gemv_triton, whose normalized input is not rounded either; here h * g is)."""
+    hg, y = w8a16_operands(hg, w, w_scale, block_n, "fp8_prenormed_gemv")
+    m, k, n = hg.shape[0], w.shape[1], w.shape[0]
+    if not 0 < m <= RESIDUAL_ROWS or partials.dim() != 2 or partials.shape[1] != 4 or partials.dtype != torch.float32:
+        raise ValueError(f"fp8_prenormed_gemv: 1-{RESIDUAL_ROWS} rows and float32 partials [P, 4]; got {m} rows, "
+                         f"partials {tuple(partials.shape)} {partials.dtype}")
+    bn, bk, warps = _launch(m, n, k, hg, block_n_tile, block_k, num_warps)
+    _fp8_prenormed_gemv_kernel[(triton.cdiv(n, bn),)](
+        hg, partials.contiguous(), partials.shape[0], eps, w, w_scale, y, m, n, k, block_n, hg.stride(0), w.stride(0),
+        w_scale.stride(0), _scale_k_stride(w_scale), y.stride(0), ROWS=triton.next_power_of_2(m), BLOCK_N=bn,
+        BLOCK_K=bk, GROUP_=GROUP, ROW_SCALE=w_scale.shape[1] == 1, NUM_STAGES=num_stages,
+        PART_BLOCK=PART_BLOCK, num_warps=warps)
+    return y
+
+
+__all__ = ["MAX_ROWS", "RESIDUAL_ROWS", "TILE_BYTES", "fp8_gemv_residual_triton", "fp8_gemv_triton",
+           "fp8_norm_gemv_triton", "fp8_prenormed_gemv_triton", "pick_gemv_tile", "pick_norm_gemv_tile", "split_k_range",
            "store_rows"]
