@@ -63,6 +63,10 @@ if [ "$mode" = single ]; then
     # The FP8 GEMV with the RMSNorm before it joined in (batch-1 decode's qkv and gate_up), first:
     # the latency parts below run it.
     part gpu_tests_norm_gemv 120 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_norm_gemv.xml" tests/ops/test_fp8_norm_gemv.py
+    # The GEMVs that add their output to the residual and prepare the next norm, and the one after
+    # it (batch-1 decode's o -> gate_up and down -> qkv), with the engine's FP8 model against the CPU.
+    part gpu_tests_residual_gemv 180 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_residual_gemv.xml" \
+        tests/ops/test_fp8_gemv_residual.py tests/ops/test_fp8_gemv_triton.py tests/models/test_llama_fp8_weights.py
     for w in bf16 fp8 nvfp4; do
         q=$([ $w = bf16 ] || echo "--quantization $w")
         part latency_llama8b_w$w 150 sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling $q --profile-steps 16 > '$out/latency_llama8b_w$w.json'"
