@@ -51,8 +51,8 @@ from qsaserve.ops.device import max_shared_bytes, num_sms
 from qsaserve.ops.fp8_gemm.triton_gemm import (decode_block_m, fp8_w8a16_gemm_triton, fp8_w8a8_gemm_triton,
                                               pick_decode_block_n, pick_decode_split_k, pick_decode_unroll,
                                               w8a16_shared_bytes)
-from qsaserve.ops.fp8_gemm.triton_gemv import (fp8_gemv_residual_triton, fp8_gemv_triton, fp8_norm_gemv_triton,
-                                              fp8_prenormed_gemv_triton)
+from qsaserve.ops.fp8_gemm.triton_gemv import fp8_gemv_triton, fp8_norm_gemv_triton
+from qsaserve.ops.fp8_gemm.triton_gemv_joined import fp8_gemv_residual_triton, fp8_prenormed_gemv_triton
 from qsaserve.ops.fp8_gemm.triton_swap_ab import fp8_w8a16_swap_triton
 from qsaserve.ops.fp8_gemm.triton_gemv import pick_gemv_tile as pick_fp8_gemv_tile
 from qsaserve.ops.fp8_gemm.scaled_mm import ROWS_MULTIPLE, fp8_linear_scaled_mm, fp8_w8a8_gemm_scaled_mm
@@ -216,8 +216,8 @@ def decode(name, n, k, m, dev, keep=None) -> list[dict]:
                 variants.append((variant, lambda t=tiles[variant]: [nvfp4_w4a16_swap_triton(x, *f, **t) for f in fp4],
                                  fp4_bytes))
     if m in GEMV_M:
-        gbn, gbk, gsplit = pick_fp8_gemv_tile(n, k, sms, m)
-        tiles["fp8_gemv"] = dict(block_n_tile=gbn, block_k=gbk, split_k=gsplit, num_stages=3)
+        gbn, gbk, gsplit, gwarps = pick_fp8_gemv_tile(n, k, sms, m)
+        tiles["fp8_gemv"] = dict(block_n_tile=gbn, block_k=gbk, split_k=gsplit, num_warps=gwarps, num_stages=3)
         splits["fp8_gemv"] = gsplit
         variants.append(("fp8_gemv", lambda: [fp8_gemv_triton(x, q, s, 128) for _, q, s in ws], fp8_bytes))
         for gt in GEMV_SWEEP:

@@ -318,3 +318,50 @@ def test_quantize_command_keep_layers_flag(tmp_path, capsys):
         assert main(["quantize", str(tmp_path / "src"), "-o", str(tmp_path / "bad"), "--keep-layers", bad,
                      "--no-quality-check"]) == 2
         assert "keep_layers" in capsys.readouterr().err
+
+
+def run_interpreted_joined_decode_check(path: str) -> None:
+    """Decode steps of 1 and 2 rows with the FP8 kernels taken under the Triton interpreter (CPU
+    tensors; attention on its reference): the o / down GEMVs adding to the residual, the prenormed
+    gate_up GEMV and the qkv GEMV with RoPE and the KV write joined give the greedy tokens (and
+    close logprobs) of the same kernels with the joins refused."""
+    import qsaserve.layers.quantization.fp8 as fp8_layer
+    import qsaserve.ops.fp8_gemm as fp8_gemm
+    from qsaserve import LLM, SamplingParams
+    from qsaserve.ops.fp8_gemm import triton_gemv_joined
+
+    fp8_gemm.use_triton = lambda t: True
+    calls = []
+    for name in ("fp8_gemv_residual_triton", "fp8_prenormed_gemv_triton", "fp8_prenormed_rope_kv_triton"):
+        real = getattr(triton_gemv_joined, name)
+        setattr(triton_gemv_joined, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT[3:]}]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=0)
+
+    def run(n):
+        llm = LLM(path, dtype="float32", device="cpu", kv_cache_memory=1 << 22, progress=False, quantization="fp8")
+        return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                for o in llm.generate(prompts[:n], params, use_tqdm=False)]
+
+    for n in (1, 2):
+        calls.clear()
+        joined = run(n)
+        assert {"fp8_gemv_residual_triton", "fp8_prenormed_gemv_triton", "fp8_prenormed_rope_kv_triton"} <= set(calls)
+        fp8_layer.joins_residual = lambda *a, **k: False
+        try:
+            calls.clear()
+            plain = run(n)
+            assert not calls
+        finally:
+            fp8_layer.joins_residual = fp8_gemm.joins_residual
+        assert [t for t, _ in joined] == [t for t, _ in plain]
+        for (_, a), (_, b) in zip(joined, plain):
+            torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
+    print("checked")
+
+
+def test_joined_decode_kernels_under_interpreter_match_the_unjoined_path(tmp_path):
+    from triton_interpreter import run_under_interpreter
+
+    _save_llama(tmp_path, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
+    assert "checked" in run_under_interpreter(__file__, f"t.run_interpreted_joined_decode_check({str(tmp_path)!r})")

@@ -1,5 +1,5 @@
 """The FP8 GEMV whose epilogue adds the residual and prepares the next RMSNorm
-(ops/fp8_gemm/triton_gemv.fp8_gemv_residual_triton) and the GEMV after that norm
+(ops/fp8_gemm/triton_gemv_joined.fp8_gemv_residual_triton) and the GEMV after that norm
 (fp8_prenormed_gemv_triton), under the Triton interpreter (then compiled for sm_90) and on a GPU,
 against the W8A16 reference then ops.fused's residual add and RMSNorm: 1-2 rows, plain and gated
 (SiLU(gate) * up) input, block-128 / per-channel / per-tensor scales and a block_n that does not
@@ -18,7 +18,7 @@ EPS = 1e-5
 
 
 def _check(device, m, n, k, kind, dtype, gated=False, consumer_n=24, **tiles):
-    from qsaserve.ops.fp8_gemm.triton_gemv import fp8_gemv_residual_triton, fp8_prenormed_gemv_triton
+    from qsaserve.ops.fp8_gemm.triton_gemv_joined import fp8_gemv_residual_triton, fp8_prenormed_gemv_triton
 
     gen = torch.Generator().manual_seed(m * 23 + n + k + gated)
     w, ws, bn = _weight(n, k, kind, gen)
@@ -45,6 +45,40 @@ def _check(device, m, n, k, kind, dtype, gated=False, consumer_n=24, **tiles):
     torch.testing.assert_close(y.cpu().float(), want_y.float(), **tol)
 
 
+def _check_rope_kv(device, m, hq, hkv, d, dtype, slots, **tiles):
+    """The prenormed GEMV of a q | k | v projection with RoPE and the KV write joined, against the
+    prenormed reference, ops.fused's rope reference and write_kv's reference into a page pool."""
+    from qsaserve.ops.attention.reference import write_kv_reference
+    from qsaserve.ops.fp8_gemm.triton_gemv_joined import fp8_prenormed_rope_kv_triton
+    from qsaserve.ops.fused.reference import rope_reference
+
+    gen = torch.Generator().manual_seed(m * 31 + hq + d)
+    k_in, n = 192, (hq + 2 * hkv) * d
+    w, ws, bn = _weight(n, k_in, "block", gen)
+    hg = torch.randn(m, k_in, generator=gen).to(dtype)
+    partials = torch.rand(5, 4, generator=gen) * k_in / 5
+    positions = torch.tensor([3, 17][:m])
+    freqs = torch.outer(torch.arange(32, dtype=torch.float32), torch.rand(d // 2, generator=gen))
+    cos, sin = freqs.cos(), freqs.sin()
+    cache = torch.randn(2, 4, 8, hkv, d, generator=gen).to(dtype)  # 4 pages of 8 slots
+    slot_mapping = torch.tensor(slots[:m])
+    dev = [t.to(device) for t in (hg, partials, w, ws, positions, cos, sin, cache.clone(), slot_mapping)]
+    y = fp8_prenormed_rope_kv_triton(dev[0], dev[1], EPS, dev[2], dev[3], bn, hq, hkv, dev[4], dev[5], dev[6],
+                                     dev[7], dev[8], **tiles)
+    if dtype != torch.float32 and device == "cpu":
+        return
+    inv_rms = torch.rsqrt(partials[:, :m].sum(0) / k_in + EPS)
+    plain = (ref.fp8_w8a16_gemm_reference(hg.float(), w, ws, bn) * inv_rms[:, None]).to(dtype)
+    q, kk, v = plain.view(m, hq + 2 * hkv, d).split([hq, hkv, hkv], dim=1)
+    want = torch.cat([rope_reference(q, positions, cos, sin), rope_reference(kk, positions, cos, sin), v], 1)
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-2, atol=2e-2)
+    torch.testing.assert_close(y.cpu().view(m, -1, d), want, **tol)
+    want_cache = cache.clone()
+    keep = slot_mapping >= 0  # (the reference takes real slots only)
+    write_kv_reference(want[keep, hq:hq + hkv], want[keep, hq + hkv:], want_cache, slot_mapping[keep])
+    torch.testing.assert_close(dev[7].cpu(), want_cache, **tol)  # untouched where the slot is -1
+
+
 def _triton_checks(device):
     for kind in ("block", "channel", "tensor", "block48"):
         for m in (1, 2):
@@ -56,12 +90,19 @@ def _triton_checks(device):
     for m in (1, 2):
         for gated in (False, True):
             _check(device, m, 72, 320, "block", torch.bfloat16, gated=gated, block_n_tile=8, block_k=128)
+    for m, slots in ((1, [13]), (2, [5, 30]), (2, [-1, 9])):  # slot -1: a padded row, not written
+        _check_rope_kv(device, m, 4, 2, 32, torch.float32, slots, block_n_tile=8, block_k=128)
+    _check_rope_kv(device, 2, 3, 1, 64, torch.float32, [0, 31], block_n_tile=16, block_k=128)
+    for m, (bn, warps) in ((1, (8, 2)), (2, (16, 4))):  # llama-8b's tiles, head_dim 128 (sm_90 compile check)
+        _check_rope_kv(device, m, 4, 2, 128, torch.bfloat16, [2, 11], block_n_tile=bn, num_warps=warps)
     if device == "cpu":  # llama-8b's tiles (pick_gemv_tile on 132 SMs), K kept small: the sm_90 compile check
         for m, (bn, bk, warps) in ((1, (8, 1024, 2)), (2, (8, 1024, 2)), (2, (16, 512, 4))):
             for gated in (False, True):
                 _check(device, m, 48, 2048, "block", torch.bfloat16, gated=gated, block_n_tile=bn, block_k=bk,
                        num_warps=warps)
-    if device == "cuda":  # llama-8b's o -> gate_up and down -> qkv at the default tiles
+    if device == "cuda":  # llama-8b's o -> gate_up and down -> qkv at the default tiles, its qkv with RoPE and KV
+        for m in (1, 2):
+            _check_rope_kv(device, m, 32, 8, 128, torch.bfloat16, [7, 20])
         for m in (1, 2):
             _check(device, m, 4096, 4096, "block", torch.bfloat16, consumer_n=28672)
             _check(device, m, 4096, 14336, "block", torch.bfloat16, gated=True, consumer_n=6144)
@@ -72,7 +113,7 @@ test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check
 
 def test_rejects_bad_arguments():
     pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
-    from qsaserve.ops.fp8_gemm.triton_gemv import fp8_gemv_residual_triton, fp8_prenormed_gemv_triton
+    from qsaserve.ops.fp8_gemm.triton_gemv_joined import fp8_gemv_residual_triton, fp8_prenormed_gemv_triton
 
     w, ws, bn = _weight(16, 256, "block", torch.Generator().manual_seed(0))
     x = torch.zeros(1, 256)
@@ -109,7 +150,7 @@ def test_dispatch_joins_the_residual_at_the_gemv_rows_only(monkeypatch):
     assert not fp8_gemm.joins_residual(x, w, res.to(torch.bfloat16))
     assert not fp8_gemm.joins_residual(x, w, torch.zeros(1, 8))
     calls = []
-    monkeypatch.setattr(fp8_gemm.triton_gemv, "fp8_prenormed_gemv_triton",
+    monkeypatch.setattr(fp8_gemm.triton_gemv_joined, "fp8_prenormed_gemv_triton",
                         lambda hg, *a: calls.append(("prenormed", hg.shape[0])) or hg[:, :16])
     monkeypatch.setattr(fp8_gemm, "fp8_linear", lambda x, *a: calls.append(("linear", x.shape[0])) or x[:, :16])
     monkeypatch.setattr(fp8_gemm.fused, "rms_norm", lambda x, *a: x)

@@ -67,3 +67,18 @@ class Attention(nn.Module):
         write_layer_kv(k, v, cache, meta.slot_mapping)
         out = attention_ops.paged_attention(q, cache.kv, meta, self.scale, k_scale=cache.k_scale, v_scale=cache.v_scale)
         return out.reshape(t, self.num_heads * self.head_dim)
+
+    def takes_written_kv(self, dtype: torch.dtype) -> bool:
+        """Whether a projection may write this step's K/V [T, Hkv, D] in `dtype` into the pages
+        itself (then forward_written): plain pages of that dtype, no head transform, K offset or
+        observer between the projection and the pages."""
+        cache = self.cache
+        return (cache is not None and cache.kv.dtype == dtype and cache.k_scale is None and cache.k_offset is None
+                and cache.k_transform is None and cache.observer is None)
+
+    def forward_written(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq*D] -> [T, Hq*D], attending over pages that already hold this step's K/V
+        (written with the projection: takes_written_kv)."""
+        t = q.shape[0]
+        out = attention_ops.paged_attention(q.view(t, self.num_heads, self.head_dim), self.cache.kv, meta, self.scale)
+        return out.reshape(t, self.num_heads * self.head_dim)

@@ -25,7 +25,7 @@ from qsaserve.layers.attention import Attention, AttentionMetadata
 from qsaserve.layers.dcp_attention import DcpAttention
 from qsaserve.layers.linear import linear, linear_residual, rms_norm_linear, silu_mul_linear
 from qsaserve.layers.quantization import QUANTIZED_LINEARS, WeightQuantConfig, make_linear
-from qsaserve.layers.quantization.fp8 import TensorShard
+from qsaserve.layers.quantization.fp8 import Fp8Linear, TensorShard
 from qsaserve.layers.rmsnorm import RMSNorm
 from qsaserve.layers.rotary import RotaryEmbedding
 from qsaserve.layers.vocab_parallel import vocab_parallel_embedding, vocab_parallel_logits
@@ -98,11 +98,19 @@ class LlamaAttention(nn.Module):
         else:
             self.attn = Attention(self.num_heads, self.num_kv_heads, c.head_dim, c.head_dim**-0.5)
 
-    def forward(self, qkv: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, residual: torch.Tensor,
+    def forward(self, x: torch.Tensor | SummedResidual, residual: torch.Tensor | None, norm: RMSNorm,
+                positions: torch.Tensor, meta: AttentionMetadata,
                 next_norm: RMSNorm) -> tuple[torch.Tensor | SummedResidual, torch.Tensor | None]:
-        """qkv: the qkv projection of the normed input (the decoder layer computes it with the norm).
-        -> (output, residual) for next_norm (layers.linear.linear_residual: on one rank, FP8 decode
-        rows add the output to the residual in o_proj's kernel)."""
+        """x (+ residual): the layer's input, normed by norm then projected to q | k | v (one kernel
+        for FP8 weights at the GEMV's rows). -> (output, residual) for next_norm
+        (layers.linear.linear_residual: on one rank, FP8 decode rows add the output to the residual
+        in o_proj's kernel)."""
+        if self._joins_rope_kv(x):  # one kernel: the projection, RoPE and the KV write
+            qkv = self.qkv_proj.forward_prenormed_rope_kv(x, norm.eps, self.num_heads, self.num_kv_heads, positions,
+                                                          self.rotary.cos, self.rotary.sin, self.attn.cache.kv,
+                                                          meta.slot_mapping)
+            return self._project_out(self.attn.forward_written(qkv[:, : self.q_size], meta), x.h, next_norm)
+        qkv, residual = rms_norm_linear(x, residual, norm, self.qkv_proj)
         t = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -110,7 +118,17 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary.rotate_qk(positions, q, k)  # on CUDA in place: q, k stay views of the qkv output
-        attn = self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta)
+        return self._project_out(self.attn(q.reshape(t, -1), k.reshape(t, -1), v, meta), residual, next_norm)
+
+    def _joins_rope_kv(self, x: torch.Tensor | SummedResidual) -> bool:
+        """The qkv projection may rotate q, k and write the pages itself: FP8 weights at the prenormed
+        GEMV's rows, full rotate-half RoPE, no q/k norm, pages that take a plain write, no DCP."""
+        return (isinstance(x, SummedResidual) and isinstance(self.qkv_proj, Fp8Linear) and self.q_norm is None
+                and isinstance(self.attn, Attention) and self.rotary.rotary_dim == self.head_dim
+                and self.qkv_proj.joins_prenormed_rope_kv(x) and self.attn.takes_written_kv(x.hg.dtype))
+
+    def _project_out(self, attn: torch.Tensor, residual: torch.Tensor,
+                     next_norm: RMSNorm) -> tuple[torch.Tensor | SummedResidual, torch.Tensor | None]:
         if self.ctx.tp_size == 1:
             return linear_residual(attn, self.o_proj, residual, next_norm)
         return self.ctx.all_reduce(linear(attn, self.o_proj)), residual
@@ -153,8 +171,7 @@ class LlamaDecoderLayer(nn.Module):
         the down projection's kernel (x then a SummedResidual, residual None)."""
         # each norm joins the projection after it (one kernel for FP8 weights at the GEMV's rows),
         # and at decode rows each projection before a norm adds its output to the residual
-        qkv, residual = rms_norm_linear(x, residual, self.input_layernorm, self.self_attn.qkv_proj)
-        out, residual = self.self_attn(qkv, positions, meta, residual, self.post_attention_layernorm)
+        out, residual = self.self_attn(x, residual, self.input_layernorm, positions, meta, self.post_attention_layernorm)
         gate_up, residual = rms_norm_linear(out, residual, self.post_attention_layernorm, self.mlp.gate_up_proj)
         return self.mlp(gate_up, residual, next_norm)
 

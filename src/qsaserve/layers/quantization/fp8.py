@@ -26,8 +26,9 @@ from qsaserve.layers.quantization.config import BLOCK, WeightQuantConfig
 from qsaserve.layers.quantization.shard import TensorShard, copy_part, take_shard
 from qsaserve.layers.quantization.warm_up import WARM_UP_ROWS, warm_up_row_counts
 from qsaserve.ops.fp8_gemm import (FP8, GEMV_ROWS, RESIDUAL_ROWS, SummedResidual, dequantize_weight, fp8_linear,
-                                   fp8_linear_prenormed, fp8_linear_residual, fp8_linear_rms_norm, fp8_linear_silu_mul,
-                                   joins_residual, quantize_weight_block, quantize_weight_rows)
+                                   fp8_linear_prenormed, fp8_linear_prenormed_rope_kv, fp8_linear_residual,
+                                   fp8_linear_rms_norm, fp8_linear_silu_mul, joins_residual, prenormed_joins,
+                                   quantize_weight_block, quantize_weight_rows)
 
 
 class Fp8Linear(nn.Module):
@@ -72,6 +73,19 @@ class Fp8Linear(nn.Module):
     def forward_prenormed(self, summed: SummedResidual, eps: float) -> torch.Tensor:
         """RMSNorm(summed.h) * summed.norm_weight @ W^T: at the GEMV's rows one kernel."""
         return fp8_linear_prenormed(summed, eps, self.weight, self.weight_scale, self.block_n, self.bias)
+
+    def joins_prenormed_rope_kv(self, summed: SummedResidual) -> bool:
+        """forward_prenormed_rope_kv takes this input (no bias, the prenormed GEMV's rows)."""
+        return self.bias is None and prenormed_joins(summed, self.weight)
+
+    def forward_prenormed_rope_kv(self, summed: SummedResidual, eps: float, num_q_heads: int, num_kv_heads: int,
+                                  positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                                  kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+        """forward_prenormed of a fused q | k | v layer with q and k rotated and k, v written to
+        the pages in the same kernel (ops.fp8_gemm.fp8_linear_prenormed_rope_kv); only where
+        joins_prenormed_rope_kv."""
+        return fp8_linear_prenormed_rope_kv(summed, eps, self.weight, self.weight_scale, self.block_n, num_q_heads,
+                                            num_kv_heads, positions, cos, sin, kv_cache, slot_mapping)
 
     def warm_up(self, dtype: torch.dtype) -> int:
         """Builds this layer's FP8 kernels at every row count class a step may bring, with SiLU *

@@ -29,9 +29,10 @@ from qsaserve.ops.fp8_gemm.reference import (DECODE_KERNEL, DECODE_ROWS, FP8, GR
                                              quantize_weight_rows, takes_w8a8)
 
 try:  # CPU-only installs keep the references
-    from qsaserve.ops.fp8_gemm import triton_gemm, triton_gemv, triton_quant, triton_swap_ab, triton_w8a8_swap
+    from qsaserve.ops.fp8_gemm import (triton_gemm, triton_gemv, triton_gemv_joined, triton_quant, triton_swap_ab,
+                                       triton_w8a8_swap)
 except ImportError:
-    triton_gemm = triton_gemv = triton_quant = triton_swap_ab = triton_w8a8_swap = None
+    triton_gemm = triton_gemv = triton_gemv_joined = triton_quant = triton_swap_ab = triton_w8a8_swap = None
 
 # Up to this many rows the W8A16 op runs as the FMA GEMV: measured on an H200 (bench_fp8_gemm,
 # 58189b2) it led at 1 and 2 rows on every llama-8b shape, at 4 rows the tile kernel led on the
@@ -147,24 +148,42 @@ def joins_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | No
 def fp8_linear_residual(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
                         residual: torch.Tensor, norm_weight: torch.Tensor, gated: bool = False) -> SummedResidual:
     """fp8_linear(x) (fp8_linear_silu_mul's input when gated) added to the residual, with the next
-    RMSNorm's numerator, in one launch (triton_gemv.fp8_gemv_residual_triton). Only where
+    RMSNorm's numerator, in one launch (triton_gemv_joined.fp8_gemv_residual_triton). Only where
     joins_residual."""
-    h, hg, partials = triton_gemv.fp8_gemv_residual_triton(x, w, w_scale, block_n, residual, norm_weight, gated=gated)
+    h, hg, partials = triton_gemv_joined.fp8_gemv_residual_triton(x, w, w_scale, block_n, residual, norm_weight, gated=gated)
     return SummedResidual(h, hg, partials, norm_weight)
 
 
 def fp8_linear_prenormed(summed: SummedResidual, eps: float, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm(summed.h) * summed.norm_weight @ W^T (+ bias): at the GEMV's rows one launch
-    (triton_gemv.fp8_prenormed_gemv_triton, the normalization applied to the float32 sums),
+    (triton_gemv_joined.fp8_prenormed_gemv_triton, the normalization applied to the float32 sums),
     elsewhere ops.fused.rms_norm then fp8_linear."""
-    m = summed.hg.shape[0]
-    if use_triton(summed.hg) and 0 < m <= RESIDUAL_ROWS and m <= GEMV_ROWS and not takes_w8a8(m, w.shape[0]):
-        y = triton_gemv.fp8_prenormed_gemv_triton(summed.hg, summed.partials, eps, w, w_scale, block_n)
+    if prenormed_joins(summed, w):
+        y = triton_gemv_joined.fp8_prenormed_gemv_triton(summed.hg, summed.partials, eps, w, w_scale, block_n)
         return y if bias is None else y + bias
     return fp8_linear(fused.rms_norm(summed.h, summed.norm_weight, eps), w, w_scale, block_n, bias)
 
 
-__all__ = ["DECODE_KERNEL", "DECODE_ROWS", "FP8", "GEMV_ROWS", "GROUP", "W8A8_DECODE_MIN_N", "W8A16_ROWS", "takes_w8a8", "dequantize_weight", "expand_scale", "fp8_linear", "fp8_linear_prenormed", "fp8_linear_residual", "fp8_linear_rms_norm", "fp8_linear_silu_mul",
-           "joins_residual", "RESIDUAL_ROWS", "SummedResidual", "fp8_w8a16_gemm",
+def prenormed_joins(summed: SummedResidual, w: torch.Tensor) -> bool:
+    """fp8_linear_prenormed takes the prenormed GEMV for this weight (else RMSNorm, fp8_linear)."""
+    m = summed.hg.shape[0]
+    return use_triton(summed.hg) and 0 < m <= RESIDUAL_ROWS and m <= GEMV_ROWS and not takes_w8a8(m, w.shape[0])
+
+
+def fp8_linear_prenormed_rope_kv(summed: SummedResidual, eps: float, w: torch.Tensor, w_scale: torch.Tensor,
+                                 block_n: int, num_q_heads: int, num_kv_heads: int, positions: torch.Tensor,
+                                 cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                                 slot_mapping: torch.Tensor) -> torch.Tensor:
+    """fp8_linear_prenormed of a fused q | k | v projection, with q and k rotated (RoPE) and k, v
+    written to kv_cache at slot_mapping in the same launch
+    (triton_gemv_joined.fp8_prenormed_rope_kv_triton). Only where prenormed_joins (the caller
+    checks the cache takes a plain write)."""
+    return triton_gemv_joined.fp8_prenormed_rope_kv_triton(summed.hg, summed.partials, eps, w, w_scale, block_n,
+                                                           num_q_heads, num_kv_heads, positions, cos, sin, kv_cache,
+                                                           slot_mapping)
+
+
+__all__ = ["DECODE_KERNEL", "DECODE_ROWS", "FP8", "GEMV_ROWS", "GROUP", "W8A8_DECODE_MIN_N", "W8A16_ROWS", "takes_w8a8", "dequantize_weight", "expand_scale", "fp8_linear", "fp8_linear_prenormed", "fp8_linear_prenormed_rope_kv", "fp8_linear_residual", "fp8_linear_rms_norm", "fp8_linear_silu_mul",
+           "joins_residual", "prenormed_joins", "RESIDUAL_ROWS", "SummedResidual", "fp8_w8a16_gemm",
            "fp8_w8a8_gemm", "per_token_group_quant", "quantize_weight_block", "quantize_weight_rows"]

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from qsaserve.ops.device import num_sms
-from qsaserve.ops.fp8_gemm.reference import GROUP, RESIDUAL_ROWS
+from qsaserve.ops.fp8_gemm.reference import GROUP
 from qsaserve.ops.fp8_gemm.triton_gemm import _scale_k_stride, split_k_buffer, sum_split_k, w8a16_operands
 
 MAX_ROWS = 4  # rows of x one pass over the weights serves
@@ -151,21 +151,65 @@ def _inv_rms(part_ptr, n_parts, r, K, eps, PART_BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _rope_kv_row(acc, rs, r, M, n, n_ok, y_ptr, stride_ym, head, p0, pos_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr,
+                 stride_cos, stride_c2, stride_cb, stride_ct, stride_ch, n_q_heads, n_kv_heads, page,
+                 BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """ROPE_KV's epilogue for row r of a fused q | k | v projection: the output rounded to y's
+    dtype; in the q and k heads rotated (rotate-half RoPE at the row's position: this program's
+    BLOCK_N // 2 channel pairs (d, d + HALF), d from p0, come interleaved, so a pair is two
+    neighbours) and rounded again, as ops.fused.rope_qk rotates the stored output; stored to y; and
+    in the k and v heads written to the row's slot of the paged cache [2, blocks, page, Hkv, D]
+    (slot < 0: not written), as ops.attention.write_kv stores them."""
+    PAIRS: tl.constexpr = BLOCK_N // 2
+    ok = n_ok & (r < M)
+    ty = y_ptr.dtype.element_ty
+    out = (tl.sum(acc, 0) * rs).to(ty)
+    pos = tl.load(pos_ptr + r, mask=r < M, other=0).to(tl.int64)
+    d = p0 + tl.arange(0, PAIRS)
+    c = tl.load(cos_ptr + pos * stride_cos + d).to(tl.float32)
+    sn = tl.load(sin_ptr + pos * stride_cos + d).to(tl.float32)
+    x1, x2 = tl.split(tl.reshape(out.to(tl.float32), (PAIRS, 2)))
+    rotated = tl.reshape(tl.join(x1 * c - x2 * sn, x2 * c + x1 * sn), (BLOCK_N,)).to(ty)
+    out = tl.where(head < n_q_heads + n_kv_heads, rotated, out)
+    tl.store(y_ptr + r * stride_ym + n, out, mask=ok)
+    slot = tl.load(slot_ptr + r, mask=r < M, other=-1).to(tl.int64)
+    kv = head - n_q_heads  # k heads 0 .. Hkv - 1, then v heads
+    which = kv // n_kv_heads
+    dst = (cache_ptr + which * stride_c2 + (slot // page) * stride_cb + (slot % page) * stride_ct
+           + (kv % n_kv_heads) * stride_ch + (n - head * 2 * HALF))
+    tl.store(dst, out.to(cache_ptr.dtype.element_ty), mask=ok & (kv >= 0) & (slot >= 0))
+
+
+@triton.jit
 def _gemv_body(x_ptr, res_ptr, g_ptr, sum_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n, eps,
                stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, stride_ys,
                ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_: tl.constexpr,
                SPLIT_K: tl.constexpr, ROW_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr, GATED: tl.constexpr,
                NORM: tl.constexpr, HAS_RES: tl.constexpr, hg_ptr, part_ptr, n_parts,
-               RESIDUAL_OUT: tl.constexpr, PRENORMED: tl.constexpr, PART_BLOCK: tl.constexpr):
+               RESIDUAL_OUT: tl.constexpr, PRENORMED: tl.constexpr, PART_BLOCK: tl.constexpr,
+               pos_ptr, cos_ptr, sin_ptr, cache_ptr, slot_ptr, stride_cos, stride_c2, stride_cb, stride_ct,
+               stride_ch, n_q_heads, n_kv_heads, page, ROPE_KV: tl.constexpr, HALF: tl.constexpr):
     """Every FP8 GEMV kernel's program. NORM: the input is RMSNorm(x + residual) * g, each program
     summing the squares of whole rows as it streams them (no split-K) and scaling its finished sums
     by 1 / rms once; program 0 writes the summed residual. RESIDUAL_OUT (no split-K): instead of
     y, the epilogue writes h = y + residual (sum_ptr), h * g (hg_ptr) and the per-program sums of
     h's squares (part_ptr [programs, PART_ROWS]; _residual_row). PRENORMED: x is such an h * g and
-    the finished sums are scaled by 1 / rms from the producer's n_parts partial sums (_inv_rms)."""
+    the finished sums are scaled by 1 / rms from the producer's n_parts partial sums (_inv_rms).
+    ROPE_KV (rows <= 2, no split-K): W is a fused q | k | v projection of heads of 2 * HALF rows;
+    a program takes BLOCK_N // 2 channel pairs of one head, interleaved, and its epilogue rotates
+    q and k and writes k and v to the paged cache (_rope_kv_row)."""
     G: tl.constexpr = BLOCK_K // GROUP_
     first = tl.program_id(0) == 0
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    head = 0
+    p0 = 0
+    if ROPE_KV:  # rows (head, p0 + i // 2 + (i % 2) * HALF): a pair's two channels side by side
+        per_head: tl.constexpr = HALF // (BLOCK_N // 2)
+        head = tl.program_id(0) // per_head
+        p0 = (tl.program_id(0) % per_head) * (BLOCK_N // 2)
+        i = tl.arange(0, BLOCK_N)
+        n = head * 2 * HALF + (i % 2) * HALF + p0 + i // 2
+    else:
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     g = tl.arange(0, G)
     col = g[:, None] * GROUP_ + tl.arange(0, GROUP_)[None, :]  # [G, 128]: a tile's columns from k0
@@ -215,6 +259,14 @@ def _gemv_body(x_ptr, res_ptr, g_ptr, sum_ptr, w_ptr, s_ptr, y_ptr, M, N, K, blo
         _residual_row(acc0, rs, 0, M, n, n_ok, res_ptr, g_ptr, sum_ptr, hg_ptr, part_ptr, stride_ym)
         if ROWS > 1:
             _residual_row(acc1, rs, 1, M, n, n_ok, res_ptr, g_ptr, sum_ptr, hg_ptr, part_ptr, stride_ym)
+    elif ROPE_KV:
+        _rope_kv_row(acc0, rs, 0, M, n, n_ok, y_ptr, stride_ym, head, p0, pos_ptr, cos_ptr, sin_ptr, cache_ptr,
+                     slot_ptr, stride_cos, stride_c2, stride_cb, stride_ct, stride_ch, n_q_heads, n_kv_heads, page,
+                     BLOCK_N, HALF)
+        if ROWS > 1:
+            _rope_kv_row(acc1, rs, 1, M, n, n_ok, y_ptr, stride_ym, head, p0, pos_ptr, cos_ptr, sin_ptr, cache_ptr,
+                         slot_ptr, stride_cos, stride_c2, stride_cb, stride_ct, stride_ch, n_q_heads, n_kv_heads,
+                         page, BLOCK_N, HALF)
     else:
         store_rows(y_base, n, n_ok, rs, M, stride_ym, acc0, acc1, acc2, acc3, ROWS)
 
@@ -230,7 +282,7 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
     _gemv_body(x_ptr, x_ptr, x_ptr, x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n, 0.0,
                stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, stride_ys,
                ROWS, BLOCK_N, BLOCK_K, GROUP_, SPLIT_K, ROW_SCALE, NUM_STAGES, GATED, False, False,
-               x_ptr, s_ptr, 0, False, False, 1)
+               x_ptr, s_ptr, 0, False, False, 1, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 0, 0, 0, 0, 0, 0, 1, 1, False, 1)
 
 
 # The GEMV with the RMSNorm before it joined in: its own kernel (and name in profiles).
@@ -242,33 +294,7 @@ def _fp8_norm_gemv_kernel(x_ptr, res_ptr, g_ptr, sum_ptr, w_ptr, s_ptr, y_ptr, M
     _gemv_body(x_ptr, res_ptr, g_ptr, sum_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n, eps,
                stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, 0,
                ROWS, BLOCK_N, BLOCK_K, GROUP_, 1, ROW_SCALE, NUM_STAGES, False, True, HAS_RES,
-               x_ptr, s_ptr, 0, False, False, 1)
-
-
-# The GEMV whose epilogue adds the residual and prepares the next RMSNorm (RESIDUAL_OUT), and the
-# GEMV after that norm (PRENORMED): two kernels (and names in profiles).
-@triton.jit
-def _fp8_gemv_residual_kernel(x_ptr, res_ptr, g_ptr, h_ptr, hg_ptr, part_ptr, w_ptr, s_ptr, M, N, K, block_n,
-                              stride_xm, stride_wn, stride_sn, stride_sk, stride_hm,
-                              ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              GROUP_: tl.constexpr, ROW_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                              GATED: tl.constexpr):
-    _gemv_body(x_ptr, res_ptr, g_ptr, h_ptr, w_ptr, s_ptr, h_ptr, M, N, K, block_n, 0.0,
-               stride_xm, stride_wn, stride_sn, stride_sk, stride_hm, 0,
-               ROWS, BLOCK_N, BLOCK_K, GROUP_, 1, ROW_SCALE, NUM_STAGES, GATED, False, False,
-               hg_ptr, part_ptr, 0, True, False, 1)
-
-
-@triton.jit(do_not_specialize=["eps", "n_parts"])
-def _fp8_prenormed_gemv_kernel(x_ptr, part_ptr, n_parts, eps, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
-                               stride_xm, stride_wn, stride_sn, stride_sk, stride_ym,
-                               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               GROUP_: tl.constexpr, ROW_SCALE: tl.constexpr, NUM_STAGES: tl.constexpr,
-                               PART_BLOCK: tl.constexpr):
-    _gemv_body(x_ptr, x_ptr, x_ptr, x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, block_n, eps,
-               stride_xm, stride_wn, stride_sn, stride_sk, stride_ym, 0,
-               ROWS, BLOCK_N, BLOCK_K, GROUP_, 1, ROW_SCALE, NUM_STAGES, False, False, False,
-               x_ptr, part_ptr, n_parts, False, True, PART_BLOCK)
+               x_ptr, s_ptr, 0, False, False, 1, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 0, 0, 0, 0, 0, 0, 1, 1, False, 1)
 
 
 def pick_gemv_tile(n: int, k: int, sms: int, m: int = 1) -> tuple[int, int, int, int]:
@@ -377,71 +403,6 @@ def fp8_norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_we
     return y, h
 
 
-def _launch(m: int, n: int, k: int, x: torch.Tensor, block_n_tile, block_k, num_warps) -> tuple[int, int, int]:
-    bn, bk, _, warps = pick_gemv_tile(n, k, num_sms(x.device), m)
-    bn, bk = block_n_tile or bn, block_k or bk
-    if bk % GROUP or bk & (bk - 1):
-        raise ValueError(f"fp8_gemv: block_k a power-of-two multiple of {GROUP}, got {bk}")
-    return bn, bk, num_warps or warps
-
-
-def fp8_gemv_residual_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
-                             residual: torch.Tensor, norm_weight: torch.Tensor, gated: bool = False,
-                             block_n_tile: int | None = None, block_k: int | None = None,
-                             num_warps: int | None = None,
-                             num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The GEMV with the residual add and the next RMSNorm's numerator in its epilogue: x [M, K]
-    (M <= RESIDUAL_ROWS; gate | up [M, 2K] when gated, as fp8_gemv_triton), residual [M, N] in x's
-    dtype, norm_weight [N] -> (h, hg, partials): h = y + residual [M, N] (y = x @ W^T rounded to
-    x's dtype, then the sum rounded: as fp8_gemv_triton then ops.fused's residual add), hg = h *
-    norm_weight rounded to x's dtype, and partials [programs, 4] float32, row r's sums of h's
-    squares over each program's columns, for fp8_prenormed_gemv_triton. y itself is not stored."""
-    if gated:
-        if x.dim() != 2 or x.shape[1] != 2 * w.shape[1] or x.stride(-1) != 1:
-            raise ValueError(f"fp8_gemv_residual: gated x must be [M, 2K] = [M, {2 * w.shape[1]}] with a unit last "
-                             f"stride, got {tuple(x.shape)}")
-        _, h = w8a16_operands(x[:, : w.shape[1]], w, w_scale, block_n, "fp8_gemv_residual")
-    else:
-        x, h = w8a16_operands(x, w, w_scale, block_n, "fp8_gemv_residual")
-    m, k, n = x.shape[0], w.shape[1], w.shape[0]
-    if not 0 < m <= RESIDUAL_ROWS or residual.shape != (m, n) or residual.dtype != x.dtype or norm_weight.shape != (n,):
-        raise ValueError(f"fp8_gemv_residual: 1-{RESIDUAL_ROWS} rows, residual [M, N] = [{m}, {n}] in {x.dtype} and "
-                         f"norm_weight [N]; got {m} rows, residual {tuple(residual.shape)} {residual.dtype}, "
-                         f"norm_weight {tuple(norm_weight.shape)}")
-    bn, bk, warps = _launch(m, n, k, x, block_n_tile, block_k, num_warps)
-    grid = triton.cdiv(n, bn)
-    hg = torch.empty_like(h)
-    partials = torch.empty((grid, 4), dtype=torch.float32, device=x.device)
-    _fp8_gemv_residual_kernel[(grid,)](
-        x, residual.contiguous(), norm_weight.contiguous(), h, hg, partials, w, w_scale, m, n, k, block_n,
-        x.stride(0), w.stride(0), w_scale.stride(0), _scale_k_stride(w_scale), h.stride(0),
-        ROWS=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, GROUP_=GROUP, ROW_SCALE=w_scale.shape[1] == 1,
-        NUM_STAGES=num_stages, GATED=gated, num_warps=warps)
-    return h, hg, partials
-
-
-def fp8_prenormed_gemv_triton(hg: torch.Tensor, partials: torch.Tensor, eps: float, w: torch.Tensor,
-                              w_scale: torch.Tensor, block_n: int, block_n_tile: int | None = None,
-                              block_k: int | None = None, num_warps: int | None = None,
-                              num_stages: int = 3) -> torch.Tensor:
-    """The GEMV after fp8_gemv_residual_triton's epilogue: hg [M, K] and partials [P, 4] from it
-    -> y [M, N] = (hg @ W^T) / rms in hg's dtype, rms = sqrt(sum of row r's partials / K + eps):
-    RMSNorm(h) * g @ W^T with the normalization applied once to the float32 sums (as
-    fp8_norm_gemv_triton, whose normalized input is not rounded either; here h * g is)."""
-    hg, y = w8a16_operands(hg, w, w_scale, block_n, "fp8_prenormed_gemv")
-    m, k, n = hg.shape[0], w.shape[1], w.shape[0]
-    if not 0 < m <= RESIDUAL_ROWS or partials.dim() != 2 or partials.shape[1] != 4 or partials.dtype != torch.float32:
-        raise ValueError(f"fp8_prenormed_gemv: 1-{RESIDUAL_ROWS} rows and float32 partials [P, 4]; got {m} rows, "
-                         f"partials {tuple(partials.shape)} {partials.dtype}")
-    bn, bk, warps = _launch(m, n, k, hg, block_n_tile, block_k, num_warps)
-    _fp8_prenormed_gemv_kernel[(triton.cdiv(n, bn),)](
-        hg, partials.contiguous(), partials.shape[0], eps, w, w_scale, y, m, n, k, block_n, hg.stride(0), w.stride(0),
-        w_scale.stride(0), _scale_k_stride(w_scale), y.stride(0), ROWS=triton.next_power_of_2(m), BLOCK_N=bn,
-        BLOCK_K=bk, GROUP_=GROUP, ROW_SCALE=w_scale.shape[1] == 1, NUM_STAGES=num_stages,
-        PART_BLOCK=PART_BLOCK, num_warps=warps)
-    return y
-
-
-__all__ = ["MAX_ROWS", "RESIDUAL_ROWS", "TILE_BYTES", "fp8_gemv_residual_triton", "fp8_gemv_triton",
-           "fp8_norm_gemv_triton", "fp8_prenormed_gemv_triton", "pick_gemv_tile", "pick_norm_gemv_tile", "split_k_range",
+__all__ = ["MAX_ROWS", "PART_BLOCK", "TILE_BYTES", "fp8_gemv_triton", "fp8_norm_gemv_triton", "pick_gemv_tile",
+           "pick_norm_gemv_tile", "split_k_range",
            "store_rows"]
