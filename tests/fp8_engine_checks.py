@@ -13,9 +13,10 @@ def check_cuda_fp8_against_cpu_and_graphs_against_eager(path: str, prompts: list
     def prompt_logprobs(outs):
         return [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])] for o in outs]
 
-    scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
-    for cpu, gpu in zip(prompt_logprobs(run(scored, device="cpu")), prompt_logprobs(run(scored, device="cuda"))):
-        torch.testing.assert_close(torch.tensor(gpu), torch.tensor(cpu), rtol=0, atol=2e-3)
+    # graphs against eager first: it does not depend on how close the GPU's float32 arithmetic is to the CPU's
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     eager = [o.outputs[0].token_ids for o in run(greedy, device="cuda", enforce_eager=True)]
     assert [o.outputs[0].token_ids for o in run(greedy, device="cuda")] == eager
+    scored = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    for cpu, gpu in zip(prompt_logprobs(run(scored, device="cpu")), prompt_logprobs(run(scored, device="cuda"))):
+        torch.testing.assert_close(torch.tensor(gpu), torch.tensor(cpu), rtol=0, atol=2e-3)

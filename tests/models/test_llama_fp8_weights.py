@@ -365,3 +365,42 @@ def test_joined_decode_kernels_under_interpreter_match_the_unjoined_path(tmp_pat
 
     _save_llama(tmp_path, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
     assert "checked" in run_under_interpreter(__file__, f"t.run_interpreted_joined_decode_check({str(tmp_path)!r})")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none on this machine)")
+def test_joined_decode_kernels_on_gpu_match_the_unjoined_path(tmp_path, monkeypatch):
+    """On the GPU (float32, eager and in CUDA graphs) the decode steps' joined FP8 kernels (o / down
+    adding to the residual, the prenormed gate_up, the qkv with RoPE and the KV write) give the
+    greedy tokens and logprobs of the same engine with the joins refused, at 1 and 2 rows."""
+    import qsaserve.layers.quantization.fp8 as fp8_layer
+    from qsaserve import LLM, SamplingParams
+
+    _save_llama(tmp_path, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+    prompts = [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT[3:]}]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+
+    def run(n, **engine):
+        llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory=1 << 24, progress=False, quantization="fp8", **engine)
+        outs = llm.generate(prompts[:n], params, use_tqdm=False)
+        return [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)])
+                for o in outs]
+
+    from qsaserve.ops.fp8_gemm import triton_gemv_joined
+
+    calls = set()
+    for name in ("fp8_gemv_residual_triton", "fp8_prenormed_gemv_triton", "fp8_prenormed_rope_kv_triton"):
+        real = getattr(triton_gemv_joined, name)
+        monkeypatch.setattr(triton_gemv_joined, name, lambda *a, _real=real, _name=name, **k: calls.add(_name)
+                            or _real(*a, **k))
+    for n in (1, 2):
+        for engine in ({"enforce_eager": True}, {}):
+            calls.clear()
+            joined = run(n, **engine)
+            assert len(calls) == 3  # every joined kernel ran (graphs: at capture)
+            with monkeypatch.context() as m:
+                m.setattr(fp8_layer, "joins_residual", lambda *a, **k: False)
+                plain = run(n, **engine)
+            assert [t for t, _ in joined] == [t for t, _ in plain]
+            for (_, a), (_, b) in zip(joined, plain):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=0, atol=1e-4)
