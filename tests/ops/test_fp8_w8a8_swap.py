@@ -79,5 +79,28 @@ def test_launch_rule_at_llama_8b_shapes():
     small = {"qkv": (64, 4, 4, 5), "o": (64, 4, 4, 5), "gate_up": (64, 1, 4, 3), "down": (64, 4, 4, 5)}
     assert at[8] == small and at[32] == small
     assert at[64] == {"qkv": (64, 4, 4, 3), "o": (64, 4, 4, 3), "gate_up": (128, 1, 4, 4), "down": (64, 4, 4, 3)}
+    # 65-128 rows on the narrow weights (o, down; ops.fp8_gemm.takes_swap): the sweep's best at 128 rows
+    assert {name: pick_w8a8_swap_tile(128, *shapes[name], 132) for name in ("o", "down")} == {
+        "o": (64, 4, 4, 3), "down": (64, 4, 4, 3)}
     assert pick_w8a8_swap_tile(8, 4096, 512, 132)[1] == 1  # 4 groups: not cut
     assert pick_w8a8_swap_tile(8, 4096, 1024, 132)[1] == 2  # 8 groups: 2 programs of 4
+
+
+def test_narrow_weights_keep_the_transposed_gemm_to_128_rows(monkeypatch):
+    """On CUDA (faked) a W8A8 product takes the transposed GEMM up to DECODE_ROWS rows, and up to
+    NARROW_SWAP_ROWS for weights of at most NARROW_N rows (cuBLAS's 128 x 128 tiles would leave
+    most SMs idle); other rows take cuBLAS's block-scaled GEMM where it serves the call."""
+    pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
+    import qsaserve.ops.fp8_gemm as fp8_gemm
+
+    assert fp8_gemm.NARROW_N == 4096 and fp8_gemm.NARROW_SWAP_ROWS == 128
+    calls = []
+    monkeypatch.setattr(fp8_gemm, "use_triton", lambda t: True)
+    monkeypatch.setattr(fp8_gemm.scaled_mm, "takes", lambda *a: True)
+    monkeypatch.setattr(fp8_gemm.scaled_mm, "fp8_linear_scaled_mm", lambda x, *a, **k: calls.append(("cublas", x.shape[0])))
+    monkeypatch.setattr(fp8_gemm, "per_token_group_quant", lambda x, gated=False: (x, None))
+    monkeypatch.setattr(fp8_gemm.triton_w8a8_swap, "fp8_w8a8_swap_triton", lambda x, *a: calls.append(("swap", x.shape[0])))
+    for n, m in ((4096, 64), (4096, 65), (4096, 128), (4096, 129), (4224, 65), (6144, 64), (6144, 128)):
+        fp8_gemm._w8a8_linear(torch.zeros(m, 256), torch.zeros(n, 256, dtype=fp8_gemm.FP8), torch.ones(1, 2), 128)
+    assert calls == [("swap", 64), ("swap", 65), ("swap", 128), ("cublas", 129), ("cublas", 65), ("swap", 64),
+                     ("cublas", 128)]

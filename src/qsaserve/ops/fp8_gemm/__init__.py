@@ -7,7 +7,7 @@ activations; on CUDA the FMA GEMV, triton_gemv.py), more rows W8A8 with per-toke
 activation scales (triton_quant.py), and W8A8 from 2 rows for weights of W8A8_DECODE_MIN_N rows or
 more (reference.takes_w8a8). On CUDA the W8A8 rows run the transposed split-K GEMM
 (triton_w8a8_swap.py) up to DECODE_ROWS (64; decode and verify steps, from 2 rows for the wide
-weights), and above it, for bf16
+weights; up to NARROW_SWAP_ROWS for weights of at most NARROW_N rows, takes_swap), and above it, for bf16
 activations by 128 x 128 block weights on sm_90, cuBLAS's block-scaled GEMM (scaled_mm.takes),
 else the Triton prefill GEMM (triton_gemm.py): at 128-256 rows cuBLAS led the transposed kernel
 on an H200 (docs/weight_quantization.md).
@@ -23,8 +23,8 @@ import torch
 from qsaserve.ops import fused
 from qsaserve.ops.dispatch import use_triton
 from qsaserve.ops.fp8_gemm import reference, scaled_mm
-from qsaserve.ops.fp8_gemm.reference import (DECODE_KERNEL, DECODE_ROWS, FP8, GROUP, RESIDUAL_ROWS, W8A8_DECODE_MIN_N,
-                                             W8A16_ROWS,
+from qsaserve.ops.fp8_gemm.reference import (DECODE_KERNEL, DECODE_ROWS, FP8, GROUP, NARROW_N, NARROW_SWAP_ROWS,
+                                             RESIDUAL_ROWS, W8A8_DECODE_MIN_N, W8A16_ROWS,
                                              dequantize_weight, expand_scale, quantize_weight_block,
                                              quantize_weight_rows, takes_w8a8)
 
@@ -48,11 +48,17 @@ def per_token_group_quant(x: torch.Tensor, gated: bool = False) -> tuple[torch.T
     return reference.per_token_group_quant_reference(fused.silu_mul(x) if gated else x)
 
 
+def takes_swap(m: int, n: int) -> bool:
+    """On CUDA the W8A8 product of m rows by an n-row weight runs the transposed GEMM: up to
+    DECODE_ROWS rows, and up to NARROW_SWAP_ROWS for weights of at most NARROW_N rows."""
+    return m <= DECODE_ROWS or (m <= NARROW_SWAP_ROWS and n <= NARROW_N)
+
+
 def fp8_w8a8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
                   out_dtype: torch.dtype) -> torch.Tensor:
     """xq [M, K] E4M3, x_scale [M, ceil(K/128)], w [N, K] E4M3, w_scale [Sn, Sk] -> [M, N] out_dtype."""
     if use_triton(xq):
-        if xq.shape[0] <= DECODE_ROWS:
+        if takes_swap(xq.shape[0], w.shape[0]):
             return triton_w8a8_swap.fp8_w8a8_swap_triton(xq, x_scale, w, w_scale, block_n, out_dtype)
         return triton_gemm.fp8_w8a8_gemm_triton(xq, x_scale, w, w_scale, block_n, out_dtype)
     return reference.fp8_w8a8_gemm_reference(xq, x_scale, w, w_scale, block_n, out_dtype)
@@ -83,7 +89,7 @@ def _w8a8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_
                  gated: bool = False) -> torch.Tensor:
     """x quantized per token group, then the W8A8 GEMM (cuBLAS's block-scaled one above DECODE_ROWS
     rows where scaled_mm.takes). gated: x is gate | up, the input SiLU(gate) * up."""
-    if x.shape[0] > DECODE_ROWS and use_triton(x) and scaled_mm.takes(x, w, w_scale, block_n):
+    if not takes_swap(x.shape[0], w.shape[0]) and use_triton(x) and scaled_mm.takes(x, w, w_scale, block_n):
         return scaled_mm.fp8_linear_scaled_mm(x, w, w_scale, gated=gated)
     xq, xs = per_token_group_quant(x, gated=gated)
     return fp8_w8a8_gemm(xq, xs, w, w_scale, block_n, x.dtype)
@@ -185,5 +191,5 @@ def fp8_linear_prenormed_rope_kv(summed: SummedResidual, eps: float, w: torch.Te
 
 
 __all__ = ["DECODE_KERNEL", "DECODE_ROWS", "FP8", "GEMV_ROWS", "GROUP", "W8A8_DECODE_MIN_N", "W8A16_ROWS", "takes_w8a8", "dequantize_weight", "expand_scale", "fp8_linear", "fp8_linear_prenormed", "fp8_linear_prenormed_rope_kv", "fp8_linear_residual", "fp8_linear_rms_norm", "fp8_linear_silu_mul",
-           "joins_residual", "prenormed_joins", "RESIDUAL_ROWS", "SummedResidual", "fp8_w8a16_gemm",
+           "joins_residual", "prenormed_joins", "RESIDUAL_ROWS", "SummedResidual", "takes_swap", "fp8_w8a16_gemm",
            "fp8_w8a8_gemm", "per_token_group_quant", "quantize_weight_block", "quantize_weight_rows"]

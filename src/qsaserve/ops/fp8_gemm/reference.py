@@ -17,6 +17,13 @@ FP8_MAX = 448.0
 GROUP = 128  # columns per K block of weight scales, and per activation quantization group
 DECODE_ROWS = 64  # up to this many rows take the decode kernels, more the prefill GEMM
 RESIDUAL_ROWS = 2  # rows the residual-joined FP8 GEMV and the prenormed GEMV after it take (CUDA; the GEMV's)
+# On CUDA a weight of at most NARROW_N rows keeps the transposed W8A8 GEMM (triton_w8a8_swap.py) up
+# to NARROW_SWAP_ROWS rows: cuBLAS's block-scaled GEMM tiles it into <= 32 programs of 128 x 128 on
+# 132 SMs (llama-8b's o and down at 128 rows: 16.2 and 41.7 us with the quantization, against 17.0
+# and 46.2 for cuBLAS; fp8_swap_h200_2026-12-03_69ea61a.json). Wider weights (qkv, gate_up) and
+# more rows take cuBLAS above DECODE_ROWS.
+NARROW_N = 32 * 128
+NARROW_SWAP_ROWS = 128
 # Up to this many rows the activations stay bf16 (W8A16: the FMA GEMV), more are quantized (W8A8).
 # QSASERVE_FP8_DECODE_KERNEL=swap / tile (read at import, for A/B runs) keeps W8A16 up to
 # DECODE_ROWS on the W8A16 tensor-core kernels, the decode path before the transposed W8A8 GEMM
