@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from qsaserve.engine.sequence import Sequence
+from qsaserve.ops.sampling import greedy_pick
 
 
 @dataclass(slots=True)
@@ -217,7 +218,12 @@ def _sample_simple(logits: torch.Tensor, seqs: list[Sequence], generator: torch.
     the same device operations as the general path (whose penalties, masks and filters would change
     nothing here) and one host pass over the sequences.
     A non-finite row is flagged and its token never used (the sequence ends with an error), so the
-    rows are not sanitized first: that would be three more passes over [B, V] each step."""
+    rows are not sanitized first: that would be three more passes over [B, V] each step.
+    All rows greedy and no token mask: ops.sampling.greedy_pick, the argmax and the finiteness
+    packed in one launch on CUDA."""
+    if token_mask is None and all(s.params.greedy for s in seqs):
+        tokens, packed = greedy_pick(logits)
+        return DeferredTokens(tokens, packed, _plain_tokens)
     finite = torch.isfinite(logits).all(dim=-1)
     if token_mask is not None:
         token_mask.apply(logits)
