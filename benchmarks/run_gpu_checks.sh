@@ -65,6 +65,10 @@ if [ "$mode" = single ]; then
     part gpu_tests_norm_gemv 120 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_norm_gemv.xml" tests/ops/test_fp8_norm_gemv.py
     # The GEMVs that add their output to the residual and prepare the next norm, and the one after
     # it (batch-1 decode's o -> gate_up and down -> qkv), with the engine's FP8 model against the CPU.
+    # The kernels landed without a GPU run: the greedy pick (ops/sampling) and the RMSNorm that
+    # quantizes its output for the W8A8 GEMM.
+    part gpu_tests_pick_norm_quant 150 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_pick_norm_quant.xml" \
+        tests/ops/test_sampling_pick.py tests/ops/test_fp8_norm_quant.py
     part gpu_tests_residual_gemv 180 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_residual_gemv.xml" \
         tests/ops/test_fp8_gemv_residual.py tests/ops/test_fp8_gemv_triton.py tests/models/test_llama_fp8_weights.py
     for w in bf16 fp8 nvfp4; do

@@ -119,11 +119,22 @@ def fp8_linear_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, norm_wei
     residual), h = RMSNorm(x + residual) * norm_weight, as ops.fused.add_rms_norm (rms_norm and x
     itself without a residual) then fp8_linear: on CUDA at the GEMV's rows one launch
     (triton_gemv.fp8_norm_gemv_triton: the normalized input stays float32 inside the GEMV, not
-    rounded to x's dtype); elsewhere the two ops."""
+    rounded to x's dtype), at W8A8 rows the norm's kernel quantizing its output
+    (triton_quant.rms_norm_quant_triton, bit-equal to the norm then the quantization) and the GEMM;
+    elsewhere the two ops."""
     m = x.shape[0]
-    if (use_triton(x) and 0 < m <= GEMV_ROWS and not takes_w8a8(m, w.shape[0]) and x.dim() == 2
-            and (residual is None or residual.dtype == x.dtype)):
+    joinable = use_triton(x) and x.dim() == 2 and 0 < m and (residual is None or residual.dtype == x.dtype)
+    if joinable and m <= GEMV_ROWS and not takes_w8a8(m, w.shape[0]):
         y, summed = triton_gemv.fp8_norm_gemv_triton(x, residual, norm_weight, eps, w, w_scale, block_n)
+        return (y if bias is None else y + bias), summed
+    if joinable and takes_w8a8(m, w.shape[0]) and x.shape[1] % GROUP == 0 and x.stride(-1) == 1:
+        # the norm's kernel quantizes its output for the W8A8 GEMM (one launch and bf16 round trip fewer)
+        cublas = not takes_swap(m, w.shape[0]) and scaled_mm.takes(x, w, w_scale, block_n)
+        xq, xs, summed = triton_quant.rms_norm_quant_triton(
+            x, None if residual is None else residual.contiguous(), norm_weight.contiguous(), eps,
+            scaled_mm.ROWS_MULTIPLE if cublas else 1, scale_column_major=cublas)
+        y = (scaled_mm.fp8_w8a8_gemm_scaled_mm(xq, xs, w, w_scale, x.dtype)[:m] if cublas
+             else fp8_w8a8_gemm(xq, xs, w, w_scale, block_n, x.dtype))
         return (y if bias is None else y + bias), summed
     h, summed = fused.rms_norm_residual(x, residual, norm_weight, eps)
     return fp8_linear(h, w, w_scale, block_n, bias), summed

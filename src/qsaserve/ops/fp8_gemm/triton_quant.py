@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from qsaserve.ops.fp8_gemm.reference import _EPS, FP8, FP8_MAX, GROUP
+from qsaserve.ops.fused.triton_fused import _norm_launch_config as norm_launch_config
 
 
 @triton.jit
@@ -74,4 +75,63 @@ def per_token_group_quant_triton(x: torch.Tensor, rows_multiple: int = 1, scale_
     return q, s
 
 
-__all__ = ["per_token_group_quant_triton"]
+@triton.jit(do_not_specialize=["M", "eps"])
+def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, q_ptr, s_ptr, M, K, eps, stride_xm, stride_rm,
+                           stride_hm, stride_qm, stride_sm, stride_sg, HAS_RESIDUAL: tl.constexpr,
+                           BLOCK: tl.constexpr, FP8_MAX_: tl.constexpr, EPS: tl.constexpr, GROUP_: tl.constexpr):
+    """One row: ops.fused's RMSNorm (with the residual add) exactly as its _rms_norm_kernel computes
+    it (the same BLOCK, warps and expressions: the same reduction), rounded to x's dtype, then
+    _group_quant_kernel's quantization of that row, 128 columns a group. Rows from M on are
+    padding: zeros, unit scales."""
+    m = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = (cols < K) & (m < M)
+    x = tl.load(x_ptr + m * stride_xm + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + m * stride_rm + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + m * stride_hm + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    mean_sq = tl.sum(xf * xf, axis=0) / K
+    y = xf * tl.rsqrt(mean_sq + eps)
+    w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+    normed = tl.reshape((w * y).to(x_ptr.dtype.element_ty).to(tl.float32), (BLOCK // GROUP_, GROUP_))
+    g = tl.arange(0, BLOCK // GROUP_)
+    k = g[:, None] * GROUP_ + tl.arange(0, GROUP_)[None, :]
+    scale = tl.where(m < M, tl.maximum(tl.max(tl.abs(normed), 1) / FP8_MAX_, EPS), 1.0)
+    q = _round_to_e4m3(tl.clamp(normed / scale[:, None], -FP8_MAX_, FP8_MAX_))
+    tl.store(q_ptr + m * stride_qm + k, q.to(q_ptr.dtype.element_ty), mask=k < K)
+    tl.store(s_ptr + m * stride_sm + g * stride_sg, scale, mask=g * GROUP_ < K)
+
+
+def rms_norm_quant_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                          rows_multiple: int = 1,
+                          scale_column_major: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] (K a multiple of 128), residual [M, K] or None, weight [K] -> (E4M3 [M', K], scale
+    [M', K/128] float32, h): h = x + residual (a new tensor; x itself without a residual) and the
+    quantized value that of ops.fused.add_rms_norm (rms_norm) then per_token_group_quant_triton,
+    bit for bit, in one launch; M', rows_multiple and scale_column_major as there."""
+    if x.dim() != 2 or x.shape[1] % GROUP or x.stride(-1) != 1 or weight.shape != (x.shape[1],) or not weight.is_contiguous():
+        raise ValueError(f"rms_norm_quant: x [M, K] with K a multiple of {GROUP} and a unit last stride, weight [K]; "
+                         f"got x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1):
+        raise ValueError(f"rms_norm_quant: residual must be x's shape {tuple(x.shape)} and dtype with a unit last "
+                         f"stride, got {tuple(residual.shape)} {residual.dtype}")
+    m, k = x.shape
+    g = k // GROUP
+    rows = -(-m // rows_multiple) * rows_multiple
+    q = torch.empty((rows, k), dtype=FP8, device=x.device)
+    s = (torch.empty((g, rows), dtype=torch.float32, device=x.device).t() if scale_column_major
+         else torch.empty((rows, g), dtype=torch.float32, device=x.device))
+    h = x if residual is None else torch.empty_like(x, memory_format=torch.contiguous_format)
+    if rows:
+        block, warps = norm_launch_config(k)  # the norm's own launch: its reduction
+        res = x if residual is None else residual
+        _rms_norm_quant_kernel[(rows,)](
+            x, res, weight, h, q, s, m, k, eps, x.stride(0), res.stride(0), h.stride(0), q.stride(0), s.stride(0),
+            s.stride(1), HAS_RESIDUAL=residual is not None, BLOCK=block, FP8_MAX_=FP8_MAX, EPS=_EPS, GROUP_=GROUP,
+            num_warps=warps)
+    return q, s, h
+
+
+__all__ = ["per_token_group_quant_triton", "rms_norm_quant_triton"]
