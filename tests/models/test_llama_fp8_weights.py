@@ -258,7 +258,8 @@ def test_fp8_linear_warm_up_runs_every_form_it_builds(monkeypatch):
     assert [c[1][0] for c in calls if c[0] == "forward"] == rows
     assert [c[1] for c in calls if c[0] == "forward_silu_mul"] == [(r, 512) for r in rows]
     joined = [(c[1][0], c[2]) for c in calls if c[0] == "forward_rms_norm"]
-    assert joined == [(1, False), (1, True), (2, False), (2, True)]  # norm weights in float32 only (dtype is)
+    # the GEMV's rows and one W8A8 row count; norm weights in float32 only (dtype is)
+    assert joined == [(1, False), (1, True), (2, False), (2, True), (3, False), (3, True)]
     # the residual-joined GEMV only where its kernel takes the call (CUDA; none here), the prenormed one at its rows
     prenormed = [c[1] for c in calls if c[0] == "forward_prenormed"]
     assert prenormed == [(1, 256), (2, 256)] and fp8_layer.RESIDUAL_ROWS == 2

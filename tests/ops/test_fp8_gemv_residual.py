@@ -93,6 +93,7 @@ def _triton_checks(device):
     for m, slots in ((1, [13]), (2, [5, 30]), (2, [-1, 9])):  # slot -1: a padded row, not written
         _check_rope_kv(device, m, 4, 2, 32, torch.float32, slots, block_n_tile=8, block_k=128)
     _check_rope_kv(device, 2, 3, 1, 64, torch.float32, [0, 31], block_n_tile=16, block_k=128)
+    _check_rope_kv(device, 2, 2, 1, 24, torch.float32, [4, 12], block_k=128)  # D / 2 = 12: the default tile halves
     for m, (bn, warps) in ((1, (8, 2)), (2, (16, 4))):  # llama-8b's tiles, head_dim 128 (sm_90 compile check)
         _check_rope_kv(device, m, 4, 2, 128, torch.bfloat16, [2, 11], block_n_tile=bn, num_warps=warps)
     if device == "cpu":  # llama-8b's tiles (pick_gemv_tile on 132 SMs), K kept small: the sm_90 compile check
@@ -132,7 +133,7 @@ def test_rejects_bad_arguments():
 def test_dispatch_joins_the_residual_at_the_gemv_rows_only(monkeypatch):
     """joins_residual: CUDA (faked), 1-2 rows on the GEMV (a wide weight's 2 rows take W8A8), no
     bias, a residual of the output's shape and dtype; fp8_linear_prenormed takes the prenormed
-    GEMV there and RMSNorm then fp8_linear elsewhere (on CPU the reference's result)."""
+    GEMV there and fp8_linear_rms_norm of h elsewhere (on CPU the reference's result)."""
     pytest.importorskip("triton", reason="triton is not installed (the gpu extra)")
     import qsaserve.ops.fp8_gemm as fp8_gemm
 
@@ -152,16 +153,17 @@ def test_dispatch_joins_the_residual_at_the_gemv_rows_only(monkeypatch):
     calls = []
     monkeypatch.setattr(fp8_gemm.triton_gemv_joined, "fp8_prenormed_gemv_triton",
                         lambda hg, *a: calls.append(("prenormed", hg.shape[0])) or hg[:, :16])
-    monkeypatch.setattr(fp8_gemm, "fp8_linear", lambda x, *a: calls.append(("linear", x.shape[0])) or x[:, :16])
-    monkeypatch.setattr(fp8_gemm.fused, "rms_norm", lambda x, *a: x)
+    monkeypatch.setattr(fp8_gemm, "fp8_linear_rms_norm", lambda x, r, *a: calls.append(("norm_linear", x.shape[0], r))
+                        or (x[:, :16], x))
     for m, weight in ((1, w), (2, w), (2, wide)):
         h = torch.zeros(m, 256)
         fp8_gemm.fp8_linear_prenormed(fp8_gemm.SummedResidual(h, h, torch.zeros(1, 4), torch.ones(256)), EPS, weight,
                                       torch.ones(1, 2), 128)
-    assert calls == [("prenormed", 1), ("prenormed", 2), ("linear", 2)]
+    assert calls == [("prenormed", 1), ("prenormed", 2), ("norm_linear", 2, None)]
 
 
 def test_fallback_of_the_prenormed_form_is_rms_norm_then_fp8_linear():
+    """On CPU the prenormed form falls back to the norm of h, then fp8_linear."""
     from qsaserve.ops.fp8_gemm import SummedResidual, fp8_linear, fp8_linear_prenormed
 
     gen = torch.Generator().manual_seed(4)

@@ -28,6 +28,7 @@ from qsaserve.engine.warm_up_steps import warm_up_batches
 from qsaserve.engine.host_copies import RankHostTier, host_block_bytes, host_split
 from qsaserve.errors import InvalidRequestError
 from qsaserve.layers.quantization import warm_up_quantized_layers
+from qsaserve.ops.sampling import greedy_pick
 from qsaserve.engine.profiling import layer_ranges
 from qsaserve.models.interfaces import (CausalLM, RowTable, has_routed_experts, side_tables_cuda_graph_block_reason,
                                         supports_cuda_graph, supports_dcp_cuda_graph, supports_dummy_weights,
@@ -395,8 +396,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _warm_up_kernels(self) -> None:
         """Builds the attention kernels' variants, those of modules whose kernels depend on the
-        step's token count (MoE) and the FP8-weight GEMMs', now, so that no early request waits for
-        Triton (graph capture builds only the ones its buckets replay)."""
+        step's token count (MoE), the FP8-weight GEMMs' and the sampler's greedy pick, now, so that
+        no early request waits for Triton (graph capture builds only the ones its buckets replay)."""
         if self.device.type != "cuda":
             return
         head = [self.model.mtp_attention_layer()] if self.mtp else []
@@ -404,6 +405,9 @@ class ModelRunner:
         launches += sum(m.warm_up_kernels(self.dtype, self.config.token_budget)
                         for m in self.model.modules() if warms_up_kernels(m))
         launches += warm_up_quantized_layers(self.model, self.dtype)
+        # the sampler's greedy pick over float32 logits rows (one build for every batch size)
+        greedy_pick(torch.zeros(1, self.model.config.vocab_size, dtype=torch.float32, device=self.device))
+        launches += 1
         if launches:
             torch.cuda.synchronize(self.device)
 

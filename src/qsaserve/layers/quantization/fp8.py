@@ -98,10 +98,11 @@ class Fp8Linear(nn.Module):
         for rows in WARM_UP_ROWS:
             self.forward_silu_mul(gate_up[:rows])
         launches += len(WARM_UP_ROWS)
-        x = torch.zeros(GEMV_ROWS, self.in_features, dtype=dtype, device=self.weight.device)
+        x = torch.zeros(GEMV_ROWS + 1, self.in_features, dtype=dtype, device=self.weight.device)
         for norm_dtype in dict.fromkeys((dtype, torch.float32)):
             g = torch.ones(self.in_features, dtype=norm_dtype, device=x.device)
-            for rows in range(1, GEMV_ROWS + 1):
+            # the GEMV's rows, and one W8A8 row count (the norm's kernel quantizing: one build for all)
+            for rows in range(1, GEMV_ROWS + 2):
                 for residual in (None, x[:rows]):
                     self.forward_rms_norm(x[:rows], residual, g, 1e-6)
                     launches += 1
@@ -113,7 +114,7 @@ class Fp8Linear(nn.Module):
                     if self.joins_residual(inp, residual[:rows], gated):
                         self.forward_residual(inp, residual[:rows], out_norm.to(norm_dtype), gated)
                         launches += 1
-                summed = SummedResidual(x[:rows], x[:rows], torch.zeros(1, 4, device=x.device), g)
+                summed = SummedResidual(x[:rows], x[:rows], torch.zeros(1, 4, device=x.device), g)  # (rows <= 2)
                 self.forward_prenormed(summed, 1e-6)
                 launches += 1
         return launches

@@ -175,11 +175,11 @@ def fp8_linear_prenormed(summed: SummedResidual, eps: float, w: torch.Tensor, w_
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm(summed.h) * summed.norm_weight @ W^T (+ bias): at the GEMV's rows one launch
     (triton_gemv_joined.fp8_prenormed_gemv_triton, the normalization applied to the float32 sums),
-    elsewhere ops.fused.rms_norm then fp8_linear."""
+    elsewhere fp8_linear_rms_norm of summed.h (at W8A8 rows on CUDA the norm's kernel quantizing)."""
     if prenormed_joins(summed, w):
         y = triton_gemv_joined.fp8_prenormed_gemv_triton(summed.hg, summed.partials, eps, w, w_scale, block_n)
         return y if bias is None else y + bias
-    return fp8_linear(fused.rms_norm(summed.h, summed.norm_weight, eps), w, w_scale, block_n, bias)
+    return fp8_linear_rms_norm(summed.h, None, summed.norm_weight, eps, w, w_scale, block_n, bias)[0]
 
 
 def prenormed_joins(summed: SummedResidual, w: torch.Tensor) -> bool:

@@ -52,8 +52,7 @@ def _fp8_prenormed_gemv_kernel(x_ptr, part_ptr, n_parts, eps, w_ptr, s_ptr, y_pt
                x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 0, 0, 0, 0, 0, 0, 1, 1, False, 1)
 
 
-# the cache's block and page strides, the head counts and page size unspecialized: one build per
-# model shape whatever the pool size
+# eps, the producer's program count, the cache's block stride and the page size unspecialized
 @triton.jit(do_not_specialize=["eps", "n_parts", "stride_cb", "page"])
 def _fp8_prenormed_rope_kv_kernel(x_ptr, part_ptr, n_parts, eps, w_ptr, s_ptr, y_ptr, M, N, K, block_n,
                                   stride_xm, stride_wn, stride_sn, stride_sk, stride_ym,
@@ -164,8 +163,11 @@ def fp8_prenormed_rope_kv_triton(hg: torch.Tensor, partials: torch.Tensor, eps: 
                          f"{num_q_heads}, Hkv {num_kv_heads}, kv_cache {tuple(kv_cache.shape)}, cos {tuple(cos.shape)},"
                          f" positions {tuple(positions.shape)}, slot_mapping {tuple(slot_mapping.shape)}")
     bn, bk, warps = _launch(m, n, k, hg, block_n_tile, block_k, num_warps)
-    bn = min(bn, 2 * half)
-    if half % (bn // 2):
+    if block_n_tile is None:  # a program takes bn / 2 channel pairs of one head: halve until they divide D / 2
+        bn = min(bn, 2 * half)
+        while bn > 2 and half % (bn // 2):
+            bn //= 2
+    elif bn < 2 or half % (bn // 2):
         raise ValueError(f"fp8_prenormed_rope_kv: block_n_tile / 2 must divide D / 2 = {half}, got {bn}")
     _fp8_prenormed_rope_kv_kernel[(n // bn,)](
         hg, partials, partials.shape[0], eps, w, w_scale, y, m, n, k, block_n, hg.stride(0), w.stride(0),

@@ -75,7 +75,9 @@ def per_token_group_quant_triton(x: torch.Tensor, rows_multiple: int = 1, scale_
     return q, s
 
 
-@triton.jit(do_not_specialize=["M", "eps"])
+# M and the scale strides unspecialized: the scales' row stride is the padded row count in cuBLAS's
+# column-major layout, which would otherwise build a variant per divisibility of every step's rows
+@triton.jit(do_not_specialize=["M", "eps", "stride_sm", "stride_sg"])
 def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, q_ptr, s_ptr, M, K, eps, stride_xm, stride_rm,
                            stride_hm, stride_qm, stride_sm, stride_sg, HAS_RESIDUAL: tl.constexpr,
                            BLOCK: tl.constexpr, FP8_MAX_: tl.constexpr, EPS: tl.constexpr, GROUP_: tl.constexpr):
