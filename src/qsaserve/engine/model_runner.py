@@ -406,8 +406,10 @@ class ModelRunner:
                         for m in self.model.modules() if warms_up_kernels(m))
         launches += warm_up_quantized_layers(self.model, self.dtype)
         # the sampler's greedy pick over float32 logits rows (one build for every batch size)
-        greedy_pick(torch.zeros(1, self.model.config.vocab_size, dtype=torch.float32, device=self.device))
-        launches += 1
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if vocab:
+            greedy_pick(torch.zeros(1, vocab, dtype=torch.float32, device=self.device))
+            launches += 1
         if launches:
             torch.cuda.synchronize(self.device)
 
