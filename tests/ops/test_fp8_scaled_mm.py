@@ -71,19 +71,19 @@ def test_fp8_linear_hands_prefill_to_it_in_its_layout(monkeypatch):
         return ref.fp8_w8a8_gemm_reference(xq, xs, w, ws, bn, out_dtype)
 
     monkeypatch.setattr(fp8.triton_w8a8_swap, "fp8_w8a8_swap_triton", decode_gemm)
-    w, s = _weight(256, 512)
-    x = torch.randn(70, 512).to(torch.bfloat16)
+    w, s = _weight(256, 512)  # a narrow weight: the transposed GEMM to 128 rows (takes_swap), cuBLAS above
+    x = torch.randn(130, 512).to(torch.bfloat16)
     torch.testing.assert_close(fp8.fp8_linear(x, w, s, 128), ref.fp8_linear_reference(x, w, s, 128))
-    assert calls == [72]  # 70 tokens padded to 72; the output has 70 rows
+    assert calls == [132]  # 130 tokens padded to 132; the output has 130 rows
     torch.testing.assert_close(fp8.fp8_linear(x[:8], w, s, 128), ref.fp8_linear_reference(x[:8], w, s, 128))
-    assert calls == [72, ("decode", 8)]  # decode rows keep the decode kernels
+    assert calls == [132, ("decode", 8)]  # decode rows keep the decode kernels
     # SiLU * up into the quantization, prefill and decode rows: what silu_mul then fp8_linear gives
     w2, s2 = _weight(256, 512, seed=1)
-    gate_up = torch.randn(70, 1024).to(torch.bfloat16)
-    for rows in (70, 8):
+    gate_up = torch.randn(130, 1024).to(torch.bfloat16)
+    for rows in (130, 8):
         torch.testing.assert_close(fp8.fp8_linear_silu_mul(gate_up[:rows], w2, s2, 128),
                                    ref.fp8_linear_reference(silu_mul_reference(gate_up[:rows]), w2, s2, 128))
-    assert calls[2:] == [72, ("decode", 8)]
+    assert calls[2:] == [132, ("decode", 8)]
 
 
 @pytest.mark.gpu
@@ -104,11 +104,11 @@ def test_block_scaled_gemm_equals_the_reference_on_sm90():
         # bf16 output: half a bf16 step of the largest, plus float32 sums in another order
         torch.testing.assert_close(got, want, rtol=2**-8, atol=want.abs().max().item() * 2**-9)
     w, s = _weight(256, 512)
-    x = torch.randn(70, 512, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
-    assert scaled_mm.takes(x.cuda(), w.cuda(), s.cuda(), 128)  # fp8_linear's path below is cuBLAS's
+    x = torch.randn(130, 512, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    assert scaled_mm.takes(x.cuda(), w.cuda(), s.cuda(), 128)  # fp8_linear's path below is cuBLAS's (> 128 rows)
     got = fp8_linear(x.cuda(), w.cuda(), s.cuda(), 128).float().cpu()
     # on the GPU's quantized activations (its division may round a tie the other way than torch's)
     xq, xs = per_token_group_quant_triton(x.cuda())
     want = ref.fp8_w8a8_gemm_reference(xq.cpu(), xs.cpu(), w, s, 128, torch.float32)
-    assert got.shape == (70, 256)
+    assert got.shape == (130, 256)
     torch.testing.assert_close(got, want, rtol=2**-8, atol=want.abs().max().item() * 2**-9)

@@ -66,6 +66,7 @@ class ModelRunner:
         self.device = device or config.torch_device
         self.dtype = config.torch_dtype
         self.max_model_len = max_model_len
+        self.vocab_size = int(checkpoint.hf_config["vocab_size"])  # the logits' width (the greedy pick's warm-up)
         self._layer_profiling = False  # layer_profile(): steps run eagerly inside per-layer ranges
         torch.manual_seed(config.seed)
         self.memory: dict[str, int] = {}  # bytes per kind on this rank's device (memory_plan)
@@ -406,10 +407,8 @@ class ModelRunner:
                         for m in self.model.modules() if warms_up_kernels(m))
         launches += warm_up_quantized_layers(self.model, self.dtype)
         # the sampler's greedy pick over float32 logits rows (one build for every batch size)
-        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
-        if vocab:
-            greedy_pick(torch.zeros(1, vocab, dtype=torch.float32, device=self.device))
-            launches += 1
+        greedy_pick(torch.zeros(1, self.vocab_size, dtype=torch.float32, device=self.device))
+        launches += 1
         if launches:
             torch.cuda.synchronize(self.device)
 
