@@ -324,6 +324,18 @@ def pick_norm_gemv_tile(n: int, k: int, sms: int, m: int = 1) -> tuple[int, int,
     return bn, bk, 4
 
 
+def gemv_operands(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int, gated: bool,
+                  what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The GEMVs' argument check -> (x with a unit last stride, an empty [M, N] output in x's
+    dtype). gated: x is gate | up [M, 2K] (unit last stride), checked as its first K columns."""
+    if not gated:
+        return w8a16_operands(x, w, w_scale, block_n, what)
+    if x.dim() != 2 or x.shape[1] != 2 * w.shape[1] or x.stride(-1) != 1:
+        raise ValueError(f"{what}: gated x must be [M, 2K] = [M, {2 * w.shape[1]}] with a unit last stride, "
+                         f"got {tuple(x.shape)}")
+    return x, w8a16_operands(x[:, : w.shape[1]], w, w_scale, block_n, what)[1]
+
+
 def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
                     block_n_tile: int | None = None, block_k: int | None = None, split_k: int | None = None,
                     num_warps: int | None = None, num_stages: int = 3, gated: bool = False) -> torch.Tensor:
@@ -338,13 +350,7 @@ def fp8_gemv_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, blo
     bytes of traffic) summed by a second launch. gated: x is [M, 2K] (gate | up, unit last stride)
     and the product is SiLU(gate) * up @ W^T, the SiLU computed as the input is loaded (as
     ops.fused.silu_mul then this GEMV, one launch fewer)."""
-    if gated:
-        if x.dim() != 2 or x.shape[1] != 2 * w.shape[1] or x.stride(-1) != 1:
-            raise ValueError(f"fp8_gemv: gated x must be [M, 2K] = [M, {2 * w.shape[1]}] with a unit last stride, "
-                             f"got {tuple(x.shape)}")
-        _, y = w8a16_operands(x[:, : w.shape[1]], w, w_scale, block_n, "fp8_gemv")
-    else:
-        x, y = w8a16_operands(x, w, w_scale, block_n, "fp8_gemv")
+    x, y = gemv_operands(x, w, w_scale, block_n, gated, "fp8_gemv")
     m, k = x.shape[0], w.shape[1]  # gated x holds 2K columns
     n = w.shape[0]
     if m > MAX_ROWS:
@@ -403,6 +409,6 @@ def fp8_norm_gemv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_we
     return y, h
 
 
-__all__ = ["MAX_ROWS", "PART_BLOCK", "TILE_BYTES", "fp8_gemv_triton", "fp8_norm_gemv_triton", "pick_gemv_tile",
+__all__ = ["MAX_ROWS", "PART_BLOCK", "TILE_BYTES", "fp8_gemv_triton", "gemv_operands", "fp8_norm_gemv_triton", "pick_gemv_tile",
            "pick_norm_gemv_tile", "split_k_range",
            "store_rows"]

@@ -21,7 +21,7 @@ import triton.language as tl
 from qsaserve.ops.device import num_sms
 from qsaserve.ops.fp8_gemm.reference import GROUP, RESIDUAL_ROWS
 from qsaserve.ops.fp8_gemm.triton_gemm import _scale_k_stride, w8a16_operands
-from qsaserve.ops.fp8_gemm.triton_gemv import PART_BLOCK, _gemv_body, pick_gemv_tile
+from qsaserve.ops.fp8_gemm.triton_gemv import PART_BLOCK, _gemv_body, gemv_operands, pick_gemv_tile
 
 PART_COLS = 4  # the partial sums' row stride (triton_gemv.PART_ROWS)
 
@@ -88,13 +88,7 @@ def fp8_gemv_residual_triton(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Te
     rounded to x's dtype, then the sum rounded: as fp8_gemv_triton then ops.fused's residual add),
     hg = h * norm_weight rounded to x's dtype, and partials [programs, 4] float32, row r's sums of
     h's squares over each program's columns, for the prenormed GEMVs. y itself is not stored."""
-    if gated:
-        if x.dim() != 2 or x.shape[1] != 2 * w.shape[1] or x.stride(-1) != 1:
-            raise ValueError(f"fp8_gemv_residual: gated x must be [M, 2K] = [M, {2 * w.shape[1]}] with a unit last "
-                             f"stride, got {tuple(x.shape)}")
-        _, h = w8a16_operands(x[:, : w.shape[1]], w, w_scale, block_n, "fp8_gemv_residual")
-    else:
-        x, h = w8a16_operands(x, w, w_scale, block_n, "fp8_gemv_residual")
+    x, h = gemv_operands(x, w, w_scale, block_n, gated, "fp8_gemv_residual")
     m, k, n = x.shape[0], w.shape[1], w.shape[0]
     if not 0 < m <= RESIDUAL_ROWS or residual.shape != (m, n) or residual.dtype != x.dtype or norm_weight.shape != (n,):
         raise ValueError(f"fp8_gemv_residual: 1-{RESIDUAL_ROWS} rows, residual [M, N] = [{m}, {n}] in {x.dtype} and "

@@ -13,6 +13,7 @@ import triton.language as tl
 
 from qsaserve.ops.fp8_gemm.reference import _EPS, FP8, FP8_MAX, GROUP
 from qsaserve.ops.fused.triton_fused import _norm_launch_config as norm_launch_config
+from qsaserve.ops.fused.triton_fused import rms_norm_row
 
 
 @triton.jit
@@ -82,7 +83,7 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, q_ptr, s_ptr, M, K, e
                            stride_hm, stride_qm, stride_sm, stride_sg, HAS_RESIDUAL: tl.constexpr,
                            BLOCK: tl.constexpr, FP8_MAX_: tl.constexpr, EPS: tl.constexpr, GROUP_: tl.constexpr):
     """One row: ops.fused's RMSNorm (with the residual add) exactly as its _rms_norm_kernel computes
-    it (the same BLOCK, warps and expressions: the same reduction), rounded to x's dtype, then
+    it (its rms_norm_row, the same BLOCK and warps: the same reduction), rounded to x's dtype, then
     _group_quant_kernel's quantization of that row, 128 columns a group. Rows from M on are
     padding: zeros, unit scales."""
     m = tl.program_id(0).to(tl.int64)
@@ -93,11 +94,8 @@ def _rms_norm_quant_kernel(x_ptr, res_ptr, w_ptr, sum_ptr, q_ptr, s_ptr, M, K, e
         r = tl.load(res_ptr + m * stride_rm + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + m * stride_hm + cols, x, mask=mask)
-    xf = x.to(tl.float32)
-    mean_sq = tl.sum(xf * xf, axis=0) / K
-    y = xf * tl.rsqrt(mean_sq + eps)
-    w = tl.load(w_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-    normed = tl.reshape((w * y).to(x_ptr.dtype.element_ty).to(tl.float32), (BLOCK // GROUP_, GROUP_))
+    normed = rms_norm_row(x, tl.load(w_ptr + cols, mask=cols < K, other=0.0), K, eps)
+    normed = tl.reshape(normed.to(x_ptr.dtype.element_ty).to(tl.float32), (BLOCK // GROUP_, GROUP_))
     g = tl.arange(0, BLOCK // GROUP_)
     k = g[:, None] * GROUP_ + tl.arange(0, GROUP_)[None, :]
     scale = tl.where(m < M, tl.maximum(tl.max(tl.abs(normed), 1) / FP8_MAX_, EPS), 1.0)

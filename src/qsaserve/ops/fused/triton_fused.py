@@ -33,11 +33,17 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
         r = tl.load(res_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
         tl.store(res_out_ptr + row * stride_ro + cols, x, mask=mask)
+    normed = rms_norm_row(x, tl.load(w_ptr + cols, mask=mask, other=0.0), n_cols, eps)
+    tl.store(out_ptr + row * stride_o + cols, normed.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def rms_norm_row(x, w, n_cols, eps):
+    """One row [BLOCK] (zeros past n_cols) times the norm weight w over its RMS, float32: the
+    RMSNorm's arithmetic, shared by every kernel that must compute it as this module does."""
     xf = x.to(tl.float32)
     mean_sq = tl.sum(xf * xf, axis=0) / n_cols
-    y = xf * tl.rsqrt(mean_sq + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+    return w.to(tl.float32) * (xf * tl.rsqrt(mean_sq + eps))
 
 
 def _norm_launch_config(n_cols: int) -> tuple[int, int]:
