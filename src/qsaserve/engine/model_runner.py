@@ -35,7 +35,7 @@ from qsaserve.models.interfaces import (CausalLM, RowTable, has_routed_experts, 
                                         supports_layer_profile, supports_recurrent_state, supports_side_tables,
                                         supports_state_snapshots, supports_v_offsets, warms_up_kernels)
 from qsaserve.models.ple_table import dummy_ple_tables, is_table_tensor, open_ple_tables
-from qsaserve.models.registry import build_model, kv_block_multiple, kv_rotation_unsupported
+from qsaserve.models.registry import build_model, kv_block_multiple, kv_rotation_unsupported, text_config
 from qsaserve.parallel.dcp import DcpGeometry
 from qsaserve.parallel.state import ParallelContext
 from qsaserve.quant.kv_scales import CheckpointScales, resolve_kv_cache
@@ -66,7 +66,7 @@ class ModelRunner:
         self.device = device or config.torch_device
         self.dtype = config.torch_dtype
         self.max_model_len = max_model_len
-        self.vocab_size = int(checkpoint.hf_config["vocab_size"])  # the logits' width (the greedy pick's warm-up)
+        self.vocab_size = int(text_config(checkpoint.hf_config)["vocab_size"])  # the logits' width (greedy pick's warm-up)
         self._layer_profiling = False  # layer_profile(): steps run eagerly inside per-layer ranges
         torch.manual_seed(config.seed)
         self.memory: dict[str, int] = {}  # bytes per kind on this rank's device (memory_plan)
