@@ -106,17 +106,19 @@ class Fp8Linear(nn.Module):
                 for residual in (None, x[:rows]):
                     self.forward_rms_norm(x[:rows], residual, g, 1e-6)
                     launches += 1
-        out_norm = torch.ones(self.out_features, dtype=dtype, device=x.device)
         residual = torch.zeros(RESIDUAL_ROWS, self.out_features, dtype=dtype, device=x.device)
         for norm_dtype in dict.fromkeys((dtype, torch.float32)):
+            out_norm = torch.ones(self.out_features, dtype=norm_dtype, device=x.device)
             for rows in range(1, RESIDUAL_ROWS + 1):
                 for gated, inp in ((False, x[:rows]), (True, gate_up[:rows])):
                     if self.joins_residual(inp, residual[:rows], gated):
-                        self.forward_residual(inp, residual[:rows], out_norm.to(norm_dtype), gated)
+                        self.forward_residual(inp, residual[:rows], out_norm, gated)
                         launches += 1
-                summed = SummedResidual(x[:rows], x[:rows], torch.zeros(1, 4, device=x.device), g)  # (rows <= 2)
-                self.forward_prenormed(summed, 1e-6)
-                launches += 1
+        # the prenormed GEMV reads no norm weight (its input carries it): one build per row count
+        in_norm = torch.ones(self.in_features, dtype=dtype, device=x.device)
+        for rows in range(1, RESIDUAL_ROWS + 1):
+            self.forward_prenormed(SummedResidual(x[:rows], x[:rows], torch.zeros(1, 4, device=x.device), in_norm), 1e-6)
+            launches += 1
         return launches
 
     def linear_part(self, x: torch.Tensor, part: int) -> torch.Tensor:

@@ -155,11 +155,16 @@ def joins_residual(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | No
                    bias: torch.Tensor | None = None, gated: bool = False) -> bool:
     """fp8_linear_residual's joined kernel takes this call: on CUDA, 1-RESIDUAL_ROWS rows on the
     GEMV (not W8A8), no bias, a residual of the output's shape and x's dtype."""
-    m = x.shape[0]
-    return (use_triton(x) and x.dim() == 2 and 0 < m <= RESIDUAL_ROWS and m <= GEMV_ROWS
-            and not takes_w8a8(m, w.shape[0]) and bias is None and residual is not None
-            and residual.dtype == x.dtype and residual.shape == (m, w.shape[0])
+    return (x.dim() == 2 and _joined_gemv_rows(x, w) and bias is None and residual is not None
+            and residual.dtype == x.dtype and residual.shape == (x.shape[0], w.shape[0])
             and (not gated or x.stride(-1) == 1))
+
+
+def _joined_gemv_rows(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """x's rows take the joined GEMVs (triton_gemv_joined) with this weight: on CUDA,
+    1-RESIDUAL_ROWS rows that stay W8A16 (a wide weight's 2 rows take W8A8)."""
+    m = x.shape[0]
+    return use_triton(x) and 0 < m <= RESIDUAL_ROWS and not takes_w8a8(m, w.shape[0])
 
 
 def fp8_linear_residual(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, block_n: int,
@@ -184,8 +189,7 @@ def fp8_linear_prenormed(summed: SummedResidual, eps: float, w: torch.Tensor, w_
 
 def prenormed_joins(summed: SummedResidual, w: torch.Tensor) -> bool:
     """fp8_linear_prenormed takes the prenormed GEMV for this weight (else RMSNorm, fp8_linear)."""
-    m = summed.hg.shape[0]
-    return use_triton(summed.hg) and 0 < m <= RESIDUAL_ROWS and m <= GEMV_ROWS and not takes_w8a8(m, w.shape[0])
+    return _joined_gemv_rows(summed.hg, w)
 
 
 def fp8_linear_prenormed_rope_kv(summed: SummedResidual, eps: float, w: torch.Tensor, w_scale: torch.Tensor,

@@ -12,8 +12,7 @@ import triton
 import triton.language as tl
 
 from qsaserve.ops.fp8_gemm.reference import _EPS, FP8, FP8_MAX, GROUP
-from qsaserve.ops.fused.triton_fused import _norm_launch_config as norm_launch_config
-from qsaserve.ops.fused.triton_fused import rms_norm_row
+from qsaserve.ops.fused.triton_fused import norm_launch_config, rms_norm_row
 
 
 @triton.jit

@@ -46,7 +46,7 @@ def rms_norm_row(x, w, n_cols, eps):
     return w.to(tl.float32) * (xf * tl.rsqrt(mean_sq + eps))
 
 
-def _norm_launch_config(n_cols: int) -> tuple[int, int]:
+def norm_launch_config(n_cols: int) -> tuple[int, int]:
     if n_cols > _MAX_NORM_COLS:
         raise ValueError(f"x: last dim {n_cols} is too wide for the fused RMSNorm (at most {_MAX_NORM_COLS})")
     block = triton.next_power_of_2(n_cols)
@@ -75,7 +75,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x.numel() // n_cols
     if rows == 0:
         return out
-    block, warps = _norm_launch_config(n_cols)
+    block, warps = norm_launch_config(n_cols)
     _rms_norm_kernel[(rows,)](x, x, weight, out, out, s0, s1, inner, 0, n_cols, 0, n_cols, eps,
                               HAS_RESIDUAL=False, BLOCK=block, num_warps=warps)
     return out
@@ -94,7 +94,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
     rows, n_cols = x.shape
     if rows == 0:
         return out, new_residual
-    block, warps = _norm_launch_config(n_cols)
+    block, warps = norm_launch_config(n_cols)
     _rms_norm_kernel[(rows,)](x, residual, weight, out, new_residual, x.stride(0), 0, 1, residual.stride(0),
                               n_cols, n_cols, n_cols, eps, HAS_RESIDUAL=True, BLOCK=block, num_warps=warps)
     return out, new_residual
