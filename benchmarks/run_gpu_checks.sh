@@ -45,7 +45,7 @@ if [ "$mode" = single ]; then
     part bench_attention 150 python benchmarks/bench_attention.py --sections env,decode,fp8,diag --out "$out/bench_attention.json"
     part bench_qsa 180 python benchmarks/bench_qsa.py --out "$out/bench_qsa.json"
     part bench_moe 120 python benchmarks/bench_moe.py --out "$out/bench_moe.json"
-    part bench_gemv 150 python benchmarks/bench_gemv.py --out "$out/bench_gemv.json"
+    part bench_gemv 240 python benchmarks/bench_gemv.py --out "$out/bench_gemv.json"
     part bench_gdn 90 python benchmarks/bench_gdn.py --out "$out/bench_gdn.json"
     part bench_qsa_model 300 python benchmarks/bench_qsa.py --model-only --out "$out/bench_qsa_model.json"
     part latency_llama1b 240 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --peer hf --profile-steps 16 > '$out/latency_llama1b.json'"
@@ -53,7 +53,7 @@ if [ "$mode" = single ]; then
     part throughput_llama1b 300 sh -c "python -m qsaserve.cli bench throughput llama-1b --load-format dummy --max-model-len 4096 --peer hf > '$out/throughput_llama1b.json'"
     # The same two with the host's work overlapping the device's step (--async-scheduling).
     part latency_llama1b_async 200 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --async-scheduling --profile-steps 16 > '$out/latency_llama1b_async.json'"
-    # Batch-1 projections on the Triton GEMV instead of cuBLAS (opt-in; see benchmarks/bench_gemv.py).
+    # llama-1b's batch-1 projections on the Triton GEMV (benchmarks/bench_gemv.py).
     part latency_llama1b_gemv 200 env QSASERVE_TRITON_GEMV=1 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --batch-sizes 1 --async-scheduling --profile-steps 16 > '$out/latency_llama1b_gemv.json'"
     # FP8 pages with the Hadamard head rotation (docs/fp8.md): its cost at batch 1 (unit scales).
     part latency_llama1b_fp8_rotation 200 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --batch-sizes 1 --async-scheduling --kv-cache-dtype fp8_e4m3 --kv-rotation hadamard --profile-steps 16 > '$out/latency_llama1b_fp8_rotation.json'"
@@ -133,6 +133,14 @@ if [ "$mode" = single ]; then
     part profile_prefill_q4small 150 sh -c "python benchmarks/profile_prefill.py qwen4exp-small --cases 1x1024,1x8192,8x1024 > '$out/profile_prefill_q4small.json'"
     for ple in gpu host disk; do
         part latency_q4small_ple_$ple 200 sh -c "python -m qsaserve.cli bench latency qwen4exp-small --load-format dummy --max-model-len 9000 --batch-sizes 1,16 --decode-context 8192 --prompt-lens 1024,8192 --ple-placement $ple --async-scheduling > '$out/latency_q4small_ple_$ple.json'"
+    done
+    # The Triton GEMV for plain-weight decode projections against cuBLAS in one call (A/B by
+    # QSASERVE_TRITON_GEMV): its kernel test, the tile sweep, qwen4exp-small and llama-8b decode.
+    part gpu_tests_gemv 120 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_gemv.xml" \
+        tests/ops/test_gemv_triton.py tests/ops/test_hyper_connection.py tests/models/qwen4exp/test_qwen4exp_gemv.py tests/models/test_llama_fused.py
+    for g in 0 1; do
+        part latency_q4small_gemv$g 200 env QSASERVE_TRITON_GEMV=$g sh -c "python -m qsaserve.cli bench latency qwen4exp-small --load-format dummy --max-model-len 9000 --batch-sizes 1,16 --decode-context 8192 --prompt-lens 1024 --ttft-trials 1 --ple-placement gpu --async-scheduling --profile-steps 16 > '$out/latency_q4small_gemv$g.json'"
+        part latency_llama8b_gemv$g 150 env QSASERVE_TRITON_GEMV=$g sh -c "python -m qsaserve.cli bench latency llama-8b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --prompt-lens 1024 --async-scheduling --profile-steps 16 > '$out/latency_llama8b_gemv$g.json'"
     done
     part latency_flash12l 300 sh -c "python -m qsaserve.cli bench latency qwen4exp-flash-12l --load-format dummy --max-model-len 9000 --batch-sizes 1,64 --decode-context 8192 --prompt-lens 8192 --ple-placement gpu --async-scheduling --profile-batch-sizes 1,64 > '$out/latency_flash12l.json'"
     part throughput_q4small 300 sh -c "python -m qsaserve.cli bench throughput qwen4exp-small --load-format dummy --max-model-len 4096 --ple-placement gpu --async-scheduling > '$out/throughput_q4small.json'"

@@ -114,23 +114,23 @@ def test_decode_step_launches_fewer_kernels(monkeypatch):
     assert with_fused <= without - 20 * layers, (with_fused, without)
 
 
-def test_triton_gemv_opt_in_equals_cublas(monkeypatch):
-    """QSASERVE_TRITON_GEMV=1 (layers.linear.GEMV_ENABLED): the decode projections of 1-4 rows run
-    the Triton GEMV, in fp32 with the same greedy tokens and logprobs as cuBLAS."""
-    from qsaserve.layers import linear as linear_mod
+def test_triton_gemv_equals_cublas(monkeypatch):
+    """ops.gemv.ENABLED (QSASERVE_TRITON_GEMV): the decode projections of 1-4 rows run the Triton
+    GEMV, in fp32 with the same greedy tokens and logprobs as cuBLAS."""
+    from qsaserve.ops import gemv as gemv_mod
 
     calls = []
-    original = linear_mod.gemv
+    original = gemv_mod.gemv
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape[0])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(linear_mod, "gemv", counted)
-    monkeypatch.setattr(linear_mod, "GEMV_ENABLED", True)
+    monkeypatch.setattr(gemv_mod, "gemv", counted)
+    monkeypatch.setattr(gemv_mod, "ENABLED", True)
     with_gemv, _ = _generate(monkeypatch, True, "float32")
-    assert calls and max(calls) <= linear_mod.MAX_ROWS
-    monkeypatch.setattr(linear_mod, "GEMV_ENABLED", False)
+    assert calls and max(calls) <= gemv_mod.MAX_ROWS
+    monkeypatch.setattr(gemv_mod, "ENABLED", False)
     calls.clear()
     without, _ = _generate(monkeypatch, True, "float32")
     assert not calls

@@ -1,6 +1,7 @@
-"""The batch-1..4 GEMV kernel against its reference: 1 to 4 rows, N and K not multiples of the
-blocks, several output blocks, float32 tightly and bf16 within bf16 rounding (the kernel sums in
-fp32 and rounds once, as the reference does); under the Triton interpreter and on a GPU."""
+"""The 1-4 row GEMV kernel against its reference: 1 to 4 rows, N and K not multiples of the
+blocks, several output blocks, split K (the partials summed by the second launch), float32
+tightly and bf16 within bf16 rounding (the kernel sums in fp32 and rounds once, as the reference
+does); under the Triton interpreter and on a GPU. The default tile rule and the dispatch."""
 import pytest
 import torch
 from triton_interpreter import triton_check_tests
@@ -8,13 +9,13 @@ from triton_interpreter import triton_check_tests
 from qsaserve.ops.gemv.reference import gemv_reference
 
 
-def _check(device, dtype, m, n, k, block_n=None):
+def _check(device, dtype, m, n, k, **tile):
     from qsaserve.ops.gemv.triton_gemv import gemv
 
     g = torch.Generator().manual_seed(m * 1000 + n)
     x = torch.randn(m, k, generator=g).to(dtype)
     w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype)
-    got = gemv(x.to(device), w.to(device), block_n=block_n).cpu()
+    got = gemv(x.to(device), w.to(device), **tile).cpu()
     want = gemv_reference(x, w)
     assert got.shape == (m, n) and got.dtype == dtype
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
@@ -23,32 +24,67 @@ def _check(device, dtype, m, n, k, block_n=None):
 
 def _triton_checks(device):
     for dtype in (torch.float32, torch.bfloat16):
-        for m in (1, 3, 4):
+        for m in (1, 2, 3, 4):
             _check(device, dtype, m, 37, 300, block_n=8)  # a ragged last block of N and of K
-        _check(device, dtype, 1, 200, 64)  # K shorter than a K block; block_n from the SM count
-    if device == "cuda":  # llama-1b's fused q/k/v and o_proj at batch 1
-        _check(device, torch.bfloat16, 1, 3072, 2048)
-        _check(device, torch.bfloat16, 2, 2048, 2048)
+        _check(device, dtype, 1, 200, 64)  # K shorter than a K block; the default tile
+        _check(device, dtype, 3, 5, 1000, split_k=4, block_k=128)  # split K, a ragged last range
+        _check(device, dtype, 2, 4, 640, split_k=8)  # more splits than whole 128-column groups
+    if device == "cuda":  # qwen4exp-small's hyper-connection down / inject / up and GDN in_proj, llama-8b's o
+        for m in (1, 2, 4):
+            _check(device, torch.bfloat16, m, 320, 8192)
+            _check(device, torch.bfloat16, m, 4, 8192)
+            _check(device, torch.bfloat16, m, 8192, 320)
+        _check(device, torch.bfloat16, 1, 12352, 2048)
+        _check(device, torch.bfloat16, 2, 4096, 4096)
 
 
-def test_rejects_too_many_rows_and_strided_weights():
+def test_rejects_too_many_rows_strided_weights_and_bad_tiles():
     from qsaserve.ops.gemv.triton_gemv import gemv
 
     with pytest.raises(ValueError, match="gemv"):
         gemv(torch.zeros(5, 8), torch.zeros(4, 8))
     with pytest.raises(ValueError, match="gemv"):
         gemv(torch.zeros(1, 8), torch.zeros(8, 4).t())
+    with pytest.raises(ValueError, match="block_k"):
+        gemv(torch.zeros(1, 8), torch.zeros(4, 8), block_k=96)
+
+
+def test_default_tile_fills_the_sms_and_splits_narrow_outputs():
+    """8 weight rows a program (4 below one program a SM), TILE_BYTES of weights an iteration, K
+    split in powers of two, each range at least MIN_SPLIT_COLS wide, until two programs a SM."""
+    import triton
+
+    from qsaserve.ops.gemv.triton_gemv import MIN_SPLIT_COLS, TILE_BYTES, pick_gemv_tile
+
+    assert pick_gemv_tile(12352, 2048, 132) == (8, TILE_BYTES // 16, 1, 2)  # wide: no split
+    assert pick_gemv_tile(12352, 2048, 132, elem_bytes=4)[1] == TILE_BYTES // 32  # float32 weights
+    for n, k in ((320, 8192), (4, 8192), (1089, 2048), (2048, 512), (8192, 320)):
+        bn, bk, split, warps = pick_gemv_tile(n, k, 132)
+        programs = triton.cdiv(n, bn)
+        assert bn == (8 if triton.cdiv(n, 8) >= 132 else 4)
+        assert split & (split - 1) == 0 and (split == 1 or k // split >= MIN_SPLIT_COLS)
+        assert programs * split >= 2 * 132 or k // (2 * split) < MIN_SPLIT_COLS  # stopped for a reason
+    assert pick_gemv_tile(320, 8192, 132)[2] == 4 and pick_gemv_tile(4, 8192, 132)[2] == 16
 
 
 test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)
 
 
-def test_linear_takes_cublas_unless_opted_in_on_cuda(monkeypatch):
-    """layers.linear: CPU tensors take F.linear even when opted in (the GEMV wiring runs on a GPU:
-    tests/models/test_llama_fused.py)."""
-    from qsaserve.layers import linear as linear_mod
+def test_dispatch_takes_the_gemv_only_for_decode_rows_on_cuda(monkeypatch):
+    """ops.gemv.linear: CPU tensors take F.linear even when the GEMV is on; on CUDA 1-4 rows of the
+    weight's dtype without a bias take it, other shapes cuBLAS (the wiring in the models runs on
+    a GPU: tests/models/test_llama_fused.py)."""
+    from qsaserve.ops import gemv as gemv_mod
 
-    monkeypatch.setattr(linear_mod, "GEMV_ENABLED", True)
+    monkeypatch.setattr(gemv_mod, "ENABLED", True)
     x, w = torch.randn(2, 8), torch.randn(4, 8)
-    assert not linear_mod.use_gemv(x, w)  # CPU tensors
-    torch.testing.assert_close(linear_mod.linear_weight(x, w, torch.ones(4)), torch.nn.functional.linear(x, w, torch.ones(4)))
+    assert not gemv_mod.takes_gemv(x, w)  # CPU tensors
+    torch.testing.assert_close(gemv_mod.linear(x, w, torch.ones(4)), torch.nn.functional.linear(x, w, torch.ones(4)))
+    monkeypatch.setattr(gemv_mod, "use_triton", lambda t: True)  # as on CUDA
+    assert gemv_mod.takes_gemv(x, w) and gemv_mod.takes_gemv(x[:1], w)
+    assert not gemv_mod.takes_gemv(torch.randn(gemv_mod.MAX_ROWS + 1, 8), w)  # prefill rows
+    assert not gemv_mod.takes_gemv(x.double(), w)  # dtypes differ
+    assert not gemv_mod.takes_gemv(x, torch.randn(8, 4).t())  # a strided weight
+    assert not gemv_mod.takes_gemv(x[None], w)  # not 2-D
+    monkeypatch.setattr(gemv_mod, "ENABLED", False)
+    assert not gemv_mod.takes_gemv(x, w)

@@ -1,44 +1,17 @@
 """Linear projections of the Llama-family model and every model's LM head (parallel/tp.py):
-F.linear (cuBLAS), or for 1-4 rows on CUDA, without bias, the Triton GEMV of ops/gemv when
-QSASERVE_TRITON_GEMV=1 (read at import) and the Triton kernels are on (ops.dispatch). cuBLAS
-reads the small q/k/v and o projections of a batch-1 decode step well below HBM bandwidth
-(docs/benchmarks.md); the GEMV stays opt-in until benchmarks/bench_gemv.py and `qsaserve bench
-latency` measure it faster. Layers with FP8 / NVFP4 weights (layers/quantization) run their own
-ops.fp8_gemm / ops.nvfp4_gemm path."""
+plain weights through ops.gemv.linear (the Triton GEMV for 1-4 rows on CUDA, else cuBLAS); layers
+with FP8 / NVFP4 weights (layers/quantization) run their own ops.fp8_gemm / ops.nvfp4_gemm path."""
 from __future__ import annotations
 
-import os
-
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qsaserve.layers.quantization.fp8 import Fp8Linear
 from qsaserve.layers.quantization.nvfp4 import Nvfp4Linear
 from qsaserve.layers.rmsnorm import RMSNorm
 from qsaserve.ops import fused
-from qsaserve.ops.dispatch import use_triton
 from qsaserve.ops.fp8_gemm import SummedResidual
-
-try:  # CPU-only installs: F.linear only
-    from qsaserve.ops.gemv.triton_gemv import MAX_ROWS, gemv
-except ImportError:
-    gemv, MAX_ROWS = None, 0
-
-GEMV_ENABLED = os.environ.get("QSASERVE_TRITON_GEMV", "0") == "1" and gemv is not None
-
-
-def use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """The GEMV is opted in and x's step may take it (the kernels' switch, ops.dispatch, included)."""
-    return (GEMV_ENABLED and use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
-            and weight.stride(-1) == 1 and x.dtype == weight.dtype)
-
-
-def linear_weight(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight^T (+ bias). With a bias, cuBLAS: it adds the bias before its one rounding."""
-    if bias is None and use_gemv(x, weight):
-        return gemv(x, weight)
-    return F.linear(x, weight, bias)
+from qsaserve.ops.gemv import linear as linear_weight
 
 
 def linear(x: torch.Tensor, layer: nn.Linear | Fp8Linear | Nvfp4Linear) -> torch.Tensor:
@@ -86,5 +59,4 @@ def rms_norm_linear(x: torch.Tensor | SummedResidual, residual: torch.Tensor | N
     return linear(h, layer), residual
 
 
-__all__ = ["GEMV_ENABLED", "linear", "linear_residual", "linear_weight", "rms_norm_linear", "silu_mul_linear",
-           "use_gemv"]
+__all__ = ["linear", "linear_residual", "linear_weight", "rms_norm_linear", "silu_mul_linear"]

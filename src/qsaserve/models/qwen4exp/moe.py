@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qsaserve.layers.quantization.fp8_moe import fits_blocks
@@ -23,6 +22,7 @@ from qsaserve.models.qwen4exp.reference import sparse_moe_block
 from qsaserve.models.qwen4exp.sharding import REPLICATED, RankLayout
 from qsaserve.models.qwen4exp.state import Step
 from qsaserve.models.qwen4exp.weights import ExpertLoader, PackedWeight, Weight, parameter
+from qsaserve.ops import gemv
 from qsaserve.ops.dispatch import use_triton
 from qsaserve.ops.fused import sigmoid_gated_add, silu_mul
 from qsaserve.ops.moe import moe_experts, moe_experts_sync_free, moe_route, warm_up as warm_up_moe
@@ -134,19 +134,19 @@ class SparseMoE(nn.Module, WarmsUpKernels):
 
     def _fused_forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         router, gate, up, shared_gate = self.input_proj.sizes()
-        logits, gate_up, shared_gate = torch.split(F.linear(x, self.input_proj.weight), [router, gate + up, shared_gate],
+        logits, gate_up, shared_gate = torch.split(gemv.linear(x, self.input_proj.weight), [router, gate + up, shared_gate],
                                                    dim=-1)
         top_w, top_i = moe_route(logits, self.top_k, self.norm_topk_prob)
         experts = moe_experts_sync_free if step.decode else moe_experts
         routed = experts(x, top_i, top_w, self.experts.gate_up_proj, self.experts.down_proj, self.activation)
-        shared = F.linear(silu_mul(gate_up), self.shared_expert.down_proj.weight)
+        shared = gemv.linear(silu_mul(gate_up), self.shared_expert.down_proj.weight)
         return sigmoid_gated_add(routed, shared, shared_gate)  # routed + sigmoid(gate) * shared
 
     def _quantized_forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:
         """The block with FP8 / NVFP4 layers, on either path (ops.moe, ops.fp8_gemm and ops.nvfp4_gemm
         dispatch themselves)."""
         flat = x.reshape(-1, x.shape[-1])
-        logits, shared_gate = torch.split(F.linear(flat, self.input_proj.weight), self.input_proj.sizes(), dim=-1)
+        logits, shared_gate = torch.split(gemv.linear(flat, self.input_proj.weight), self.input_proj.sizes(), dim=-1)
         top_w, top_i = moe_route(logits, self.top_k, self.norm_topk_prob)
         experts = moe_experts_sync_free if step.decode else moe_experts
         scales = self.experts.scales() if isinstance(self.experts, QUANTIZED_EXPERTS) else {}

@@ -8,12 +8,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qsaserve.models.qwen4exp.sharding import REPLICATED
 from qsaserve.models.qwen4exp.state import PLEState, Step, by_row
 from qsaserve.models.qwen4exp.weights import PackedWeight, Weight
+from qsaserve.ops import gemv
 from qsaserve.ops.dispatch import use_triton
 from qsaserve.ops.fused import one_centred_rms_norm
 from qsaserve.ops.ple import (PLEHashParams, dilated_conv_decode_, ngram_rows_decode_, ple_embed, ple_initial_context,
@@ -129,7 +129,7 @@ class PLE(nn.Module):
                 step.save_row_state(st, j, ("ngram_context",))
             rows = torch.stack(per_row, dim=1).flatten(0, 1)
         emb = ple_embed(rows, self.table).to(hyper.dtype)
-        key, value = torch.split(F.linear(emb, self.key_value_proj.weight), self.key_value_proj.sizes(), dim=-1)
+        key, value = torch.split(gemv.linear(emb, self.key_value_proj.weight), self.key_value_proj.sizes(), dim=-1)
         key = one_centred_rms_norm(key, self.norm_key.weight, eps, h)
         query = one_centred_rms_norm(hyper, self.norm_query.weight, eps, h)
         gated = stream_gate(key, query, value, self.hc_count)

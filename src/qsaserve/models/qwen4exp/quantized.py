@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qsaserve.layers.quantization import Fp8Linear, WeightQuantConfig
@@ -20,6 +19,7 @@ from qsaserve.layers.quantization.nvfp4_moe import Nvfp4Experts
 from qsaserve.models.qwen4exp import quantized_nvfp4
 from qsaserve.models.qwen4exp.quantized_nvfp4 import Nvfp4PackedWeight, Nvfp4RoutedExperts, nvfp4_packed
 from qsaserve.models.qwen4exp.quantized_loaders import PackedPartLoader, QuantizedExpertLoader
+from qsaserve.ops import gemv
 from qsaserve.ops.fp8_gemm import FP8, dequantize_weight
 
 logger = logging.getLogger("qsaserve")
@@ -94,7 +94,7 @@ def project(x: torch.Tensor, module: nn.Module, part=None) -> torch.Tensor:
     """x @ W^T of a Weight / PackedWeight (or one part of it), quantized or not."""
     if isinstance(module, QUANTIZED_PACKED):
         return module(x) if part is None else module.linear_part(x, module.ids.index(part))
-    return F.linear(x, module.weight if part is None else module.part(part))
+    return gemv.linear(x, module.weight if part is None else module.part(part))
 
 
 def add_scale_targets(model: nn.Module, targets: dict) -> None:

@@ -1,5 +1,38 @@
-"""Batch-1 decode GEMV (y = x @ W^T for one or a few rows): a Triton kernel beside its torch
-reference, timed against cuBLAS by benchmarks/bench_gemv.py. The models use it only with
-QSASERVE_TRITON_GEMV=1 (layers/linear.py): cuBLAS reads the small q/k/v and o projections of a
-batch-1 step well below HBM bandwidth (docs/benchmarks.md), and this kernel becomes the default
-only once it measures faster."""
+"""Decode GEMV with unquantized weights (y = x @ W^T for 1-4 rows): a Triton kernel (triton_gemv,
+the FP8 GEMV's program over plain weights) beside its torch reference, and the one dispatch every
+plain projection goes through (`linear`): the kernel for 1-4 rows of a CUDA tensor without a bias
+when it is on, else F.linear (cuBLAS). On unless QSASERVE_TRITON_GEMV=0 (read at import; tests
+flip `ENABLED`), set from benchmarks/bench_gemv.py and `qsaserve bench latency` on an H200
+(docs/benchmarks.md)."""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from qsaserve.ops.dispatch import use_triton
+
+try:  # CPU-only installs: F.linear only
+    from qsaserve.ops.gemv.triton_gemv import MAX_ROWS, gemv
+except ImportError:
+    gemv, MAX_ROWS = None, 0
+
+ENABLED = os.environ.get("QSASERVE_TRITON_GEMV", "0") == "1" and gemv is not None
+
+
+def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x @ weight^T runs the Triton GEMV: it is on, the kernels are (ops.dispatch), x holds 1 to
+    MAX_ROWS rows in weight's dtype and weight has a unit last stride."""
+    return (ENABLED and use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+            and weight.dim() == 2 and weight.stride(-1) == 1 and x.dtype == weight.dtype)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight^T (+ bias), as F.linear. With a bias, cuBLAS: it adds the bias before its one rounding."""
+    if bias is None and takes_gemv(x, weight):
+        return gemv(x, weight)
+    return F.linear(x, weight, bias)
+
+
+__all__ = ["MAX_ROWS", "gemv", "linear", "takes_gemv"]

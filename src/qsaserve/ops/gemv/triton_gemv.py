@@ -1,6 +1,10 @@
-"""y = x @ W^T for a few rows of x (decode at batch 1-4): one program per BLOCK_N output features
-streams those weight rows once and reuses each tile for every row of x. The weight read is the
-whole cost, so the grid is sized to keep every SM busy (>= 2 programs per SM where N allows)."""
+"""y = x @ W^T for a few rows of x (decode at 1-4 rows) with unquantized weights (bf16 / fp16 /
+float32): the FP8 GEMV's program (ops.fp8_gemm.triton_gemv._gemv_body) run over the weight's own
+dtype with one unit scale, so a plain weight streams through the same tile layout, software
+pipeline and split-K as an E4M3 one. Every weight byte is read once for all rows; the weight read
+is the whole cost, so the grid is sized to keep every SM busy: narrow outputs (a hyper-connection's
+320-wide down projection, its 4-wide inject, a router) split K over several programs whose float32
+partials a second launch adds in a fixed order (deterministic, no atomics, CUDA-graph safe)."""
 from __future__ import annotations
 
 import torch
@@ -8,54 +12,80 @@ import triton
 import triton.language as tl
 
 from qsaserve.ops.device import num_sms
+from qsaserve.ops.fp8_gemm.reference import GROUP
+from qsaserve.ops.fp8_gemm.triton_gemm import split_k_buffer, sum_split_k
+from qsaserve.ops.fp8_gemm.triton_gemv import _gemv_body
 
-MAX_ROWS = 4  # rows of x handled in one pass over the weights
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, stride_xm, stride_wn, stride_ym,
-                 M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
-    rows = tl.arange(0, 4)  # MAX_ROWS: row r's sums live in acc[r]
-    acc = tl.zeros([4, BLOCK_N], tl.float32)
-    w_rows = w_ptr + n[:, None].to(tl.int64) * stride_wn
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        for r in tl.static_range(M):  # each weight tile is read once for all rows
-            xr = tl.load(x_ptr + r * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
-            acc = tl.where(rows[:, None] == r, acc + tl.sum(w * xr[None, :], 1)[None, :], acc)
-    tl.store(y_ptr + rows[:, None] * stride_ym + n[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rows[:, None] < M) & n_ok[None, :])
+MAX_ROWS = 4  # rows of x one pass over the weights serves
+TILE_BYTES = 8192  # weight bytes a program loads an iteration (the FP8 GEMV's best: 8 rows x 1024 E4M3)
+MIN_SPLIT_COLS = 512  # a split-K program's K range is at least this wide
 
 
-def pick_block_n(n: int, sms: int) -> int:
-    """The widest output block (up to 16 features) that still gives >= 2 programs per SM."""
-    for bn in (16, 8, 4, 2):
-        if triton.cdiv(n, bn) >= 2 * sms:
-            return bn
-    return 1
+# stride_ys (the split-K plane stride) unspecialized: its divisibility by 16 would differ between
+# row counts at an N that is not a multiple of 16, building a variant warm-up never ran
+@triton.jit(do_not_specialize=["stride_ys"])
+def _gemv_kernel(x_ptr, w_ptr, one_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
+                 ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 NUM_STAGES: tl.constexpr):
+    # one scale row (block_n = N) holding 1.0: the epilogue's multiply is exact
+    _gemv_body(x_ptr, x_ptr, x_ptr, x_ptr, w_ptr, one_ptr, y_ptr, M, N, K, N, 0.0,
+               stride_xm, stride_wn, 0, 0, stride_ym, stride_ys,
+               ROWS, BLOCK_N, BLOCK_K, 128, SPLIT_K, True, NUM_STAGES, False, False, False,
+               x_ptr, one_ptr, 0, False, False, 1, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 0, 0, 0, 0, 0, 0, 1, 1, False, 1)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int = 256) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS), weight [N, K] with unit last stride -> [M, N] in x's dtype, as
-    gemv_reference. block_n: output features per program (default pick_block_n)."""
-    m, k = x.shape
+def pick_gemv_tile(n: int, k: int, sms: int, m: int = 1, elem_bytes: int = 2) -> tuple[int, int, int, int]:
+    """(block_n, block_k, split_k, num_warps) defaults: 8 weight rows a program over 2 warps and
+    TILE_BYTES of weights an iteration (the FP8 GEMV's best tile on an H200, by bytes); with fewer
+    than one program a SM, 4 rows a program, then K split (power of two, each range at least
+    MIN_SPLIT_COLS wide) until there are two programs a SM."""
+    bn, warps = 8, 2
+    if triton.cdiv(n, bn) < sms:
+        bn = 4
+    bk = max(GROUP, min(TILE_BYTES // (8 * elem_bytes), triton.next_power_of_2(k)))
+    split = 1
+    programs = triton.cdiv(n, bn)
+    while programs * split < 2 * sms and k // (2 * split) >= MIN_SPLIT_COLS:
+        split *= 2
+    return bn, bk, split, warps
+
+
+_ONES: dict[torch.device, torch.Tensor] = {}
+
+
+def _one(device: torch.device) -> torch.Tensor:
+    if device not in _ONES:
+        _ONES[device] = torch.ones((1, 1), dtype=torch.float32, device=device)
+    return _ONES[device]
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
+         split_k: int | None = None, num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS), weight [N, K] with unit last stride (x's dtype or another float
+    dtype) -> y [M, N] in x's dtype, as reference.gemv_reference (float32 sums, rounded once).
+    block_n / block_k (a power-of-two multiple of 128) / split_k / num_warps / num_stages: the tile,
+    defaults from pick_gemv_tile and 3 stages (benchmarks/bench_gemv.py sweeps them)."""
+    m, k = x.shape if x.dim() == 2 else (MAX_ROWS + 1, -1)
     n = weight.shape[0]
-    if m > MAX_ROWS or weight.shape[1] != k or weight.stride(-1) != 1:
+    if m > MAX_ROWS or weight.dim() != 2 or weight.shape[1] != k or weight.stride(-1) != 1:
         raise ValueError(f"gemv: x [M <= {MAX_ROWS}, K], weight [N, K] with unit last stride; got "
                          f"{tuple(x.shape)}, {tuple(weight.shape)}")
-    x = x.contiguous()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    bn = block_n or pick_block_n(n, num_sms(x.device))
-    bk = min(block_k, triton.next_power_of_2(k))
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, weight, y, n, k, x.stride(0), weight.stride(0), y.stride(0),
-                                        M=m, BLOCK_N=bn, BLOCK_K=bk, num_warps=4)
+    bn, bk, split, warps = pick_gemv_tile(n, k, num_sms(x.device), m, weight.element_size())
+    bn, bk, split, warps = block_n or bn, block_k or bk, split_k or split, num_warps or warps
+    if bk % GROUP or bk & (bk - 1) or split < 1:
+        raise ValueError(f"gemv: block_k a power-of-two multiple of {GROUP}, split_k >= 1; got {bk}, {split}")
+    out = split_k_buffer(y, split)
+    _gemv_kernel[(triton.cdiv(n, bn), split)](
+        x, weight, _one(x.device), out, m, n, k, x.stride(0), weight.stride(0), out.stride(-2),
+        out.stride(0) if split > 1 else 0, ROWS=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+        NUM_STAGES=num_stages, num_warps=warps)
+    sum_split_k(out, y, split)
     return y
 
 
-__all__ = ["MAX_ROWS", "gemv", "pick_block_n"]
+__all__ = ["MAX_ROWS", "gemv", "pick_gemv_tile"]

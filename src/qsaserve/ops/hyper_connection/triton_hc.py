@@ -5,7 +5,7 @@ two of these per layer, and their launches, not their bytes, were the cost.
   inject_norm_kernel (in ops/fused/triton_fused.py): hyper += inject[s] * out per stream (rounded
                 like the torch add), then the grouped
                 1-centred RMSNorm of the new hyper                       -> hyper', xn
-  GEMMs:        d = xn @ down^T, i = xn @ inject^T (torch / cuBLAS)
+  GEMMs:        d = xn @ down^T, i = xn @ inject^T (ops.gemv: the GEMV at decode rows, else cuBLAS)
   _gate_acts:   d <- silu(d / hc); i <- 2 sigmoid(i / hc)
   GEMM:         u = d @ up^T
   _mix_streams: mixed = mean_s(sigmoid(u_s) * xn_s)
@@ -15,10 +15,10 @@ Every intermediate is rounded to the model dtype where the torch path rounds (fl
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from qsaserve.ops import gemv
 from qsaserve.ops.fused.triton_fused import inject_norm_kernel
 
 
@@ -76,14 +76,14 @@ def hc_step_triton(hyper: torch.Tensor, block_out: torch.Tensor | None, inject: 
             block_out.stride(0) if block_out is not None else 0, inject.stride(0) if inject is not None else 0,
             new.stride(0), xn.stride(0), HAS_OUT=block_out is not None, BLOCK=block,
             num_warps=8 if block >= 4096 else 4)
-    d = F.linear(xn, down_weight)
-    i = F.linear(xn, inject_weight) if inject_weight is not None else None
+    d = gemv.linear(xn, down_weight)
+    i = gemv.linear(xn, inject_weight) if inject_weight is not None else None
     if t:
         _gate_acts_kernel[(t,)](d, i if i is not None else d, d.shape[1], hc_count, float(hc_count), d.stride(0),
                                 i.stride(0) if i is not None else 0, HAS_INJECT=i is not None,
                                 BLOCK=triton.next_power_of_2(d.shape[1]), BLOCK_I=triton.next_power_of_2(hc_count),
                                 num_warps=4)
-    u = F.linear(d, up_weight)
+    u = gemv.linear(d, up_weight)
     mixed = torch.empty((t, h), dtype=hyper.dtype, device=hyper.device)
     if t:
         bm = min(1024, block)
