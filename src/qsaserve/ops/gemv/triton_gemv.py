@@ -54,7 +54,11 @@ _ONES: dict[torch.device, torch.Tensor] = {}
 
 
 def _one(device: torch.device) -> torch.Tensor:
+    """The unit scale, one per device, made by the first (eager) call: made inside a CUDA graph's
+    capture, its memory and its fill would belong to the graph."""
     if device not in _ONES:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("gemv: the first call on a device must run eagerly, not inside CUDA graph capture")
         _ONES[device] = torch.ones((1, 1), dtype=torch.float32, device=device)
     return _ONES[device]
 
