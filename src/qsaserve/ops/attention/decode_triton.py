@@ -148,7 +148,7 @@ def _decode_kernel(
         if F16_DOT:
             s = tl.dot(q, tl.trans(k.to(tl.float16)))
         else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk
+            s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk
         kpos = _key_position(pos, dcp_rank, DCP_SIZE, DCP_I)
         s = tl.where(n_ok[None, :] & (kpos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -161,7 +161,7 @@ def _decode_kernel(
             v16 = _e4m3_to_f16_asm(v)
         else:
             v16 = v.to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v16)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v16, input_precision="ieee")
         m_i = m_new
 
     if V_GROUP > 0:  # acc columns are in V's permuted order: back to head_dim order

@@ -78,12 +78,12 @@ def _prefill_kernel(
         else:
             k = tl.load(k_base + tok[:, None], mask=d_mask, other=0.0)
             v = tl.load(k_base + stride_c2 + tok[:, None], mask=d_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
         m_i = m_new
 
     # Diagonal tiles: causal and length masks. Key rows past `hi` lie after every row of the tile.
@@ -96,14 +96,14 @@ def _prefill_kernel(
         kv_mask = n_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + tok[:, None], mask=kv_mask, other=0.0)
         v = tl.load(k_base + stride_c2 + tok[:, None], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k.to(q.dtype))) * qk
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * qk
         kpos = _key_position(pos, dcp_rank, DCP_SIZE, DCP_I)
         s = tl.where(n_ok[None, :] & (kpos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision="ieee")
         m_i = m_new
 
     has = l_i > 0.0
