@@ -49,22 +49,25 @@ def test_rejects_too_many_rows_strided_weights_and_bad_tiles():
         gemv(torch.zeros(1, 8), torch.zeros(4, 8), block_k=96)
 
 
-def test_default_tile_fills_the_sms_and_splits_narrow_outputs():
-    """8 weight rows a program (4 below one program a SM), TILE_BYTES of weights an iteration, K
-    split in powers of two, each range at least MIN_SPLIT_COLS wide, until two programs a SM."""
+def test_default_tile_follows_the_sweep_and_splits_narrow_outputs():
+    """The H200 sweep's tiles by shape (pick_gemv_tile's docstring), block_k keeping its bytes for
+    float32 weights, K split in powers of two (ranges of at least MIN_SPLIT_COLS) below one
+    program a SM."""
     import triton
 
-    from qsaserve.ops.gemv.triton_gemv import MIN_SPLIT_COLS, TILE_BYTES, pick_gemv_tile
+    from qsaserve.ops.gemv.triton_gemv import MIN_SPLIT_COLS, pick_gemv_tile
 
-    assert pick_gemv_tile(12352, 2048, 132) == (8, TILE_BYTES // 16, 1, 2)  # wide: no split
-    assert pick_gemv_tile(12352, 2048, 132, elem_bytes=4)[1] == TILE_BYTES // 32  # float32 weights
-    for n, k in ((320, 8192), (4, 8192), (1089, 2048), (2048, 512), (8192, 320)):
-        bn, bk, split, warps = pick_gemv_tile(n, k, 132)
-        programs = triton.cdiv(n, bn)
-        assert bn == (8 if triton.cdiv(n, 8) >= 132 else 4)
+    assert pick_gemv_tile(12352, 2048, 132) == (8, 256, 1, 2)  # wide over a short K
+    assert pick_gemv_tile(12352, 2048, 132, elem_bytes=4) == (8, 128, 1, 2)  # float32 weights
+    assert pick_gemv_tile(2048, 4096, 132) == (4, 1024, 1, 2)  # narrow over a long K
+    assert pick_gemv_tile(4096, 4096, 132) == (4, 512, 1, 1)  # llama-8b's o
+    assert pick_gemv_tile(8192, 320, 132) == (4, 512, 1, 1)  # K shorter than the wide rule's
+    assert pick_gemv_tile(320, 8192, 132) == (4, 1024, 2, 2)  # 80 programs: split in 2
+    assert pick_gemv_tile(4, 8192, 132) == (4, 1024, 8, 2)  # one program: split to 1,024 columns
+    for n, k in ((320, 8192), (4, 8192), (1089, 2048), (2048, 512), (8192, 320), (7, 1000)):
+        bn, bk, split, _ = pick_gemv_tile(n, k, 132)
         assert split & (split - 1) == 0 and (split == 1 or k // split >= MIN_SPLIT_COLS)
-        assert programs * split >= 2 * 132 or k // (2 * split) < MIN_SPLIT_COLS  # stopped for a reason
-    assert pick_gemv_tile(320, 8192, 132)[2] == 4 and pick_gemv_tile(4, 8192, 132)[2] == 16
+        assert triton.cdiv(n, bn) * split >= 132 or k // (2 * split) < MIN_SPLIT_COLS  # stopped for a reason
 
 
 test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)

@@ -29,7 +29,8 @@ def test_gemv_decode_equals_cublas(monkeypatch, tmp_path):
     results = {}
     for enabled in (True, False):
         monkeypatch.setattr(gemv_mod, "ENABLED", enabled)
-        llm = LLM(path, dtype="float32", device="cuda", max_model_len=128, progress=False, kv_cache_memory=1 << 26)
+        llm = LLM(path, dtype="float32", device="cuda", max_model_len=128, progress=False, kv_cache_memory=1 << 26,
+                  max_num_seqs=4)
         results[enabled] = llm.generate([{"prompt_token_ids": p} for p in ps], params, use_tqdm=False)
         del llm
         torch.cuda.empty_cache()

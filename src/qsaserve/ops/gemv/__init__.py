@@ -18,7 +18,7 @@ try:  # CPU-only installs: F.linear only
 except ImportError:
     gemv, MAX_ROWS = None, 0
 
-ENABLED = os.environ.get("QSASERVE_TRITON_GEMV", "0") == "1" and gemv is not None
+ENABLED = os.environ.get("QSASERVE_TRITON_GEMV", "1") != "0" and gemv is not None
 
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -17,8 +17,7 @@ from qsaserve.ops.fp8_gemm.triton_gemm import split_k_buffer, sum_split_k
 from qsaserve.ops.fp8_gemm.triton_gemv import _gemv_body
 
 MAX_ROWS = 4  # rows of x one pass over the weights serves
-TILE_BYTES = 8192  # weight bytes a program loads an iteration (the FP8 GEMV's best: 8 rows x 1024 E4M3)
-MIN_SPLIT_COLS = 512  # a split-K program's K range is at least this wide
+MIN_SPLIT_COLS = 1024  # a split-K program's K range is at least this wide
 
 
 # stride_ys (the split-K plane stride) unspecialized: its divisibility by 16 would differ between
@@ -35,17 +34,25 @@ def _gemv_kernel(x_ptr, w_ptr, one_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
 
 
 def pick_gemv_tile(n: int, k: int, sms: int, m: int = 1, elem_bytes: int = 2) -> tuple[int, int, int, int]:
-    """(block_n, block_k, split_k, num_warps) defaults: 8 weight rows a program over 2 warps and
-    TILE_BYTES of weights an iteration (the FP8 GEMV's best tile on an H200, by bytes); with fewer
-    than one program a SM, 4 rows a program, then K split (power of two, each range at least
-    MIN_SPLIT_COLS wide) until there are two programs a SM."""
-    bn, warps = 8, 2
-    if triton.cdiv(n, bn) < sms:
-        bn = 4
-    bk = max(GROUP, min(TILE_BYTES // (8 * elem_bytes), triton.next_power_of_2(k)))
+    """(block_n, block_k, split_k, num_warps) defaults for bf16 weights (block_k scaled to keep
+    the bytes for others), from benchmarks/bench_gemv.py on an H200 at 1 and 2 rows
+    (gemv_decode_h200_2026-12-04_3d5bcb1.json; cuBLAS in brackets): 8 weight rows over 2 warps,
+    256 columns an iteration, for wide outputs over a short K (qwen4exp-small's GDN in_proj,
+    12,352 x 2,048: 14.41 us [15.88]); 4 rows over 2 warps, 1,024 columns, for outputs up to 20
+    rows a SM over a longer K (its GDN out_proj, 2,048 x 4,096: 6.49 [9.43]); 4 rows over 1 warp,
+    512 columns, elsewhere (llama-8b's o 10.73 [13.06], gate_up 57.73 [60.65]). Programs take 8
+    or 4 rows, the same weight bytes a thread as the FP8 GEMV's 8 rows over 2 warps. Below one
+    program a SM, K is split (powers of two, ranges of at least MIN_SPLIT_COLS; a hyper-connection's
+    320 x 8,192 down projection in 2: 5.46 [7.50])."""
+    if 1024 <= k <= 2560 and triton.cdiv(n, 8) >= 4 * sms:
+        bn, bk, warps = 8, 256, 2
+    elif n <= 20 * sms and k >= 1024:
+        bn, bk, warps = 4, 1024, 2
+    else:
+        bn, bk, warps = 4, 512, 1
+    bk = max(GROUP, min(bk * 2 // elem_bytes, triton.next_power_of_2(k)))
     split = 1
-    programs = triton.cdiv(n, bn)
-    while programs * split < 2 * sms and k // (2 * split) >= MIN_SPLIT_COLS:
+    while triton.cdiv(n, bn) * split < sms and k // (2 * split) >= MIN_SPLIT_COLS:
         split *= 2
     return bn, bk, split, warps
 
