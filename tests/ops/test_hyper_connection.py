@@ -15,9 +15,13 @@ def _case(t, hc, h, lr, dtype, gen):
                 up_weight=r(hc * h, lr, scale=0.2), inject_weight=r(hc, hc * h, scale=0.05))
 
 
-def check_hc_step(device, dtype, step_fn, t=3, hc=4, h=48, lr=20):
+def check_hc_step(device, dtype, step_fn, t=3, hc=4, h=48, lr=20, packed=False):
+    """packed: down and inject are the row ranges of one tensor, as a mixer's packed parameter."""
     gen = torch.Generator().manual_seed(hc * h + lr)
     case = _case(t, hc, h, lr, dtype, gen)
+    if packed:
+        both = torch.cat([case["down_weight"], case["inject_weight"]])
+        case["down_weight"], case["inject_weight"] = both[:lr], both[lr:]
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     for first, final in ((False, False), (True, False), (False, True)):
         kw = dict(case)
@@ -26,7 +30,11 @@ def check_hc_step(device, dtype, step_fn, t=3, hc=4, h=48, lr=20):
         if final:
             kw["inject_weight"] = None
         want = hc_step_reference(**kw, hc_count=hc, eps=1e-6)
-        got = step_fn(**{k: (v.to(device) if v is not None else None) for k, v in kw.items()}, hc_count=hc, eps=1e-6)
+        on = {k: (v.to(device) if v is not None else None) for k, v in kw.items()}
+        if packed and not final:  # moved as one tensor, so the parts stay neighbours
+            both = torch.cat([kw["down_weight"], kw["inject_weight"]]).to(device)
+            on["down_weight"], on["inject_weight"] = both[:lr], both[lr:]
+        got = step_fn(**on, hc_count=hc, eps=1e-6)
         for name, w, g in zip(("hyper", "mixed", "inject"), want, got):
             if w is None:
                 assert g is None, name
@@ -51,8 +59,23 @@ def _triton_checks(device):
     for dtype in (torch.float32, torch.bfloat16):
         check_hc_step(device, dtype, hc_step_triton)
         check_hc_step(device, dtype, hc_step_triton, t=1, hc=2, h=64, lr=16)
-    if device != "cpu":  # qwen4exp-small's mixers, batch 16
-        check_hc_step(device, torch.bfloat16, hc_step_triton, t=16, hc=4, h=2048, lr=320)
+        check_hc_step(device, dtype, hc_step_triton, t=2, hc=2, h=64, lr=16, packed=True)  # one GEMM
+    if device != "cpu":  # qwen4exp-small's mixers at batch 1 (the GEMV), 2 and 16 (cuBLAS), packed as the model's
+        for t in (1, 2, 16):
+            check_hc_step(device, torch.bfloat16, hc_step_triton, t=t, hc=4, h=2048, lr=320, packed=True)
+
+
+def test_packed_down_and_inject_run_as_one_gemm(monkeypatch):
+    """Where inject's rows follow down's in memory, the step runs one GEMM over both (the
+    model's packed parameter); separate tensors keep two."""
+    from qsaserve.ops.hyper_connection import triton_hc
+
+    both = torch.randn(7, 8)
+    assert triton_hc._stacked(both[:5], both[5:]).data_ptr() == both.data_ptr()
+    assert torch.equal(triton_hc._stacked(both[:5], both[5:]), both)
+    assert triton_hc._stacked(torch.randn(5, 8), torch.randn(2, 8)) is None
+    assert triton_hc._stacked(both[:5], None) is None
+    assert triton_hc._stacked(both[:4], both[5:]) is None  # a gap between the parts
 
 
 test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)

@@ -5,7 +5,8 @@ two of these per layer, and their launches, not their bytes, were the cost.
   inject_norm_kernel (in ops/fused/triton_fused.py): hyper += inject[s] * out per stream (rounded
                 like the torch add), then the grouped
                 1-centred RMSNorm of the new hyper                       -> hyper', xn
-  GEMMs:        d = xn @ down^T, i = xn @ inject^T (ops.gemv: the GEMV at decode rows, else cuBLAS)
+  GEMMs:        d = xn @ down^T, i = xn @ inject^T (ops.gemv: the GEMV at decode rows, else cuBLAS;
+                one GEMM where the two weights are rows of one packed parameter)
   _gate_acts:   d <- silu(d / hc); i <- 2 sigmoid(i / hc)
   GEMM:         u = d @ up^T
   _mix_streams: mixed = mean_s(sigmoid(u_s) * xn_s)
@@ -56,6 +57,16 @@ def _mix_streams_kernel(u_ptr, xn_ptr, mixed_ptr, H, stride_u, stride_x, stride_
     tl.store(mixed_ptr + row * stride_m + c, (acc / HC).to(mixed_ptr.dtype.element_ty), mask=ok)
 
 
+def _stacked(a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
+    """a [Na, K] and b [Nb, K] as one [Na + Nb, K] view where b's rows follow a's in memory (a
+    packed parameter's parts), else None."""
+    if (b is None or a.dim() != 2 or a.stride() != b.stride() or a.stride(-1) != 1 or a.shape[1] != b.shape[1]
+            or a.dtype != b.dtype or a.device != b.device
+            or b.data_ptr() != a.data_ptr() + a.shape[0] * a.stride(0) * a.element_size()):
+        return None
+    return a.as_strided((a.shape[0] + b.shape[0], a.shape[1]), a.stride())
+
+
 def hc_step_triton(hyper: torch.Tensor, block_out: torch.Tensor | None, inject: torch.Tensor | None,
                    norm_weight: torch.Tensor, down_weight: torch.Tensor, up_weight: torch.Tensor,
                    inject_weight: torch.Tensor | None, hc_count: int, eps: float):
@@ -76,8 +87,13 @@ def hc_step_triton(hyper: torch.Tensor, block_out: torch.Tensor | None, inject: 
             block_out.stride(0) if block_out is not None else 0, inject.stride(0) if inject is not None else 0,
             new.stride(0), xn.stride(0), HAS_OUT=block_out is not None, BLOCK=block,
             num_warps=8 if block >= 4096 else 4)
-    d = gemv.linear(xn, down_weight)
-    i = gemv.linear(xn, inject_weight) if inject_weight is not None else None
+    stacked = _stacked(down_weight, inject_weight)
+    if stacked is not None:  # one GEMM for both, then views of its columns
+        di = gemv.linear(xn, stacked)
+        d, i = di[:, : down_weight.shape[0]], di[:, down_weight.shape[0]:]
+    else:
+        d = gemv.linear(xn, down_weight)
+        i = gemv.linear(xn, inject_weight) if inject_weight is not None else None
     if t:
         _gate_acts_kernel[(t,)](d, i if i is not None else d, d.shape[1], hc_count, float(hc_count), d.stride(0),
                                 i.stride(0) if i is not None else 0, HAS_INJECT=i is not None,
