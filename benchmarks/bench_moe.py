@@ -16,6 +16,12 @@ from qsaserve.bench.common import kernel_bench_main
 from qsaserve.bench.gpu_timing import graph_ms
 from qsaserve.ops.moe import moe_experts_sync_free
 from qsaserve.ops.moe.triton_moe import BLOCK_N_CHOICES, moe_experts_decode_triton, pick_block_n
+
+# (gate/up block_k, down block_k, num_stages, num_warps) at the default row blocks: "legacy" is the
+# kernels' launch until 6cdf8dc (512 columns, 4 warps, no pipeline)
+TILES = {"legacy": ((512, 512), 1, 4), "bk256_s3_w2": ((256, 512), 3, 2), "bk512_s3_w2": ((512, 512), 3, 2),
+         "bk256_s2_w2": ((256, 512), 2, 2), "bk256_s3_w4": ((256, 512), 3, 4), "bk128_s4_w1": ((128, 256), 4, 1),
+         "bk256_s3_w1": ((256, 256), 3, 1)}
 from qsaserve.ops.device import num_sms
 
 EXPERTS, TOP_K, HIDDEN = 64, 8, 2048
@@ -38,6 +44,8 @@ def case(batch: int, inter: int, dev) -> list[dict]:
     # grouped GEMMs above: ops.moe.DECODE_KERNEL_MAX_TOKENS); the others force these kernels at the
     # given row blocks.
     variants = [("dispatch", None), ("default", default)] + [(f"bn{b}", (b, b)) for b in BLOCK_N_CHOICES]
+    if batch <= 4:
+        variants += [(name, default) for name in TILES]
     want = moe_experts_sync_free(x, idx, w, *layers[0])
     rows = []
     for name, block_n in variants:
@@ -46,10 +54,13 @@ def case(batch: int, inter: int, dev) -> list[dict]:
                 for gu, down in layers:
                     moe_experts_sync_free(x, idx, w, gu, down)
         else:
-            def run(block_n=block_n):
+            bk, stages, warps = TILES.get(name, (None, None, None))
+            kw = {} if bk is None else dict(block_k=bk, num_stages=stages, num_warps=warps)
+
+            def run(block_n=block_n, kw=kw):
                 for gu, down in layers:
-                    moe_experts_decode_triton(x, idx, w, gu, down, block_n=block_n)
-        got = want if block_n is None else moe_experts_decode_triton(x, idx, w, *layers[0], block_n=block_n)
+                    moe_experts_decode_triton(x, idx, w, gu, down, block_n=block_n, **kw)
+        got = want if block_n is None else moe_experts_decode_triton(x, idx, w, *layers[0], block_n=block_n, **kw)
         us = graph_ms(run) * 1e3 / LAYERS
         row = {"batch": batch, "inter": inter, "variant": name, "block_n": block_n, "us": round(us, 2),
                "tb_s": round(read / us / 1e6, 3), "max_diff_vs_dispatch": float((got.float() - want.float()).abs().max())}

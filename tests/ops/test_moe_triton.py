@@ -17,12 +17,12 @@ def _case(n, k, e, h, inter, dtype, seed=0):
     return x, idx, w, gu, down
 
 
-def check_moe(device, dtype, n=3, k=2, e=9, h=40, inter=24, block_n=None):
+def check_moe(device, dtype, n=3, k=2, e=9, h=40, inter=24, block_n=None, **tiles):
     from qsaserve.ops.moe.triton_moe import moe_experts_decode_triton
 
     x, idx, w, gu, down = _case(n, k, e, h, inter, dtype)
     want = moe_experts_sync_free(x, idx, w, gu, down)  # CPU tensors: the torch path
-    got = moe_experts_decode_triton(*(t.to(device) for t in (x, idx, w, gu, down)), block_n=block_n).cpu()
+    got = moe_experts_decode_triton(*(t.to(device) for t in (x, idx, w, gu, down)), block_n=block_n, **tiles).cpu()
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         return
@@ -57,6 +57,9 @@ def _triton_checks(device):
     for dtype in (torch.float32,) if device == "cpu" else (torch.float32, torch.bfloat16):
         check_moe(device, dtype)
         check_moe(device, dtype, n=1, k=3, e=7, h=300, inter=17)
+        # several K tiles per choice in both kernels (the down loop's choice boundaries), unpipelined too
+        check_moe(device, dtype, n=2, k=3, e=5, h=96, inter=80, block_k=(32, 32))
+        check_moe(device, dtype, n=2, k=3, e=5, h=96, inter=80, block_k=(64, 16), num_stages=1, num_warps=4)
     for block_n in ((4, 32), (32, 4), (16, 8)):  # every row-block size the heuristic may pick
         check_moe(device, torch.float32, n=2, k=3, e=7, h=300, inter=40, block_n=block_n)
     if device != "cpu":  # qwen4exp-small at TP2, batch 4

@@ -8,7 +8,8 @@ softmax, top-k and renormalisation, `moe_route_triton`):
   _gate_up_kernel: one program per (token, choice, block of I): gate and up rows of expert
                    indices[t, j] against x[t] -> silu(gate) * up, rounded as torch rounds each op;
   _down_kernel:    one program per (token, block of H): for each of the token's k choices,
-                   down_e @ act, times its routing weight, summed over the choices.
+                   down_e @ act, times its routing weight, summed over the choices (one
+                   pipelined loop over (choice, K tile), the choices loaded up front).
 
 Both take block-FP8 experts too (FP8: E4M3 weights, 1 byte a weight read, and 128 x 128 block
 scales): each GEMM's input is rounded to E4M3 per token and group of 128 channels in registers, as
@@ -46,7 +47,8 @@ def _fp8_scaled(q, scale, ws_ptr, k0, K, stride_sk, BLOCK_K: tl.constexpr):
 @triton.jit
 def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, act_ptr, s_ptr, H, I, K,
                     stride_x, stride_we, stride_wn, stride_a, stride_se, stride_sn, stride_sk,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr = False):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr = False,
+                    NUM_STAGES: tl.constexpr = 1):
     r = tl.program_id(0)  # (token, choice) = (r // K, r % K)
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
@@ -60,7 +62,7 @@ def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, act_ptr, s_ptr, H, I, K,
     s_up = s_ptr + e * stride_se + ((I + n0) // 128) * stride_sn
     acc_g = tl.zeros([BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_N], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in tl.range(0, H, BLOCK_K, num_stages=NUM_STAGES):  # stages: later tiles' loads in flight
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < H
         xv = tl.load(x_row + k, mask=k_ok, other=0.0).to(tl.float32)
@@ -82,30 +84,39 @@ def _gate_up_kernel(x_ptr, idx_ptr, w_ptr, act_ptr, s_ptr, H, I, K,
 @triton.jit
 def _down_kernel(act_ptr, idx_ptr, rw_ptr, w_ptr, out_ptr, s_ptr, H, I, K,
                  stride_a, stride_we, stride_wn, stride_o, stride_se, stride_sn, stride_sk,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr = False):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr = False,
+                 NUM_STAGES: tl.constexpr = 1, K_POW2: tl.constexpr = 16):
     t = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < H
     dt = out_ptr.dtype.element_ty
+    # the token's choices and routing weights up front: the loop's weight addresses then depend on
+    # no load inside it, and one loop over (choice, K tile) keeps the next experts' tiles in flight
+    jj = tl.arange(0, K_POW2)
+    experts = tl.load(idx_ptr + t * K + jj, mask=jj < K, other=0).to(tl.int64)
+    weights = tl.load(rw_ptr + t * K + jj, mask=jj < K, other=0.0).to(tl.float32)
+    n_k = tl.cdiv(I, BLOCK_K)
     total = tl.zeros([BLOCK_N], tl.float32)
-    for j in range(0, K):
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for it in tl.range(0, K * n_k, num_stages=NUM_STAGES):
+        j = it // n_k
+        k0 = (it - j * n_k) * BLOCK_K
         r = t * K + j
-        e = tl.load(idx_ptr + r).to(tl.int64)
-        rw = tl.load(rw_ptr + r).to(tl.float32)
-        s_rows = s_ptr + e * stride_se + (n0 // 128) * stride_sn
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < I
-            a = tl.load(act_ptr + r.to(tl.int64) * stride_a + k, mask=k_ok, other=0.0).to(tl.float32)
-            if FP8:
-                q, scale = _fp8_group_input(a, BLOCK_K)
-                a = _fp8_scaled(q, scale, s_rows, k0, I, stride_sk, BLOCK_K)
-            wv = tl.load(w_ptr + e * stride_we + n[:, None] * stride_wn + k[None, :],
-                         mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(wv * a[None, :], 1)
-        total += (acc.to(dt).to(tl.float32) * rw).to(dt).to(tl.float32)  # y_j, then y_j * weight, in dt
+        e = tl.sum(tl.where(jj == j, experts, 0), 0)
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < I
+        a = tl.load(act_ptr + r.to(tl.int64) * stride_a + k, mask=k_ok, other=0.0).to(tl.float32)
+        if FP8:
+            q, scale = _fp8_group_input(a, BLOCK_K)
+            a = _fp8_scaled(q, scale, s_ptr + e * stride_se + (n0 // 128) * stride_sn, k0, I, stride_sk, BLOCK_K)
+        wv = tl.load(w_ptr + e * stride_we + n[:, None] * stride_wn + k[None, :],
+                     mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(wv * a[None, :], 1)
+        if k0 + BLOCK_K >= I:  # choice j done: y_j, then y_j * weight, in dt
+            rw = tl.sum(tl.where(jj == j, weights, 0.0), 0)
+            total += (acc.to(dt).to(tl.float32) * rw).to(dt).to(tl.float32)
+            acc = tl.zeros([BLOCK_N], tl.float32)
     tl.store(out_ptr + t.to(tl.int64) * stride_o + n, total.to(dt), mask=n_ok)
 
 
@@ -158,6 +169,12 @@ def moe_route_triton(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> 
 # per SM keep more loads in flight.
 BLOCK_N_CHOICES = (32, 16, 8, 4)
 PROGRAMS_PER_SM = 4
+# Columns an iteration and the software pipeline of both kernels: short K tiles with the next
+# ones loading (the plain GEMV's best shape on an H200 for outputs of this width over K 2,048:
+# ops/gemv, gemv_decode_h200_2026-12-04_3d5bcb1.json); until 6cdf8dc 512 columns, 4 warps, no
+# pipeline (2.14 TB/s at qwen4exp-small's batch 1). bench_moe.py times both.
+GATE_UP_BLOCK_K, DOWN_BLOCK_K = 256, 512
+DECODE_STAGES, DECODE_WARPS = 3, 2
 
 
 def pick_block_n(rows: int, width: int, sms: int) -> int:
@@ -171,10 +188,13 @@ def pick_block_n(rows: int, width: int, sms: int) -> int:
 def moe_experts_decode_triton(x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor,
                               gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
                               block_n: tuple[int, int] | None = None, w13_scale: torch.Tensor | None = None,
-                              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                              w2_scale: torch.Tensor | None = None, block_k: tuple[int, int] | None = None,
+                              num_stages: int = DECODE_STAGES, num_warps: int = DECODE_WARPS) -> torch.Tensor:
     """x [N, H], indices / weights [N, k], gate_up_proj [E, 2I, H], down_proj [E, H, I] -> [N, H]
     (SiLU experts), as moe_experts_sync_free. block_n: (gate/up, down) row blocks (default: by
-    pick_block_n; the benchmark compares others). Block-FP8 experts (takes_fp8): E4M3 weights with
+    pick_block_n); block_k: (gate/up, down) columns an iteration (default GATE_UP_BLOCK_K and
+    DOWN_BLOCK_K, at most the next power of two of H / I); num_stages / num_warps of both kernels
+    (benchmarks/bench_moe.py compares others). Block-FP8 experts (takes_fp8): E4M3 weights with
     w13_scale [E, 2I/128, H/128] and w2_scale [E, H/128, I/128]; each GEMM's input is rounded per
     token and 128-group as the block-FP8 GEMM's (block_fp8.moe_experts_block_fp8), its products
     summed in float32 by FMAs, 1 byte a weight read."""
@@ -199,12 +219,17 @@ def moe_experts_decode_triton(x: torch.Tensor, indices: torch.Tensor, weights: t
     s2 = w2_scale if fp8 else down_proj
     st13 = (s13.stride(0), s13.stride(1), s13.stride(2)) if fp8 else (0, 0, 0)
     st2 = (s2.stride(0), s2.stride(1), s2.stride(2)) if fp8 else (0, 0, 0)
+    bk_gu, bk_down = block_k or (GATE_UP_BLOCK_K, DOWN_BLOCK_K)
+    bk_gu, bk_down = min(bk_gu, triton.next_power_of_2(h)), min(bk_down, triton.next_power_of_2(inter))
+    if fp8 and (bk_gu % 128 or bk_down % 128):
+        raise ValueError(f"block_k: multiples of 128 for block-FP8 experts, got {(bk_gu, bk_down)}")
     _gate_up_kernel[(n * k, triton.cdiv(inter, bn_gu))](
         x, idx, gate_up_proj, act, s13, h, inter, k, x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1),
-        act.stride(0), *st13, BLOCK_N=bn_gu, BLOCK_K=min(512, triton.next_power_of_2(h)), FP8=fp8, num_warps=4)
+        act.stride(0), *st13, BLOCK_N=bn_gu, BLOCK_K=bk_gu, FP8=fp8, NUM_STAGES=num_stages, num_warps=num_warps)
     _down_kernel[(n, triton.cdiv(h, bn_down))](
         act, idx, rw, down_proj, out, s2, h, inter, k, act.stride(0), down_proj.stride(0), down_proj.stride(1),
-        out.stride(0), *st2, BLOCK_N=bn_down, BLOCK_K=min(512, triton.next_power_of_2(inter)), FP8=fp8, num_warps=4)
+        out.stride(0), *st2, BLOCK_N=bn_down, BLOCK_K=bk_down, FP8=fp8, NUM_STAGES=num_stages,
+        K_POW2=triton.next_power_of_2(k), num_warps=num_warps)
     return out
 
 
