@@ -4,7 +4,7 @@ experts, top 8, H 2048, I 512; I 256 is its TP2 shard). Times are CUDA-graph rep
 LAYERS weight sets (more than the L2 holds), per call; TB/s counts the weight bytes of the experts
 the batch actually chose. Prints JSON (one line per case, then the document).
 
-    PYTHONPATH=src python benchmarks/bench_moe.py [--out f.json]
+    PYTHONPATH=src python benchmarks/bench_moe.py [--batches 1,4,16,64] [--inters 512,256] [--out f.json]
 """
 from __future__ import annotations
 
@@ -70,9 +70,16 @@ def case(batch: int, inter: int, dev) -> list[dict]:
 
 
 def main() -> None:
-    kernel_bench_main("moe_decode", lambda dev: [r for inter in (512, 256) for b in BATCHES for r in case(b, inter, dev)],
-                      shapes={"experts": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN, "inter": [512, 256],
-                              "layers_cycled": LAYERS})
+    def configure(ap):
+        ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+        ap.add_argument("--inters", default="512,256")
+
+    def rows(dev, args):
+        return [r for inter in map(int, args.inters.split(",")) for b in map(int, args.batches.split(","))
+                for r in case(b, inter, dev)]
+
+    kernel_bench_main("moe_decode", rows, configure,
+                      shapes={"experts": EXPERTS, "top_k": TOP_K, "hidden": HIDDEN, "layers_cycled": LAYERS})
 
 
 if __name__ == "__main__":
