@@ -1,10 +1,11 @@
 """Decode projections with bf16 weights on one GPU: cuBLAS (F.linear) against the Triton GEMV
 (ops/gemv) at its default tile and a sweep of tiles, at the decode shapes of llama-8b,
-qwen4exp-small and qwen4exp-flash-12l, 1 and 2 rows. Each call is timed as a CUDA-graph replay
+qwen4exp-small and qwen4exp-flash-12l, 1, 2 and 4 rows (the dispatch takes the GEMV at the row
+counts measured faster: ops.gemv.GEMV_ROWS). Each call is timed as a CUDA-graph replay
 cycling over enough weight copies to exceed the L2; TB/s counts the weight bytes read. Prints
 JSON (one line per case, then the document with a per-shape summary).
 
-    PYTHONPATH=src python benchmarks/bench_gemv.py [--rows 1,2] [--models ...] [--out f.json]
+    PYTHONPATH=src python benchmarks/bench_gemv.py [--rows 1,2,4] [--models ...] [--no-sweep] [--out f.json]
 """
 from __future__ import annotations
 
@@ -75,7 +76,7 @@ def case(model: str, name: str, n: int, k: int, rows: int, dev, sweep: bool) -> 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="1,2")
+    ap.add_argument("--rows", default="1,2,4")
     ap.add_argument("--models", default=",".join(SHAPES))
     ap.add_argument("--no-sweep", action="store_true", help="cuBLAS and the default tile only")
     ap.add_argument("--out", default=None)

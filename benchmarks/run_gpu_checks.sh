@@ -45,7 +45,8 @@ if [ "$mode" = single ]; then
     part bench_attention 150 python benchmarks/bench_attention.py --sections env,decode,fp8,diag --out "$out/bench_attention.json"
     part bench_qsa 180 python benchmarks/bench_qsa.py --out "$out/bench_qsa.json"
     part bench_moe 120 python benchmarks/bench_moe.py --out "$out/bench_moe.json"
-    part bench_gemv 240 python benchmarks/bench_gemv.py --out "$out/bench_gemv.json"
+    part bench_gemv 240 python benchmarks/bench_gemv.py --no-sweep --out "$out/bench_gemv.json"
+    part bench_gemv_sweep 500 python benchmarks/bench_gemv.py --out "$out/bench_gemv_sweep.json"
     part bench_gdn 90 python benchmarks/bench_gdn.py --out "$out/bench_gdn.json"
     part bench_qsa_model 300 python benchmarks/bench_qsa.py --model-only --out "$out/bench_qsa_model.json"
     part latency_llama1b 240 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --peer hf --profile-steps 16 > '$out/latency_llama1b.json'"
@@ -53,8 +54,8 @@ if [ "$mode" = single ]; then
     part throughput_llama1b 300 sh -c "python -m qsaserve.cli bench throughput llama-1b --load-format dummy --max-model-len 4096 --peer hf > '$out/throughput_llama1b.json'"
     # The same two with the host's work overlapping the device's step (--async-scheduling).
     part latency_llama1b_async 200 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --async-scheduling --profile-steps 16 > '$out/latency_llama1b_async.json'"
-    # llama-1b's batch-1 projections on the Triton GEMV (benchmarks/bench_gemv.py).
-    part latency_llama1b_gemv 200 env QSASERVE_TRITON_GEMV=1 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --batch-sizes 1 --async-scheduling --profile-steps 16 > '$out/latency_llama1b_gemv.json'"
+    # llama-1b's batch-1 projections on cuBLAS (QSASERVE_TRITON_GEMV=0): the A/B of latency_llama1b_async's GEMV.
+    part latency_llama1b_cublas 200 env QSASERVE_TRITON_GEMV=0 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --batch-sizes 1,64 --async-scheduling --profile-steps 16 > '$out/latency_llama1b_cublas.json'"
     # FP8 pages with the Hadamard head rotation (docs/fp8.md): its cost at batch 1 (unit scales).
     part latency_llama1b_fp8_rotation 200 sh -c "python -m qsaserve.cli bench latency llama-1b --load-format dummy --max-model-len 4096 --batch-sizes 1 --async-scheduling --kv-cache-dtype fp8_e4m3 --kv-rotation hadamard --profile-steps 16 > '$out/latency_llama1b_fp8_rotation.json'"
     part throughput_llama1b_async 200 sh -c "python -m qsaserve.cli bench throughput llama-1b --load-format dummy --max-model-len 4096 --async-scheduling --peer hf > '$out/throughput_llama1b_async.json'"

@@ -129,7 +129,7 @@ def test_triton_gemv_equals_cublas(monkeypatch):
     monkeypatch.setattr(gemv_mod, "gemv", counted)
     monkeypatch.setattr(gemv_mod, "ENABLED", True)
     with_gemv, _ = _generate(monkeypatch, True, "float32")
-    assert calls and max(calls) <= gemv_mod.MAX_ROWS
+    assert calls and max(calls) <= gemv_mod.GEMV_ROWS
     monkeypatch.setattr(gemv_mod, "ENABLED", False)
     calls.clear()
     without, _ = _generate(monkeypatch, True, "float32")

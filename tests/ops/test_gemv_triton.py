@@ -85,7 +85,7 @@ def test_dispatch_takes_the_gemv_only_for_decode_rows_on_cuda(monkeypatch):
     torch.testing.assert_close(gemv_mod.linear(x, w, torch.ones(4)), torch.nn.functional.linear(x, w, torch.ones(4)))
     monkeypatch.setattr(gemv_mod, "use_triton", lambda t: True)  # as on CUDA
     assert gemv_mod.takes_gemv(x, w) and gemv_mod.takes_gemv(x[:1], w)
-    assert not gemv_mod.takes_gemv(torch.randn(gemv_mod.MAX_ROWS + 1, 8), w)  # prefill rows
+    assert not gemv_mod.takes_gemv(torch.randn(gemv_mod.GEMV_ROWS + 1, 8), w)  # rows not measured, prefill rows
     assert not gemv_mod.takes_gemv(x.double(), w)  # dtypes differ
     assert not gemv_mod.takes_gemv(x, torch.randn(8, 4).t())  # a strided weight
     assert not gemv_mod.takes_gemv(x[None], w)  # not 2-D

@@ -60,14 +60,16 @@ def _triton_checks(device):
         check_hc_step(device, dtype, hc_step_triton)
         check_hc_step(device, dtype, hc_step_triton, t=1, hc=2, h=64, lr=16)
         check_hc_step(device, dtype, hc_step_triton, t=2, hc=2, h=64, lr=16, packed=True)  # one GEMM
+    _check_one_gemm_for_packed(device)
     if device != "cpu":  # qwen4exp-small's mixers at batch 1 (the GEMV), 2 and 16 (cuBLAS), packed as the model's
         for t in (1, 2, 16):
             check_hc_step(device, torch.bfloat16, hc_step_triton, t=t, hc=4, h=2048, lr=320, packed=True)
 
 
-def test_packed_down_and_inject_run_as_one_gemm(monkeypatch):
-    """Where inject's rows follow down's in memory, the step runs one GEMM over both (the
-    model's packed parameter); separate tensors keep two."""
+def test_stacked_takes_only_parts_of_one_storage():
+    """_stacked joins down and inject where inject's rows follow down's in one storage (the
+    model's packed parameter); separate tensors stay apart, also when they happen to lie side by
+    side in memory."""
     from qsaserve.ops.hyper_connection import triton_hc
 
     both = torch.randn(7, 8)
@@ -76,6 +78,52 @@ def test_packed_down_and_inject_run_as_one_gemm(monkeypatch):
     assert triton_hc._stacked(torch.randn(5, 8), torch.randn(2, 8)) is None
     assert triton_hc._stacked(both[:5], None) is None
     assert triton_hc._stacked(both[:4], both[5:]) is None  # a gap between the parts
+    buf = torch.randn(7 * 8).numpy()  # two tensors over neighbouring memory, two storages
+    a, b = torch.from_numpy(buf[:40]).view(5, 8), torch.from_numpy(buf[40:]).view(2, 8)
+    assert b.data_ptr() == a.data_ptr() + a.numel() * a.element_size() and triton_hc._stacked(a, b) is None
+
+
+def test_model_mixers_hold_down_and_inject_as_one_gemm():
+    from qwen4exp_testing import make_config
+
+    from qsaserve.models.qwen4exp.hyper_connection import HyperConnection
+    from qsaserve.ops.hyper_connection import triton_hc
+
+    cfg = make_config()
+    hc = HyperConnection(cfg)
+    down, inject = hc.mix_down_inject.part("down"), hc.mix_down_inject.part("inject")
+    assert triton_hc._stacked(down, inject) is not None
+    assert down.shape == (cfg.hc_lowrank, cfg.hc_count * cfg.hidden_size) and inject.shape[0] == cfg.hc_count
+    assert HyperConnection(cfg, inject=False).input_mix_weight_down.weight.shape == down.shape
+
+
+def _check_one_gemm_for_packed(device):
+    """A packed down | inject runs as one GEMM, then the up GEMM over the strided view of its
+    down columns (ops.gemv.linear counted), with the reference's results."""
+    from qsaserve.ops import gemv
+    from qsaserve.ops.hyper_connection import triton_hc
+
+    widths, original = [], gemv.linear
+
+    def counted(x, w, bias=None):
+        widths.append(w.shape[0])
+        return original(x, w, bias)
+
+    case = _case(2, 2, 16, 8, torch.float32, torch.Generator().manual_seed(1))
+    packed = torch.cat([case["down_weight"], case["inject_weight"]])
+    case["down_weight"], case["inject_weight"] = packed[:8], packed[8:]
+    want = hc_step_reference(**case, hc_count=2, eps=1e-6)
+    on = {k: v.to(device) for k, v in case.items()}
+    both = packed.to(device)
+    on["down_weight"], on["inject_weight"] = both[:8], both[8:]
+    gemv.linear = counted
+    try:
+        got = triton_hc.hc_step_triton(**on, hc_count=2, eps=1e-6)
+    finally:
+        gemv.linear = original
+    assert widths == [8 + 2, 2 * 16], widths  # down | inject as one, then up
+    for w, g in zip(want, got):
+        torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-5)
 
 
 test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)

@@ -26,13 +26,13 @@ def _case(n, k, e, h, inter, dtype, seed=0):
     return x, idx, w, gu_q, down_q, s13, s2
 
 
-def check_fp8(device, dtype, n, k, e, h, inter, block_n=None, seed=0):
+def check_fp8(device, dtype, n, k, e, h, inter, block_n=None, seed=0, block_k=None):
     from qsaserve.ops.moe.triton_moe import moe_experts_decode_triton
 
     x, idx, w, gu, down, s13, s2 = _case(n, k, e, h, inter, dtype, seed)
     want = moe_experts_block_fp8(x, idx, w, gu, down, s13, s2, sync_free=True)
     got = moe_experts_decode_triton(*(t.to(device) for t in (x, idx, w, gu, down)), block_n=block_n,
-                                    w13_scale=s13.to(device), w2_scale=s2.to(device)).cpu()
+                                    w13_scale=s13.to(device), w2_scale=s2.to(device), block_k=block_k).cpu()
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         return
@@ -51,6 +51,9 @@ def _triton_checks(device):
     check_fp8(device, torch.float32, n=2, k=2, e=5, h=640, inter=256, seed=1)  # BLOCK_K 512: a tail of 1 group
     for block_n in ((4, 32), (32, 4)):  # the narrowest and widest row blocks the heuristic may pick
         check_fp8(device, torch.float32, n=1, k=3, e=6, h=256, inter=128, block_n=block_n, seed=2)
+    # three K tiles per choice in the down loop (its scale blocks per tile), and one choice a token
+    check_fp8(device, torch.float32, n=2, k=2, e=4, h=256, inter=384, block_k=(128, 128), seed=4)
+    check_fp8(device, torch.float32, n=2, k=1, e=4, h=256, inter=256, seed=5)
     if device != "cpu":  # the interpreter truncates bf16 casts; qwen4exp-flash's shapes at batch 1
         check_fp8(device, torch.bfloat16, n=1, k=10, e=64, h=2048, inter=512)
         check_fp8(device, torch.bfloat16, n=4, k=10, e=64, h=2048, inter=512, seed=3)

@@ -1,5 +1,5 @@
 """Linear projections of the Llama-family model and every model's LM head (parallel/tp.py):
-plain weights through ops.gemv.linear (the Triton GEMV for 1-4 rows on CUDA, else cuBLAS); layers
+plain weights through ops.gemv.linear (the Triton GEMV for 1-2 rows on CUDA, else cuBLAS); layers
 with FP8 / NVFP4 weights (layers/quantization) run their own ops.fp8_gemm / ops.nvfp4_gemm path."""
 from __future__ import annotations
 

@@ -20,7 +20,6 @@ import copy
 import zlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from qsaserve.layers.attention import AttentionMetadata
@@ -33,6 +32,7 @@ from qsaserve.models.qwen4exp.sharding import RankLayout
 from qsaserve.models.qwen4exp.state import SlotState, Step
 from qsaserve.models.qwen4exp.weights import (Weight, checkpoint_targets, checkpoint_tensor, load_tensor,
                                               weight_shapes)
+from qsaserve.ops import gemv
 from qsaserve.ops.fused import one_centred_rms_norm
 from qsaserve.ops.hyper_connection import hc_inject
 from qsaserve.parallel.state import ParallelContext
@@ -115,7 +115,8 @@ class Qwen4ExpMTP(nn.Module):
         e = vocab_parallel_embedding(embed_weight, next_ids, c.vocab_size, self.ctx)
         e = one_centred_rms_norm(e, self.pre_fc_norm_embedding.weight, eps)
         h = one_centred_rms_norm(hyper, self.pre_fc_norm_hidden.weight, eps, H)
-        x = F.linear(h.view(-1, hc, H), self.fc_hidden.weight) + F.linear(e, self.fc_embedding.weight)[:, None]
+        x = (gemv.linear(h.view(-1, H), self.fc_hidden.weight).view(-1, hc, H)
+             + gemv.linear(e, self.fc_embedding.weight)[:, None])
         layer_out = self.layers[0](x.flatten(1), None, next_ids, step, meta, out_rows)
         if layer_out is None:
             return hyper.new_empty((0, hyper.shape[1]))

@@ -1,9 +1,10 @@
-"""Decode GEMV with unquantized weights (y = x @ W^T for 1-4 rows): a Triton kernel (triton_gemv,
+"""Decode GEMV with unquantized weights (y = x @ W^T for a few rows): a Triton kernel (triton_gemv,
 the FP8 GEMV's program over plain weights) beside its torch reference, and the one dispatch every
-plain projection goes through (`linear`): the kernel for 1-4 rows of a CUDA tensor without a bias
-when it is on, else F.linear (cuBLAS). On unless QSASERVE_TRITON_GEMV=0 (read at import; tests
-flip `ENABLED`), set from benchmarks/bench_gemv.py and `qsaserve bench latency` on an H200
-(docs/benchmarks.md)."""
+plain projection goes through (`linear`): the kernel for up to GEMV_ROWS rows of a CUDA tensor
+without a bias when it is on, else F.linear (cuBLAS). On unless QSASERVE_TRITON_GEMV=0 (read at
+import; tests flip `ENABLED`), from benchmarks/bench_gemv.py and `qsaserve bench latency` on an
+H200 (docs/benchmarks.md) at 1 and 2 rows; 3-4 rows (batches of 3-4, a batch-1 MTP3 verify)
+keep cuBLAS until measured."""
 from __future__ import annotations
 
 import os
@@ -19,12 +20,13 @@ except ImportError:
     gemv, MAX_ROWS = None, 0
 
 ENABLED = os.environ.get("QSASERVE_TRITON_GEMV", "1") != "0" and gemv is not None
+GEMV_ROWS = min(2, MAX_ROWS)  # the row counts the H200 measurements cover
 
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """x @ weight^T runs the Triton GEMV: it is on, the kernels are (ops.dispatch), x holds 1 to
-    MAX_ROWS rows in weight's dtype and weight has a unit last stride."""
-    return (ENABLED and use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+    GEMV_ROWS rows in weight's dtype and weight has a unit last stride."""
+    return (ENABLED and use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= GEMV_ROWS
             and weight.dim() == 2 and weight.stride(-1) == 1 and x.dtype == weight.dtype)
 
 
@@ -35,4 +37,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-__all__ = ["MAX_ROWS", "gemv", "linear", "takes_gemv"]
+__all__ = ["GEMV_ROWS", "MAX_ROWS", "gemv", "linear", "takes_gemv"]

@@ -58,11 +58,13 @@ def _mix_streams_kernel(u_ptr, xn_ptr, mixed_ptr, H, stride_u, stride_x, stride_
 
 
 def _stacked(a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
-    """a [Na, K] and b [Nb, K] as one [Na + Nb, K] view where b's rows follow a's in memory (a
-    packed parameter's parts), else None."""
+    """a [Na, K] and b [Nb, K] as one [Na + Nb, K] view where both are views of one storage and
+    b's rows follow a's (a packed parameter's parts), else None (separate tensors may also lie
+    side by side in memory: not one storage, not one view)."""
     if (b is None or a.dim() != 2 or a.stride() != b.stride() or a.stride(-1) != 1 or a.shape[1] != b.shape[1]
             or a.dtype != b.dtype or a.device != b.device
-            or b.data_ptr() != a.data_ptr() + a.shape[0] * a.stride(0) * a.element_size()):
+            or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+            or b.storage_offset() != a.storage_offset() + a.shape[0] * a.stride(0)):
         return None
     return a.as_strided((a.shape[0] + b.shape[0], a.shape[1]), a.stride())
 
