@@ -29,6 +29,7 @@ def _triton_checks(device):
         _check(device, dtype, 1, 200, 64)  # K shorter than a K block; the default tile
         _check(device, dtype, 3, 5, 1000, split_k=4, block_k=128)  # split K, a ragged last range
         _check(device, dtype, 2, 4, 640, split_k=8)  # more splits than whole 128-column groups
+    _check_gated(device)
     if device == "cuda":  # qwen4exp-small's hyper-connection down / inject / up and GDN in_proj, llama-8b's o
         for m in (1, 2, 4):
             _check(device, torch.bfloat16, m, 320, 8192)
@@ -36,6 +37,23 @@ def _triton_checks(device):
             _check(device, torch.bfloat16, m, 8192, 320)
         _check(device, torch.bfloat16, 1, 12352, 2048)
         _check(device, torch.bfloat16, 2, 4096, 4096)
+
+
+def _check_gated(device):
+    """gated=True on gate | up equals ops.fused's SiLU * up kernel then the GEMV, bit for bit (the
+    same input values, the same sums), also for gate | up as columns of a wider packed output and
+    with split K."""
+    from qsaserve.ops.fused import triton_fused
+    from qsaserve.ops.gemv.triton_gemv import gemv
+
+    g = torch.Generator().manual_seed(11)
+    for dtype, m, n, k, split in ((torch.float32, 1, 24, 200, 1), (torch.bfloat16, 2, 37, 384, 2)):
+        packed = torch.randn(m, 3 + 2 * k + 1, generator=g).to(dtype).to(device)  # router | gate | up | gate scalar
+        gate_up = packed[:, 3: 3 + 2 * k]
+        w = (torch.randn(n, k, generator=g) * k**-0.5).to(dtype).to(device)
+        got = gemv(gate_up, w, gated=True, split_k=split)
+        want = gemv(triton_fused.silu_mul(gate_up.contiguous()), w, split_k=split)
+        assert torch.equal(got, want), (dtype, (got.float() - want.float()).abs().max())
 
 
 def test_rejects_too_many_rows_strided_weights_and_bad_tiles():
@@ -47,6 +65,8 @@ def test_rejects_too_many_rows_strided_weights_and_bad_tiles():
         gemv(torch.zeros(1, 8), torch.zeros(8, 4).t())
     with pytest.raises(ValueError, match="block_k"):
         gemv(torch.zeros(1, 8), torch.zeros(4, 8), block_k=96)
+    with pytest.raises(ValueError, match="2K"):  # gated takes gate | up
+        gemv(torch.zeros(1, 8), torch.zeros(4, 8), gated=True)
 
 
 def test_default_tile_follows_the_sweep_and_splits_narrow_outputs():
@@ -89,5 +109,12 @@ def test_dispatch_takes_the_gemv_only_for_decode_rows_on_cuda(monkeypatch):
     assert not gemv_mod.takes_gemv(x.double(), w)  # dtypes differ
     assert not gemv_mod.takes_gemv(x, torch.randn(8, 4).t())  # a strided weight
     assert not gemv_mod.takes_gemv(x[None], w)  # not 2-D
+    calls = []
+    monkeypatch.setattr(gemv_mod, "gemv", lambda a, b, **kw: calls.append((a.shape, kw)) or torch.zeros(a.shape[0], 4))
+    gemv_mod.silu_mul_linear(torch.randn(2, 16), w)  # one launch: the GEMV computes SiLU * up itself
+    assert calls == [((2, 16), {"gated": True})]
     monkeypatch.setattr(gemv_mod, "ENABLED", False)
     assert not gemv_mod.takes_gemv(x, w)
+    gate_up = torch.randn(2, 16)  # off (and on CPU): ops.fused.silu_mul, then F.linear
+    torch.testing.assert_close(gemv_mod.silu_mul_linear(gate_up, w),
+                               torch.nn.functional.linear(torch.nn.functional.silu(gate_up[:, :8]) * gate_up[:, 8:], w))

@@ -12,6 +12,7 @@ from qsaserve.layers.rmsnorm import RMSNorm
 from qsaserve.ops import fused
 from qsaserve.ops.fp8_gemm import SummedResidual
 from qsaserve.ops.gemv import linear as linear_weight
+from qsaserve.ops.gemv import silu_mul_linear as silu_mul_linear_weight
 
 
 def linear(x: torch.Tensor, layer: nn.Linear | Fp8Linear | Nvfp4Linear) -> torch.Tensor:
@@ -22,9 +23,12 @@ def linear(x: torch.Tensor, layer: nn.Linear | Fp8Linear | Nvfp4Linear) -> torch
 
 def silu_mul_linear(gate_up: torch.Tensor, layer: nn.Linear | Fp8Linear | Nvfp4Linear) -> torch.Tensor:
     """SiLU(gate) * up of gate_up [T, 2I] (gate | up), then the layer: FP8 layers fuse the two at
-    decode rows (ops.fp8_gemm.fp8_linear_silu_mul), the others run ops.fused.silu_mul first."""
+    decode rows (ops.fp8_gemm.fp8_linear_silu_mul), plain weights without a bias at the GEMV's
+    rows (ops.gemv.silu_mul_linear), the others run ops.fused.silu_mul first."""
     if isinstance(layer, Fp8Linear):
         return layer.forward_silu_mul(gate_up)
+    if isinstance(layer, nn.Linear) and layer.bias is None:
+        return silu_mul_linear_weight(gate_up, layer.weight)
     return linear(fused.silu_mul(gate_up), layer)
 
 

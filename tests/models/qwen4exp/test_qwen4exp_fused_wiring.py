@@ -30,22 +30,22 @@ def test_fast_path_wiring_equals_reference_path(tmp_path, monkeypatch):
     model = build_random_model(make_config(budget=12, ple_layer_ids=(1,)), seed=4)
     model.save_pretrained(tmp_path)
     want = _run(str(tmp_path))
-    calls = {"silu_mul": 0, "norm_rope_heads": 0, "ple": 0, "route": 0}
+    calls = {"shared_expert": 0, "norm_rope_heads": 0, "ple": 0, "route": 0}
 
     def counted(name, fn):
-        def run(*a):
+        def run(*a, **kw):
             calls[name] += 1
-            return fn(*a)
+            return fn(*a, **kw)
         return run
 
     for block in (moe, ple, qsa_attention):  # each block's choice of its CUDA branch
         monkeypatch.setattr(block, "use_triton", lambda x: True)
     monkeypatch.setattr(moe, "moe_route", counted("route", moe.moe_route))
     monkeypatch.setattr(ple, "ngram_rows_decode_", counted("ple", ple.ngram_rows_decode_))
-    monkeypatch.setattr(moe, "silu_mul", counted("silu_mul", moe.silu_mul))
+    monkeypatch.setattr(moe.gemv, "silu_mul_linear", counted("shared_expert", moe.gemv.silu_mul_linear))
     monkeypatch.setattr(qsa_attention, "norm_rope_heads", counted("norm_rope_heads", qsa_attention.norm_rope_heads))
     got = _run(str(tmp_path))
-    assert calls["silu_mul"] and calls["norm_rope_heads"] and calls["ple"] and calls["route"]  # the fast branches ran
+    assert calls["shared_expert"] and calls["norm_rope_heads"] and calls["ple"] and calls["route"]  # the fast branches ran
     for (tw, lw), (tg, lg) in zip(want, got):
         assert tw == tg
         torch.testing.assert_close(torch.tensor(lg), torch.tensor(lw), atol=1e-5, rtol=1e-5)

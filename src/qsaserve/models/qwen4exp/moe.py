@@ -139,7 +139,7 @@ class SparseMoE(nn.Module, WarmsUpKernels):
         top_w, top_i = moe_route(logits, self.top_k, self.norm_topk_prob)
         experts = moe_experts_sync_free if step.decode else moe_experts
         routed = experts(x, top_i, top_w, self.experts.gate_up_proj, self.experts.down_proj, self.activation)
-        shared = gemv.linear(silu_mul(gate_up), self.shared_expert.down_proj.weight)
+        shared = gemv.silu_mul_linear(gate_up, self.shared_expert.down_proj.weight)
         return sigmoid_gated_add(routed, shared, shared_gate)  # routed + sigmoid(gate) * shared
 
     def _quantized_forward(self, x: torch.Tensor, step: Step) -> torch.Tensor:

@@ -12,6 +12,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from qsaserve.ops import fused
 from qsaserve.ops.dispatch import use_triton
 
 try:  # CPU-only installs: F.linear only
@@ -37,4 +38,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-__all__ = ["GEMV_ROWS", "MAX_ROWS", "gemv", "linear", "takes_gemv"]
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of gate_up [T, 2I] (gate | up), then @ weight^T [N, I]: at the GEMV's rows
+    one launch (the GEMV computes the SiLU as it loads gate | up, rounded where ops.fused.silu_mul
+    rounds), else ops.fused.silu_mul then linear."""
+    if gate_up.stride(-1) == 1 and takes_gemv(gate_up[:, : weight.shape[-1]], weight):
+        return gemv(gate_up, weight, gated=True)
+    return linear(fused.silu_mul(gate_up), weight)
+
+
+__all__ = ["GEMV_ROWS", "MAX_ROWS", "gemv", "linear", "silu_mul_linear", "takes_gemv"]

@@ -25,11 +25,11 @@ MIN_SPLIT_COLS = 1024  # a split-K program's K range is at least this wide
 @triton.jit(do_not_specialize=["stride_ys"])
 def _gemv_kernel(x_ptr, w_ptr, one_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym, stride_ys,
                  ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 NUM_STAGES: tl.constexpr):
+                 NUM_STAGES: tl.constexpr, GATED: tl.constexpr = False):
     # one scale row (block_n = N) holding 1.0: the epilogue's multiply is exact
     _gemv_body(x_ptr, x_ptr, x_ptr, x_ptr, w_ptr, one_ptr, y_ptr, M, N, K, N, 0.0,
                stride_xm, stride_wn, 0, 0, stride_ym, stride_ys,
-               ROWS, BLOCK_N, BLOCK_K, 128, SPLIT_K, True, NUM_STAGES, False, False, False,
+               ROWS, BLOCK_N, BLOCK_K, 128, SPLIT_K, True, NUM_STAGES, GATED, False, False,
                x_ptr, one_ptr, 0, False, False, 1, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 0, 0, 0, 0, 0, 0, 1, 1, False, 1)
 
 
@@ -71,16 +71,22 @@ def _one(device: torch.device) -> torch.Tensor:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
-         split_k: int | None = None, num_warps: int | None = None, num_stages: int = 3) -> torch.Tensor:
+         split_k: int | None = None, num_warps: int | None = None, num_stages: int = 3,
+         gated: bool = False) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K] with unit last stride (x's dtype or another float
     dtype) -> y [M, N] in x's dtype, as reference.gemv_reference (float32 sums, rounded once).
+    gated: x is gate | up [M, 2K] (unit last stride; a row stride of its own, e.g. columns of a
+    packed projection's output) and the product is SiLU(gate) * up @ W^T, the SiLU computed as the
+    input is loaded, rounded where ops.fused.silu_mul rounds (one launch fewer).
     block_n / block_k (a power-of-two multiple of 128) / split_k / num_warps / num_stages: the tile,
     defaults from pick_gemv_tile and 3 stages (benchmarks/bench_gemv.py sweeps them)."""
-    m, k = x.shape if x.dim() == 2 else (MAX_ROWS + 1, -1)
+    k = weight.shape[1] if weight.dim() == 2 else -1
+    m = x.shape[0] if x.dim() == 2 else MAX_ROWS + 1
+    if (m > MAX_ROWS or weight.dim() != 2 or weight.stride(-1) != 1 or x.shape[-1] != (2 * k if gated else k)
+            or (gated and x.stride(-1) != 1)):
+        raise ValueError(f"gemv: x [M <= {MAX_ROWS}, {'2K' if gated else 'K'}], weight [N, K] with unit last "
+                         f"strides; got {tuple(x.shape)}, {tuple(weight.shape)}")
     n = weight.shape[0]
-    if m > MAX_ROWS or weight.dim() != 2 or weight.shape[1] != k or weight.stride(-1) != 1:
-        raise ValueError(f"gemv: x [M <= {MAX_ROWS}, K], weight [N, K] with unit last stride; got "
-                         f"{tuple(x.shape)}, {tuple(weight.shape)}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -94,7 +100,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, bloc
     _gemv_kernel[(triton.cdiv(n, bn), split)](
         x, weight, _one(x.device), out, m, n, k, x.stride(0), weight.stride(0), out.stride(-2),
         out.stride(0) if split > 1 else 0, ROWS=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-        NUM_STAGES=num_stages, num_warps=warps)
+        NUM_STAGES=num_stages, GATED=gated, num_warps=warps)
     sum_split_k(out, y, split)
     return y
 
