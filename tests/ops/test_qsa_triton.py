@@ -253,7 +253,8 @@ def check_fused_selection(device, dtype, hi=3, di=12, r=4, page=16, budget=12, l
 def check_topk(device, n=300, k=24, rows=5, tile=64, seed=3, split=False):
     """Radix top-k of packed selection keys = torch.topk's indices for every visible group: score
     ties (lower group first, also across the slices of a split row), hidden groups (-1), rows with
-    fewer visible groups than k, a row with none, N not a multiple of the tile, and k = N. split:
+    fewer visible groups than k, a row with none, N not a multiple of the tile, and k = N; given
+    the rows' positions (the scan bounded by their visible groups) exactly the same output. split:
     the version that spreads each row over N / tile programs."""
     from qsaserve.ops.qsa_indexer.paged import selection_keys
     from qsaserve.ops.qsa_indexer.triton_topk import topk_indices_split
@@ -272,6 +273,9 @@ def check_topk(device, n=300, k=24, rows=5, tile=64, seed=3, split=False):
     assert topk_indices_triton(keys.to(device), 0).shape == (rows, 0)  # as torch.topk(keys, 0)
     for kk in (k, 1, min(n, 33), n):
         got = topk_indices_triton(keys.to(device), kk, tile=tile).cpu()
+        # with the rows' positions the scan stops at their visible groups: the same output, hidden slots included
+        bounded = topk_indices_triton(keys.to(device), kk, tile=tile, positions=positions.to(device), ratio=r).cpu()
+        assert torch.equal(bounded, got), (kk, bounded, got)
         want = torch.topk(keys, kk, dim=1).indices
         visible = ((positions + 1) // r).clamp(max=n).clamp(min=0)
         for i in range(rows):
@@ -286,8 +290,8 @@ def test_topk_dispatch_by_row_width(monkeypatch):
     from qsaserve.ops.qsa_indexer import triton_topk as tt
 
     calls = []
-    monkeypatch.setattr(tt, "topk_indices_triton", lambda keys, k: calls.append(("one", keys.shape)) or torch.topk(keys, k).indices)
-    monkeypatch.setattr(tt, "topk_indices_split", lambda keys, k: calls.append(("split", keys.shape)) or torch.topk(keys, k).indices)
+    monkeypatch.setattr(tt, "topk_indices_triton", lambda keys, k, **kw: calls.append(("one", keys.shape)) or torch.topk(keys, k).indices)
+    monkeypatch.setattr(tt, "topk_indices_split", lambda keys, k, **kw: calls.append(("split", keys.shape)) or torch.topk(keys, k).indices)
     narrow, wide = torch.arange(2 * 64).view(2, 64), torch.arange(2 * (tt.RADIX_MAX_GROUPS + 1)).view(2, -1)
     many = torch.arange(tt.RADIX_MIN_ROWS * (tt.RADIX_MAX_GROUPS + 1)).view(tt.RADIX_MIN_ROWS, -1)
     assert torch.equal(tt.topk_indices(narrow, 5), torch.topk(narrow, 5).indices)

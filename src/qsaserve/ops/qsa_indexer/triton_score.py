@@ -322,7 +322,7 @@ def select_decode_tokens_triton(
     `DcpGeometry`, to get this rank's local rows (`dcp.localize` of the selection) from the build."""
     keys = decode_index_scores_triton(index_q, block_key_cache, block_tables, positions, ratio, block_g, pack=True)
     k = min(budget // ratio, keys.shape[1])
-    return build_selection_triton(_topk(keys, k), positions, ratio, budget, dcp)
+    return build_selection_triton(_topk(keys, k, positions, ratio), positions, ratio, budget, dcp)
 
 
 def select_prefill_rows_triton(
@@ -333,7 +333,7 @@ def select_prefill_rows_triton(
     with the lowest-index rule (its `select_fn`): packed keys, radix top-k, build."""
     keys = prefill_index_scores_triton(index_q, block_key_cache, block_table, positions, ratio, num_groups, pack=True)
     k = min(budget // ratio, num_groups)
-    return build_selection_triton(_topk(keys, k), positions, ratio, budget)
+    return build_selection_triton(_topk(keys, k, positions, ratio), positions, ratio, budget)
 
 
 def select_prefill_step_triton(
@@ -360,7 +360,7 @@ def select_prefill_step_triton(
         else:
             keys = prefill_step_keys_triton(q, block_key_cache, tables, pos, cu_seqlens[s0:s1 + 1] - a,
                                             [e - f for f, e in spans[s0:s1]], groups, ratio)
-            chosen = _topk(keys, min(budget // ratio, groups))
+            chosen = _topk(keys, min(budget // ratio, groups), pos, ratio)
         out[a:b] = build_selection_triton(chosen, pos, ratio, budget)
     return out
 
@@ -384,10 +384,12 @@ def _sequence_groups(spans: list[tuple[int, int]], seq_lens: list[int], ratio: i
     return runs
 
 
-def _topk(keys: torch.Tensor, k: int) -> torch.Tensor:
-    """The radix top-k kernel where it is faster, or torch.topk (always with QSASERVE_FUSED_KERNELS=0;
-    same indices)."""
-    return topk_indices(keys, k) if dispatch.use_triton(keys) else torch.topk(keys, k, dim=1).indices
+def _topk(keys: torch.Tensor, k: int, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """The radix top-k kernel where it is faster, scanning each row's visible groups only, or
+    torch.topk (always with QSASERVE_FUSED_KERNELS=0; same indices)."""
+    if dispatch.use_triton(keys):
+        return topk_indices(keys, k, positions, ratio)
+    return torch.topk(keys, k, dim=1).indices
 
 
 
@@ -413,7 +415,8 @@ def warm_up(block_key_cache: torch.Tensor, num_heads: int, ratio: int, budget: i
         k = min(budget // ratio, n)
         for rows in ((1, RADIX_MIN_ROWS) if n > RADIX_MAX_GROUPS else (1,)):
             keys = torch.full((rows, n), -1, dtype=torch.int64, device=device)
-            build_selection_triton(_topk(keys, k), positions[:1].expand(rows).contiguous(), ratio, budget)
+            pos = positions[:1].expand(rows).contiguous()
+            build_selection_triton(_topk(keys, k, pos, ratio), pos, ratio, budget)
             launches += 1
         if n >= max_groups:
             return launches

@@ -15,6 +15,13 @@ is most of a decode step's selection time. Here one program per row:
      fewer than k groups are visible the rest are hidden ones in no particular order, as with
      torch.topk (the selection builder ignores them).
 
+Given the rows' positions (the model's calls), a row's scan stops at its visible groups,
+(position + 1) // ratio (every later key is hidden, -1): the hidden keys past it are counted into
+the first digits' histograms without being read, and any of the k slots the visible groups do
+not fill is a hidden key (group 0, as a hidden key's sort maps): the same output as the full
+scan, in a time that follows the context rather than the keys' width (a CUDA graph's keys are
+max_model_len / ratio wide at every context).
+
 Reference: `torch.topk(keys, k, dim=1).indices` (see tests/ops/test_qsa_triton.py).
 """
 from __future__ import annotations
@@ -53,36 +60,57 @@ def _choose_digit(hist, need, bins):
 
 
 @triton.jit
-def _sort_kept(scratch_row, out_row, K, K_POW2: tl.constexpr):
-    """Sorts a row's K kept keys descending and stores their groups (2^32 - 1 - the low word)."""
+def _visible_groups(pos_ptr, row, ratio, N, HAS_POS: tl.constexpr):
+    """The row's groups that can hold visible keys: (position + 1) // ratio of them, clamped to
+    [0, N] (selection_keys' rule: every later group is hidden, -1), or all N without positions."""
+    if HAS_POS:
+        pos = tl.load(pos_ptr + row).to(tl.int64)
+        return tl.minimum(tl.maximum((pos + 1) // ratio, 0), N)
+    return N + tl.zeros([], tl.int64)
+
+
+@triton.jit
+def _hidden_in_bin0(bins, prefix, shift, hidden):
+    """The hidden keys past the scan (v = 0: every digit 0) as the histogram of the current digit
+    would count them: in bin 0 while the digits fixed so far are all 0."""
+    return tl.where((bins == 0) & ((prefix >> (shift + 8)) == 0), hidden, 0).to(tl.int32)
+
+
+@triton.jit
+def _sort_kept(scratch_row, out_row, K, kept, K_POW2: tl.constexpr):
+    """Sorts a row's K kept keys descending and stores their groups (2^32 - 1 - the low word).
+    kept < K: the scan stopped at the visible groups, so the rest are hidden keys (-1: group 0,
+    as a hidden group's key maps)."""
     j = tl.arange(0, K_POW2)
-    kept_keys = tl.load(scratch_row + j, mask=j < K, other=-2)  # -2: padding sorts after hidden (-1)
+    kept_keys = tl.load(scratch_row + j, mask=j < tl.minimum(kept, K), other=-1)
+    kept_keys = tl.where(j < K, kept_keys, -2)  # -2: padding sorts after hidden (-1)
     kept_keys = tl.sort(kept_keys, descending=True)
     group = tl.where(kept_keys >= 0, _LOW_WORD - (kept_keys & _LOW_WORD), 0)
     tl.store(out_row + j, group, mask=j < K)
 
 
-@triton.jit(do_not_specialize=["N", "K", "stride_kb", "stride_sb", "stride_ob"])
+@triton.jit(do_not_specialize=["N", "K", "stride_kb", "stride_sb", "stride_ob", "ratio"])
 def _topk_kernel(
     keys_ptr, scratch_ptr, out_ptr, N, K,
-    stride_kb, stride_sb, stride_ob,
-    TILE: tl.constexpr, K_POW2: tl.constexpr,
+    stride_kb, stride_sb, stride_ob, pos_ptr, ratio,
+    TILE: tl.constexpr, K_POW2: tl.constexpr, HAS_POS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     key_row = keys_ptr + row * stride_kb
     offs = tl.arange(0, TILE)
     bins = tl.arange(0, 256)
+    nv = _visible_groups(pos_ptr, row, ratio, N, HAS_POS)  # groups past nv are hidden: not read
 
     # 1. Radix select over v's four bytes, high to low: `prefix` holds the digits fixed so far.
     prefix = tl.zeros([], tl.int64)
     above = tl.zeros([], tl.int64)  # groups whose v is known to exceed T
     for p in tl.static_range(4):
         shift = 24 - 8 * p
-        hist = tl.zeros([256], tl.int32)
-        for start in range(0, N, TILE):
+        hist = _hidden_in_bin0(bins, prefix, shift, N - nv)
+        for start in range(0, nv, TILE):
             n = start + offs
-            v = _digit_value(tl.load(key_row + n, mask=n < N, other=-1))
-            match = (n < N) & ((v >> (shift + 8)) == (prefix >> (shift + 8)))
+            v = _digit_value(tl.load(key_row + n, mask=n < nv, other=-1))
+            match = (n < nv) & ((v >> (shift + 8)) == (prefix >> (shift + 8)))
             digit = tl.where(match, (v >> shift) & 255, 0).to(tl.int32)
             hist += tl.histogram(digit, 256)
             hist -= tl.where(bins == 0, tl.sum((~match).to(tl.int32), 0), 0)  # non-matches went to bin 0
@@ -95,21 +123,21 @@ def _topk_kernel(
     kept = tl.zeros([], tl.int64)
     ties = tl.zeros([], tl.int64)
     scratch_row = scratch_ptr + row * stride_sb
-    for start in range(0, N, TILE):
+    for start in range(0, nv, TILE):
         n = start + offs
-        keys = tl.load(key_row + n, mask=n < N, other=-1)
+        keys = tl.load(key_row + n, mask=n < nv, other=-1)
         v = _digit_value(keys)
-        tie = (n < N) & (v == prefix)
+        tie = (n < nv) & (v == prefix)
         tie_rank = ties + tl.cumsum(tie.to(tl.int64), 0) - 1
-        keep = (n < N) & ((v > prefix) | (tie & (tie_rank < ties_needed)))
+        keep = (n < nv) & ((v > prefix) | (tie & (tie_rank < ties_needed)))
         slot = kept + tl.cumsum(keep.to(tl.int64), 0) - 1
         tl.store(scratch_row + slot, keys, mask=keep & (slot < K))  # exactly K are kept; never past the row
         kept += tl.sum(keep.to(tl.int64), 0)
         ties += tl.sum(tie.to(tl.int64), 0)
     tl.debug_barrier()  # the scratch row written above is read back by other threads of this program
 
-    # 3. Sort the K kept keys descending.
-    _sort_kept(scratch_row, out_ptr + row * stride_ob, K, K_POW2)
+    # 3. Sort the K kept keys descending (hidden ones after them where the scan kept fewer).
+    _sort_kept(scratch_row, out_ptr + row * stride_ob, K, kept, K_POW2)
 
 
 # ---- The same select with each row split over several programs (wide rows at small batch) ----
@@ -134,10 +162,10 @@ def _threshold_so_far(ghist_row, stride_pass, K, PASSES: tl.constexpr, bins):
     return prefix, above
 
 
-@triton.jit(do_not_specialize=["N", "K", "S", "stride_kb", "stride_pass"])
+@triton.jit(do_not_specialize=["N", "K", "S", "stride_kb", "stride_pass", "ratio"])
 def _split_hist_kernel(
-    keys_ptr, ghist_ptr, lhist_ptr, N, K, S, stride_kb, stride_pass,
-    PASS: tl.constexpr, TILE: tl.constexpr,
+    keys_ptr, ghist_ptr, lhist_ptr, N, K, S, stride_kb, stride_pass, pos_ptr, ratio,
+    PASS: tl.constexpr, TILE: tl.constexpr, HAS_POS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
@@ -145,20 +173,23 @@ def _split_hist_kernel(
     ghist_row = ghist_ptr + row * 256
     prefix, above = _threshold_so_far(ghist_row, stride_pass, K, PASS, bins)
     shift = 24 - 8 * PASS
+    nv = _visible_groups(pos_ptr, row, ratio, N, HAS_POS)  # slices past nv read nothing
     n = s * TILE + tl.arange(0, TILE)
-    v = _digit_value(tl.load(keys_ptr + row * stride_kb + n, mask=n < N, other=-1))
-    match = (n < N) & ((v >> (shift + 8)) == (prefix >> (shift + 8)))
+    v = _digit_value(tl.load(keys_ptr + row * stride_kb + n, mask=n < nv, other=-1))
+    match = (n < nv) & ((v >> (shift + 8)) == (prefix >> (shift + 8)))
     hist = tl.histogram(tl.where(match, (v >> shift) & 255, 0).to(tl.int32), 256)
     hist -= tl.where(bins == 0, tl.sum((~match).to(tl.int32), 0), 0)  # non-matches went to bin 0
-    tl.atomic_add(ghist_row + PASS * stride_pass + bins, hist, mask=hist > 0)
+    # the hidden groups past nv, counted once a row (slice 0); the ties' per-slice counts leave them out
+    counted = hist + tl.where(s == 0, _hidden_in_bin0(bins, prefix, shift, N - nv), 0)
+    tl.atomic_add(ghist_row + PASS * stride_pass + bins, counted, mask=counted > 0)
     if PASS == 3:
         tl.store(lhist_ptr + (row * S + s) * 256 + bins, hist)
 
 
-@triton.jit(do_not_specialize=["N", "K", "S", "stride_kb", "stride_pass", "stride_sb"])
+@triton.jit(do_not_specialize=["N", "K", "S", "stride_kb", "stride_pass", "stride_sb", "ratio"])
 def _split_keep_kernel(
     keys_ptr, ghist_ptr, lhist_ptr, count_ptr, scratch_ptr, N, K, S, stride_kb, stride_pass, stride_sb,
-    TILE: tl.constexpr, S_POW2: tl.constexpr,
+    pos_ptr, ratio, TILE: tl.constexpr, S_POW2: tl.constexpr, HAS_POS: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
@@ -167,59 +198,73 @@ def _split_keep_kernel(
     # Groups equal to the threshold in the slices before this one: their last-digit counts.
     before = tl.arange(0, S_POW2)
     ties_before = tl.sum(tl.load(lhist_ptr + (row * S + before) * 256 + (threshold & 255), mask=before < s, other=0), 0)
+    nv = _visible_groups(pos_ptr, row, ratio, N, HAS_POS)
     n = s * TILE + tl.arange(0, TILE)
-    keys = tl.load(keys_ptr + row * stride_kb + n, mask=n < N, other=-1)
+    keys = tl.load(keys_ptr + row * stride_kb + n, mask=n < nv, other=-1)
     v = _digit_value(keys)
-    tie = (n < N) & (v == threshold)
+    tie = (n < nv) & (v == threshold)
     tie_rank = ties_before + tl.cumsum(tie.to(tl.int32), 0) - 1
-    keep = (n < N) & ((v > threshold) | (tie & (tie_rank < K - above)))
+    keep = (n < nv) & ((v > threshold) | (tie & (tie_rank < K - above)))
     base = tl.atomic_add(count_ptr + row, tl.sum(keep.to(tl.int32), 0))
     slot = base + tl.cumsum(keep.to(tl.int32), 0) - 1
-    tl.store(scratch_ptr + row * stride_sb + slot, keys, mask=keep & (slot < K))  # exactly K are kept
+    tl.store(scratch_ptr + row * stride_sb + slot, keys, mask=keep & (slot < K))  # at most K are kept
 
 
 @triton.jit(do_not_specialize=["K", "stride_sb", "stride_ob"])
-def _sort_kernel(scratch_ptr, out_ptr, K, stride_sb, stride_ob, K_POW2: tl.constexpr):
+def _sort_kernel(scratch_ptr, count_ptr, out_ptr, K, stride_sb, stride_ob, K_POW2: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    _sort_kept(scratch_ptr + row * stride_sb, out_ptr + row * stride_ob, K, K_POW2)
+    _sort_kept(scratch_ptr + row * stride_sb, out_ptr + row * stride_ob, K, tl.load(count_ptr + row), K_POW2)
 
 
-def topk_indices(keys: torch.Tensor, k: int) -> torch.Tensor:
+def topk_indices(keys: torch.Tensor, k: int, positions: torch.Tensor | None = None, ratio: int = 1) -> torch.Tensor:
     """The faster radix top-k for this shape (the same indices as torch.topk)."""
     if keys.shape[-1] <= RADIX_MAX_GROUPS or keys.shape[0] >= RADIX_MIN_ROWS:
-        return topk_indices_triton(keys, k)
-    return topk_indices_split(keys, k)
+        return topk_indices_triton(keys, k, positions=positions, ratio=ratio)
+    return topk_indices_split(keys, k, positions=positions, ratio=ratio)
 
 
-def topk_indices_triton(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.Tensor:
+def topk_indices_triton(keys: torch.Tensor, k: int, tile: int = 2048, positions: torch.Tensor | None = None,
+                        ratio: int = 1) -> torch.Tensor:
     """keys [B, N] int64 (`paged.selection_keys`) -> [B, k] int64 group indices in descending key
     order, as torch.topk(keys, k, dim=1).indices for every visible group. Device tensors only,
-    shapes from tensor shapes (CUDA-graph safe). k > MAX_K is torch.topk itself."""
-    return _radix_topk(keys, k, tile, _launch_one_program_per_row)
+    shapes from tensor shapes (CUDA-graph safe). k > MAX_K is torch.topk itself.
+    positions [B] (with the keys' ratio): each row's keys past group (position + 1) // ratio are
+    hidden (selection_keys' rule), so the scan stops there and its time follows the context, not
+    N (a CUDA graph's keys are max_model_len / ratio wide); the result is the same."""
+    return _radix_topk(keys, k, tile, _launch_one_program_per_row, positions, ratio)
 
 
-def topk_indices_split(keys: torch.Tensor, k: int, tile: int = 2048) -> torch.Tensor:
+def topk_indices_split(keys: torch.Tensor, k: int, tile: int = 2048, positions: torch.Tensor | None = None,
+                       ratio: int = 1) -> torch.Tensor:
     """As topk_indices_triton, with each row split over ceil(N / tile) programs: six launches (and
-    one memset) whose time does not grow with N the way one program per row does."""
-    return _radix_topk(keys, k, tile, _launch_split_rows)
+    one memset) whose time does not grow with N the way one program per row does (slices past a
+    row's visible groups read nothing)."""
+    return _radix_topk(keys, k, tile, _launch_split_rows, positions, ratio)
 
 
-def _radix_topk(keys: torch.Tensor, k: int, tile: int, launch) -> torch.Tensor:
+def _radix_topk(keys: torch.Tensor, k: int, tile: int, launch, positions: torch.Tensor | None,
+                ratio: int) -> torch.Tensor:
     early = _without_kernel(keys, k)
     if early is not None:
         return early
     keys, out, scratch, tile = _buffers(keys, k, tile)
-    launch(keys, k, out, scratch, tile)
+    if positions is not None:
+        if positions.shape != keys.shape[:1] or ratio < 1:
+            raise ValueError(f"positions: one per row of keys {tuple(keys.shape)} with ratio >= 1, got "
+                             f"{tuple(positions.shape)}, ratio {ratio}")
+        positions = positions.contiguous()
+    launch(keys, k, out, scratch, tile, positions, ratio)
     return out
 
 
-def _launch_one_program_per_row(keys, k, out, scratch, tile) -> None:
+def _launch_one_program_per_row(keys, k, out, scratch, tile, positions, ratio) -> None:
     b, n = keys.shape
     _topk_kernel[(b,)](keys, scratch, out, n, k, keys.stride(0), scratch.stride(0), out.stride(0),
-                       TILE=tile, K_POW2=scratch.shape[1], num_warps=8 if tile >= 1024 else 4)
+                       keys if positions is None else positions, ratio, TILE=tile, K_POW2=scratch.shape[1],
+                       HAS_POS=positions is not None, num_warps=8 if tile >= 1024 else 4)
 
 
-def _launch_split_rows(keys, k, out, scratch, tile) -> None:
+def _launch_split_rows(keys, k, out, scratch, tile, positions, ratio) -> None:
     b, n = keys.shape
     k_pow2 = scratch.shape[1]
     splits = triton.cdiv(n, tile)
@@ -228,13 +273,16 @@ def _launch_split_rows(keys, k, out, scratch, tile) -> None:
     last_digit = torch.empty(b * splits * 256, dtype=torch.int32, device=keys.device)
     stride_pass = b * 256
     warps = 8 if tile >= 1024 else 4
+    pos = keys if positions is None else positions
     for p in range(4):
-        _split_hist_kernel[(b, splits)](keys, counters, last_digit, n, k, splits, keys.stride(0), stride_pass,
-                                         PASS=p, TILE=tile, num_warps=warps)
-    _split_keep_kernel[(b, splits)](keys, counters, last_digit, counters[4 * b * 256:], scratch, n, k, splits,
-                                    keys.stride(0), stride_pass, scratch.stride(0), TILE=tile,
-                                    S_POW2=triton.next_power_of_2(splits), num_warps=warps)
-    _sort_kernel[(b,)](scratch, out, k, scratch.stride(0), out.stride(0), K_POW2=k_pow2,
+        _split_hist_kernel[(b, splits)](keys, counters, last_digit, n, k, splits, keys.stride(0), stride_pass, pos,
+                                         ratio, PASS=p, TILE=tile, HAS_POS=positions is not None, num_warps=warps)
+    count = counters[4 * b * 256:]
+    _split_keep_kernel[(b, splits)](keys, counters, last_digit, count, scratch, n, k, splits,
+                                    keys.stride(0), stride_pass, scratch.stride(0), pos, ratio, TILE=tile,
+                                    S_POW2=triton.next_power_of_2(splits), HAS_POS=positions is not None,
+                                    num_warps=warps)
+    _sort_kernel[(b,)](scratch, count, out, k, scratch.stride(0), out.stride(0), K_POW2=k_pow2,
                        num_warps=8 if k_pow2 >= 1024 else 4)
 
 
