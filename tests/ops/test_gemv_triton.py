@@ -30,6 +30,7 @@ def _triton_checks(device):
         _check(device, dtype, 3, 5, 1000, split_k=4, block_k=128)  # split K, a ragged last range
         _check(device, dtype, 2, 4, 640, split_k=8)  # more splits than whole 128-column groups
     _check_gated(device)
+    _check_unsummed_partials(device)
     if device == "cuda":  # qwen4exp-small's hyper-connection down / inject / up and GDN in_proj, llama-8b's o
         for m in (1, 2, 4):
             _check(device, torch.bfloat16, m, 320, 8192)
@@ -54,6 +55,24 @@ def _check_gated(device):
         got = gemv(gate_up, w, gated=True, split_k=split)
         want = gemv(triton_fused.silu_mul(gate_up.contiguous()), w, split_k=split)
         assert torch.equal(got, want), (dtype, (got.float() - want.float()).abs().max())
+
+
+def _check_unsummed_partials(device):
+    """sum_split=False returns the float32 split-K planes whose sum in plane order is the summed
+    GEMV's output (float32 here: the interpreter truncates float32 -> bf16 casts, which torch's
+    rounding would not match); without a split, the output itself."""
+    from qsaserve.ops.gemv.triton_gemv import gemv
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 1000, generator=g).to(device)
+    w = (torch.randn(9, 1000, generator=g) * 0.03).to(device)
+    planes = gemv(x, w, split_k=4, block_k=128, sum_split=False)
+    assert planes.shape == (4, 2, 9) and planes.dtype == torch.float32
+    total = planes[0]
+    for p in planes[1:]:
+        total = total + p
+    assert torch.equal(total, gemv(x, w, split_k=4, block_k=128))
+    assert torch.equal(gemv(x, w, split_k=1, sum_split=False), gemv(x, w, split_k=1))
 
 
 def test_rejects_too_many_rows_strided_weights_and_bad_tiles():

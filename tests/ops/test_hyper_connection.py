@@ -98,32 +98,49 @@ def test_model_mixers_hold_down_and_inject_as_one_gemm():
 
 
 def _check_one_gemm_for_packed(device):
-    """A packed down | inject runs as one GEMM, then the up GEMM over the strided view of its
-    down columns (ops.gemv.linear counted), with the reference's results."""
+    """A packed down | inject runs as one GEMM, then the up GEMM over the activated down columns,
+    with the reference's results: through cuBLAS / F.linear (as at prefill rows), and through the
+    GEMV (forced here, so the interpreter runs it too) whose split-K partials the activation kernel
+    adds itself (K = 2,048 splits in 2)."""
     from qsaserve.ops import gemv
     from qsaserve.ops.hyper_connection import triton_hc
 
-    widths, original = [], gemv.linear
+    for force_gemv in (False, True):
+        calls, linear, partials, kernel, takes = [], gemv.linear, gemv.linear_partials, gemv.gemv, gemv.takes_gemv
 
-    def counted(x, w, bias=None):
-        widths.append(w.shape[0])
-        return original(x, w, bias)
+        def counted_linear(x, w, bias=None):
+            calls.append(("linear", w.shape[0]))
+            return linear(x, w, bias)
 
-    case = _case(2, 2, 16, 8, torch.float32, torch.Generator().manual_seed(1))
-    packed = torch.cat([case["down_weight"], case["inject_weight"]])
-    case["down_weight"], case["inject_weight"] = packed[:8], packed[8:]
-    want = hc_step_reference(**case, hc_count=2, eps=1e-6)
-    on = {k: v.to(device) for k, v in case.items()}
-    both = packed.to(device)
-    on["down_weight"], on["inject_weight"] = both[:8], both[8:]
-    gemv.linear = counted
-    try:
-        got = triton_hc.hc_step_triton(**on, hc_count=2, eps=1e-6)
-    finally:
-        gemv.linear = original
-    assert widths == [8 + 2, 2 * 16], widths  # down | inject as one, then up
-    for w, g in zip(want, got):
-        torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-5)
+        def counted_partials(x, w):
+            calls.append(("partials", w.shape[0]))
+            return partials(x, w)
+
+        def counted_gemv(x, w, **kw):
+            out = kernel(x, w, **kw)
+            calls.append(("gemv", w.shape[0], out.dim()))
+            return out
+
+        h = 1024 if force_gemv else 16
+        case = _case(2, 2, h, 8, torch.float32, torch.Generator().manual_seed(1))
+        packed = torch.cat([case["down_weight"], case["inject_weight"]])
+        want = hc_step_reference(**case, hc_count=2, eps=1e-6)
+        on = {k: v.to(device) for k, v in case.items()}
+        both = packed.to(device)
+        on["down_weight"], on["inject_weight"] = both[:8], both[8:]
+        gemv.linear, gemv.linear_partials, gemv.gemv = counted_linear, counted_partials, counted_gemv
+        if force_gemv:
+            gemv.takes_gemv = lambda x, w: x.dim() == 2 and x.shape[0] <= gemv.GEMV_ROWS
+        try:
+            got = triton_hc.hc_step_triton(**on, hc_count=2, eps=1e-6)
+        finally:
+            gemv.linear, gemv.linear_partials, gemv.gemv, gemv.takes_gemv = linear, partials, kernel, takes
+        if force_gemv:  # down | inject's partials unsummed (3-D), then up through linear -> the GEMV, summed
+            assert calls == [("partials", 10), ("gemv", 10, 3), ("linear", 2 * h), ("gemv", 2 * h, 2)], calls
+        else:
+            assert calls == [("partials", 8 + 2), ("linear", 2 * h)], calls
+        for w, g in zip(want, got):
+            torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-5)
 
 
 test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check_tests(__file__, _triton_checks)

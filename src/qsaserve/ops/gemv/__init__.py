@@ -38,6 +38,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T as `linear` without a bias, except that where the GEMV splits K the float32
+    partials [split, M, N] come back unsummed (gemv's sum_split=False): the consumer adds them in
+    plane order and rounds once to x's dtype, the GEMV's own sum. Else [M, N] in x's dtype."""
+    if takes_gemv(x, weight):
+        return gemv(x, weight, sum_split=False)
+    return F.linear(x, weight)
+
+
 def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up of gate_up [T, 2I] (gate | up), then @ weight^T [N, I]: at the GEMV's rows
     one launch (the GEMV computes the SiLU as it loads gate | up, rounded where ops.fused.silu_mul
@@ -47,4 +56,4 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return linear(fused.silu_mul(gate_up), weight)
 
 
-__all__ = ["GEMV_ROWS", "MAX_ROWS", "gemv", "linear", "silu_mul_linear", "takes_gemv"]
+__all__ = ["GEMV_ROWS", "MAX_ROWS", "gemv", "linear", "linear_partials", "silu_mul_linear", "takes_gemv"]

@@ -72,14 +72,16 @@ def _one(device: torch.device) -> torch.Tensor:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, block_k: int | None = None,
          split_k: int | None = None, num_warps: int | None = None, num_stages: int = 3,
-         gated: bool = False) -> torch.Tensor:
+         gated: bool = False, sum_split: bool = True) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K] with unit last stride (x's dtype or another float
     dtype) -> y [M, N] in x's dtype, as reference.gemv_reference (float32 sums, rounded once).
     gated: x is gate | up [M, 2K] (unit last stride; a row stride of its own, e.g. columns of a
     packed projection's output) and the product is SiLU(gate) * up @ W^T, the SiLU computed as the
     input is loaded, rounded where ops.fused.silu_mul rounds (one launch fewer).
     block_n / block_k (a power-of-two multiple of 128) / split_k / num_warps / num_stages: the tile,
-    defaults from pick_gemv_tile and 3 stages (benchmarks/bench_gemv.py sweeps them)."""
+    defaults from pick_gemv_tile and 3 stages (benchmarks/bench_gemv.py sweeps them).
+    sum_split=False: with K split, the float32 partials [split, M, N] themselves, for a consumer
+    that adds them in plane order and rounds once (the sum kernel's result) as it reads them."""
     k = weight.shape[1] if weight.dim() == 2 else -1
     m = x.shape[0] if x.dim() == 2 else MAX_ROWS + 1
     if (m > MAX_ROWS or weight.dim() != 2 or weight.stride(-1) != 1 or x.shape[-1] != (2 * k if gated else k)
@@ -101,6 +103,8 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, bloc
         x, weight, _one(x.device), out, m, n, k, x.stride(0), weight.stride(0), out.stride(-2),
         out.stride(0) if split > 1 else 0, ROWS=triton.next_power_of_2(m), BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
         NUM_STAGES=num_stages, GATED=gated, num_warps=warps)
+    if not sum_split and split > 1:
+        return out
     sum_split_k(out, y, split)
     return y
 

@@ -7,7 +7,8 @@ two of these per layer, and their launches, not their bytes, were the cost.
                 1-centred RMSNorm of the new hyper                       -> hyper', xn
   GEMMs:        d = xn @ down^T, i = xn @ inject^T (ops.gemv: the GEMV at decode rows, else cuBLAS;
                 one GEMM where the two weights are rows of one packed parameter)
-  _gate_acts:   d <- silu(d / hc); i <- 2 sigmoid(i / hc)
+  _gate_acts:   d <- silu(d / hc); i <- 2 sigmoid(i / hc) (adding the GEMV's split-K partials
+                itself where it split K: the GEMV's sum launch, gone)
   GEMM:         u = d @ up^T
   _mix_streams: mixed = mean_s(sigmoid(u_s) * xn_s)
 
@@ -24,21 +25,38 @@ from qsaserve.ops.fused.triton_fused import inject_norm_kernel
 
 
 @triton.jit
-def _gate_acts_kernel(d_ptr, i_ptr, n_d, n_i, hc, stride_d, stride_i, HAS_INJECT: tl.constexpr,
-                      BLOCK: tl.constexpr, BLOCK_I: tl.constexpr):
+def _gate_acts_kernel(d_ptr, i_ptr, src_ptr, n_d, n_i, hc, stride_d, stride_i, stride_src, stride_plane,
+                      HAS_INJECT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_I: tl.constexpr, SPLIT: tl.constexpr):
+    """d <- silu(d / hc), i <- 2 sigmoid(i / hc), rounded as the torch path rounds. SPLIT 0: d and
+    i in place; SPLIT s > 0: read from the stacked down | inject GEMV's float32 split-K partials
+    src [s, T, n_d + n_i], added in plane order and rounded to the outputs' dtype (the GEMV's own
+    sum, one launch fewer)."""
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, BLOCK)
     ok = c < n_d
-    d = tl.load(d_ptr + row * stride_d + c, mask=ok, other=0.0)
-    a = (d.to(tl.float32) / hc).to(d.dtype).to(tl.float32)  # the torch path rounds after / hc
-    tl.store(d_ptr + row * stride_d + c, (a * tl.sigmoid(a)).to(d.dtype), mask=ok)
+    dt = d_ptr.dtype.element_ty
+    if SPLIT > 0:
+        acc = tl.zeros([BLOCK], tl.float32)
+        for p in tl.static_range(SPLIT):
+            acc += tl.load(src_ptr + p * stride_plane + row * stride_src + c, mask=ok, other=0.0)
+        d = acc.to(dt)
+    else:
+        d = tl.load(d_ptr + row * stride_d + c, mask=ok, other=0.0)
+    a = (d.to(tl.float32) / hc).to(dt).to(tl.float32)  # the torch path rounds after / hc
+    tl.store(d_ptr + row * stride_d + c, (a * tl.sigmoid(a)).to(dt), mask=ok)
     if HAS_INJECT:
         j = tl.arange(0, BLOCK_I)
         jok = j < n_i
-        i = tl.load(i_ptr + row * stride_i + j, mask=jok, other=0.0)
-        b = (i.to(tl.float32) / hc).to(i.dtype).to(tl.float32)
-        sig = tl.sigmoid(b).to(i.dtype).to(tl.float32)
-        tl.store(i_ptr + row * stride_i + j, (2.0 * sig).to(i.dtype), mask=jok)
+        if SPLIT > 0:
+            acc_i = tl.zeros([BLOCK_I], tl.float32)
+            for p in tl.static_range(SPLIT):
+                acc_i += tl.load(src_ptr + p * stride_plane + row * stride_src + n_d + j, mask=jok, other=0.0)
+            i = acc_i.to(dt)
+        else:
+            i = tl.load(i_ptr + row * stride_i + j, mask=jok, other=0.0)
+        b = (i.to(tl.float32) / hc).to(dt).to(tl.float32)
+        sig = tl.sigmoid(b).to(dt).to(tl.float32)
+        tl.store(i_ptr + row * stride_i + j, (2.0 * sig).to(dt), mask=jok)
 
 
 @triton.jit
@@ -90,17 +108,25 @@ def hc_step_triton(hyper: torch.Tensor, block_out: torch.Tensor | None, inject: 
             new.stride(0), xn.stride(0), HAS_OUT=block_out is not None, BLOCK=block,
             num_warps=8 if block >= 4096 else 4)
     stacked = _stacked(down_weight, inject_weight)
+    n_d = down_weight.shape[0]
+    src, split = hyper, 0
     if stacked is not None:  # one GEMM for both, then views of its columns
-        di = gemv.linear(xn, stacked)
-        d, i = di[:, : down_weight.shape[0]], di[:, down_weight.shape[0]:]
+        di = gemv.linear_partials(xn, stacked)
+        if di.dim() == 3:  # split-K partials: the activations below add them up
+            src, split = di, di.shape[0]
+            d = torch.empty((t, n_d), dtype=hyper.dtype, device=hyper.device)
+            i = torch.empty((t, hc_count), dtype=hyper.dtype, device=hyper.device)
+        else:
+            d, i = di[:, :n_d], di[:, n_d:]
     else:
         d = gemv.linear(xn, down_weight)
         i = gemv.linear(xn, inject_weight) if inject_weight is not None else None
     if t:
-        _gate_acts_kernel[(t,)](d, i if i is not None else d, d.shape[1], hc_count, float(hc_count), d.stride(0),
-                                i.stride(0) if i is not None else 0, HAS_INJECT=i is not None,
-                                BLOCK=triton.next_power_of_2(d.shape[1]), BLOCK_I=triton.next_power_of_2(hc_count),
-                                num_warps=4)
+        _gate_acts_kernel[(t,)](d, i if i is not None else d, src, n_d, hc_count, float(hc_count), d.stride(0),
+                                i.stride(0) if i is not None else 0, src.stride(-2) if split else 0,
+                                src.stride(0) if split else 0, HAS_INJECT=i is not None,
+                                BLOCK=triton.next_power_of_2(n_d), BLOCK_I=triton.next_power_of_2(hc_count),
+                                SPLIT=split, num_warps=4)
     u = gemv.linear(d, up_weight)
     mixed = torch.empty((t, h), dtype=hyper.dtype, device=hyper.device)
     if t:
