@@ -98,14 +98,14 @@ def test_model_mixers_hold_down_and_inject_as_one_gemm():
 
 
 def _check_one_gemm_for_packed(device):
-    """A packed down | inject runs as one GEMM, then the up GEMM over the activated down columns,
-    with the reference's results: through cuBLAS / F.linear (as at prefill rows), and through the
-    GEMV (forced here, so the interpreter runs it too) whose split-K partials the activation kernel
-    adds itself (K = 2,048 splits in 2)."""
+    """A packed down | inject runs as one GEMM, then the up projection and the stream mix, with
+    the reference's results: at 3 rows through F.linear / cuBLAS and the mix kernel (as at prefill
+    rows); at 2 rows through the GEMV (forced here, so the interpreter runs it too), whose split-K
+    partials (K = 2,048: split in 2) the activation kernel adds, and the joined up + mix kernel."""
     from qsaserve.ops import gemv
     from qsaserve.ops.hyper_connection import triton_hc
 
-    for force_gemv in (False, True):
+    for t, force_gemv in ((3, False), (2, True)):
         calls, linear, partials, kernel, takes = [], gemv.linear, gemv.linear_partials, gemv.gemv, gemv.takes_gemv
 
         def counted_linear(x, w, bias=None):
@@ -122,7 +122,7 @@ def _check_one_gemm_for_packed(device):
             return out
 
         h = 1024 if force_gemv else 16
-        case = _case(2, 2, h, 8, torch.float32, torch.Generator().manual_seed(1))
+        case = _case(t, 2, h, 8, torch.float32, torch.Generator().manual_seed(1))
         packed = torch.cat([case["down_weight"], case["inject_weight"]])
         want = hc_step_reference(**case, hc_count=2, eps=1e-6)
         on = {k: v.to(device) for k, v in case.items()}
@@ -135,8 +135,8 @@ def _check_one_gemm_for_packed(device):
             got = triton_hc.hc_step_triton(**on, hc_count=2, eps=1e-6)
         finally:
             gemv.linear, gemv.linear_partials, gemv.gemv, gemv.takes_gemv = linear, partials, kernel, takes
-        if force_gemv:  # down | inject's partials unsummed (3-D), then up through linear -> the GEMV, summed
-            assert calls == [("partials", 10), ("gemv", 10, 3), ("linear", 2 * h), ("gemv", 2 * h, 2)], calls
+        if force_gemv:  # down | inject's partials unsummed (3-D); up + mix joined: no up GEMM call
+            assert calls == [("partials", 10), ("gemv", 10, 3)], calls
         else:
             assert calls == [("partials", 8 + 2), ("linear", 2 * h)], calls
         for w, g in zip(want, got):

@@ -11,6 +11,7 @@ two of these per layer, and their launches, not their bytes, were the cost.
                 itself where it split K: the GEMV's sum launch, gone)
   GEMM:         u = d @ up^T
   _mix_streams: mixed = mean_s(sigmoid(u_s) * xn_s)
+                (at decode rows these two are one kernel, _up_mix_kernel: u never leaves registers)
 
 Every intermediate is rounded to the model dtype where the torch path rounds (float32 math inside).
 """
@@ -75,6 +76,61 @@ def _mix_streams_kernel(u_ptr, xn_ptr, mixed_ptr, H, stride_u, stride_x, stride_
     tl.store(mixed_ptr + row * stride_m + c, (acc / HC).to(mixed_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _up_mix_row(d_ptr, w_ptr, xn_ptr, mixed_ptr, r, c, c_ok, k, k_ok, H, K, stride_d, stride_w, stride_x,
+                stride_m, HC: tl.constexpr, COLS: tl.constexpr):
+    """Row r of the block input at columns c: sum over streams s of sigmoid(u_s) * xn_s, u_s =
+    d[r] @ up[s * H + c]^T, each step rounded where the GEMV and _mix_streams_kernel round."""
+    dt = mixed_ptr.dtype.element_ty
+    dr = tl.load(d_ptr + r * stride_d + k, mask=k_ok, other=0.0).to(tl.float32)
+    acc = tl.zeros([COLS], tl.float32)
+    for s in tl.static_range(HC):
+        w = tl.load(w_ptr + (s * H + c)[:, None].to(tl.int64) * stride_w + k[None, :],
+                    mask=c_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        u = tl.sum(w * dr[None, :], 1).to(dt)  # the up GEMV's output, rounded
+        gate = tl.sigmoid(u.to(tl.float32)).to(dt)
+        xn = tl.load(xn_ptr + r * stride_x + s * H + c, mask=c_ok, other=0.0)
+        acc += (gate.to(tl.float32) * xn.to(tl.float32)).to(dt).to(tl.float32)
+    tl.store(mixed_ptr + r * stride_m + c, (acc / HC).to(dt), mask=c_ok)
+
+
+@triton.jit
+def _up_mix_kernel(d_ptr, w_ptr, xn_ptr, mixed_ptr, M, H, K, stride_d, stride_w, stride_x, stride_m,
+                   HC: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+    """Decode rows (ROWS <= 2): the up projection and the stream mix in one launch, each program
+    COLS columns of the block input over all HC streams (the up weight's rows s * H + c, read
+    once for both rows: the GEMV's bytes, without u's round trip or the mix launch). K <= BLOCK_K."""
+    c = tl.program_id(0) * COLS + tl.arange(0, COLS)
+    c_ok = c < H
+    k = tl.arange(0, BLOCK_K)
+    k_ok = k < K
+    _up_mix_row(d_ptr, w_ptr, xn_ptr, mixed_ptr, 0, c, c_ok, k, k_ok, H, K, stride_d, stride_w, stride_x,
+                stride_m, HC, COLS)
+    if ROWS > 1:
+        _up_mix_row(d_ptr, w_ptr, xn_ptr, mixed_ptr, 1, c, c_ok, k, k_ok, H, K, stride_d, stride_w, stride_x,
+                    stride_m, HC, COLS)
+
+
+UP_MIX_ROWS = 2  # decode rows the joined up + mix kernel serves (ops.gemv.GEMV_ROWS)
+UP_MIX_MAX_K = 1024  # hc_lowrank it holds in one tile (the real model's 320)
+UP_MIX_COLS = 4  # block-input columns a program: 512 programs at H = 2,048, each HC x 4 weight rows
+
+
+def _up_mix(d: torch.Tensor, up_weight: torch.Tensor, xn: torch.Tensor, hc_count: int) -> torch.Tensor | None:
+    """mixed [T, H] from the activated d [T, lr] by the joined kernel, or None where it does not
+    serve (more rows, a wide K, a strided weight, dtypes that differ)."""
+    t, k = d.shape
+    h = up_weight.shape[0] // hc_count
+    if (not 0 < t <= UP_MIX_ROWS or k > UP_MIX_MAX_K or up_weight.stride(-1) != 1 or d.stride(-1) != 1
+            or up_weight.dtype != d.dtype or not gemv.ENABLED):
+        return None
+    mixed = torch.empty((t, h), dtype=xn.dtype, device=xn.device)
+    _up_mix_kernel[(triton.cdiv(h, UP_MIX_COLS),)](
+        d, up_weight, xn, mixed, t, h, k, d.stride(0), up_weight.stride(0), xn.stride(0), mixed.stride(0),
+        HC=hc_count, COLS=UP_MIX_COLS, BLOCK_K=triton.next_power_of_2(k), ROWS=t, num_warps=2)
+    return mixed
+
+
 def _stacked(a: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor | None:
     """a [Na, K] and b [Nb, K] as one [Na + Nb, K] view where both are views of one storage and
     b's rows follow a's (a packed parameter's parts), else None (separate tensors may also lie
@@ -127,6 +183,9 @@ def hc_step_triton(hyper: torch.Tensor, block_out: torch.Tensor | None, inject: 
                                 src.stride(0) if split else 0, HAS_INJECT=i is not None,
                                 BLOCK=triton.next_power_of_2(n_d), BLOCK_I=triton.next_power_of_2(hc_count),
                                 SPLIT=split, num_warps=4)
+    mixed = _up_mix(d, up_weight, xn, hc_count)
+    if mixed is not None:
+        return new, mixed, i
     u = gemv.linear(d, up_weight)
     mixed = torch.empty((t, h), dtype=hyper.dtype, device=hyper.device)
     if t:
