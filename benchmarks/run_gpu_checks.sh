@@ -140,6 +140,11 @@ if [ "$mode" = single ]; then
     part gpu_tests_gemv 300 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_gemv.xml" \
         tests/ops/test_gemv_triton.py tests/models/qwen4exp/test_qwen4exp_gemv.py "tests/models/test_llama_fused.py::test_triton_gemv_equals_cublas" \
         "tests/models/test_llama_fp8_weights.py::test_fp8_kernels_on_gpu_match_the_cpu_reference_and_cuda_graphs_match_eager"
+    # The decode joins landed after the 2026-12-04 runs: packed / split-K hyper-connection GEMMs and
+    # the joined up + mix kernel, the visible-bounded QSA top-k, the pipelined MoE decode kernels.
+    part gpu_tests_decode_joins 200 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_decode_joins.xml" \
+        tests/ops/test_hyper_connection.py tests/ops/test_moe_triton.py tests/ops/test_moe_decode_fp8.py \
+        "tests/ops/test_qsa_triton.py::test_topk_on_gpu" "tests/ops/test_qsa_triton.py::test_fused_selection_on_gpu"
     part bench_moe_decode 120 python benchmarks/bench_moe.py --batches 1,4 --inters 512 --out "$out/bench_moe_decode.json"
     for g in 0 1; do
         part latency_q4small_gemv$g 200 env QSASERVE_TRITON_GEMV=$g sh -c "python -m qsaserve.cli bench latency qwen4exp-small --load-format dummy --max-model-len 9000 --batch-sizes 1,16 --max-num-seqs 16 --decode-context 8192 --prompt-lens 1024 --ttft-trials 1 --ple-placement gpu --async-scheduling --profile-steps 16 > '$out/latency_q4small_gemv$g.json'"
