@@ -25,7 +25,8 @@ from qsaserve.ops import gemv
 from qsaserve.ops.fused.triton_fused import inject_norm_kernel
 
 
-@triton.jit
+# stride_plane (T * N) unspecialized: its divisibility by 16 differs between row counts
+@triton.jit(do_not_specialize=["stride_plane"])
 def _gate_acts_kernel(d_ptr, i_ptr, src_ptr, n_d, n_i, hc, stride_d, stride_i, stride_src, stride_plane,
                       HAS_INJECT: tl.constexpr, BLOCK: tl.constexpr, BLOCK_I: tl.constexpr, SPLIT: tl.constexpr):
     """d <- silu(d / hc), i <- 2 sigmoid(i / hc), rounded as the torch path rounds. SPLIT 0: d and
@@ -37,8 +38,8 @@ def _gate_acts_kernel(d_ptr, i_ptr, src_ptr, n_d, n_i, hc, stride_d, stride_i, s
     ok = c < n_d
     dt = d_ptr.dtype.element_ty
     if SPLIT > 0:
-        acc = tl.zeros([BLOCK], tl.float32)
-        for p in tl.static_range(SPLIT):
+        acc = tl.load(src_ptr + row * stride_src + c, mask=ok, other=0.0)  # plane 0 as the sum kernel starts
+        for p in tl.static_range(1, SPLIT):
             acc += tl.load(src_ptr + p * stride_plane + row * stride_src + c, mask=ok, other=0.0)
         d = acc.to(dt)
     else:
@@ -49,8 +50,8 @@ def _gate_acts_kernel(d_ptr, i_ptr, src_ptr, n_d, n_i, hc, stride_d, stride_i, s
         j = tl.arange(0, BLOCK_I)
         jok = j < n_i
         if SPLIT > 0:
-            acc_i = tl.zeros([BLOCK_I], tl.float32)
-            for p in tl.static_range(SPLIT):
+            acc_i = tl.load(src_ptr + row * stride_src + n_d + j, mask=jok, other=0.0)
+            for p in tl.static_range(1, SPLIT):
                 acc_i += tl.load(src_ptr + p * stride_plane + row * stride_src + n_d + j, mask=jok, other=0.0)
             i = acc_i.to(dt)
         else:
@@ -77,38 +78,41 @@ def _mix_streams_kernel(u_ptr, xn_ptr, mixed_ptr, H, stride_u, stride_x, stride_
 
 
 @triton.jit
-def _up_mix_row(d_ptr, w_ptr, xn_ptr, mixed_ptr, r, c, c_ok, k, k_ok, H, K, stride_d, stride_w, stride_x,
-                stride_m, HC: tl.constexpr, COLS: tl.constexpr):
-    """Row r of the block input at columns c: sum over streams s of sigmoid(u_s) * xn_s, u_s =
-    d[r] @ up[s * H + c]^T, each step rounded where the GEMV and _mix_streams_kernel round."""
-    dt = mixed_ptr.dtype.element_ty
+def _mix_term(acc, w, d_ptr, xn_ptr, r, s, c, c_ok, k, k_ok, H, stride_d, stride_x, dt):
+    """acc + stream s's term of row r: sigmoid(u) * xn with u = d[r] @ w^T (w the stream's up rows
+    at columns c), u, the sigmoid and the product each rounded to dt as the unjoined path rounds."""
     dr = tl.load(d_ptr + r * stride_d + k, mask=k_ok, other=0.0).to(tl.float32)
-    acc = tl.zeros([COLS], tl.float32)
-    for s in tl.static_range(HC):
-        w = tl.load(w_ptr + (s * H + c)[:, None].to(tl.int64) * stride_w + k[None, :],
-                    mask=c_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        u = tl.sum(w * dr[None, :], 1).to(dt)  # the up GEMV's output, rounded
-        gate = tl.sigmoid(u.to(tl.float32)).to(dt)
-        xn = tl.load(xn_ptr + r * stride_x + s * H + c, mask=c_ok, other=0.0)
-        acc += (gate.to(tl.float32) * xn.to(tl.float32)).to(dt).to(tl.float32)
-    tl.store(mixed_ptr + r * stride_m + c, (acc / HC).to(dt), mask=c_ok)
+    u = tl.sum(w * dr[None, :], 1).to(dt)
+    gate = tl.sigmoid(u.to(tl.float32)).to(dt)
+    xn = tl.load(xn_ptr + r * stride_x + s * H + c, mask=c_ok, other=0.0)
+    return acc + (gate.to(tl.float32) * xn.to(tl.float32)).to(dt).to(tl.float32)
 
 
 @triton.jit
 def _up_mix_kernel(d_ptr, w_ptr, xn_ptr, mixed_ptr, M, H, K, stride_d, stride_w, stride_x, stride_m,
                    HC: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
     """Decode rows (ROWS <= 2): the up projection and the stream mix in one launch, each program
-    COLS columns of the block input over all HC streams (the up weight's rows s * H + c, read
-    once for both rows: the GEMV's bytes, without u's round trip or the mix launch). K <= BLOCK_K."""
+    COLS columns of the block input over all HC streams: each stream's up rows s * H + c are read
+    once for both rows (the GEMV's bytes, without u's round trip or the mix launch), the streams'
+    terms summed in order and divided by HC. u's float32 sum runs in another order than the GEMV's
+    (per 128 columns, then across), so it may differ from the unjoined path by a rounding step.
+    K <= BLOCK_K."""
+    dt = mixed_ptr.dtype.element_ty
     c = tl.program_id(0) * COLS + tl.arange(0, COLS)
     c_ok = c < H
     k = tl.arange(0, BLOCK_K)
     k_ok = k < K
-    _up_mix_row(d_ptr, w_ptr, xn_ptr, mixed_ptr, 0, c, c_ok, k, k_ok, H, K, stride_d, stride_w, stride_x,
-                stride_m, HC, COLS)
+    acc0 = tl.zeros([COLS], tl.float32)
+    acc1 = tl.zeros([COLS], tl.float32)
+    for s in tl.static_range(HC):
+        w = tl.load(w_ptr + (s * H + c)[:, None].to(tl.int64) * stride_w + k[None, :],
+                    mask=c_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc0 = _mix_term(acc0, w, d_ptr, xn_ptr, 0, s, c, c_ok, k, k_ok, H, stride_d, stride_x, dt)
+        if ROWS > 1:
+            acc1 = _mix_term(acc1, w, d_ptr, xn_ptr, 1, s, c, c_ok, k, k_ok, H, stride_d, stride_x, dt)
+    tl.store(mixed_ptr + c, (acc0 / HC).to(dt), mask=c_ok)
     if ROWS > 1:
-        _up_mix_row(d_ptr, w_ptr, xn_ptr, mixed_ptr, 1, c, c_ok, k, k_ok, H, K, stride_d, stride_w, stride_x,
-                    stride_m, HC, COLS)
+        tl.store(mixed_ptr + stride_m + c, (acc1 / HC).to(dt), mask=c_ok)
 
 
 UP_MIX_ROWS = 2  # decode rows the joined up + mix kernel serves (ops.gemv.GEMV_ROWS)
