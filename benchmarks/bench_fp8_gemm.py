@@ -76,7 +76,9 @@ GEMV_M = (1, 2, 4)  # decode rows that also time the GEMVs
 # thread then holds half the tile: more warps an SM to hide the widening's latency) or more stages
 GEMV_SWEEP = ((16, 512, 1, 4, 3), (8, 1024, 1, 4, 3), (16, 1024, 1, 4, 3), (4, 2048, 1, 4, 3), (8, 1024, 4, 4, 3),
               (16, 1024, 1, 8, 3), (32, 1024, 1, 8, 3), (16, 2048, 1, 8, 3), (32, 512, 1, 8, 4), (16, 1024, 1, 4, 4),
-              (16, 512, 1, 2, 4), (8, 1024, 1, 2, 3))
+              (16, 512, 1, 2, 4), (8, 1024, 1, 2, 3),
+              # 4 weight rows over 1 warp (the plain-weight GEMV's best tile at llama-8b's shapes, by bytes)
+              (4, 1024, 1, 1, 3), (4, 2048, 1, 1, 3), (4, 1024, 1, 2, 3))
 SWAP_M = 4  # decode rows from which the transposed kernel is timed too
 SWAP_TILES = ((64, 4, 4), (128, 4, 4), (128, 8, 4), (64, 4, 6), (128, 4, 3))  # block_n_tile, num_warps, num_stages
 SWAP_SPLITS = (1, 2, 4)
