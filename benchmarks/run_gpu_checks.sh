@@ -131,7 +131,7 @@ if [ "$mode" = single ]; then
         tests/engine/test_kernel_warm_up.py
     part bench_moe_grouped 120 python benchmarks/bench_moe_grouped.py --out "$out/bench_moe_grouped.json"
     part bench_ple_gather 60 python benchmarks/bench_ple_gather.py --out "$out/bench_ple_gather.json"
-    part profile_prefill_q4small 150 sh -c "python benchmarks/profile_prefill.py qwen4exp-small --cases 1x1024,1x8192,8x1024 > '$out/profile_prefill_q4small.json'"
+    part profile_prefill_q4small 400 sh -c "python benchmarks/profile_prefill.py qwen4exp-small --cases 1x1024,1x8192,8x1024 > '$out/profile_prefill_q4small.json'"
     for ple in gpu host disk; do
         part latency_q4small_ple_$ple 200 sh -c "python -m qsaserve.cli bench latency qwen4exp-small --load-format dummy --max-model-len 9000 --batch-sizes 1,16 --decode-context 8192 --prompt-lens 1024,8192 --ple-placement $ple --async-scheduling > '$out/latency_q4small_ple_$ple.json'"
     done
