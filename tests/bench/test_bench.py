@@ -209,3 +209,25 @@ def test_bench_with_speculative_config(tiny, capsys):
     r = _run(capsys, ["bench", "throughput", tiny, *ENGINE, "--speculative-config", spec, "--num-prompts", "3",
                       "--min-len", "4", "--max-input-len", "20", "--max-output-len", "8"])
     assert {"drafted", "accepted", "acceptance_length", "accepted_per_position"} <= set(r["speculative"])
+
+
+def test_projection_needs_the_layers_to_cover_the_device_step():
+    """On CUDA the projection takes device time per layer only where the layers' attributed
+    kernels cover most of the profiled step; otherwise it says why and gives no figure (no host
+    fallback: an eager step's host time is launch time). Without a device profile (CPU), host."""
+    from qsaserve.bench.latency import MIN_LAYER_COVERAGE, project_layers
+
+    layers = {"gdn": {"layers": 3, "device_ms_per_layer": 0.5, "host_ms_per_layer": 2.0},
+              "qsa": {"layers": 1, "device_ms_per_layer": 0.4, "host_ms_per_layer": 3.0}}
+    row = {"batch_size": 2, "ms_per_step": 2.2, "profile": {"layers": layers, "device_ms": 2.0}}
+    proj = project_layers(row, 4, 48)
+    assert proj["basis"] == "device" and proj["ms_per_step"] == pytest.approx(2.2 + 33 * 0.5 + 11 * 0.4)
+    assert proj["tok_s"] == pytest.approx(2e3 / proj["ms_per_step"], abs=0.06)
+    starved = {k: dict(v, device_ms_per_layer=0.001) for k, v in layers.items()}
+    bad = project_layers({**row, "profile": {"layers": starved, "device_ms": 2.0}}, 4, 48)
+    assert "invalid" in bad and "ms_per_step" not in bad and "tok_s" not in bad
+    edge = {k: dict(v, device_ms_per_layer=MIN_LAYER_COVERAGE * 2.0 / 4) for k, v in layers.items()}
+    assert "invalid" not in project_layers({**row, "profile": {"layers": edge, "device_ms": 2.0}}, 4, 48)
+    host = project_layers({**row, "profile": {"layers": layers}}, 4, 48)
+    assert host["basis"] == "host" and host["ms_per_step"] == pytest.approx(2.2 + 33 * 2.0 + 11 * 3.0)
+    assert project_layers({"batch_size": 1, "ms_per_step": 1.0, "profile": {}}, 4, 48) is None

@@ -70,15 +70,33 @@ def step_figures(profile: dict) -> dict:
     return out
 
 
+# The layers' attributed kernels must cover at least this share of the profiled step's device time
+# for a device-basis projection: the profiler attributes a kernel to a layer's range through its
+# launch, and Triton's driver-API launches were seen unattributed (a GDN layer "0.0016 ms" in a
+# 2.07 ms step with the Triton GEMV, 2026-12-04), which would project a deeper model as nearly free.
+MIN_LAYER_COVERAGE = 0.5
+
+
 def project_layers(row: dict, num_layers: int, target_layers: int) -> dict | None:
     """The decode step of a model with target_layers layers in the same proportion of kinds,
     from a profiled row: the measured step (graphs as served) plus, per kind, the extra layers
-    times that kind's time per layer (device time on CUDA, host time where there is none). None
-    without a per-layer profile."""
-    layers = row.get("profile", {}).get("layers")
+    times that kind's time per layer (device time on CUDA, host time where there is no device
+    profile). None without a per-layer profile. On CUDA, where the layers' kernels account for
+    less than MIN_LAYER_COVERAGE of the step's device time, no figure: {"layers", "basis":
+    "device", "invalid": why} (an eager step's host time per layer is its launch time, not a
+    served layer's cost, so it is no fallback there)."""
+    profile = row.get("profile", {})
+    layers = profile.get("layers")
     if not layers:
         return None
-    basis = "device" if any(k["device_ms_per_layer"] > 0 for k in layers.values()) else "host"
+    device_ms = profile.get("device_ms")
+    basis = "device" if device_ms is not None else "host"
+    if basis == "device":
+        covered = sum(k["layers"] * k["device_ms_per_layer"] for k in layers.values())
+        if covered < MIN_LAYER_COVERAGE * device_ms:
+            return {"layers": target_layers, "basis": basis,
+                    "invalid": f"the layers' attributed kernels cover {covered:.3f} of the step's {device_ms:.3f} "
+                               f"device ms (< {MIN_LAYER_COVERAGE:.0%}): launches the profiler did not attribute"}
     extra, kinds = 0.0, {}
     for kind, k in layers.items():
         target = k["layers"] * target_layers / num_layers
