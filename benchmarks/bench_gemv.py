@@ -44,7 +44,7 @@ def case(model: str, name: str, n: int, k: int, rows: int, dev, sweep: bool) -> 
     weights = [(torch.randn(n, k, generator=gen, device=dev) * k**-0.5).to(torch.bfloat16) for _ in range(copies)]
     x = torch.randn(rows, k, generator=gen, device=dev).to(torch.bfloat16)
     want = F.linear(x, weights[0])
-    bn, bk, split, warps = pick_gemv_tile(n, k, num_sms(dev), rows)
+    bn, bk, split, warps = pick_gemv_tile(n, k, num_sms(dev))
     variants = [("cublas", None), ("triton_default", (bn, bk, split, warps))]
     if sweep:
         splits = sorted({split, max(1, split // 2), split * 2}) if split > 1 or n < 4096 else [1]

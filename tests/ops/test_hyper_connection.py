@@ -100,12 +100,12 @@ def test_model_mixers_hold_down_and_inject_as_one_gemm():
 def _check_one_gemm_for_packed(device):
     """A packed down | inject runs as one GEMM, then the up projection and the stream mix, with
     the reference's results: at 3 rows through F.linear / cuBLAS and the mix kernel (as at prefill
-    rows); at 2 rows through the GEMV (forced here, so the interpreter runs it too), whose split-K
+    rows); at 1 and 2 rows through the GEMV (forced here, so the interpreter runs it too), whose split-K
     partials (K = 2,048: split in 2) the activation kernel adds, and the joined up + mix kernel."""
     from qsaserve.ops import gemv
     from qsaserve.ops.hyper_connection import triton_hc
 
-    for t, force_gemv in ((3, False), (2, True)):
+    for t, force_gemv in ((3, False), (1, True), (2, True)):
         calls, linear, partials, kernel, takes = [], gemv.linear, gemv.linear_partials, gemv.gemv, gemv.takes_gemv
 
         def counted_linear(x, w, bias=None):

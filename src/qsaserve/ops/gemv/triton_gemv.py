@@ -7,6 +7,8 @@ is the whole cost, so the grid is sized to keep every SM busy: narrow outputs (a
 partials a second launch adds in a fixed order (deterministic, no atomics, CUDA-graph safe)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -18,6 +20,7 @@ from qsaserve.ops.fp8_gemm.triton_gemv import _gemv_body
 
 MAX_ROWS = 4  # rows of x one pass over the weights serves
 MIN_SPLIT_COLS = 1024  # a split-K program's K range is at least this wide
+_GROUP: tl.constexpr = tl.constexpr(GROUP)  # the body's column group, as a kernel reads a global
 
 
 # stride_ys (the split-K plane stride) unspecialized: its divisibility by 16 would differ between
@@ -29,13 +32,14 @@ def _gemv_kernel(x_ptr, w_ptr, one_ptr, y_ptr, M, N, K, stride_xm, stride_wn, st
     # one scale row (block_n = N) holding 1.0: the epilogue's multiply is exact
     _gemv_body(x_ptr, x_ptr, x_ptr, x_ptr, w_ptr, one_ptr, y_ptr, M, N, K, N, 0.0,
                stride_xm, stride_wn, 0, 0, stride_ym, stride_ys,
-               ROWS, BLOCK_N, BLOCK_K, 128, SPLIT_K, True, NUM_STAGES, GATED, False, False,
+               ROWS, BLOCK_N, BLOCK_K, _GROUP, SPLIT_K, True, NUM_STAGES, GATED, False, False,
                x_ptr, one_ptr, 0, False, False, 1, x_ptr, x_ptr, x_ptr, x_ptr, x_ptr, 0, 0, 0, 0, 0, 0, 1, 1, False, 1)
 
 
-def pick_gemv_tile(n: int, k: int, sms: int, m: int = 1, elem_bytes: int = 2) -> tuple[int, int, int, int]:
+@functools.lru_cache(maxsize=None)  # a pure rule, asked at every eager call
+def pick_gemv_tile(n: int, k: int, sms: int, elem_bytes: int = 2) -> tuple[int, int, int, int]:
     """(block_n, block_k, split_k, num_warps) defaults for bf16 weights (block_k scaled to keep
-    the bytes for others), from benchmarks/bench_gemv.py on an H200 at 1 and 2 rows
+    the bytes for others), from benchmarks/bench_gemv.py on an H200 at 1 and 2 rows (one rule for both)
     (gemv_decode_h200_2026-12-04_3d5bcb1.json; cuBLAS in brackets): 8 weight rows over 2 warps,
     256 columns an iteration, for wide outputs over a short K (qwen4exp-small's GDN in_proj,
     12,352 x 2,048: 14.41 us [15.88]); 4 rows over 2 warps, 1,024 columns, for outputs up to 20
@@ -94,7 +98,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int | None = None, bloc
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    bn, bk, split, warps = pick_gemv_tile(n, k, num_sms(x.device), m, weight.element_size())
+    bn, bk, split, warps = pick_gemv_tile(n, k, num_sms(x.device), weight.element_size())
     bn, bk, split, warps = block_n or bn, block_k or bk, split_k or split, num_warps or warps
     if bk % GROUP or bk & (bk - 1) or split < 1:
         raise ValueError(f"gemv: block_k a power-of-two multiple of {GROUP}, split_k >= 1; got {bk}, {split}")

@@ -115,18 +115,18 @@ def _up_mix_kernel(d_ptr, w_ptr, xn_ptr, mixed_ptr, M, H, K, stride_d, stride_w,
         tl.store(mixed_ptr + stride_m + c, (acc1 / HC).to(dt), mask=c_ok)
 
 
-UP_MIX_ROWS = 2  # decode rows the joined up + mix kernel serves (ops.gemv.GEMV_ROWS)
+UP_MIX_ROWS = 2  # rows the joined up + mix kernel holds (acc0, acc1); it serves the GEMV's rows up to these
 UP_MIX_MAX_K = 1024  # hc_lowrank it holds in one tile (the real model's 320)
 UP_MIX_COLS = 4  # block-input columns a program: 512 programs at H = 2,048, each HC x 4 weight rows
 
 
 def _up_mix(d: torch.Tensor, up_weight: torch.Tensor, xn: torch.Tensor, hc_count: int) -> torch.Tensor | None:
-    """mixed [T, H] from the activated d [T, lr] by the joined kernel, or None where it does not
-    serve (more rows, a wide K, a strided weight, dtypes that differ)."""
+    """mixed [T, H] from the activated d [T, lr] by the joined kernel where the up projection would
+    take the GEMV (ops.gemv.takes_gemv: its rows, dtypes, the switch), or None (also past the
+    kernel's rows or K)."""
     t, k = d.shape
     h = up_weight.shape[0] // hc_count
-    if (not 0 < t <= UP_MIX_ROWS or k > UP_MIX_MAX_K or up_weight.stride(-1) != 1 or d.stride(-1) != 1
-            or up_weight.dtype != d.dtype or not gemv.ENABLED):
+    if not gemv.takes_gemv(d, up_weight) or t > UP_MIX_ROWS or k > UP_MIX_MAX_K or d.stride(-1) != 1:
         return None
     mixed = torch.empty((t, h), dtype=xn.dtype, device=xn.device)
     _up_mix_kernel[(triton.cdiv(h, UP_MIX_COLS),)](
