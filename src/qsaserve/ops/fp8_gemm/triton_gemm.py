@@ -25,9 +25,21 @@ from qsaserve.ops.fp8_gemm.reference import GROUP
 
 
 @triton.jit
+def e4m3_dot(a, b, EXACT: tl.constexpr):
+    """tl.dot of two E4M3 tiles, float32 result. Hopper's FP8 MMA adds its products at reduced
+    precision (a W8A8 GEMM of float32 output was 2-3e-4 relative off the reference on an H200);
+    EXACT (float32 models: the CPU comparisons) multiplies the same E4M3 values, exact in fp16, on
+    fp16 MMAs, which accumulate in float32 as the reference does. bf16 / fp16 models keep FP8."""
+    if EXACT:
+        return tl.dot(a.to(tl.float16), b.to(tl.float16))
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, block_n,
                  stride_am, stride_asm, stride_bn, stride_bsn, stride_bsk, stride_cm,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                 EXACT: tl.constexpr):
     pid = tl.program_id(0)
     grid_m, grid_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     # grouped ordering: GROUP_M row blocks share each weight column block while it sits in L2
@@ -51,7 +63,7 @@ def _w8a8_kernel(a_ptr, as_ptr, b_ptr, bs_ptr, c_ptr, M, N, K, block_n,
         b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         a_s = tl.load(as_ptrs + kb, mask=m_ok, other=0.0)
         b_s = tl.load(bs_ptrs + kb * stride_bsk, mask=n_ok, other=0.0)
-        acc += tl.dot(a, b) * a_s[:, None] * b_s[None, :]
+        acc += e4m3_dot(a, b, EXACT) * a_s[:, None] * b_s[None, :]
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     c_ptrs = c_ptr + offs_m[:, None].to(tl.int64) * stride_cm + offs_n[None, :]
@@ -175,7 +187,8 @@ def fp8_w8a8_gemm_triton(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tenso
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n_tile),)
     _w8a8_kernel[grid](xq, x_scale, w, w_scale, y, m, n, k, block_n, xq.stride(0), x_scale.stride(0), w.stride(0),
                        w_scale.stride(0), _scale_k_stride(w_scale), y.stride(0), BLOCK_M=block_m,
-                       BLOCK_N=block_n_tile, BLOCK_K=GROUP, GROUP_M=8, num_warps=num_warps, num_stages=num_stages)
+                       BLOCK_N=block_n_tile, BLOCK_K=GROUP, GROUP_M=8, EXACT=out_dtype == torch.float32,
+                       num_warps=num_warps, num_stages=num_stages)
     return y
 
 

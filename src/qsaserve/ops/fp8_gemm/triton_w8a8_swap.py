@@ -10,7 +10,8 @@ token rows by 64-128 and the weights by 128, which leaves most SMs idle for the 
 projections (32 programs on 132 SMs: cuBLAS read llama-8b's weights at 2.05 TB/s in a 128-row
 step). Here the weight rows are the MMA's M side (64 or 128 a program), the tokens its N side
 (16-128), and split-K gives the short-N projections enough programs. Both operands stay E4M3 (one
-FP8 tensor-core dot per 128-deep step, no widening), scaled per weight row by the block scale and
+FP8 tensor-core dot per 128-deep step, no widening; float32
+models widen to fp16, triton_gemm.e4m3_dot), scaled per weight row by the block scale and
 per token by the activation scale before joining the float32 sum.
 
 The grid is (N / BLOCK_N, split_k, M / BLOCK_T). With split_k > 1 each program takes a contiguous
@@ -26,7 +27,7 @@ import triton.language as tl
 
 from qsaserve.ops.device import num_sms
 from qsaserve.ops.fp8_gemm.reference import GROUP
-from qsaserve.ops.fp8_gemm.triton_gemm import _check, _scale_k_stride, split_k_buffer, sum_split_k
+from qsaserve.ops.fp8_gemm.triton_gemm import _check, e4m3_dot, _scale_k_stride, split_k_buffer, sum_split_k
 from qsaserve.ops.fp8_gemm.triton_gemv import split_k_range
 from qsaserve.ops.fp8_gemm.triton_swap_ab import swap_tile
 
@@ -39,7 +40,8 @@ MAX_BLOCK_T = 128  # token columns a program; more rows run as more token blocks
 @triton.jit(do_not_specialize=["M", "stride_ys"])
 def _w8a8_swap_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, block_n,
                       stride_xm, stride_xsm, stride_wn, stride_wsn, stride_wsk, stride_ym, stride_ys,
-                      BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                      BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                      EXACT: tl.constexpr):
     offs_n, offs_t, n_ok, t_ok, w_rows, x_cols = swap_tile(w_ptr, x_ptr, M, N, stride_wn, stride_xm, BLOCK_N, BLOCK_T)
     offs_k = tl.arange(0, BLOCK_K)
     ws_rows = ws_ptr + (offs_n // block_n) * stride_wsn
@@ -54,7 +56,7 @@ def _w8a8_swap_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, y_ptr, M, N, K, block_n,
         g = k0 // BLOCK_K
         w_s = tl.load(ws_rows + g * stride_wsk, mask=n_ok, other=0.0)
         x_s = tl.load(xs_cols + g, mask=t_ok, other=0.0)
-        acc += tl.dot(w, xt) * w_s[:, None] * x_s[None, :]
+        acc += e4m3_dot(w, xt, EXACT) * w_s[:, None] * x_s[None, :]
     y_ptrs = y_base + offs_t[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_ok[:, None] & t_ok[None, :])
 
@@ -120,7 +122,8 @@ def fp8_w8a8_swap_triton(xq: torch.Tensor, x_scale: torch.Tensor, w: torch.Tenso
     _w8a8_swap_kernel[grid](xq, x_scale, w, w_scale, out, m, n, k, block_n, xq.stride(0), x_scale.stride(0),
                             w.stride(0), w_scale.stride(0), _scale_k_stride(w_scale), out.stride(-2),
                             out.stride(0) if split > 1 else 0, BLOCK_N=bn, BLOCK_T=block_t, BLOCK_K=GROUP,
-                            SPLIT_K=split, num_warps=warps, num_stages=stages)
+                            SPLIT_K=split, EXACT=out_dtype == torch.float32, num_warps=warps,
+                            num_stages=stages)
     sum_split_k(out, y, split)
     return y
 

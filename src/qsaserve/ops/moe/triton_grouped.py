@@ -19,7 +19,8 @@ Blocks past the used ones (expert id -1) return at once. Rounding follows the to
 GEMM's output, SiLU, the product and the weighted row are rounded to the activation dtype.
 
 Weight formats (constexpr FMT): the model dtype; block FP8 (W8A8: E4M3 weights, float32 128 x 128
-block scales, the activations quantized per token and 128-channel group as they load); NVFP4 as
+block scales, the activations quantized per token and 128-channel group as they load; float32
+models multiply the E4M3 values on fp16 MMAs, fp8_gemm.triton_gemm.e4m3_dot); NVFP4 as
 W4A16 (ops/moe/nvfp4.py's layout: packed E2M1 weights decoded in the load path, times their E4M3
 per-16 scales, in the activation dtype, which holds each E2M1 x E4M3 product exactly; the
 per-row global scale applied once to the float32 sums; bf16 tensor-core dots, Marlin's idea).
@@ -31,6 +32,7 @@ import triton
 import triton.language as tl
 
 from qsaserve.ops.device import num_sms
+from qsaserve.ops.fp8_gemm.triton_gemm import e4m3_dot
 from qsaserve.ops.moe.grouped_config import FP8_BLOCK_K, GroupedConfig, max_blocks, step_configs
 from qsaserve.ops.nvfp4_gemm.reference import GROUP as NVFP4_GROUP
 from qsaserve.ops.nvfp4_gemm.triton_gemv import e2m1_bits, scaled_e2m1, sums_factor
@@ -142,8 +144,8 @@ def _grouped_gate_up_kernel(x_ptr, w_ptr, ws_ptr, wr_ptr, act_ptr, sorted_ids_pt
                 s_ptrs = ws_ptr + e * stride_se + k0 // BLOCK_K
                 sg = tl.load(s_ptrs + (n // BLOCK_K) * stride_sn, mask=n_ok, other=0.0)
                 su = tl.load(s_ptrs + ((n + I) // BLOCK_K) * stride_sn, mask=n_ok, other=0.0)
-                acc_g += tl.dot(aq, wg) * (a_scale[:, None] * sg[None, :])
-                acc_u += tl.dot(aq, wu) * (a_scale[:, None] * su[None, :])
+                acc_g += e4m3_dot(aq, wg, IEEE) * (a_scale[:, None] * sg[None, :])
+                acc_u += e4m3_dot(aq, wu, IEEE) * (a_scale[:, None] * su[None, :])
             elif IEEE:
                 acc_g = tl.dot(a, wg, acc_g, input_precision="ieee")
                 acc_u = tl.dot(a, wu, acc_u, input_precision="ieee")
@@ -195,7 +197,7 @@ def _grouped_down_kernel(act_ptr, w_ptr, ws_ptr, wr_ptr, rw_ptr, y_ptr, sorted_i
                 aq, a_scale = _quantize_group(a)
                 ws = tl.load(ws_ptr + e * stride_se + (n // BLOCK_K) * stride_sn + k0 // BLOCK_K, mask=n_ok,
                              other=0.0)
-                acc += tl.dot(aq, w) * (a_scale[:, None] * ws[None, :])
+                acc += e4m3_dot(aq, w, IEEE) * (a_scale[:, None] * ws[None, :])
             elif IEEE:
                 acc = tl.dot(a, w, acc, input_precision="ieee")
             else:
@@ -274,7 +276,7 @@ def moe_experts_grouped_triton(x: torch.Tensor, indices: torch.Tensor, weights: 
     blocks = max_blocks(choices, num_experts, bm)
     sorted_ids, expert_ids, _ = moe_align_block_size_triton(indices, num_experts, bm, blocks)
     act = torch.empty((choices, inter), dtype=x.dtype, device=x.device)
-    ieee = x.dtype == torch.float32 and fmt != FP8
+    ieee = x.dtype == torch.float32  # float32 models: IEEE dots; FP8's E4M3 dots on fp16 MMAs (e4m3_dot)
     s13, s2 = (w13_scale, w2_scale) if fmt != MODEL_DTYPE else (gate_up_proj, down_proj)  # unread without scales
     r13, r2 = (w13_row_scale, w2_row_scale) if fmt == NVFP4 else (s13, s2)  # unread but for NVFP4
 
