@@ -10,9 +10,9 @@ token rows by 64-128 and the weights by 128, which leaves most SMs idle for the 
 projections (32 programs on 132 SMs: cuBLAS read llama-8b's weights at 2.05 TB/s in a 128-row
 step). Here the weight rows are the MMA's M side (64 or 128 a program), the tokens its N side
 (16-128), and split-K gives the short-N projections enough programs. Both operands stay E4M3 (one
-FP8 tensor-core dot per 128-deep step, no widening; float32
-models widen to fp16, triton_gemm.e4m3_dot), scaled per weight row by the block scale and
-per token by the activation scale before joining the float32 sum.
+FP8 tensor-core dot per 128-deep step, no widening; float32 models widen them to fp16,
+triton_gemm.e4m3_dot), scaled per weight row by the block scale and per token by the activation
+scale before joining the float32 sum.
 
 The grid is (N / BLOCK_N, split_k, M / BLOCK_T). With split_k > 1 each program takes a contiguous
 range of whole 128-column groups of K (triton_gemv.split_k_range) and writes float32 partial sums
@@ -27,7 +27,7 @@ import triton.language as tl
 
 from qsaserve.ops.device import num_sms
 from qsaserve.ops.fp8_gemm.reference import GROUP
-from qsaserve.ops.fp8_gemm.triton_gemm import _check, e4m3_dot, _scale_k_stride, split_k_buffer, sum_split_k
+from qsaserve.ops.fp8_gemm.triton_gemm import _check, _scale_k_stride, e4m3_dot, split_k_buffer, sum_split_k
 from qsaserve.ops.fp8_gemm.triton_gemv import split_k_range
 from qsaserve.ops.fp8_gemm.triton_swap_ab import swap_tile
 
