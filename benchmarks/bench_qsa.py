@@ -35,7 +35,7 @@ from qsaserve.ops.qsa_indexer import rope_inv_freq
 from qsaserve.ops.qsa_indexer.paged import pool_chunk_groups, select_decode_tokens, select_prefill_tokens
 from qsaserve.ops.qsa_indexer.triton_score import (decode_index_scores_triton, select_decode_tokens_triton,
                                                    select_prefill_rows_triton)
-from qsaserve.ops.qsa_indexer.triton_topk import topk_indices_split, topk_indices_triton
+from qsaserve.ops.qsa_indexer.triton_topk import topk_indices_rank, topk_indices_split, topk_indices_triton
 
 HQ, HKV, D, HI, DI, BUDGET, R, PAGE = 16, 2, 256, 16, 128, 2048, 4, 16
 CONTEXTS = [8192, 32768, 131072, 262144]
@@ -79,8 +79,13 @@ def main() -> None:
     ap.add_argument("--model", action="store_true", help="also time a whole-model decode step (qwen4exp-small, dummy)")
     ap.add_argument("--prefill-only", action="store_true", help="only the one-layer prefill chunk timing")
     ap.add_argument("--model-only", action="store_true", help="only the whole-model decode steps (8K vs 256K)")
+    ap.add_argument("--topk-only", action="store_true", help="only the top-k forms at decode widths and rows")
     args = ap.parse_args()
     t_start = time.perf_counter()
+    if args.topk_only:
+        emit_report(dict(_provenance(), topk=topk_forms_bench(torch.device("cuda")), wall_s=time.perf_counter() - t_start),
+                    args.out)
+        return
     if args.model_only:
         emit_report(dict(_provenance(), model_decode=model_decode_steps(), wall_s=time.perf_counter() - t_start), args.out)
         return
@@ -113,6 +118,38 @@ def main() -> None:
         report["model_decode"] = model_decode_steps()
     report["wall_s"] = time.perf_counter() - t_start
     emit_report(report, args.out)
+
+
+def topk_forms_bench(dev: torch.device) -> list[dict]:
+    """Each top-k form (torch.topk, radix one program a row, radix split rows, ranks) on decode
+    steps' packed keys: rows of N groups (a CUDA graph's width, max_model_len / r) whose positions
+    bound the visible groups (the context / r), k = budget / r, as CUDA-graph replays; which form
+    topk_indices picks for the shape."""
+    from qsaserve.ops.qsa_indexer.paged import selection_keys
+    from qsaserve.ops.qsa_indexer.triton_topk import rank_takes
+
+    out = []
+    k = BUDGET // R
+    for graph_len, context in ((9000, 8192), (16384, 16384), (32768, 32768)):
+        n = graph_len // R
+        for rows in (1, 2, 8, 16, 32, 64):
+            gen = torch.Generator(device=dev).manual_seed(rows * n)
+            pos = torch.full((rows,), context - 1, dtype=torch.long, device=dev)
+            keys = selection_keys(torch.rand(rows, n, generator=gen, device=dev), pos, R)
+            want = torch.topk(keys, k, dim=1).indices
+            row = dict(rows=rows, groups=n, visible=context // R, k=k,
+                       picked="rank" if rank_takes(rows, n) else "radix")
+            forms = [("torch", lambda: torch.topk(keys, k, dim=1).indices),
+                     ("radix", lambda: topk_indices_triton(keys, k, positions=pos, ratio=R)),
+                     ("split", lambda: topk_indices_split(keys, k, positions=pos, ratio=R))]
+            if rows * n * n <= 1 << 31:  # the rank form's N^2 work
+                forms.append(("rank", lambda: topk_indices_rank(keys, k, positions=pos, ratio=R)))
+            for name, fn in forms:
+                row[f"{name}_equal"] = bool(torch.equal(fn(), want))
+                row[f"{name}_graph_us"] = round(graph_ms(fn) * 1e3, 2)
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    return out
 
 
 def _provenance() -> dict:
@@ -170,6 +207,9 @@ def run_ops(dev: torch.device) -> list[dict]:
             def topk_split():  # the radix select with each row split over N / 2048 programs
                 state["topk"] = topk_indices_split(keys, k)
 
+            def topk_rank():  # each group placed by its rank, rows over N / 64 programs
+                state["topk"] = topk_indices_rank(keys, k)
+
             def qsa():
                 score_select()
                 attend()
@@ -187,9 +227,12 @@ def run_ops(dev: torch.device) -> list[dict]:
                        score_ms=event_ms(score), select_torch_ms=event_ms(select_torch),
                        score_select_ms=event_ms(score_select), attention_ms=event_ms(attend),
                        qsa_ms=event_ms(qsa), dense_ms=event_ms(dense))
-            for name, fn in (("score_select_graph_ms", score_select), ("attention_graph_ms", attend), ("qsa_graph_ms", qsa),
-                             ("topk_torch_graph_ms", topk_torch), ("topk_radix_graph_ms", topk_radix),
-                             ("topk_split_graph_ms", topk_split)):
+            timed = [("score_select_graph_ms", score_select), ("attention_graph_ms", attend), ("qsa_graph_ms", qsa),
+                     ("topk_torch_graph_ms", topk_torch), ("topk_radix_graph_ms", topk_radix),
+                     ("topk_split_graph_ms", topk_split)]
+            if keys.shape[1] <= 8192:  # the rank form's N^2 work: narrow rows only
+                timed.append(("topk_rank_graph_ms", topk_rank))
+            for name, fn in timed:
                 try:
                     row[name] = graph_ms(fn)
                 except RuntimeError as e:  # keep the eager numbers if capture fails

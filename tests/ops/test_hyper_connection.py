@@ -101,11 +101,12 @@ def _check_one_gemm_for_packed(device):
     """A packed down | inject runs as one GEMM, then the up projection and the stream mix, with
     the reference's results: at 3 rows through F.linear / cuBLAS and the mix kernel (as at prefill
     rows); at 1 and 2 rows through the GEMV (forced here, so the interpreter runs it too), whose split-K
-    partials (K = 2,048: split in 2) the activation kernel adds, and the joined up + mix kernel."""
+    partials (K = 2,048: split in 2) the activation kernel adds, and the joined up + mix kernel (also
+    for 3 streams, a count that is not a power of two)."""
     from qsaserve.ops import gemv
     from qsaserve.ops.hyper_connection import triton_hc
 
-    for t, force_gemv in ((3, False), (1, True), (2, True)):
+    for t, force_gemv, hc in ((3, False, 2), (1, True, 2), (2, True, 2), (2, True, 3)):
         calls, linear, partials, kernel, takes = [], gemv.linear, gemv.linear_partials, gemv.gemv, gemv.takes_gemv
 
         def counted_linear(x, w, bias=None):
@@ -122,9 +123,9 @@ def _check_one_gemm_for_packed(device):
             return out
 
         h = 1024 if force_gemv else 16
-        case = _case(t, 2, h, 8, torch.float32, torch.Generator().manual_seed(1))
+        case = _case(t, hc, h, 8, torch.float32, torch.Generator().manual_seed(1))
         packed = torch.cat([case["down_weight"], case["inject_weight"]])
-        want = hc_step_reference(**case, hc_count=2, eps=1e-6)
+        want = hc_step_reference(**case, hc_count=hc, eps=1e-6)
         on = {k: v.to(device) for k, v in case.items()}
         both = packed.to(device)
         on["down_weight"], on["inject_weight"] = both[:8], both[8:]
@@ -132,13 +133,13 @@ def _check_one_gemm_for_packed(device):
         if force_gemv:
             gemv.takes_gemv = lambda x, w: x.dim() == 2 and x.shape[0] <= gemv.GEMV_ROWS
         try:
-            got = triton_hc.hc_step_triton(**on, hc_count=2, eps=1e-6)
+            got = triton_hc.hc_step_triton(**on, hc_count=hc, eps=1e-6)
         finally:
             gemv.linear, gemv.linear_partials, gemv.gemv, gemv.takes_gemv = linear, partials, kernel, takes
         if force_gemv:  # down | inject's partials unsummed (3-D); up + mix joined: no up GEMM call
-            assert calls == [("partials", 10), ("gemv", 10, 3)], calls
+            assert calls == [("partials", 8 + hc), ("gemv", 8 + hc, 3 if h * hc >= 2048 else 2)], calls
         else:
-            assert calls == [("partials", 8 + 2), ("linear", 2 * h)], calls
+            assert calls == [("partials", 8 + hc), ("linear", hc * h)], calls
         for w, g in zip(want, got):
             torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-5)
 

@@ -250,17 +250,20 @@ def check_fused_selection(device, dtype, hi=3, di=12, r=4, page=16, budget=12, l
         assert (got.cpu().sort(1).values != ref.sort(1).values).any(1).float().mean() <= 0.02
 
 
-def check_topk(device, n=300, k=24, rows=5, tile=64, seed=3, split=False):
+def check_topk(device, n=300, k=24, rows=5, tile=64, seed=3, split=False, rank=False):
     """Radix top-k of packed selection keys = torch.topk's indices for every visible group: score
     ties (lower group first, also across the slices of a split row), hidden groups (-1), rows with
     fewer visible groups than k, a row with none, N not a multiple of the tile, and k = N; given
     the rows' positions (the scan bounded by their visible groups) exactly the same output. split:
-    the version that spreads each row over N / tile programs."""
+    the version that spreads each row over N / tile programs; rank: the rank form (no tile)."""
     from qsaserve.ops.qsa_indexer.paged import selection_keys
-    from qsaserve.ops.qsa_indexer.triton_topk import topk_indices_split
+    from qsaserve.ops.qsa_indexer.triton_topk import topk_indices_rank, topk_indices_split
     from qsaserve.ops.qsa_indexer.triton_topk import topk_indices_triton as single
 
     topk_indices_triton = topk_indices_split if split else single
+    if rank:
+        def topk_indices_triton(keys, k, tile=None, **kw):
+            return topk_indices_rank(keys, k, **kw)
 
     gen = torch.Generator().manual_seed(seed)
     scores = torch.rand(rows, n, generator=gen) * 4
@@ -285,11 +288,18 @@ def check_topk(device, n=300, k=24, rows=5, tile=64, seed=3, split=False):
 
 
 def test_topk_dispatch_by_row_width(monkeypatch):
-    """topk_indices: one program per row up to RADIX_MAX_GROUPS groups or from RADIX_MIN_ROWS rows,
-    the split kernel for few wider rows (see triton_topk.py); both give torch.topk's indices."""
+    """topk_indices: ranks while rows x N^2 <= RANK_MAX_COMPARES, else one program per row up to
+    RADIX_MAX_GROUPS groups or from RADIX_MIN_ROWS rows, the split kernel for few wider rows (see
+    triton_topk.py); all give torch.topk's indices."""
     from qsaserve.ops.qsa_indexer import triton_topk as tt
 
     calls = []
+    monkeypatch.setattr(tt, "topk_indices_rank", lambda keys, k, **kw: calls.append(("rank", keys.shape)) or torch.topk(keys, k).indices)
+    few = torch.arange(2 * 2048).view(2, 2048)
+    assert torch.equal(tt.topk_indices(few, 5), torch.topk(few, 5).indices)
+    assert calls == [("rank", few.shape)] and not tt.rank_takes(33, 2048) and tt.rank_takes(32, 2048)
+    calls.clear()
+    monkeypatch.setattr(tt, "RANK_MAX_COMPARES", 0)
     monkeypatch.setattr(tt, "topk_indices_triton", lambda keys, k, **kw: calls.append(("one", keys.shape)) or torch.topk(keys, k).indices)
     monkeypatch.setattr(tt, "topk_indices_split", lambda keys, k, **kw: calls.append(("split", keys.shape)) or torch.topk(keys, k).indices)
     narrow, wide = torch.arange(2 * 64).view(2, 64), torch.arange(2 * (tt.RADIX_MAX_GROUPS + 1)).view(2, -1)
@@ -305,6 +315,8 @@ INTERPRETER_CHECKS = [
     ("topk_one_tile_pow2_k", lambda: check_topk("cpu", n=64, k=16, tile=2048)),
     ("topk_split", lambda: check_topk("cpu", split=True)),
     ("topk_split_one_slice", lambda: check_topk("cpu", n=64, k=16, tile=2048, split=True)),
+    ("topk_rank", lambda: check_topk("cpu", rank=True)),
+    ("topk_rank_one_tile", lambda: check_topk("cpu", n=40, k=16, rank=True)),
     ("scores_fp32", lambda: check_scores("cpu", torch.float32)),
     ("scores_pow2_many_tiles", lambda: check_scores("cpu", torch.float32, hi=16, di=32, page=8, block_g=8)),
     ("prefill_scores_fp32", lambda: check_prefill_scores("cpu", torch.float32)),
@@ -372,6 +384,10 @@ def test_topk_on_gpu():
     check_topk("cuda", n=32768, k=512, rows=5, tile=2048, split=True)
     check_topk("cuda", n=65536 + 37, k=500, rows=5, tile=2048, split=True)
     check_topk("cuda", n=8192, k=4096, rows=3, tile=1024, split=True)
+    # The rank form: qwen4exp-small's decode selection at 8K (a 9,000-token graph: 2,250 groups).
+    check_topk("cuda", rank=True)
+    check_topk("cuda", n=2250, k=512, rows=5, rank=True)
+    check_topk("cuda", n=4096, k=4096, rows=2, rank=True)
 
 
 @pytest.mark.gpu

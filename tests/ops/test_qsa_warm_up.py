@@ -7,6 +7,8 @@ from triton_interpreter import run_under_interpreter
 
 
 def _triton_checks(device):
+    import types
+
     import triton
 
     from qsaserve.ops.qsa_attention import triton_sparse
@@ -20,8 +22,10 @@ def _triton_checks(device):
                       for t in range(1, 300)}}
     assert triton_sparse.warm_up(kv, 4, torch.float32, width, run=4) == 2 * len(want) == 6
     keys = torch.zeros(3, 2, 12, device=device)  # block keys [blocks, page // r, Di]
-    # decode, prefill rows, prefill step, then one top-k + build per bucket 16, 32, 64
-    assert triton_score.warm_up(keys, 3, 4, 24, 64) == 3 + 3
+    triton_score.dispatch = types.SimpleNamespace(use_triton=lambda x: True)  # the top-k's kernels on CPU too
+    # decode, prefill rows, prefill step, then per bucket 16, 32, 64 a top-k + build for each
+    # form the rows may pick there: ranks and one program a row
+    assert triton_score.warm_up(keys, 3, 4, 24, 64) == 3 + 3 * 2
 
 
 def test_warm_ups_under_interpreter():

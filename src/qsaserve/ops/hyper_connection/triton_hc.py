@@ -78,60 +78,66 @@ def _mix_streams_kernel(u_ptr, xn_ptr, mixed_ptr, H, stride_u, stride_x, stride_
 
 
 @triton.jit
-def _mix_term(acc, w, d_ptr, xn_ptr, r, s, c, c_ok, k, k_ok, H, stride_d, stride_x, dt):
-    """acc + stream s's term of row r: sigmoid(u) * xn with u = d[r] @ w^T (w the stream's up rows
-    at columns c), u, the sigmoid and the product each rounded to dt as the unjoined path rounds."""
+def _mix_row(w, d_ptr, xn, r, k, k_ok, stride_d, HC: tl.constexpr, dt):
+    """Row r of the block input at this program's columns: mean over the streams of sigmoid(u) * xn
+    with u = d[r] @ w^T (w [HC_POW2, COLS, BLOCK_K], the streams' up rows; xn [HC_POW2, COLS], zero
+    past HC), u, the sigmoid and each product rounded to dt as the unjoined path rounds."""
     dr = tl.load(d_ptr + r * stride_d + k, mask=k_ok, other=0.0).to(tl.float32)
-    u = tl.sum(w * dr[None, :], 1).to(dt)
+    u = tl.sum(w * dr[None, None, :], 2).to(dt)
     gate = tl.sigmoid(u.to(tl.float32)).to(dt)
-    xn = tl.load(xn_ptr + r * stride_x + s * H + c, mask=c_ok, other=0.0)
-    return acc + (gate.to(tl.float32) * xn.to(tl.float32)).to(dt).to(tl.float32)
+    terms = (gate.to(tl.float32) * xn).to(dt).to(tl.float32)
+    return (tl.sum(terms, 0) / HC).to(dt)
 
 
 @triton.jit
 def _up_mix_kernel(d_ptr, w_ptr, xn_ptr, mixed_ptr, M, H, K, stride_d, stride_w, stride_x, stride_m,
-                   HC: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+                   HC: tl.constexpr, HC_POW2: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr,
+                   ROWS: tl.constexpr):
     """Decode rows (ROWS <= 2): the up projection and the stream mix in one launch, each program
-    COLS columns of the block input over all HC streams: each stream's up rows s * H + c are read
-    once for both rows (the GEMV's bytes, without u's round trip or the mix launch), the streams'
-    terms summed in order and divided by HC. u's float32 sum runs in another order than the GEMV's
-    (per 128 columns, then across), so it may differ from the unjoined path by a rounding step.
-    K <= BLOCK_K."""
+    COLS columns of the block input over all HC streams. The streams' up rows s * H + c come in
+    one [HC, COLS, K] load (all of a program's bytes in flight at once: loading stream by stream
+    put a reduction's barrier between the loads, ~0.55 TB/s), read once for both rows, without u's
+    round trip or the mix launch. u's float32 sum runs in another order than the GEMV's, and the
+    streams' terms are added as a tree, so the result may differ from the unjoined path by a
+    rounding step. K <= BLOCK_K."""
     dt = mixed_ptr.dtype.element_ty
+    s = tl.arange(0, HC_POW2)
     c = tl.program_id(0) * COLS + tl.arange(0, COLS)
-    c_ok = c < H
     k = tl.arange(0, BLOCK_K)
+    s_ok = s < HC
+    c_ok = c < H
     k_ok = k < K
-    acc0 = tl.zeros([COLS], tl.float32)
-    acc1 = tl.zeros([COLS], tl.float32)
-    for s in tl.static_range(HC):
-        w = tl.load(w_ptr + (s * H + c)[:, None].to(tl.int64) * stride_w + k[None, :],
-                    mask=c_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc0 = _mix_term(acc0, w, d_ptr, xn_ptr, 0, s, c, c_ok, k, k_ok, H, stride_d, stride_x, dt)
-        if ROWS > 1:
-            acc1 = _mix_term(acc1, w, d_ptr, xn_ptr, 1, s, c, c_ok, k, k_ok, H, stride_d, stride_x, dt)
-    tl.store(mixed_ptr + c, (acc0 / HC).to(dt), mask=c_ok)
+    rows = (s[:, None] * H + c[None, :]).to(tl.int64)  # [HC_POW2, COLS]
+    rc_ok = s_ok[:, None] & c_ok[None, :]
+    w = tl.load(w_ptr + rows[:, :, None] * stride_w + k[None, None, :],
+                mask=rc_ok[:, :, None] & k_ok[None, None, :], other=0.0).to(tl.float32)
+    xn0 = tl.load(xn_ptr + rows, mask=rc_ok, other=0.0).to(tl.float32)
+    tl.store(mixed_ptr + c, _mix_row(w, d_ptr, xn0, 0, k, k_ok, stride_d, HC, dt), mask=c_ok)
     if ROWS > 1:
-        tl.store(mixed_ptr + stride_m + c, (acc1 / HC).to(dt), mask=c_ok)
+        xn1 = tl.load(xn_ptr + stride_x + rows, mask=rc_ok & (1 < M), other=0.0).to(tl.float32)
+        tl.store(mixed_ptr + stride_m + c, _mix_row(w, d_ptr, xn1, 1, k, k_ok, stride_d, HC, dt), mask=c_ok)
 
 
-UP_MIX_ROWS = 2  # rows the joined up + mix kernel holds (acc0, acc1); it serves the GEMV's rows up to these
+UP_MIX_ROWS = 2  # rows the joined up + mix kernel holds; it serves the GEMV's rows up to these
 UP_MIX_MAX_K = 1024  # hc_lowrank it holds in one tile (the real model's 320)
 UP_MIX_COLS = 4  # block-input columns a program: 512 programs at H = 2,048, each HC x 4 weight rows
+UP_MIX_WARPS = 4
 
 
-def _up_mix(d: torch.Tensor, up_weight: torch.Tensor, xn: torch.Tensor, hc_count: int) -> torch.Tensor | None:
+def _up_mix(d: torch.Tensor, up_weight: torch.Tensor, xn: torch.Tensor, hc_count: int,
+            cols: int = UP_MIX_COLS, num_warps: int = UP_MIX_WARPS) -> torch.Tensor | None:
     """mixed [T, H] from the activated d [T, lr] by the joined kernel where the up projection would
     take the GEMV (ops.gemv.takes_gemv: its rows, dtypes, the switch), or None (also past the
-    kernel's rows or K)."""
+    kernel's rows or K). cols / num_warps: a program's columns and warps (benchmarks sweep them)."""
     t, k = d.shape
     h = up_weight.shape[0] // hc_count
     if not gemv.takes_gemv(d, up_weight) or t > UP_MIX_ROWS or k > UP_MIX_MAX_K or d.stride(-1) != 1:
         return None
     mixed = torch.empty((t, h), dtype=xn.dtype, device=xn.device)
-    _up_mix_kernel[(triton.cdiv(h, UP_MIX_COLS),)](
+    _up_mix_kernel[(triton.cdiv(h, cols),)](
         d, up_weight, xn, mixed, t, h, k, d.stride(0), up_weight.stride(0), xn.stride(0), mixed.stride(0),
-        HC=hc_count, COLS=UP_MIX_COLS, BLOCK_K=triton.next_power_of_2(k), ROWS=t, num_warps=2)
+        HC=hc_count, HC_POW2=triton.next_power_of_2(hc_count), COLS=cols, BLOCK_K=triton.next_power_of_2(k),
+        ROWS=t, num_warps=num_warps)
     return mixed
 
 

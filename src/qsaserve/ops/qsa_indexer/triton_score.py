@@ -28,7 +28,7 @@ import triton.language as tl
 from qsaserve.ops import dispatch
 from qsaserve.ops.device import aligned16, num_sms
 from qsaserve.ops.qsa_indexer import paged
-from qsaserve.ops.qsa_indexer.triton_topk import RADIX_MAX_GROUPS, RADIX_MIN_ROWS, topk_indices
+from qsaserve.ops.qsa_indexer.triton_topk import topk_forms, topk_indices
 
 
 @triton.jit
@@ -398,7 +398,7 @@ def warm_up(block_key_cache: torch.Tensor, num_heads: int, ratio: int, budget: i
     """Builds the indexer's selection kernels for every width a step can score: the decode and
     prefill scorers (one variant each per model, and the prefill step's row-block map), the
     build, and the top-k per power-of-two bucket of groups up to max_groups (its tile and sort
-    width follow the groups a step scores), over both of its launch forms where rows decide.
+    width follow the groups a step scores), over each of its launch forms the rows may pick.
     Block 0 (the null block) is the only page read. Returns the launches made."""
     device, di, dtype = block_key_cache.device, block_key_cache.shape[-1], block_key_cache.dtype
     gpp = block_key_cache.shape[1]
@@ -413,10 +413,10 @@ def warm_up(block_key_cache: torch.Tensor, num_heads: int, ratio: int, budget: i
     n = 16
     while True:
         k = min(budget // ratio, n)
-        for rows in ((1, RADIX_MIN_ROWS) if n > RADIX_MAX_GROUPS else (1,)):
-            keys = torch.full((rows, n), -1, dtype=torch.int64, device=device)
-            pos = positions[:1].expand(rows).contiguous()
-            build_selection_triton(_topk(keys, k, pos, ratio), pos, ratio, budget)
+        keys = torch.full((1, n), -1, dtype=torch.int64, device=device)
+        forms = topk_forms(n) if dispatch.use_triton(keys) else (lambda keys, k, **kw: torch.topk(keys, k, dim=1).indices,)
+        for form in forms:  # one row builds what any row count of the form runs
+            build_selection_triton(form(keys, k, positions=positions[:1], ratio=ratio), positions[:1], ratio, budget)
             launches += 1
         if n >= max_groups:
             return launches

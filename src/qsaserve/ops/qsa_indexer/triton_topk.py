@@ -22,6 +22,13 @@ not fill is a hidden key (group 0, as a hidden key's sort maps): the same output
 scan, in a time that follows the context rather than the keys' width (a CUDA graph's keys are
 max_model_len / ratio wide at every context).
 
+Few rows of few groups (a decode step's selection: 1-2 K groups a row at 4-8K context) take a
+third form, topk_indices_rank: a visible key's place in the descending order is the count of
+keys above it (keys of visible groups are distinct), so programs over (row, 64 groups) count
+ranks against the row's visible keys and store each kept group at its rank: one launch, no
+sort, the row spread over N / 64 programs (a single program per row took ~37 us at 2K groups).
+Its work grows with N^2 a row, so it serves rows x N^2 <= RANK_MAX_COMPARES.
+
 Reference: `torch.topk(keys, k, dim=1).indices` (see tests/ops/test_qsa_triton.py).
 """
 from __future__ import annotations
@@ -42,6 +49,9 @@ MAX_K = 4096
 # grows with the rows (atomics on one histogram per row).
 RADIX_MAX_GROUPS = 4096
 RADIX_MIN_ROWS = 256  # about two programs per SM
+RANK_MAX_COMPARES = 1 << 27  # rows x N^2 key comparisons the rank form takes (N = 2,048: 32 rows)
+RANK_TILE = 64  # groups a rank program places
+RANK_SCAN = 256  # keys it compares them with at a time
 
 
 @triton.jit
@@ -140,6 +150,32 @@ def _topk_kernel(
     _sort_kept(scratch_row, out_ptr + row * stride_ob, K, kept, K_POW2)
 
 
+@triton.jit(do_not_specialize=["N", "K", "stride_kb", "stride_ob", "ratio"])
+def _rank_kernel(keys_ptr, out_ptr, N, K, stride_kb, stride_ob, pos_ptr, ratio,
+                 TILE: tl.constexpr, SCAN: tl.constexpr, HAS_POS: tl.constexpr):
+    """Program (row, t): the groups t * TILE + [0, TILE) of the row. Each visible key's rank is
+    the number of visible keys above it (they are distinct: the low word is the group); a rank
+    below K is its output slot. Slots from the row's visible count up to K get group 0 (a hidden
+    key's group, as _sort_kept maps it), each from the program whose tile holds that slot."""
+    row = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * TILE + tl.arange(0, TILE)
+    nv = _visible_groups(pos_ptr, row, ratio, N, HAS_POS)
+    key_row = keys_ptr + row * stride_kb
+    out_row = out_ptr + row * stride_ob
+    if tl.program_id(1) * TILE < tl.maximum(nv, K):  # else no group to place and no slot to fill
+        ki = tl.load(key_row + i, mask=i < nv, other=-1)
+        rank = tl.zeros([TILE], dtype=tl.int32)
+        visible = tl.zeros([], dtype=tl.int32)
+        j = tl.arange(0, SCAN)
+        for j0 in range(0, nv, SCAN):
+            kj = tl.load(key_row + j0 + j, mask=j0 + j < nv, other=-1)
+            rank += tl.sum((kj[None, :] > ki[:, None]).to(tl.int32), 1)
+            visible += tl.sum((kj >= 0).to(tl.int32), 0)
+        group = _LOW_WORD - (ki & _LOW_WORD)
+        tl.store(out_row + rank, group, mask=(ki >= 0) & (rank < K))
+        tl.store(out_row + i, tl.zeros([TILE], dtype=tl.int64), mask=(i >= visible) & (i < K))
+
+
 # ---- The same select with each row split over several programs (wide rows at small batch) ----
 # Four launches, one per digit: every program histograms its slice of the groups still in play
 # and adds it into the row's histogram of that digit (256 atomic adds); the next launch reads the
@@ -216,8 +252,27 @@ def _sort_kernel(scratch_ptr, count_ptr, out_ptr, K, stride_sb, stride_ob, K_POW
     _sort_kept(scratch_ptr + row * stride_sb, out_ptr + row * stride_ob, K, tl.load(count_ptr + row), K_POW2)
 
 
+def rank_takes(rows: int, groups: int) -> bool:
+    """Whether topk_indices gives rows x groups keys to the rank form."""
+    return rows * groups * groups <= RANK_MAX_COMPARES
+
+
+def topk_forms(groups: int) -> list:
+    """The forms topk_indices may pick for rows of this width at some row count (what a warm-up
+    builds): ranks where one row takes them, one program a row (prefill chunks' many rows), and
+    the split rows past RADIX_MAX_GROUPS."""
+    forms = [topk_indices_rank] if rank_takes(1, groups) else []
+    forms.append(topk_indices_triton)
+    if groups > RADIX_MAX_GROUPS:
+        forms.append(topk_indices_split)
+    return forms
+
+
 def topk_indices(keys: torch.Tensor, k: int, positions: torch.Tensor | None = None, ratio: int = 1) -> torch.Tensor:
-    """The faster radix top-k for this shape (the same indices as torch.topk)."""
+    """The fastest top-k form for this shape (the same indices as torch.topk): ranks for few
+    rows of few groups, else the radix select (one program a row, or rows split)."""
+    if keys.dim() == 2 and rank_takes(keys.shape[0], keys.shape[1]):
+        return topk_indices_rank(keys, k, positions=positions, ratio=ratio)
     if keys.shape[-1] <= RADIX_MAX_GROUPS or keys.shape[0] >= RADIX_MIN_ROWS:
         return topk_indices_triton(keys, k, positions=positions, ratio=ratio)
     return topk_indices_split(keys, k, positions=positions, ratio=ratio)
@@ -242,17 +297,39 @@ def topk_indices_split(keys: torch.Tensor, k: int, tile: int = 2048, positions: 
     return _radix_topk(keys, k, tile, _launch_split_rows, positions, ratio)
 
 
+def topk_indices_rank(keys: torch.Tensor, k: int, positions: torch.Tensor | None = None,
+                      ratio: int = 1) -> torch.Tensor:
+    """As topk_indices_triton, each row's groups placed by rank over ceil(N / RANK_TILE) programs
+    (one launch; its work is rows x N^2 comparisons, for few rows of few groups)."""
+    early = _without_kernel(keys, k)
+    if early is not None:
+        return early
+    keys = keys.contiguous()
+    positions = _checked_positions(keys, positions, ratio)
+    b, n = keys.shape
+    out = torch.empty((b, k), dtype=torch.int64, device=keys.device)
+    _rank_kernel[(b, triton.cdiv(n, RANK_TILE))](
+        keys, out, n, k, keys.stride(0), out.stride(0), keys if positions is None else positions, ratio,
+        TILE=RANK_TILE, SCAN=RANK_SCAN, HAS_POS=positions is not None, num_warps=4)
+    return out
+
+
+def _checked_positions(keys: torch.Tensor, positions: torch.Tensor | None, ratio: int) -> torch.Tensor | None:
+    if positions is None:
+        return None
+    if positions.shape != keys.shape[:1] or ratio < 1:
+        raise ValueError(f"positions: one per row of keys {tuple(keys.shape)} with ratio >= 1, got "
+                         f"{tuple(positions.shape)}, ratio {ratio}")
+    return positions.contiguous()
+
+
 def _radix_topk(keys: torch.Tensor, k: int, tile: int, launch, positions: torch.Tensor | None,
                 ratio: int) -> torch.Tensor:
     early = _without_kernel(keys, k)
     if early is not None:
         return early
     keys, out, scratch, tile = _buffers(keys, k, tile)
-    if positions is not None:
-        if positions.shape != keys.shape[:1] or ratio < 1:
-            raise ValueError(f"positions: one per row of keys {tuple(keys.shape)} with ratio >= 1, got "
-                             f"{tuple(positions.shape)}, ratio {ratio}")
-        positions = positions.contiguous()
+    positions = _checked_positions(keys, positions, ratio)
     launch(keys, k, out, scratch, tile, positions, ratio)
     return out
 
@@ -309,4 +386,5 @@ def _without_kernel(keys: torch.Tensor, k: int) -> torch.Tensor | None:
     return None
 
 
-__all__ = ["MAX_K", "RADIX_MAX_GROUPS", "RADIX_MIN_ROWS", "topk_indices", "topk_indices_split", "topk_indices_triton"]
+__all__ = ["MAX_K", "RADIX_MAX_GROUPS", "RADIX_MIN_ROWS", "RANK_MAX_COMPARES", "rank_takes", "topk_forms", "topk_indices",
+           "topk_indices_rank", "topk_indices_split", "topk_indices_triton"]
