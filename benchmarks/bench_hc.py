@@ -1,8 +1,8 @@
 """A hyper-connection's up projection and stream mix at decode rows on one GPU: the joined
-kernel (ops.hyper_connection.triton_hc._up_mix_kernel) at its default launch and a sweep of
+kernel (ops.hyper_connection.triton_hc.up_mix_joined) at its default launch and a sweep of
 (columns, warps), against the unjoined path it replaces (the GEMV for u, then the mix kernel) and
 the u GEMV alone (the bandwidth peer: the same weight bytes, no mix). Shapes of qwen4exp-small
-(4 streams x 2,048, low rank 320) and qwen4exp-flash-12l (4 x 2,560), 1 and 2 rows. Each call is a
+(4 streams x 2,048, low rank 320) and qwen4exp-flash-12l (4 x 2,560), 1, 2 and 4 rows. Each call is a
 CUDA-graph replay cycling over enough weight copies to exceed the L2; TB/s counts the up weight's
 bytes. Prints JSON.
 
@@ -39,14 +39,14 @@ def make_rows(dev) -> list[dict]:
         gen = torch.Generator(device=dev).manual_seed(hc * h + lr)
         weights = [(torch.randn(hc * h, lr, generator=gen, device=dev) * lr**-0.5).to(torch.bfloat16)
                    for _ in range(copies)]
-        for t in (1, 2):
+        for t in (1, 2, 4):
             d = torch.randn(t, lr, generator=gen, device=dev).to(torch.bfloat16)
             xn = torch.randn(t, hc * h, generator=gen, device=dev).to(torch.bfloat16)
             want = _unjoined(d, weights[0], xn, hc, h)
             variants = [("unjoined", lambda w: _unjoined(d, w, xn, hc, h)),
                         ("u_gemv_only", lambda w: gemv(d, w)),
-                        ("joined_default", lambda w: triton_hc._up_mix(d, w, xn, hc))]
-            variants += [(f"joined_c{c}_w{nw}", lambda w, c=c, nw=nw: triton_hc._up_mix(d, w, xn, hc, cols=c, num_warps=nw))
+                        ("joined_default", lambda w: triton_hc.up_mix_joined(d, w, xn, hc))]
+            variants += [(f"joined_c{c}_w{nw}", lambda w, c=c, nw=nw: triton_hc.up_mix_joined(d, w, xn, hc, cols=c, num_warps=nw))
                          for c, nw in SWEEP if (c, nw) != (triton_hc.UP_MIX_COLS, triton_hc.UP_MIX_WARPS)]
             for label, fn in variants:
                 got = fn(weights[0])

@@ -102,11 +102,11 @@ def _check_one_gemm_for_packed(device):
     the reference's results: at 3 rows through F.linear / cuBLAS and the mix kernel (as at prefill
     rows); at 1 and 2 rows through the GEMV (forced here, so the interpreter runs it too), whose split-K
     partials (K = 2,048: split in 2) the activation kernel adds, and the joined up + mix kernel (also
-    for 3 streams, a count that is not a power of two)."""
+    for 3 streams, a count that is not a power of two, and at 4 rows, the GEMV's most)."""
     from qsaserve.ops import gemv
     from qsaserve.ops.hyper_connection import triton_hc
 
-    for t, force_gemv, hc in ((3, False, 2), (1, True, 2), (2, True, 2), (2, True, 3)):
+    for t, force_gemv, hc in ((3, False, 2), (1, True, 2), (2, True, 2), (2, True, 3), (4, True, 2)):
         calls, linear, partials, kernel, takes = [], gemv.linear, gemv.linear_partials, gemv.gemv, gemv.takes_gemv
 
         def counted_linear(x, w, bias=None):
@@ -131,7 +131,7 @@ def _check_one_gemm_for_packed(device):
         on["down_weight"], on["inject_weight"] = both[:8], both[8:]
         gemv.linear, gemv.linear_partials, gemv.gemv = counted_linear, counted_partials, counted_gemv
         if force_gemv:
-            gemv.takes_gemv = lambda x, w: x.dim() == 2 and x.shape[0] <= gemv.GEMV_ROWS
+            gemv.takes_gemv = lambda x, w: x.dim() == 2 and x.shape[0] <= gemv.MAX_ROWS
         try:
             got = triton_hc.hc_step_triton(**on, hc_count=hc, eps=1e-6)
         finally:

@@ -90,16 +90,16 @@ def _mix_row(w, d_ptr, xn, r, k, k_ok, stride_d, HC: tl.constexpr, dt):
 
 
 @triton.jit
-def _up_mix_kernel(d_ptr, w_ptr, xn_ptr, mixed_ptr, M, H, K, stride_d, stride_w, stride_x, stride_m,
+def _up_mix_kernel(d_ptr, w_ptr, xn_ptr, mixed_ptr, H, K, stride_d, stride_w, stride_x, stride_m,
                    HC: tl.constexpr, HC_POW2: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr,
                    ROWS: tl.constexpr):
-    """Decode rows (ROWS <= 2): the up projection and the stream mix in one launch, each program
-    COLS columns of the block input over all HC streams. The streams' up rows s * H + c come in
-    one [HC, COLS, K] load (all of a program's bytes in flight at once: loading stream by stream
-    put a reduction's barrier between the loads, ~0.55 TB/s), read once for both rows, without u's
-    round trip or the mix launch. u's float32 sum runs in another order than the GEMV's, and the
-    streams' terms are added as a tree, so the result may differ from the unjoined path by a
-    rounding step. K <= BLOCK_K."""
+    """Decode rows (ROWS <= UP_MIX_ROWS): the up projection and the stream mix in one launch, each
+    program COLS columns of the block input over all HC streams. The streams' up rows s * H + c
+    come in one [HC, COLS, K] load (all of a program's bytes in flight at once: loading stream by
+    stream put a reduction's barrier between the loads, ~0.55 TB/s), read once for every row,
+    without u's round trip or the mix launch. u's float32 sum runs in another order than the
+    GEMV's, and the streams' terms are added as a tree, so the result may differ from the
+    unjoined path by a rounding step. K <= BLOCK_K."""
     dt = mixed_ptr.dtype.element_ty
     s = tl.arange(0, HC_POW2)
     c = tl.program_id(0) * COLS + tl.arange(0, COLS)
@@ -111,31 +111,37 @@ def _up_mix_kernel(d_ptr, w_ptr, xn_ptr, mixed_ptr, M, H, K, stride_d, stride_w,
     rc_ok = s_ok[:, None] & c_ok[None, :]
     w = tl.load(w_ptr + rows[:, :, None] * stride_w + k[None, None, :],
                 mask=rc_ok[:, :, None] & k_ok[None, None, :], other=0.0).to(tl.float32)
-    xn0 = tl.load(xn_ptr + rows, mask=rc_ok, other=0.0).to(tl.float32)
-    tl.store(mixed_ptr + c, _mix_row(w, d_ptr, xn0, 0, k, k_ok, stride_d, HC, dt), mask=c_ok)
-    if ROWS > 1:
-        xn1 = tl.load(xn_ptr + stride_x + rows, mask=rc_ok & (1 < M), other=0.0).to(tl.float32)
-        tl.store(mixed_ptr + stride_m + c, _mix_row(w, d_ptr, xn1, 1, k, k_ok, stride_d, HC, dt), mask=c_ok)
+    for r in tl.static_range(ROWS):
+        xn = tl.load(xn_ptr + r * stride_x + rows, mask=rc_ok, other=0.0).to(tl.float32)
+        tl.store(mixed_ptr + r * stride_m + c, _mix_row(w, d_ptr, xn, r, k, k_ok, stride_d, HC, dt), mask=c_ok)
 
 
-UP_MIX_ROWS = 2  # rows the joined up + mix kernel holds; it serves the GEMV's rows up to these
+UP_MIX_ROWS = 4  # rows the joined up + mix kernel serves (the GEMV's rows, ops.gemv.takes_gemv, up to these)
 UP_MIX_MAX_K = 1024  # hc_lowrank it holds in one tile (the real model's 320)
 UP_MIX_COLS = 4  # block-input columns a program: 512 programs at H = 2,048, each HC x 4 weight rows
 UP_MIX_WARPS = 4
 
 
-def _up_mix(d: torch.Tensor, up_weight: torch.Tensor, xn: torch.Tensor, hc_count: int,
-            cols: int = UP_MIX_COLS, num_warps: int = UP_MIX_WARPS) -> torch.Tensor | None:
+def _up_mix(d: torch.Tensor, up_weight: torch.Tensor, xn: torch.Tensor, hc_count: int) -> torch.Tensor | None:
     """mixed [T, H] from the activated d [T, lr] by the joined kernel where the up projection would
     take the GEMV (ops.gemv.takes_gemv: its rows, dtypes, the switch), or None (also past the
-    kernel's rows or K). cols / num_warps: a program's columns and warps (benchmarks sweep them)."""
+    kernel's rows or K)."""
     t, k = d.shape
-    h = up_weight.shape[0] // hc_count
     if not gemv.takes_gemv(d, up_weight) or t > UP_MIX_ROWS or k > UP_MIX_MAX_K or d.stride(-1) != 1:
         return None
+    return up_mix_joined(d, up_weight, xn, hc_count)
+
+
+def up_mix_joined(d: torch.Tensor, up_weight: torch.Tensor, xn: torch.Tensor, hc_count: int,
+                  cols: int = UP_MIX_COLS, num_warps: int = UP_MIX_WARPS) -> torch.Tensor:
+    """The joined kernel's launch: d [T <= UP_MIX_ROWS, K <= UP_MIX_MAX_K] (unit last stride), up_weight
+    [hc * H, K], xn [T, hc * H] -> mixed [T, H]. cols / num_warps: a program's columns and warps
+    (benchmarks/bench_hc.py sweeps them)."""
+    t, k = d.shape
+    h = up_weight.shape[0] // hc_count
     mixed = torch.empty((t, h), dtype=xn.dtype, device=xn.device)
     _up_mix_kernel[(triton.cdiv(h, cols),)](
-        d, up_weight, xn, mixed, t, h, k, d.stride(0), up_weight.stride(0), xn.stride(0), mixed.stride(0),
+        d, up_weight, xn, mixed, h, k, d.stride(0), up_weight.stride(0), xn.stride(0), mixed.stride(0),
         HC=hc_count, HC_POW2=triton.next_power_of_2(hc_count), COLS=cols, BLOCK_K=triton.next_power_of_2(k),
         ROWS=t, num_warps=num_warps)
     return mixed
