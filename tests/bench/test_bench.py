@@ -203,7 +203,7 @@ def test_bench_with_speculative_config(tiny, capsys):
     (row,) = r["decode"]
     s = row["speculative"]
     assert set(s) == {"drafted", "accepted", "verifies", "acceptance_length", "acceptance_rate_per_position",
-                      "drafting_steps", "fallback_steps"}
+                      "drafting_steps", "fallback_steps", "retired"}
     assert 0 <= s["accepted"] <= s["drafted"] and row["tok_s"] > 0
     assert len(s["acceptance_rate_per_position"]) == 3
     r = _run(capsys, ["bench", "throughput", tiny, *ENGINE, "--speculative-config", spec, "--num-prompts", "3",

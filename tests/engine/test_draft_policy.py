@@ -234,3 +234,67 @@ def test_under_async_scheduling_plain_and_verify_times_are_of_synchronous_steps(
     assert overlapped and not overlapped & timed
     assert any(kinds[s] for s in timed) and sum(not kinds[s] for s in timed) > 5
     assert llm.engine.spec.stats.fallback_steps > 0
+
+
+def test_retires_once_probes_confirmed_plain_steps_up_to_the_retire_interval():
+    """retires(): in a step that decided plain (never in a probe), once the bucket's probes have
+    confirmed plain steps until its interval reached retire_interval; never while verifying
+    pays, nor without a retire_interval."""
+    def run(verify, retire_interval, steps=80):
+        clock = StepClock(plain=1.0, verify=verify)
+        policy = DraftPolicy(clock, probe_interval=4, max_probe_interval=32, retire_interval=retire_interval)
+        retired, drafting = [], True
+        for i in range(steps):
+            policy.step_started(8, True, drafting)
+            clock.now += clock.verify if drafting else clock.plain
+            drafting = policy.allows()
+            if policy.retires():
+                assert not drafting and policy.buckets[8].interval >= 16
+                retired.append(i)
+            policy.step_finished()
+        return retired
+
+    retired = run(verify=50.0, retire_interval=16)
+    # probes after 4 and 8 decisions confirmed plain steps (interval 4 -> 8 -> 16): every plain
+    # decision from then on retires, except the probes (every 16 decisions) and the decisions
+    # that see their times
+    assert retired and retired[0] > 4 + 8 and len(retired) >= 80 - retired[0] - 2 * 4
+    assert run(verify=50.0, retire_interval=None) == [] and run(verify=0.5, retire_interval=16) == []
+    for bad in (4, 33):
+        with pytest.raises(ValueError, match="retire_interval"):
+            DraftPolicy(probe_interval=4, max_probe_interval=32, retire_interval=bad)
+
+
+def test_engine_retires_sequences_whose_drafting_never_pays(hf_llama):
+    """Verifying never pays: once the bucket settles, its sequences are retired (stats.retired,
+    the metric), draft no more, and their steps overlap under async scheduling (no sequence needs
+    its tokens on the host any longer); the tokens are those of the engine without drafts."""
+    _, path = hf_llama
+    ps = repetitive_prompts()[:2]
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    want = generate(engine(path, async_scheduling=True), ps, params)
+    llm = engine(path, {"method": "ngram", "num_speculative_tokens": 3, "disable_when_slower": True},
+                 async_scheduling=True)
+    spec, eng = llm.engine.spec, llm.engine
+    policy = spec.policy
+    clock = StepClock(plain=1.0, verify=50.0)
+    policy.clock, policy.probe_interval, policy.max_probe_interval, policy.retire_interval = clock, 4, 16, 8
+    started = policy.step_started
+
+    def timed(num_seqs, all_decode, drafted):
+        started(num_seqs, all_decode, drafted)
+        clock.now += clock.verify if drafted else clock.plain
+
+    policy.step_started = timed
+    done, after = {}, []  # after retirement: (verifies so far, whether the step overlaps)
+    for i, p in enumerate(ps):
+        eng.add_request(str(i), {"prompt_token_ids": p}, params)
+    while eng.has_unfinished_requests():
+        for o in eng.step(outputs="finished"):
+            done[o.request_id] = o.outputs[0].token_ids
+        if spec.stats.retired == len(ps) and eng.has_unfinished_requests():
+            after.append((spec.stats.verifies, eng._in_flight is not None))
+    assert [done[str(i)] for i in range(len(ps))] == want
+    assert spec.stats.retired == len(ps) and spec.stats.as_dict()["retired"] == len(ps)
+    assert len(after) > 10 and len({v for v, _ in after}) == 1  # no verify after the retirement
+    assert sum(overlaps for _, overlaps in after) > len(after) // 2

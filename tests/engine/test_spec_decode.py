@@ -318,6 +318,7 @@ def test_metrics_report_the_spec_counters(hf_llama):
         assert samples[("qsaserve:spec_decode_num_accepted_tokens_per_pos_total", str(pos))] == st.accepted_per_position[pos]
     assert samples[("qsaserve:spec_decode_drafting_steps_total", None)] == st.drafting_steps > 0
     assert samples[("qsaserve:spec_decode_fallback_steps_total", None)] == st.fallback_steps
+    assert samples[("qsaserve:spec_decode_retired_sequences_total", None)] == st.retired
 
 
 def plant_reference_drafts(eng, reference: dict, rng) -> None:

@@ -118,7 +118,8 @@ def _spec_delta(before: dict, after: dict) -> dict:
             "acceptance_rate_per_position": [round(a / verifies, 4) if verifies else None for a in per_pos],
             # the automatic fallback's decisions (engine/draft_policy.py)
             "drafting_steps": after["drafting_steps"] - before["drafting_steps"],
-            "fallback_steps": after["fallback_steps"] - before["fallback_steps"]}
+            "fallback_steps": after["fallback_steps"] - before["fallback_steps"],
+            "retired": after["retired"] - before["retired"]}
 
 
 def _ttft(engine: LLMEngine, length: int, trials: int, rng: random.Random) -> dict:

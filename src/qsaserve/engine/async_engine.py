@@ -81,6 +81,7 @@ class EngineSnapshot:
     # Steps the automatic fallback let sequences draft in / kept them from it (draft_policy.py).
     spec_drafting_steps: int = 0
     spec_fallback_steps: int = 0
+    spec_retired: int = 0  # sequences the fallback stopped from drafting for good
 
 
 def _spec_counters(spec) -> dict:
@@ -89,7 +90,7 @@ def _spec_counters(spec) -> dict:
     st = spec.stats
     return dict(spec_drafted=st.drafted, spec_accepted=st.accepted, spec_verifies=st.verifies,
                 spec_accepted_per_position=tuple(st.accepted_per_position), spec_drafting_steps=st.drafting_steps,
-                spec_fallback_steps=st.fallback_steps)
+                spec_fallback_steps=st.fallback_steps, spec_retired=st.retired)
 
 
 def _state_cache_counters(cache) -> dict:

@@ -23,6 +23,16 @@ replaces the old one, which is stale by then (a wrong probe is corrected by the 
 Whatever it decides, the tokens are those of decoding without drafts (verification keeps the
 target's), so it changes speed only.
 
+A plain step of a speculating engine still costs more than one without speculation: its sequences
+run synchronously (their next drafts need their tokens on the host) and the MTP head keeps its
+pages current (its catch-up rows). `retires()` says when a bucket has settled against drafting:
+the step decided plain and the bucket's probes have confirmed that until its interval reached
+`retire_interval`. The engine then retires the step's sequences (engine/spec_decode.py): they
+never draft again, so their steps overlap under async scheduling and the head skips their rows,
+and the step costs what decoding without speculation costs. A retired sequence's head pages go
+stale, so it cannot draft later even if drafting would pay again; sequences that arrive in a
+bucket that has not settled draft as before.
+
 One batch size defines the bucket of a time and of a decision: the number of sequences a step runs (its scheduled
 chunks, given to step_started). A step's time goes to that bucket, and the decision made in the
 step (for the next one) is taken for the same bucket: the next step runs those sequences unless
@@ -38,6 +48,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+
+RETIRE_INTERVAL = 128  # the engine's: two probes in a row (after 32 and 64 decisions) confirmed plain steps
 
 
 @dataclass
@@ -62,13 +75,18 @@ def batch_bucket(num_seqs: int) -> int:
 class DraftPolicy:
     def __init__(self, clock: Callable[[], float] = time.perf_counter, probe_interval: int = 32,
                  smoothing: float = 0.3, on_decision: Callable[[bool], None] | None = None,
-                 max_probe_interval: int = 512):
-        """clock: seconds (injected by tests); on_decision(drafts): called once per step decided."""
+                 max_probe_interval: int = 512, retire_interval: int | None = None):
+        """clock: seconds (injected by tests); on_decision(drafts): called once per step decided.
+        retire_interval: the probe interval at which a bucket settled against drafting retires
+        its sequences (retires(); None: never; the engine's is RETIRE_INTERVAL)."""
         if probe_interval < 2:
             raise ValueError(f"probe_interval: must be >= 2, got {probe_interval}")
         if max_probe_interval < probe_interval:
             raise ValueError(f"max_probe_interval: must be >= probe_interval ({probe_interval}), got {max_probe_interval}")
-        self.max_probe_interval = max_probe_interval
+        if retire_interval is not None and not probe_interval < retire_interval <= max_probe_interval:
+            raise ValueError(f"retire_interval: must be in ({probe_interval}, {max_probe_interval}] (probe_interval, "
+                             f"max_probe_interval] or None, got {retire_interval}")
+        self.max_probe_interval, self.retire_interval = max_probe_interval, retire_interval
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing: must be in (0, 1], got {smoothing}")
         self.clock, self.probe_interval, self.smoothing = clock, probe_interval, smoothing
@@ -128,6 +146,16 @@ class DraftPolicy:
         if self.on_decision is not None:
             self.on_decision(drafts)
         return drafts
+
+    def retires(self) -> bool:
+        """Whether the current step's sequences stop drafting for good: this step decided against
+        drafts (not a probe), and the bucket's probes confirmed that preference until its interval
+        reached retire_interval."""
+        if self.retire_interval is None or self._decided != (self._step, False):
+            return False
+        cost = self.buckets.get(batch_bucket(self._num_seqs))
+        return (cost is not None and cost.probed is None and cost.interval >= self.retire_interval
+                and self.pays(batch_bucket(self._num_seqs)) is False)
 
     def pays(self, bucket: int) -> bool | None:
         """Whether verify steps out-emit plain ones at this bucket (None: not both timed yet)."""

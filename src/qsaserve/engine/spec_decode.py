@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from qsaserve.engine.block_manager import BlockManager, StateSnapshotPlan
-from qsaserve.engine.draft_policy import DraftPolicy
+from qsaserve.engine.draft_policy import RETIRE_INTERVAL, DraftPolicy
 from qsaserve.engine.batch import PLACEHOLDER_TOKEN, TokenFeed
 from qsaserve.engine.mtp_drafter import DeferredDrafts, MtpDraftRequest, full_request, uniform_step_rows
 from qsaserve.engine.ngram_proposer import propose_ngram
@@ -47,6 +47,7 @@ class SpecDecodeStats:
     # Steps decided by the automatic fallback (draft_policy.py): sequences could draft / were kept from it.
     drafting_steps: int = 0
     fallback_steps: int = 0
+    retired: int = 0  # sequences the fallback stopped from drafting for good (draft_policy.retires)
 
     def __post_init__(self) -> None:
         self.accepted_per_position = [0] * self.num_speculative_tokens
@@ -63,7 +64,7 @@ class SpecDecodeStats:
                 "acceptance_length": self.acceptance_length, "accepted_per_position": list(self.accepted_per_position),
                 "acceptance_rate_per_position": per_pos, "topped_up": self.topped_up,
                 "drafting_steps": self.drafting_steps,
-                "fallback_steps": self.fallback_steps}
+                "fallback_steps": self.fallback_steps, "retired": self.retired}
 
 
 class SpecDecoder:
@@ -82,7 +83,11 @@ class SpecDecoder:
         # The head's drafts of the last step, still on the device: (drafts, sequence -> (its batch
         # index then, its placeholder list)); defer_drafts / draft_feed / resolve_drafts.
         self._pending: tuple[DeferredDrafts, dict[Sequence, tuple[int, list[int]]]] | None = None
-        self.policy = DraftPolicy(on_decision=self._count_decision) if config.disable_when_slower else None
+        self.policy = (DraftPolicy(on_decision=self._count_decision, retire_interval=RETIRE_INTERVAL)
+                       if config.disable_when_slower else None)
+        # Sequences the fallback retired (draft_policy.retires): they never draft again.
+        self._retired: weakref.WeakSet[Sequence] = weakref.WeakSet()
+        self._step_seqs: list[Sequence] = []
         self.model_drafts = config.method == "mtp"
         # align_drafts acts only where a uniform verify replays a CUDA graph (verify_graphs: the
         # runner captured them): elsewhere a topped-up draft is only more rows.
@@ -101,7 +106,11 @@ class SpecDecoder:
     def needs_host_tokens(self, seq: Sequence) -> bool:
         """Whether a step with seq runs synchronously: its drafts, or the MTP head's rows for it,
         need its tokens on the host right after the step."""
-        return self.head_on_every_sequence or self.eligible(seq)
+        return self.head_on_every_sequence or self.may_draft(seq)
+
+    def may_draft(self, seq: Sequence) -> bool:
+        """eligible() and not retired by the fallback (a retired sequence's head pages are stale)."""
+        return self.eligible(seq) and seq not in self._retired
 
     # ---- drafting ----
     def propose(self, seq: Sequence, num_running: int = 1) -> None:
@@ -141,7 +150,7 @@ class SpecDecoder:
     def room(self, seq: Sequence, num_running: int) -> int:
         """Drafts seq may take next step (0: none)."""
         limit = self.config.disable_by_batch_size
-        if seq.is_finished or not self.eligible(seq) or (limit is not None and num_running > limit):
+        if seq.is_finished or not self.may_draft(seq) or (limit is not None and num_running > limit):
             return 0
         if self.policy is not None and not self.policy.allows():
             return 0
@@ -152,14 +161,22 @@ class SpecDecoder:
 
     # ---- the step's timing (the automatic fallback, draft_policy.py) ----
     def begin_step(self, chunks: list[ScheduledChunk]) -> None:
+        self._step_seqs = [c.seq for c in chunks]
         if self.policy is not None:
             self.policy.step_started(len(chunks), all(c.num_new_tokens == c.num_drafts + 1 for c in chunks),
                                      any(c.num_drafts for c in chunks))
 
     def end_step(self) -> None:
-        """After the step's tokens are appended and the next drafts made."""
+        """After the step's tokens are appended and the next drafts made (none, where the policy
+        retires the step's sequences)."""
         if self.policy is not None:
+            if self.policy.retires():
+                for seq in self._step_seqs:
+                    if not seq.is_finished and seq not in self._retired:
+                        self._retired.add(seq)
+                        self.stats.retired += 1
             self.policy.step_finished()
+        self._step_seqs = []
 
     def _count_decision(self, drafts: bool) -> None:
         if drafts:
@@ -200,7 +217,7 @@ class SpecDecoder:
                 or plan.prompt_logprob_spans or len(plan.sample_seqs) != len(chunks)):
             return False
         n = chunks[0].num_new_tokens
-        if any(c.num_new_tokens != n or c.num_drafts != n - 1 or not self.eligible(c.seq) for c in chunks):
+        if any(c.num_new_tokens != n or c.num_drafts != n - 1 or not self.may_draft(c.seq) for c in chunks):
             return False
         return uniform_step_rows(batch, DcpGeometry()) > 0  # every row has a known next token here
 

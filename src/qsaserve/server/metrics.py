@@ -74,6 +74,8 @@ class _EngineCollector:
         yield counter("qsaserve:spec_decode_fallback_steps", "Steps the automatic fallback kept from drafting: verify "
                       "steps slower per token than plain ones at that batch size, and the plain steps it takes to "
                       "time or re-time a batch size.", s.spec_fallback_steps)
+        yield counter("qsaserve:spec_decode_retired_sequences", "Sequences the automatic fallback stopped from "
+                      "drafting for good: their batch size settled against drafting.", s.spec_retired)
         yield gauge("qsaserve:engine_healthy", "1 while the engine loop runs, 0 once it died.", 1.0 if self.engine.is_healthy() else 0.0)
 
 

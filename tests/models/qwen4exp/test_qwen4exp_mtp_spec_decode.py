@@ -5,6 +5,7 @@ head of the tiny checkpoint (its drafts are mostly rejected) and with its drafts
 reference continuation after the head ran (every draft accepted); through batched chunked
 prefill and preemption. float32 CPU; the fixture of test_qwen4exp_spec_decode.py."""
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -417,3 +418,40 @@ def test_drafts_are_read_after_the_step_that_verifies_them_is_launched(checkpoin
     # decode and verify steps: the head is launched before the step's own tokens are read
     early = [s for s in steps if "draft" in s and "tokens" in s and s.index("draft") < s.index("tokens")]
     assert len(early) >= len(fed) - 1
+
+
+def test_retired_sequences_skip_the_heads_rows_and_keep_their_tokens(checkpoint):
+    """The automatic fallback with verify steps that never pay (an injected clock): once the
+    bucket settles its sequences are retired, and from then on the head runs no rows for them
+    (neither right after a step nor after its tokens: its pages go stale, the sequences never
+    draft again); the tokens are those of the engine without drafts."""
+    _, path, ps, _, _ = checkpoint
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    want = generate(ngram_or_mtp_engine(path), ps[:2], params)
+    llm = engine(path, 2, speculative_config={"method": "mtp", "num_speculative_tokens": 2, "disable_when_slower": True})
+    spec = llm.engine.spec
+    policy, clock = spec.policy, types.SimpleNamespace(now=0.0, plain=1.0, verify=50.0)  # seconds a step
+    policy.clock, policy.probe_interval, policy.max_probe_interval, policy.retire_interval = (lambda: clock.now), 4, 16, 8
+    started, right_after, request = policy.step_started, spec.head_right_after, spec.mtp_request
+    head_rows = []  # per head call: (retired so far, rows it ran)
+
+    def timed(num_seqs, all_decode, drafted):
+        started(num_seqs, all_decode, drafted)
+        clock.now += clock.verify if drafted else clock.plain
+
+    def logged_right_after(chunks, *args):
+        runs = right_after(chunks, *args)
+        head_rows.append((spec.stats.retired, len(chunks) if runs else 0))
+        return runs
+
+    def logged_request(*args):
+        req = request(*args)
+        head_rows.append((spec.stats.retired, sum(req.rows) if req is not None else 0))
+        return req
+
+    policy.step_started, spec.head_right_after, spec.mtp_request = timed, logged_right_after, logged_request
+    assert generate(llm, ps[:2], params) == want
+    assert spec.stats.retired == 2 and spec.stats.verifies > 0
+    after = [rows for retired, rows in head_rows if retired == 2]
+    assert any(rows for retired, rows in head_rows if retired == 0)  # the head ran before
+    assert len(after) > 10 and not any(after)
