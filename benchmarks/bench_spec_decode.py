@@ -19,7 +19,9 @@ no drafts (the head's catch-up row alone).
 "auto" (--auto-steps N): the speculating engine as a user runs it, with the automatic fallback
 (disable_when_slower) on, its real acceptance (random weights: drafts nearly always rejected, the
 worst case), k = 3: output tok/s over N steps against plain (after --auto-warm-up untimed steps,
-default 8, in which the policy times both kinds), and the steps it drafted in and fell back in. --profile-steps N: N more steps per mode under torch.profiler (device ms, launches, the
+default 8, in which the policy times both kinds), the steps it drafted in and fell back in, and
+the sequences it retired before and during them (a bucket settled against drafting retires its
+sequences after about 100 decisions: --auto-warm-up 120 measures that steady state). --profile-steps N: N more steps per mode under torch.profiler (device ms, launches, the
 top kernels per step). Prints one JSON line per row, then the document.
 
     PYTHONPATH=src python benchmarks/bench_spec_decode.py --model qwen4exp-small --batches 1,8,64 \
@@ -39,7 +41,7 @@ import torch
 from qsaserve import SamplingParams
 from qsaserve.bench.common import emit_report, provenance
 from qsaserve.config import EngineConfig
-from qsaserve.engine.draft_policy import DraftPolicy
+from qsaserve.engine.draft_policy import RETIRE_INTERVAL, DraftPolicy
 from qsaserve.engine.llm_engine import LLMEngine
 from qsaserve.engine.profiling import summarize_events
 
@@ -131,7 +133,7 @@ def auto_steps(engine: LLMEngine, steps: int, rng: random.Random, warm_up: int =
     spec, vocab, k = engine.spec, engine.vocab_size, max(KS)
     spec.verify_launch = type(spec).verify_launch.__get__(spec)  # the real verify, not the forced acceptance
     spec.room = type(spec).room.__get__(spec)
-    spec.policy = DraftPolicy(on_decision=spec._count_decision)
+    spec.policy = DraftPolicy(on_decision=spec._count_decision, retire_interval=RETIRE_INTERVAL)  # the engine's
     if not spec.model_drafts:
         propose = type(spec).propose
 
@@ -151,7 +153,8 @@ def auto_steps(engine: LLMEngine, steps: int, rng: random.Random, warm_up: int =
     return {"steps": steps, "warm_up_steps": warm_up, "tokens": tokens, "tok_s": round(tokens / sum(times), 1),
             "drafting_steps": after["drafting_steps"] - before["drafting_steps"],
             "fallback_steps": after["fallback_steps"] - before["fallback_steps"],
-            "accepted": after["accepted"] - before["accepted"], "drafted": after["drafted"] - before["drafted"]}
+            "accepted": after["accepted"] - before["accepted"], "drafted": after["drafted"] - before["drafted"],
+            "retired_before": before["retired"], "retired": after["retired"] - before["retired"]}
 
 
 def prompt(rng: random.Random, vocab: int, context: int, repeat_unit: int) -> list[int]:

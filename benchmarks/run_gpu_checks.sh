@@ -113,6 +113,12 @@ if [ "$mode" = single ]; then
     part spec_q4small_mtp 330 $spec --model qwen4exp-small-mtp --method mtp --force-accept --out "$out/spec_q4small_mtp.json"
     part spec_q4small_ngram 270 $spec --model qwen4exp-small --force-accept --out "$out/spec_q4small_ngram.json"
     part spec_llama1b_ngram 200 $spec --model llama-1b --repeat-unit 64 --out "$out/spec_llama1b_ngram.json"
+    # The fallback's steady state: a bucket settled against drafting retires its sequences after ~100 decisions.
+    part spec_q4small_mtp_auto 300 python benchmarks/bench_spec_decode.py --batches 1,8,64 --context 8192 --auto-steps 40 \
+        --auto-warm-up 120 --model qwen4exp-small-mtp --method mtp --out "$out/spec_q4small_mtp_auto.json"
+    # Decode kernels of qwen4exp-small's step: the hyper-connection's joined up + mix, the top-k forms.
+    part bench_hc 100 python benchmarks/bench_hc.py --out "$out/bench_hc.json"
+    part bench_topk 100 python benchmarks/bench_qsa.py --topk-only --out "$out/bench_topk.json"
     # The decode kernels the engine takes that no GPU has run yet (the transposed ones, the gated
     # FP8 GEMV, the FP8 MoE decode kernels) first, alone: the rest took over 200 s.
     part gpu_tests_swap 240 python -m pytest -v -m gpu -p no:cacheprovider -rfE --tb=short --junitxml="$out/gpu_tests_swap.xml" \
