@@ -50,7 +50,7 @@ def _hidden(BLOCK: tl.constexpr, PACK: tl.constexpr):
         return tl.full([BLOCK], float("-inf"), tl.float32)
 
 
-@triton.jit(do_not_specialize=["N", "stride_bt", "stride_ob"])
+@triton.jit(do_not_specialize=["N", "stride_bt", "stride_ob"], do_not_specialize_on_alignment=["bt_ptr", "pos_ptr"])
 def _score_kernel(
     q_ptr, keys_ptr, bt_ptr, pos_ptr, out_ptr, inv_sqrt_d,
     stride_qb, stride_qh, stride_kb, stride_kr, stride_bt, stride_ob,
@@ -120,7 +120,10 @@ def decode_index_scores_triton(
     return out
 
 
-@triton.jit(do_not_specialize=["T", "N", "GROUPS_PER_SPLIT", "tiles", "stride_bt", "stride_ot"])
+# The index pointers (a sequence's table row, a chunk's positions) are often views at any offset:
+# specialized on their 16-byte alignment, each offset class built its own variant inside a timed pass
+@triton.jit(do_not_specialize=["T", "N", "GROUPS_PER_SPLIT", "tiles", "stride_bt", "stride_ot"],
+            do_not_specialize_on_alignment=["bt_ptr", "pos_ptr", "map_ptr"])
 def _prefill_score_kernel(
     q_ptr, keys_ptr, bt_ptr, pos_ptr, map_ptr, out_ptr, inv_sqrt_d,
     stride_qt, stride_qh, stride_kb, stride_kr, stride_bt, stride_ot,
@@ -270,7 +273,7 @@ def _row_block_map(cu_seqlens: torch.Tensor, block_t: int, row_blocks: int) -> t
     return torch.stack([seq, row0, cu[seq + 1]], dim=1).to(torch.int32).contiguous()
 
 
-@triton.jit(do_not_specialize=["K", "dcp_rank", "stride_cb", "stride_ob"])
+@triton.jit(do_not_specialize=["K", "dcp_rank", "stride_cb", "stride_ob"], do_not_specialize_on_alignment=["pos_ptr"])
 def _build_kernel(chosen_ptr, pos_ptr, out_ptr, K, dcp_rank, stride_cb, stride_ob,
                   WIDTH: tl.constexpr, RATIO: tl.constexpr, BLOCK_W: tl.constexpr,
                   DCP_SIZE: tl.constexpr, DCP_I: tl.constexpr):

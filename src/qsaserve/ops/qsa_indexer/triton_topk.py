@@ -99,7 +99,9 @@ def _sort_kept(scratch_row, out_row, K, kept, K_POW2: tl.constexpr):
     tl.store(out_row + j, group, mask=j < K)
 
 
-@triton.jit(do_not_specialize=["N", "K", "stride_kb", "stride_sb", "stride_ob", "ratio"])
+# pos_ptr: the rows' positions, often a view at any offset (one build whatever its alignment)
+@triton.jit(do_not_specialize=["N", "K", "stride_kb", "stride_sb", "stride_ob", "ratio"],
+            do_not_specialize_on_alignment=["pos_ptr"])
 def _topk_kernel(
     keys_ptr, scratch_ptr, out_ptr, N, K,
     stride_kb, stride_sb, stride_ob, pos_ptr, ratio,
@@ -150,7 +152,7 @@ def _topk_kernel(
     _sort_kept(scratch_row, out_ptr + row * stride_ob, K, kept, K_POW2)
 
 
-@triton.jit(do_not_specialize=["N", "K", "stride_kb", "stride_ob", "ratio"])
+@triton.jit(do_not_specialize=["N", "K", "stride_kb", "stride_ob", "ratio"], do_not_specialize_on_alignment=["pos_ptr"])
 def _rank_kernel(keys_ptr, out_ptr, N, K, stride_kb, stride_ob, pos_ptr, ratio,
                  TILE: tl.constexpr, SCAN: tl.constexpr, HAS_POS: tl.constexpr):
     """Program (row, t): the groups t * TILE + [0, TILE) of the row. Each visible key's rank is
@@ -198,7 +200,7 @@ def _threshold_so_far(ghist_row, stride_pass, K, PASSES: tl.constexpr, bins):
     return prefix, above
 
 
-@triton.jit(do_not_specialize=["N", "K", "S", "stride_kb", "stride_pass", "ratio"])
+@triton.jit(do_not_specialize=["N", "K", "S", "stride_kb", "stride_pass", "ratio"], do_not_specialize_on_alignment=["pos_ptr"])
 def _split_hist_kernel(
     keys_ptr, ghist_ptr, lhist_ptr, N, K, S, stride_kb, stride_pass, pos_ptr, ratio,
     PASS: tl.constexpr, TILE: tl.constexpr, HAS_POS: tl.constexpr,
@@ -222,7 +224,8 @@ def _split_hist_kernel(
         tl.store(lhist_ptr + (row * S + s) * 256 + bins, hist)
 
 
-@triton.jit(do_not_specialize=["N", "K", "S", "stride_kb", "stride_pass", "stride_sb", "ratio"])
+@triton.jit(do_not_specialize=["N", "K", "S", "stride_kb", "stride_pass", "stride_sb", "ratio"],
+            do_not_specialize_on_alignment=["pos_ptr"])
 def _split_keep_kernel(
     keys_ptr, ghist_ptr, lhist_ptr, count_ptr, scratch_ptr, N, K, S, stride_kb, stride_pass, stride_sb,
     pos_ptr, ratio, TILE: tl.constexpr, S_POW2: tl.constexpr, HAS_POS: tl.constexpr,
