@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qsaserve.models.interfaces import WarmsUpKernels
 from qsaserve.models.qwen4exp.sharding import RankLayout
 from qsaserve.models.qwen4exp.snapshots import state_windows
 from qsaserve.models.qwen4exp.state import GDNState, Step
@@ -13,10 +14,10 @@ from qsaserve.models.qwen4exp.quantized import packed, project
 from qsaserve.models.qwen4exp.weights import PackedWeight, ShardLoader, Weight, parameter
 from qsaserve.ops.gdn import (causal_conv1d, conv1d_decode_, conv1d_decode_rows_, delta_rule_decode_,
                               delta_rule_decode_rows_, gated_delta_rule, gated_delta_rule_with_states, gated_norm,
-                              gdn_gates)
+                              gdn_gates, warm_up_chunked)
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(nn.Module, WarmsUpKernels):
     """`Qwen4ExpTextGatedDeltaNet` on the paged runtime: all sequences of a step in one packed
     call, each continuing from its state slot (`reference.gdn_layer_forward` is the per-request
     reference)."""
@@ -49,6 +50,11 @@ class GatedDeltaNet(nn.Module):
                                lambda: Weight((cfg.hidden_size, hv * dv), layout.gdn_out_proj()),
                                full_in=cfg.linear_num_value_heads * dv)
         self.state: GDNState | None = None
+
+    def warm_up_kernels(self, dtype: torch.dtype, max_tokens: int) -> int:
+        """fla-core tunes its fused L2 norm by the step's tokens (ops.gdn.warm_up_chunked)."""
+        return warm_up_chunked(self.key_heads, self.value_heads, self.key_dim, self.value_dim, dtype,
+                               self.dt_bias.device, max_tokens)
 
     def allocate_state(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> GDNState:
         self.state = GDNState.zeros(num_slots, self.conv_dim, self.conv_kernel, self.value_heads, self.key_dim,

@@ -15,7 +15,7 @@ from qsaserve.ops.dispatch import use_triton
 from qsaserve.ops.gdn.decode_ops import (conv1d_decode_reference_, conv1d_decode_rows_reference_,
                                          delta_rule_decode_reference_, delta_rule_decode_rows_reference_,
                                          gated_rms_norm, gdn_gates_reference)
-from qsaserve.ops.gdn.delta_rule import gated_delta_rule, gated_delta_rule_with_states
+from qsaserve.ops.gdn.delta_rule import gated_delta_rule, gated_delta_rule_with_states, warm_up_chunked
 from qsaserve.ops.gdn.reference import (
     causal_conv1d_reference,
     causal_conv1d_update_reference,
@@ -109,4 +109,5 @@ __all__ = [
     "gdn_gates",
     "gdn_recurrent_reference",
     "l2norm",
+    "warm_up_chunked",
 ]
