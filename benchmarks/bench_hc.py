@@ -1,6 +1,7 @@
 """A hyper-connection's up projection and stream mix at decode rows on one GPU: the joined
 kernel (ops.hyper_connection.triton_hc.up_mix_joined) at its default launch and a sweep of
-(columns, warps), against the unjoined path it replaces (the GEMV for u, then the mix kernel) and
+(columns, warps), and as the engine runs it (activating the down | inject GEMV's split-K partials
+as it loads them, joined_activating), against the unjoined path it replaces (the GEMV for u, then the mix kernel) and
 the u GEMV alone (the bandwidth peer: the same weight bytes, no mix). Shapes of qwen4exp-small
 (4 streams x 2,048, low rank 320) and qwen4exp-flash-12l (4 x 2,560), 1, 2 and 4 rows. Each call is a
 CUDA-graph replay cycling over enough weight copies to exceed the L2; TB/s counts the up weight's
@@ -43,7 +44,12 @@ def make_rows(dev) -> list[dict]:
             d = torch.randn(t, lr, generator=gen, device=dev).to(torch.bfloat16)
             xn = torch.randn(t, hc * h, generator=gen, device=dev).to(torch.bfloat16)
             want = _unjoined(d, weights[0], xn, hc, h)
+            # the engine's input: the down | inject GEMV's raw float32 split-K partials (2 planes)
+            raw = torch.randn(2, t, lr + hc, generator=gen, device=dev) * 0.5
+            inject = torch.empty(t, hc, dtype=torch.bfloat16, device=dev)
             variants = [("unjoined", lambda w: _unjoined(d, w, xn, hc, h)),
+                        ("joined_activating", lambda w: triton_hc.up_mix_joined(raw, w, xn, hc, activate=True,
+                                                                                 inject=inject)),
                         ("u_gemv_only", lambda w: gemv(d, w)),
                         ("joined_default", lambda w: triton_hc.up_mix_joined(d, w, xn, hc))]
             variants += [(f"joined_c{c}_w{nw}", lambda w, c=c, nw=nw: triton_hc.up_mix_joined(d, w, xn, hc, cols=c, num_warps=nw))
@@ -57,7 +63,7 @@ def make_rows(dev) -> list[dict]:
                 us = graph_ms(run) * 1e3 / copies
                 row = {"model": model, "rows": t, "hc": hc, "h": h, "low_rank": lr, "variant": label,
                        "us": round(us, 2), "tb_s": round(nbytes / us / 1e6, 3)}
-                if label != "u_gemv_only":
+                if label not in ("u_gemv_only", "joined_activating"):
                     row["max_diff_vs_unjoined"] = float((got.float() - want.float()).abs().max())
                 print(row, flush=True)
                 rows.append(row)

@@ -100,13 +100,15 @@ def test_model_mixers_hold_down_and_inject_as_one_gemm():
 def _check_one_gemm_for_packed(device):
     """A packed down | inject runs as one GEMM, then the up projection and the stream mix, with
     the reference's results: at 3 rows through F.linear / cuBLAS and the mix kernel (as at prefill
-    rows); at 1 and 2 rows through the GEMV (forced here, so the interpreter runs it too), whose split-K
-    partials (K = 2,048: split in 2) the activation kernel adds, and the joined up + mix kernel (also
-    for 3 streams, a count that is not a power of two, and at 4 rows, the GEMV's most)."""
+    rows); at 1 to 4 rows through the GEMV (forced here, so the interpreter runs it too), whose
+    split-K partials (K = 2,048: split in 2) the joined up + mix kernel adds and activates as it
+    loads them (also for 3 streams, a count that is not a power of two, for 1 stream, K = 1,024
+    unsplit, and for the final mixer, whose down projection has no inject rows beside it)."""
     from qsaserve.ops import gemv
     from qsaserve.ops.hyper_connection import triton_hc
 
-    for t, force_gemv, hc in ((3, False, 2), (1, True, 2), (2, True, 2), (2, True, 3), (4, True, 2)):
+    for t, force_gemv, hc, final in ((3, False, 2, False), (1, True, 2, False), (2, True, 2, False),
+                                     (2, True, 3, False), (4, True, 2, False), (2, True, 1, False), (2, True, 2, True)):
         calls, linear, partials, kernel, takes = [], gemv.linear, gemv.linear_partials, gemv.gemv, gemv.takes_gemv
 
         def counted_linear(x, w, bias=None):
@@ -129,6 +131,9 @@ def _check_one_gemm_for_packed(device):
         on = {k: v.to(device) for k, v in case.items()}
         both = packed.to(device)
         on["down_weight"], on["inject_weight"] = both[:8], both[8:]
+        if final:
+            case["inject_weight"] = on["inject_weight"] = None
+            want = hc_step_reference(**case, hc_count=hc, eps=1e-6)
         gemv.linear, gemv.linear_partials, gemv.gemv = counted_linear, counted_partials, counted_gemv
         if force_gemv:
             gemv.takes_gemv = lambda x, w: x.dim() == 2 and x.shape[0] <= gemv.MAX_ROWS
@@ -136,11 +141,15 @@ def _check_one_gemm_for_packed(device):
             got = triton_hc.hc_step_triton(**on, hc_count=hc, eps=1e-6)
         finally:
             gemv.linear, gemv.linear_partials, gemv.gemv, gemv.takes_gemv = linear, partials, kernel, takes
+        n = 8 if final else 8 + hc
         if force_gemv:  # down | inject's partials unsummed (3-D); up + mix joined: no up GEMM call
-            assert calls == [("partials", 8 + hc), ("gemv", 8 + hc, 3 if h * hc >= 2048 else 2)], calls
+            assert calls == [("partials", n), ("gemv", n, 3 if h * hc >= 2048 else 2)], calls
         else:
-            assert calls == [("partials", 8 + hc), ("linear", hc * h)], calls
+            assert calls == [("partials", n), ("linear", hc * h)], calls
         for w, g in zip(want, got):
+            if w is None:
+                assert g is None
+                continue
             torch.testing.assert_close(g.cpu(), w, atol=1e-5, rtol=1e-5)
 
 

@@ -11,7 +11,8 @@ two of these per layer, and their launches, not their bytes, were the cost.
                 itself where it split K: the GEMV's sum launch, gone)
   GEMM:         u = d @ up^T
   _mix_streams: mixed = mean_s(sigmoid(u_s) * xn_s)
-                (at decode rows these two are one kernel, _up_mix_kernel: u never leaves registers)
+                (at decode rows these three are one kernel, _up_mix_kernel: it activates the
+                GEMM's raw rows as it loads them, and u never leaves registers)
 
 Every intermediate is rounded to the model dtype where the torch path rounds (float32 math inside).
 """
@@ -78,28 +79,47 @@ def _mix_streams_kernel(u_ptr, xn_ptr, mixed_ptr, H, stride_u, stride_x, stride_
 
 
 @triton.jit
-def _mix_row(w, d_ptr, xn, r, k, k_ok, stride_d, HC: tl.constexpr, dt):
-    """Row r of the block input at this program's columns: mean over the streams of sigmoid(u) * xn
-    with u = d[r] @ w^T (w [HC_POW2, COLS, BLOCK_K], the streams' up rows; xn [HC_POW2, COLS], zero
-    past HC), u, the sigmoid and each product rounded to dt as the unjoined path rounds."""
-    dr = tl.load(d_ptr + r * stride_d + k, mask=k_ok, other=0.0).to(tl.float32)
+def _gemm_row(src_ptr, r, stride_s, stride_plane, c, ok, SPLIT: tl.constexpr, dt):
+    """Row r, columns c, of a GEMM's output in dt (SPLIT 0), or of its float32 split-K partials
+    (SPLIT planes, added in plane order and rounded to dt, as the GEMV's own sum), as float32."""
+    if SPLIT > 0:
+        acc = tl.load(src_ptr + r * stride_s + c, mask=ok, other=0.0)
+        for p in tl.static_range(1, SPLIT):
+            acc += tl.load(src_ptr + p * stride_plane + r * stride_s + c, mask=ok, other=0.0)
+        return acc.to(dt).to(tl.float32)
+    return tl.load(src_ptr + r * stride_s + c, mask=ok, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _mix_row(w, dr, xn, HC: tl.constexpr, dt):
+    """A block-input row at a program's columns: mean over the streams of sigmoid(u) * xn with
+    u = dr @ w^T (w [HC_POW2, COLS, BLOCK_K], the streams' up rows; dr [BLOCK_K] the activated
+    down row; xn [HC_POW2, COLS], zero past HC), u, the sigmoid and each product rounded to dt as
+    the unjoined path rounds."""
     u = tl.sum(w * dr[None, None, :], 2).to(dt)
     gate = tl.sigmoid(u.to(tl.float32)).to(dt)
     terms = (gate.to(tl.float32) * xn).to(dt).to(tl.float32)
     return (tl.sum(terms, 0) / HC).to(dt)
 
 
-@triton.jit
-def _up_mix_kernel(d_ptr, w_ptr, xn_ptr, mixed_ptr, H, K, stride_d, stride_w, stride_x, stride_m,
+@triton.jit(do_not_specialize=["stride_plane"])
+def _up_mix_kernel(src_ptr, w_ptr, xn_ptr, mixed_ptr, inj_ptr, H, K, n_i, hc_f,
+                   stride_s, stride_plane, stride_w, stride_x, stride_m, stride_i,
                    HC: tl.constexpr, HC_POW2: tl.constexpr, COLS: tl.constexpr, BLOCK_K: tl.constexpr,
-                   ROWS: tl.constexpr):
+                   BLOCK_I: tl.constexpr, ROWS: tl.constexpr, SPLIT: tl.constexpr, ACTIVATE: tl.constexpr,
+                   HAS_INJECT: tl.constexpr):
     """Decode rows (ROWS <= UP_MIX_ROWS): the up projection and the stream mix in one launch, each
     program COLS columns of the block input over all HC streams. The streams' up rows s * H + c
     come in one [HC, COLS, K] load (all of a program's bytes in flight at once: loading stream by
     stream put a reduction's barrier between the loads, ~0.55 TB/s), read once for every row,
     without u's round trip or the mix launch. u's float32 sum runs in another order than the
     GEMV's, and the streams' terms are added as a tree, so the result may differ from the
-    unjoined path by a rounding step. K <= BLOCK_K."""
+    unjoined path by a rounding step. K <= BLOCK_K.
+    src: the activated down rows d [T, K] (ACTIVATE off), or (ACTIVATE) the down | inject GEMM's
+    output (its first K columns the down projection, the next n_i the injection logits; SPLIT > 0:
+    its float32 split-K partials), which each program activates as _gate_acts_kernel does
+    (silu(d / hc)); program 0 also stores the injection weights 2 sigmoid(i / hc) (HAS_INJECT).
+    That is the activation launch of the unjoined path, gone."""
     dt = mixed_ptr.dtype.element_ty
     s = tl.arange(0, HC_POW2)
     c = tl.program_id(0) * COLS + tl.arange(0, COLS)
@@ -112,8 +132,18 @@ def _up_mix_kernel(d_ptr, w_ptr, xn_ptr, mixed_ptr, H, K, stride_d, stride_w, st
     w = tl.load(w_ptr + rows[:, :, None] * stride_w + k[None, None, :],
                 mask=rc_ok[:, :, None] & k_ok[None, None, :], other=0.0).to(tl.float32)
     for r in tl.static_range(ROWS):
+        dr = _gemm_row(src_ptr, r, stride_s, stride_plane, k, k_ok, SPLIT, dt)
+        if ACTIVATE:
+            a = (dr / hc_f).to(dt).to(tl.float32)  # the torch path rounds after / hc
+            dr = (a * tl.sigmoid(a)).to(dt).to(tl.float32)
         xn = tl.load(xn_ptr + r * stride_x + rows, mask=rc_ok, other=0.0).to(tl.float32)
-        tl.store(mixed_ptr + r * stride_m + c, _mix_row(w, d_ptr, xn, r, k, k_ok, stride_d, HC, dt), mask=c_ok)
+        tl.store(mixed_ptr + r * stride_m + c, _mix_row(w, dr, xn, HC, dt), mask=c_ok)
+        if HAS_INJECT:
+            j = tl.arange(0, BLOCK_I)
+            j_ok = (j < n_i) & (tl.program_id(0) == 0)
+            b = (_gemm_row(src_ptr, r, stride_s, stride_plane, K + j, j_ok, SPLIT, dt) / hc_f).to(dt).to(tl.float32)
+            sig = tl.sigmoid(b).to(dt).to(tl.float32)
+            tl.store(inj_ptr + r * stride_i + j, (2.0 * sig).to(dt), mask=j_ok)
 
 
 UP_MIX_ROWS = 4  # rows the joined up + mix kernel serves (the GEMV's rows, ops.gemv.takes_gemv, up to these)
@@ -122,28 +152,35 @@ UP_MIX_COLS = 4  # block-input columns a program: 512 programs at H = 2,048, eac
 UP_MIX_WARPS = 4
 
 
-def _up_mix(d: torch.Tensor, up_weight: torch.Tensor, xn: torch.Tensor, hc_count: int) -> torch.Tensor | None:
-    """mixed [T, H] from the activated d [T, lr] by the joined kernel where the up projection would
-    take the GEMV (ops.gemv.takes_gemv: its rows, dtypes, the switch), or None (also past the
-    kernel's rows or K)."""
-    t, k = d.shape
-    if not gemv.takes_gemv(d, up_weight) or t > UP_MIX_ROWS or k > UP_MIX_MAX_K or d.stride(-1) != 1:
-        return None
-    return up_mix_joined(d, up_weight, xn, hc_count)
+def _joins_up_mix(xn: torch.Tensor, up_weight: torch.Tensor) -> bool:
+    """Whether the up projection takes the joined kernel: it would take the GEMV (ops.gemv.takes_gemv:
+    its rows, dtypes, the switch) and fits the kernel's rows and K."""
+    k = up_weight.shape[1] if up_weight.dim() == 2 else UP_MIX_MAX_K + 1
+    return gemv.takes_gemv(xn[:, :k], up_weight) and xn.shape[0] <= UP_MIX_ROWS and k <= UP_MIX_MAX_K
 
 
-def up_mix_joined(d: torch.Tensor, up_weight: torch.Tensor, xn: torch.Tensor, hc_count: int,
-                  cols: int = UP_MIX_COLS, num_warps: int = UP_MIX_WARPS) -> torch.Tensor:
-    """The joined kernel's launch: d [T <= UP_MIX_ROWS, K <= UP_MIX_MAX_K] (unit last stride), up_weight
-    [hc * H, K], xn [T, hc * H] -> mixed [T, H]. cols / num_warps: a program's columns and warps
+def up_mix_joined(src: torch.Tensor, up_weight: torch.Tensor, xn: torch.Tensor, hc_count: int,
+                  activate: bool = False, inject: torch.Tensor | None = None, cols: int = UP_MIX_COLS,
+                  num_warps: int = UP_MIX_WARPS) -> torch.Tensor:
+    """The joined kernel's launch -> mixed [T, H]. up_weight [hc * H, K] (K <= UP_MIX_MAX_K), xn
+    [T, hc * H], T <= UP_MIX_ROWS. src: the activated down rows [T, K] (activate False), or the
+    down (| inject) GEMM's raw output [T, K (+ hc)] or its float32 split-K partials [S, T, ...]
+    (activate True: silu(d / hc) computed as loaded); inject [T, hc]: receives 2 sigmoid(i / hc)
+    of the GEMM's columns K.. (activate only). cols / num_warps: a program's columns and warps
     (benchmarks/bench_hc.py sweeps them)."""
-    t, k = d.shape
+    t, k = xn.shape[0], up_weight.shape[1]
     h = up_weight.shape[0] // hc_count
+    split = src.shape[0] if src.dim() == 3 else 0
+    if src.stride(-1) != 1 or (inject is not None and not activate):
+        raise ValueError("up_mix_joined: src needs a unit last stride; inject only with activate")
     mixed = torch.empty((t, h), dtype=xn.dtype, device=xn.device)
     _up_mix_kernel[(triton.cdiv(h, cols),)](
-        d, up_weight, xn, mixed, h, k, d.stride(0), up_weight.stride(0), xn.stride(0), mixed.stride(0),
+        src, up_weight, xn, mixed, inject if inject is not None else mixed, h, k, hc_count, float(hc_count),
+        src.stride(-2), src.stride(0) if split else 0, up_weight.stride(0), xn.stride(0), mixed.stride(0),
+        inject.stride(0) if inject is not None else 0,
         HC=hc_count, HC_POW2=triton.next_power_of_2(hc_count), COLS=cols, BLOCK_K=triton.next_power_of_2(k),
-        ROWS=t, num_warps=num_warps)
+        BLOCK_I=triton.next_power_of_2(hc_count), ROWS=t, SPLIT=split, ACTIVATE=activate,
+        HAS_INJECT=inject is not None, num_warps=num_warps)
     return mixed
 
 
@@ -181,6 +218,12 @@ def hc_step_triton(hyper: torch.Tensor, block_out: torch.Tensor | None, inject: 
             num_warps=8 if block >= 4096 else 4)
     stacked = _stacked(down_weight, inject_weight)
     n_d = down_weight.shape[0]
+    if t and _joins_up_mix(xn, up_weight) and (stacked is not None or inject_weight is None):
+        # decode rows: the activations join the up + mix kernel, which reads the GEMM's output (or
+        # its split-K partials) raw
+        raw = gemv.linear_partials(xn, stacked if stacked is not None else down_weight)
+        i = torch.empty((t, hc_count), dtype=hyper.dtype, device=hyper.device) if stacked is not None else None
+        return new, up_mix_joined(raw, up_weight, xn, hc_count, activate=True, inject=i), i
     src, split = hyper, 0
     if stacked is not None:  # one GEMM for both, then views of its columns
         di = gemv.linear_partials(xn, stacked)
@@ -199,9 +242,8 @@ def hc_step_triton(hyper: torch.Tensor, block_out: torch.Tensor | None, inject: 
                                 src.stride(0) if split else 0, HAS_INJECT=i is not None,
                                 BLOCK=triton.next_power_of_2(n_d), BLOCK_I=triton.next_power_of_2(hc_count),
                                 SPLIT=split, num_warps=4)
-    mixed = _up_mix(d, up_weight, xn, hc_count)
-    if mixed is not None:
-        return new, mixed, i
+    if t and _joins_up_mix(xn, up_weight) and d.stride(-1) == 1:
+        return new, up_mix_joined(d, up_weight, xn, hc_count), i
     u = gemv.linear(d, up_weight)
     mixed = torch.empty((t, h), dtype=hyper.dtype, device=hyper.device)
     if t:
