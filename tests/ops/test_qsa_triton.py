@@ -329,6 +329,9 @@ INTERPRETER_CHECKS = [
     ("sparse_fp8", lambda: check_sparse("cpu", torch.float32, fp8=True, hq=6, hkv=3)),
     ("sparse_head_dim_256", lambda: check_sparse("cpu", torch.float32, hq=4, hkv=1, d=256, m=20, lengths=(30, 12),
                                                  rows_per_seq=1)),
+    # the merge over head-dim blocks (256 = 4 x 64) of 3 splits
+    ("sparse_head_dim_256_splits", lambda: check_sparse("cpu", torch.float32, hq=4, hkv=1, d=256, m=40,
+                                                        lengths=(50, 12), rows_per_seq=1, splits=3, block_n=16)),
     ("sparse_runs_fp32", lambda: check_sparse_runs("cpu", torch.float32)),
     ("sparse_runs_fp16_splits", lambda: check_sparse_runs("cpu", torch.float16, r=2, budget=16, splits=2)),
     ("sparse_runs_prefetch", lambda: check_sparse_runs("cpu", torch.float32, splits=2, prefetch=True)),

@@ -189,10 +189,14 @@ def _merge_kernel(
     out_ptr, lse_ptr, part_o_ptr, part_lse_ptr, key_lens_ptr, cu_q_ptr, seq_ids_ptr, chunk, qlen_max,
     stride_ot, stride_oh, stride_et, stride_eh, stride_pr, stride_ph, stride_ps, stride_lr, stride_lh,
     S_POW2: tl.constexpr, S_BLOCK: tl.constexpr,
-    D: tl.constexpr, D_POW2: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, WRITE_LSE: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SEQ_IDS: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
+    """Program (row, head, c): head-dim columns c * BLOCK_D.. of one query row's head, so a batch-1
+    step merges over rows x heads x D / BLOCK_D programs, not rows x heads (32 for llama-8b); the
+    lse is written by c == 0."""
     prow = tl.program_id(0)
     head = tl.program_id(1)
+    c = tl.program_id(2)
     idx = prow // qlen_max
     j = prow % qlen_max
     if HAS_SEQ_IDS:
@@ -207,9 +211,9 @@ def _merge_kernel(
     s_all = tl.arange(0, S_POW2)
     m = tl.max(tl.load(lse_row + s_all, mask=s_all < n_active, other=float("-inf")), 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # no key anywhere: every weight below is 0
-    d = tl.arange(0, D_POW2)
+    d = c * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < D
-    acc = tl.zeros([D_POW2], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
     w_sum = tl.zeros([S_BLOCK], tl.float32)
     o_row = part_o_ptr + prow.to(tl.int64) * stride_pr + head * stride_ph
     for s0 in range(0, n_active, S_BLOCK):
@@ -225,7 +229,10 @@ def _merge_kernel(
              out.to(out_ptr.dtype.element_ty), mask=d_ok)
     if WRITE_LSE:
         lse = tl.where(total > 0.0, m + tl.log2(tl.where(total > 0.0, total, 1.0)), float("-inf"))
-        tl.store(lse_ptr + (q_start + j).to(tl.int64) * stride_et + head * stride_eh, lse)
+        tl.store(lse_ptr + (q_start + j).to(tl.int64) * stride_et + head * stride_eh, lse, mask=c == 0)
+
+
+MERGE_BLOCK_D = 64  # head-dim columns a merge program adds up
 
 
 def _v_group(cfg: DecodeConfig, block_m: int, d_pow2: int) -> int:
@@ -319,13 +326,14 @@ def paged_decode(
         **({"maxnreg": cap} if (cap := _maxnreg(cfg, block_m, d_pow2)) else {}),
     )
     if not single:
-        _merge_kernel[(rows, hq)](
+        block_d = min(d_pow2, MERGE_BLOCK_D)
+        _merge_kernel[(rows, hq, triton.cdiv(d, block_d))](
             out, lse_t, part_o, part_lse, key_lens, cu_query_lens, ids, chunk, qlen_max,
             out.stride(0), out.stride(1), *es, *ps,
             # One build for every split count (up to MAX_SPLITS): a constexpr that followed the
             # count would compile a new kernel each time a step's batch or context moved it.
             S_POW2=max(MAX_SPLITS, triton.next_power_of_2(num_splits)), S_BLOCK=16,
-            D=d, D_POW2=d_pow2, HAS_SEQ_IDS=seq_ids is not None, WRITE_LSE=lse is not None,
-            num_warps=4 if d >= 128 else 2,
+            D=d, BLOCK_D=block_d, HAS_SEQ_IDS=seq_ids is not None, WRITE_LSE=lse is not None,
+            num_warps=2,
         )
     return out

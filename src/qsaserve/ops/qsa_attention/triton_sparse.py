@@ -137,15 +137,22 @@ def _sparse_kernel(
     tl.store(part_lse_ptr + t.to(tl.int64) * stride_lt + head * stride_lh + split, lse, mask=row_ok)
 
 
+MERGE_BLOCK_D = 64  # head-dim columns a merge program adds up
+
+
 @triton.jit(do_not_specialize=["S", "stride_pt", "stride_ph", "stride_lt", "stride_lh", "stride_oj", "stride_ot",
                                "stride_sj", "stride_st"])
 def _merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, S, HL,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_oj, stride_ot, stride_oh, stride_sj, stride_st, stride_sh,
-    S_POW2: tl.constexpr, D: tl.constexpr, D_POW2: tl.constexpr,
+    S_POW2: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    """Program (t, h, c): row t, head h, head-dim columns c * BLOCK_D..: at a decode step's one row
+    the (t, h) grid alone was 16-32 programs, each reading all splits' partials (~7 us a layer for
+    qwen4exp-small at batch 1, more than the attention itself); the lse is stored by c == 0."""
     t = tl.program_id(0)
     h = tl.program_id(1)
+    c = tl.program_id(2)
     hj = (h // HL).to(tl.int64)  # the output is [J, T, HL, ...]: head h goes to block h // HL (J = 1 unpacked)
     hh = h % HL
     s = tl.arange(0, S_POW2)
@@ -155,14 +162,14 @@ def _merge_kernel(
     m_safe = tl.where(m > float("-inf"), m, 0.0)
     w = tl.where(lses > float("-inf"), tl.exp2(lses - m_safe), 0.0)  # empty splits weigh exactly 0
     total = tl.sum(w, 0)
-    d = tl.arange(0, D_POW2)
+    d = c * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < D
     o = tl.load(part_o_ptr + t.to(tl.int64) * stride_pt + h * stride_ph + s[:, None] * stride_ps + d[None, :],
                 mask=(s_ok & (w > 0.0))[:, None] & d_ok[None, :], other=0.0)
     out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0.0, total, 1.0)
     tl.store(out_ptr + hj * stride_oj + t.to(tl.int64) * stride_ot + hh * stride_oh + d, out, mask=d_ok)
     tl.store(lse_ptr + hj * stride_sj + t.to(tl.int64) * stride_st + hh * stride_sh,
-             tl.where(total > 0.0, m_safe + tl.log2(total), float("-inf")))
+             tl.where(total > 0.0, m_safe + tl.log2(total), float("-inf")), mask=c == 0)
 
 
 @dataclass(frozen=True)
@@ -295,11 +302,12 @@ def sparse_attention_paged_triton(
         dst_o, dst_lse = packed, packed[..., d]
     else:
         dst_o, dst_lse = out[None], lse[None]
-    _merge_kernel[(t, hq)](
+    block_d = min(d_pow2, MERGE_BLOCK_D)
+    _merge_kernel[(t, hq, triton.cdiv(d, block_d))](
         part_o, part_lse, dst_o, dst_lse, s, dst_o.shape[2],
         part_o.stride(0), part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1),
         *dst_o.stride()[:3], *dst_lse.stride(),
-        S_POW2=triton.next_power_of_2(s), D=d, D_POW2=d_pow2, num_warps=4,
+        S_POW2=triton.next_power_of_2(s), D=d, BLOCK_D=block_d, num_warps=4,
     )
     return (packed, None) if pack else (out, lse)
 
