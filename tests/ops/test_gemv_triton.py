@@ -113,8 +113,8 @@ test_triton_kernels_under_interpreter, test_triton_kernels_on_gpu = triton_check
 
 
 def test_dispatch_takes_the_gemv_only_for_decode_rows_on_cuda(monkeypatch):
-    """ops.gemv.linear: CPU tensors take F.linear even when the GEMV is on; on CUDA 1-4 rows of the
-    weight's dtype without a bias take it, other shapes cuBLAS (the wiring in the models runs on
+    """ops.gemv.linear: CPU tensors take F.linear even when the GEMV is on; on CUDA 1-2 rows of the
+    weight's dtype without a bias take it (3-4 rows for narrow weights), other shapes cuBLAS (the wiring in the models runs on
     a GPU: tests/models/test_llama_fused.py)."""
     from qsaserve.ops import gemv as gemv_mod
 
@@ -124,7 +124,13 @@ def test_dispatch_takes_the_gemv_only_for_decode_rows_on_cuda(monkeypatch):
     torch.testing.assert_close(gemv_mod.linear(x, w, torch.ones(4)), torch.nn.functional.linear(x, w, torch.ones(4)))
     monkeypatch.setattr(gemv_mod, "use_triton", lambda t: True)  # as on CUDA
     assert gemv_mod.takes_gemv(x, w) and gemv_mod.takes_gemv(x[:1], w)
-    assert not gemv_mod.takes_gemv(torch.randn(gemv_mod.GEMV_ROWS + 1, 8), w)  # rows not measured, prefill rows
+    # 3-4 rows: narrow weights only (cuBLAS reads wide ones faster); more rows never
+    assert gemv_mod.takes_gemv(torch.randn(gemv_mod.NARROW_ROWS, 8), w)
+    assert not gemv_mod.takes_gemv(torch.randn(gemv_mod.GEMV_ROWS + 1, 8), torch.randn(gemv_mod.NARROW_N + 1, 8))
+    assert not gemv_mod.takes_gemv(torch.randn(gemv_mod.GEMV_ROWS + 1, gemv_mod.NARROW_K + 8),
+                                   torch.randn(4, gemv_mod.NARROW_K + 8))
+    assert gemv_mod.takes_gemv(torch.randn(gemv_mod.GEMV_ROWS, 8), torch.randn(gemv_mod.NARROW_N + 1, 8))
+    assert not gemv_mod.takes_gemv(torch.randn(gemv_mod.NARROW_ROWS + 1, 8), w)  # prefill rows
     assert not gemv_mod.takes_gemv(x.double(), w)  # dtypes differ
     assert not gemv_mod.takes_gemv(x, torch.randn(8, 4).t())  # a strided weight
     assert not gemv_mod.takes_gemv(x[None], w)  # not 2-D

@@ -109,7 +109,8 @@ def _check_one_gemm_for_packed(device):
 
     for t, force_gemv, hc, final in ((3, False, 2, False), (1, True, 2, False), (2, True, 2, False),
                                      (2, True, 3, False), (4, True, 2, False), (2, True, 1, False), (2, True, 2, True)):
-        calls, linear, partials, kernel, takes = [], gemv.linear, gemv.linear_partials, gemv.gemv, gemv.takes_gemv
+        calls, linear, partials, kernel = [], gemv.linear, gemv.linear_partials, gemv.gemv
+        takes, runs = gemv.takes_gemv, gemv.runs_gemv
 
         def counted_linear(x, w, bias=None):
             calls.append(("linear", w.shape[0]))
@@ -136,11 +137,12 @@ def _check_one_gemm_for_packed(device):
             want = hc_step_reference(**case, hc_count=hc, eps=1e-6)
         gemv.linear, gemv.linear_partials, gemv.gemv = counted_linear, counted_partials, counted_gemv
         if force_gemv:
-            gemv.takes_gemv = lambda x, w: x.dim() == 2 and x.shape[0] <= gemv.MAX_ROWS
+            gemv.takes_gemv = gemv.runs_gemv = lambda x, w: x.dim() == 2 and x.shape[0] <= gemv.MAX_ROWS
         try:
             got = triton_hc.hc_step_triton(**on, hc_count=hc, eps=1e-6)
         finally:
-            gemv.linear, gemv.linear_partials, gemv.gemv, gemv.takes_gemv = linear, partials, kernel, takes
+            gemv.linear, gemv.linear_partials, gemv.gemv = linear, partials, kernel
+            gemv.takes_gemv, gemv.runs_gemv = takes, runs
         n = 8 if final else 8 + hc
         if force_gemv:  # down | inject's partials unsummed (3-D); up + mix joined: no up GEMM call
             assert calls == [("partials", n), ("gemv", n, 3 if h * hc >= 2048 else 2)], calls

@@ -288,7 +288,7 @@ def check_topk(device, n=300, k=24, rows=5, tile=64, seed=3, split=False, rank=F
 
 
 def test_topk_dispatch_by_row_width(monkeypatch):
-    """topk_indices: ranks while rows x N^2 <= RANK_MAX_COMPARES, else one program per row up to
+    """topk_indices: ranks while rows x N^2 <= RANK_MAX_COMPARES (N <= RANK_MAX_GROUPS), else one program per row up to
     RADIX_MAX_GROUPS groups or from RADIX_MIN_ROWS rows, the split kernel for few wider rows (see
     triton_topk.py); all give torch.topk's indices."""
     from qsaserve.ops.qsa_indexer import triton_topk as tt
@@ -297,7 +297,8 @@ def test_topk_dispatch_by_row_width(monkeypatch):
     monkeypatch.setattr(tt, "topk_indices_rank", lambda keys, k, **kw: calls.append(("rank", keys.shape)) or torch.topk(keys, k).indices)
     few = torch.arange(2 * 2048).view(2, 2048)
     assert torch.equal(tt.topk_indices(few, 5), torch.topk(few, 5).indices)
-    assert calls == [("rank", few.shape)] and not tt.rank_takes(33, 2048) and tt.rank_takes(32, 2048)
+    assert calls == [("rank", few.shape)] and tt.rank_takes(8, 2250) and not tt.rank_takes(16, 2250)
+    assert tt.rank_takes(2, 4096) and not tt.rank_takes(1, 4097)
     calls.clear()
     monkeypatch.setattr(tt, "RANK_MAX_COMPARES", 0)
     monkeypatch.setattr(tt, "topk_indices_triton", lambda keys, k, **kw: calls.append(("one", keys.shape)) or torch.topk(keys, k).indices)

@@ -3,8 +3,8 @@ the FP8 GEMV's program over plain weights) beside its torch reference, and the o
 plain projection goes through (`linear`): the kernel for up to GEMV_ROWS rows of a CUDA tensor
 without a bias when it is on, else F.linear (cuBLAS). On unless QSASERVE_TRITON_GEMV=0 (read at
 import; tests flip `ENABLED`), from benchmarks/bench_gemv.py and `qsaserve bench latency` on an
-H200 (docs/benchmarks.md) at 1 and 2 rows; 3-4 rows (batches of 3-4, a batch-1 MTP3 verify)
-keep cuBLAS until measured."""
+H200 (docs/benchmarks.md) at 1 and 2 rows; at 3-4 rows (batches of 3-4, a batch-1 MTP3 verify)
+only the narrow projections, where cuBLAS was measured slower."""
 from __future__ import annotations
 
 import os
@@ -21,14 +21,28 @@ except ImportError:
     gemv, MAX_ROWS = None, 0
 
 ENABLED = os.environ.get("QSASERVE_TRITON_GEMV", "1") != "0" and gemv is not None
-GEMV_ROWS = min(2, MAX_ROWS)  # the row counts the H200 measurements cover
+GEMV_ROWS = min(2, MAX_ROWS)  # rows every shape takes the GEMV at
+# At 3-4 rows only narrow projections do: cuBLAS's small-row kernels read them slowly, the wide
+# ones it reads faster than the GEMV (bench_gemv.py --rows 3,4 on an H200,
+# gemv_decode_rows34_h200_2026-12-06_829651f.json: qwen4exp-small's MoE input projection,
+# 1,793 x 2,048, 5.7 us against 11.5-23.1; llama-8b's gate_up 73.6 against 57.1)
+NARROW_ROWS, NARROW_N, NARROW_K = min(4, MAX_ROWS), 2048, 2560
+
+
+def runs_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The Triton GEMV can compute x @ weight^T: it is on, the kernels are (ops.dispatch), x holds
+    1 to MAX_ROWS rows in weight's dtype and weight has a unit last stride."""
+    return (ENABLED and use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS
+            and weight.dim() == 2 and weight.stride(-1) == 1 and x.dtype == weight.dtype)
 
 
 def takes_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """x @ weight^T runs the Triton GEMV: it is on, the kernels are (ops.dispatch), x holds 1 to
-    GEMV_ROWS rows in weight's dtype and weight has a unit last stride."""
-    return (ENABLED and use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= GEMV_ROWS
-            and weight.dim() == 2 and weight.stride(-1) == 1 and x.dtype == weight.dtype)
+    """x @ weight^T takes the Triton GEMV: runs_gemv, and x holds up to GEMV_ROWS rows, or up to
+    NARROW_ROWS for a weight of at most NARROW_N x NARROW_K."""
+    if not runs_gemv(x, weight):
+        return False
+    rows, (n, k) = x.shape[0], weight.shape
+    return rows <= GEMV_ROWS or (rows <= NARROW_ROWS and n <= NARROW_N and k <= NARROW_K)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,4 +70,5 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return linear(fused.silu_mul(gate_up), weight)
 
 
-__all__ = ["GEMV_ROWS", "MAX_ROWS", "gemv", "linear", "linear_partials", "silu_mul_linear", "takes_gemv"]
+__all__ = ["GEMV_ROWS", "MAX_ROWS", "NARROW_ROWS", "gemv", "linear", "linear_partials", "runs_gemv", "silu_mul_linear",
+           "takes_gemv"]

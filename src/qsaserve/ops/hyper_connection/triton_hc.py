@@ -148,15 +148,20 @@ def _up_mix_kernel(src_ptr, w_ptr, xn_ptr, mixed_ptr, inj_ptr, H, K, n_i, hc_f,
 
 UP_MIX_ROWS = 4  # rows the joined up + mix kernel serves (the GEMV's rows, ops.gemv.takes_gemv, up to these)
 UP_MIX_MAX_K = 1024  # hc_lowrank it holds in one tile (the real model's 320)
-UP_MIX_COLS = 4  # block-input columns a program: 512 programs at H = 2,048, each HC x 4 weight rows
-UP_MIX_WARPS = 4
+# block-input columns and warps a program: 1,024 programs at H = 2,048, each HC x 2 weight rows
+# (benchmarks/bench_hc.py on an H200, bench_hc_h200_2026-12-06_829651f.json: qwen4exp-small's
+# 5.2 MB up weight in 4.15 / 4.55 / 5.89 us at 1 / 2 / 4 rows against 4.13 / 5.35 / 7.94 at 4
+# columns over 4 warps and the unjoined up GEMV + mix kernel's 6.03 / 7.33 / 8.81)
+UP_MIX_COLS = 2
+UP_MIX_WARPS = 1
 
 
 def _joins_up_mix(xn: torch.Tensor, up_weight: torch.Tensor) -> bool:
-    """Whether the up projection takes the joined kernel: it would take the GEMV (ops.gemv.takes_gemv:
-    its rows, dtypes, the switch) and fits the kernel's rows and K."""
+    """Whether the up projection takes the joined kernel: the GEMV could run it (ops.gemv.runs_gemv:
+    dtypes, device, the switch) and it fits the kernel's rows and K (at 3-4 rows too, where a
+    plain GEMV of this shape loses to cuBLAS but the joined kernel beats cuBLAS + the mix)."""
     k = up_weight.shape[1] if up_weight.dim() == 2 else UP_MIX_MAX_K + 1
-    return gemv.takes_gemv(xn[:, :k], up_weight) and xn.shape[0] <= UP_MIX_ROWS and k <= UP_MIX_MAX_K
+    return gemv.runs_gemv(xn[:, :k], up_weight) and xn.shape[0] <= UP_MIX_ROWS and k <= UP_MIX_MAX_K
 
 
 def up_mix_joined(src: torch.Tensor, up_weight: torch.Tensor, xn: torch.Tensor, hc_count: int,

@@ -26,8 +26,9 @@ Few rows of few groups (a decode step's selection: 1-2 K groups a row at 4-8K co
 third form, topk_indices_rank: a visible key's place in the descending order is the count of
 keys above it (keys of visible groups are distinct), so programs over (row, 64 groups) count
 ranks against the row's visible keys and store each kept group at its rank: one launch, no
-sort, the row spread over N / 64 programs (a single program per row took ~37 us at 2K groups).
-Its work grows with N^2 a row, so it serves rows x N^2 <= RANK_MAX_COMPARES.
+sort, the row spread over N / 64 programs (in a qwen4exp-small batch-1 step at 8K context: 13 us
+a layer, where one program per row took 37). Its work grows with N^2 a row, so it serves rows x
+N^2 <= RANK_MAX_COMPARES up to RANK_MAX_GROUPS groups.
 
 Reference: `torch.topk(keys, k, dim=1).indices` (see tests/ops/test_qsa_triton.py).
 """
@@ -49,7 +50,12 @@ MAX_K = 4096
 # grows with the rows (atomics on one histogram per row).
 RADIX_MAX_GROUPS = 4096
 RADIX_MIN_ROWS = 256  # about two programs per SM
-RANK_MAX_COMPARES = 1 << 27  # rows x N^2 key comparisons the rank form takes (N = 2,048: 32 rows)
+# rows x N^2 key comparisons the rank form takes, and its widest rows (bench_qsa.py --topk-only on
+# an H200, bench_topk_h200_2026-12-06_829651f.json: at 2,250 groups ranks took 12.3 / 15.5 / 29.4 us
+# at 1 / 8 / 16 rows against the radix select's 18.3; at 4,096 groups 21.8 / 53.4 us at 2 / 8 rows
+# against 29.3; at 8,192 groups 41 us at 1 row, the split rows 31.7)
+RANK_MAX_COMPARES = 40 << 20
+RANK_MAX_GROUPS = 4096
 RANK_TILE = 64  # groups a rank program places
 RANK_SCAN = 256  # keys it compares them with at a time
 
@@ -257,7 +263,7 @@ def _sort_kernel(scratch_ptr, count_ptr, out_ptr, K, stride_sb, stride_ob, K_POW
 
 def rank_takes(rows: int, groups: int) -> bool:
     """Whether topk_indices gives rows x groups keys to the rank form."""
-    return rows * groups * groups <= RANK_MAX_COMPARES
+    return groups <= RANK_MAX_GROUPS and rows * groups * groups <= RANK_MAX_COMPARES
 
 
 def topk_forms(groups: int) -> list:
@@ -389,5 +395,5 @@ def _without_kernel(keys: torch.Tensor, k: int) -> torch.Tensor | None:
     return None
 
 
-__all__ = ["MAX_K", "RADIX_MAX_GROUPS", "RADIX_MIN_ROWS", "RANK_MAX_COMPARES", "rank_takes", "topk_forms", "topk_indices",
+__all__ = ["MAX_K", "RADIX_MAX_GROUPS", "RADIX_MIN_ROWS", "RANK_MAX_COMPARES", "RANK_MAX_GROUPS", "rank_takes", "topk_forms", "topk_indices",
            "topk_indices_rank", "topk_indices_split", "topk_indices_triton"]
