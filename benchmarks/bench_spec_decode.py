@@ -41,7 +41,7 @@ import torch
 from qsaserve import SamplingParams
 from qsaserve.bench.common import emit_report, provenance
 from qsaserve.config import EngineConfig
-from qsaserve.engine.draft_policy import RETIRE_INTERVAL, DraftPolicy
+from qsaserve.engine.draft_policy import RETIRE_AFTER, DraftPolicy
 from qsaserve.engine.llm_engine import LLMEngine
 from qsaserve.engine.profiling import summarize_events
 
@@ -133,7 +133,7 @@ def auto_steps(engine: LLMEngine, steps: int, rng: random.Random, warm_up: int =
     spec, vocab, k = engine.spec, engine.vocab_size, max(KS)
     spec.verify_launch = type(spec).verify_launch.__get__(spec)  # the real verify, not the forced acceptance
     spec.room = type(spec).room.__get__(spec)
-    spec.policy = DraftPolicy(on_decision=spec._count_decision, retire_interval=RETIRE_INTERVAL)  # the engine's
+    spec.policy = DraftPolicy(on_decision=spec._count_decision, retire_after=RETIRE_AFTER)  # the engine's
     if not spec.model_drafts:
         propose = type(spec).propose
 

@@ -236,33 +236,47 @@ def test_under_async_scheduling_plain_and_verify_times_are_of_synchronous_steps(
     assert llm.engine.spec.stats.fallback_steps > 0
 
 
-def test_retires_once_probes_confirmed_plain_steps_up_to_the_retire_interval():
-    """retires(): in a step that decided plain (never in a probe), once the bucket's probes have
-    confirmed plain steps until its interval reached retire_interval; never while verifying
-    pays, nor without a retire_interval."""
-    def run(verify, retire_interval, steps=80):
-        clock = StepClock(plain=1.0, verify=verify)
-        policy = DraftPolicy(clock, probe_interval=4, max_probe_interval=32, retire_interval=retire_interval)
-        retired, drafting = [], True
+def test_retires_once_probes_in_a_row_confirmed_plain_steps():
+    """retires(): in a step that decided plain (never in a probe), once the bucket's last
+    retire_after probes in a row confirmed plain steps; never while verifying pays, nor without
+    retire_after, nor when a bucket settled for drafting turns to plain steps between probes (a
+    slow verify step): that turn starts the count of confirming probes anew."""
+    def run(clock, policy, steps, retired, drafting=True):
         for i in range(steps):
             policy.step_started(8, True, drafting)
             clock.now += clock.verify if drafting else clock.plain
             drafting = policy.allows()
             if policy.retires():
-                assert not drafting and policy.buckets[8].interval >= 16
+                assert not drafting and policy.buckets[8].plain_confirmed >= policy.retire_after
                 retired.append(i)
             policy.step_finished()
-        return retired
+        return drafting
 
-    retired = run(verify=50.0, retire_interval=16)
-    # probes after 4 and 8 decisions confirmed plain steps (interval 4 -> 8 -> 16): every plain
-    # decision from then on retires, except the probes (every 16 decisions) and the decisions
-    # that see their times
+    def fresh(verify, retire_after):
+        clock = StepClock(plain=1.0, verify=verify)
+        return clock, DraftPolicy(clock, probe_interval=4, max_probe_interval=32, retire_after=retire_after)
+
+    clock, policy = fresh(50.0, 2)
+    retired = []
+    run(clock, policy, 80, retired)
+    # probes after 4 and 8 decisions confirmed plain steps: every plain decision from then on
+    # retires, except the probes (every 16 decisions, then 32) and the decisions that see their times
     assert retired and retired[0] > 4 + 8 and len(retired) >= 80 - retired[0] - 2 * 4
-    assert run(verify=50.0, retire_interval=None) == [] and run(verify=0.5, retire_interval=16) == []
-    for bad in (4, 33):
-        with pytest.raises(ValueError, match="retire_interval"):
-            DraftPolicy(probe_interval=4, max_probe_interval=32, retire_interval=bad)
+    for verify, retire_after in ((50.0, None), (0.5, 2)):
+        clock, policy = fresh(verify, retire_after)
+        retired = []
+        run(clock, policy, 80, retired)
+        assert retired == []
+    # settled for drafting (the interval at its maximum), then verify steps slow down: plain steps
+    # are preferred at once, but nothing retires before two probes confirmed them
+    clock, policy = fresh(0.5, 2)
+    drafting = run(clock, policy, 120, retired := [])
+    assert policy.buckets[8].interval == 32 and drafting
+    clock.verify = 50.0
+    run(clock, policy, 20, retired, drafting)
+    assert retired == [] and policy.buckets[8].preferred is False
+    with pytest.raises(ValueError, match="retire_after"):
+        DraftPolicy(retire_after=0)
 
 
 def test_engine_retires_sequences_whose_drafting_never_pays(hf_llama):
@@ -278,7 +292,7 @@ def test_engine_retires_sequences_whose_drafting_never_pays(hf_llama):
     spec, eng = llm.engine.spec, llm.engine
     policy = spec.policy
     clock = StepClock(plain=1.0, verify=50.0)
-    policy.clock, policy.probe_interval, policy.max_probe_interval, policy.retire_interval = clock, 4, 16, 8
+    policy.clock, policy.probe_interval, policy.max_probe_interval, policy.retire_after = clock, 4, 16, 1
     started = policy.step_started
 
     def timed(num_seqs, all_decode, drafted):

@@ -26,12 +26,14 @@ target's), so it changes speed only.
 A plain step of a speculating engine still costs more than one without speculation: its sequences
 run synchronously (their next drafts need their tokens on the host) and the MTP head keeps its
 pages current (its catch-up rows). `retires()` says when a bucket has settled against drafting:
-the step decided plain and the bucket's probes have confirmed that until its interval reached
-`retire_interval`. The engine then retires the step's sequences (engine/spec_decode.py): they
-never draft again, so their steps overlap under async scheduling and the head skips their rows,
-and the step costs what decoding without speculation costs. A retired sequence's head pages go
-stale, so it cannot draft later even if drafting would pay again; sequences that arrive in a
-bucket that has not settled draft as before.
+the step decided plain and the bucket's last `retire_after` probes in a row each confirmed plain
+steps (a preference that turns, at a probe or not, starts the count again). The engine then
+retires those of the step's sequences that ran through that many confirming probes themselves
+(`plain_confirmations` counts them over all buckets; engine/spec_decode.py): they never draft
+again, so their steps overlap under async scheduling and the head skips their rows, and the step
+costs what decoding without speculation costs. A retired sequence's head pages go stale, so it
+cannot draft later even if drafting would pay again; a sequence that arrives later takes part in
+the bucket's next probes, so drafting comes back where it pays again.
 
 One batch size defines the bucket of a time and of a decision: the number of sequences a step runs (its scheduled
 chunks, given to step_started). A step's time goes to that bucket, and the decision made in the
@@ -50,7 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 
-RETIRE_INTERVAL = 128  # the engine's: two probes in a row (after 32 and 64 decisions) confirmed plain steps
+RETIRE_AFTER = 2  # the engine's: two probes in a row (after 32 and 64 decisions) confirmed plain steps
 
 
 @dataclass
@@ -63,6 +65,8 @@ class BucketCost:
     since_probe: int = 0  # decisions since this bucket last took the kind it does not prefer
     interval: int = 0  # decisions between its probes (0: the policy's probe_interval)
     probed: bool | None = None  # the preference when it last probed, until a decision sees the probe's time
+    preferred: bool | None = None  # the preference at the last decision (True: drafts)
+    plain_confirmed: int = 0  # probes in a row that confirmed plain steps, since the preference last turned
     plain_step: int = -2  # the policy's step that was last timed as each kind
     verify_step: int = -2
 
@@ -75,23 +79,23 @@ def batch_bucket(num_seqs: int) -> int:
 class DraftPolicy:
     def __init__(self, clock: Callable[[], float] = time.perf_counter, probe_interval: int = 32,
                  smoothing: float = 0.3, on_decision: Callable[[bool], None] | None = None,
-                 max_probe_interval: int = 512, retire_interval: int | None = None):
+                 max_probe_interval: int = 512, retire_after: int | None = None):
         """clock: seconds (injected by tests); on_decision(drafts): called once per step decided.
-        retire_interval: the probe interval at which a bucket settled against drafting retires
-        its sequences (retires(); None: never; the engine's is RETIRE_INTERVAL)."""
+        retire_after: probes in a row confirming plain steps after which a bucket's sequences
+        retire (retires(); None: never; the engine's is RETIRE_AFTER)."""
         if probe_interval < 2:
             raise ValueError(f"probe_interval: must be >= 2, got {probe_interval}")
         if max_probe_interval < probe_interval:
             raise ValueError(f"max_probe_interval: must be >= probe_interval ({probe_interval}), got {max_probe_interval}")
-        if retire_interval is not None and not probe_interval < retire_interval <= max_probe_interval:
-            raise ValueError(f"retire_interval: must be in ({probe_interval}, {max_probe_interval}] (probe_interval, "
-                             f"max_probe_interval] or None, got {retire_interval}")
-        self.max_probe_interval, self.retire_interval = max_probe_interval, retire_interval
+        if retire_after is not None and retire_after < 1:
+            raise ValueError(f"retire_after: must be >= 1 or None, got {retire_after}")
+        self.max_probe_interval, self.retire_after = max_probe_interval, retire_after
         if not 0 < smoothing <= 1:
             raise ValueError(f"smoothing: must be in (0, 1], got {smoothing}")
         self.clock, self.probe_interval, self.smoothing = clock, probe_interval, smoothing
         self.on_decision = on_decision
         self.buckets: dict[int, BucketCost] = {}
+        self.plain_confirmations = 0  # probes that confirmed plain steps, over every bucket
         self.gain: float | None = None  # over every bucket (reported; decisions use the bucket's own)
         self._gain_step = -2
         self._step = 0
@@ -149,13 +153,13 @@ class DraftPolicy:
 
     def retires(self) -> bool:
         """Whether the current step's sequences stop drafting for good: this step decided against
-        drafts (not a probe), and the bucket's probes confirmed that preference until its interval
-        reached retire_interval."""
-        if self.retire_interval is None or self._decided != (self._step, False):
+        drafts (not a probe), and the bucket's last retire_after probes in a row confirmed plain
+        steps."""
+        if self.retire_after is None or self._decided != (self._step, False):
             return False
         cost = self.buckets.get(batch_bucket(self._num_seqs))
-        return (cost is not None and cost.probed is None and cost.interval >= self.retire_interval
-                and self.pays(batch_bucket(self._num_seqs)) is False)
+        return (cost is not None and cost.probed is None and cost.preferred is False
+                and cost.plain_confirmed >= self.retire_after)
 
     def pays(self, bucket: int) -> bool | None:
         """Whether verify steps out-emit plain ones at this bucket (None: not both timed yet)."""
@@ -170,11 +174,17 @@ class DraftPolicy:
         if cost.plain is None:
             return False
         pays = cost.gain * cost.plain >= cost.verify
+        if pays != cost.preferred:  # the preference turned (at a probe or not): count plain probes anew
+            cost.plain_confirmed = 0
+        cost.preferred = pays
         cost.since_probe += 1
         interval = cost.interval or self.probe_interval
         # A probe's step is timed after the decision made in it: the next one sees its time.
         if cost.probed is not None and cost.since_probe == 2:
             interval = min(2 * interval, self.max_probe_interval) if pays == cost.probed else self.probe_interval
+            if pays == cost.probed and not pays:
+                cost.plain_confirmed += 1
+                self.plain_confirmations += 1
             cost.interval, cost.probed = interval, None
         if cost.since_probe >= interval:
             cost.since_probe = 0

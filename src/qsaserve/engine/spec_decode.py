@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from qsaserve.engine.block_manager import BlockManager, StateSnapshotPlan
-from qsaserve.engine.draft_policy import RETIRE_INTERVAL, DraftPolicy
+from qsaserve.engine.draft_policy import RETIRE_AFTER, DraftPolicy
 from qsaserve.engine.batch import PLACEHOLDER_TOKEN, TokenFeed
 from qsaserve.engine.mtp_drafter import DeferredDrafts, MtpDraftRequest, full_request, uniform_step_rows
 from qsaserve.engine.ngram_proposer import propose_ngram
@@ -83,10 +83,13 @@ class SpecDecoder:
         # The head's drafts of the last step, still on the device: (drafts, sequence -> (its batch
         # index then, its placeholder list)); defer_drafts / draft_feed / resolve_drafts.
         self._pending: tuple[DeferredDrafts, dict[Sequence, tuple[int, list[int]]]] | None = None
-        self.policy = (DraftPolicy(on_decision=self._count_decision, retire_interval=RETIRE_INTERVAL)
+        self.policy = (DraftPolicy(on_decision=self._count_decision, retire_after=RETIRE_AFTER)
                        if config.disable_when_slower else None)
-        # Sequences the fallback retired (draft_policy.retires): they never draft again.
+        # Sequences the fallback retired (draft_policy.retires): they never draft again; and each
+        # running sequence's policy.plain_confirmations when it first ran (it retires once that
+        # many more confirmed plain steps while it ran).
         self._retired: weakref.WeakSet[Sequence] = weakref.WeakSet()
+        self._confirmations_at_start: weakref.WeakKeyDictionary[Sequence, int] = weakref.WeakKeyDictionary()
         self._step_seqs: list[Sequence] = []
         self.model_drafts = config.method == "mtp"
         # align_drafts acts only where a uniform verify replays a CUDA graph (verify_graphs: the
@@ -163,19 +166,23 @@ class SpecDecoder:
     def begin_step(self, chunks: list[ScheduledChunk]) -> None:
         self._step_seqs = [c.seq for c in chunks]
         if self.policy is not None:
+            for seq in self._step_seqs:
+                self._confirmations_at_start.setdefault(seq, self.policy.plain_confirmations)
             self.policy.step_started(len(chunks), all(c.num_new_tokens == c.num_drafts + 1 for c in chunks),
                                      any(c.num_drafts for c in chunks))
 
     def end_step(self) -> None:
         """After the step's tokens are appended and the next drafts made (none, where the policy
-        retires the step's sequences)."""
-        if self.policy is not None:
-            if self.policy.retires():
+        retires the step's sequences: those that ran through retire_after confirming probes)."""
+        policy = self.policy
+        if policy is not None:
+            if policy.retires():
                 for seq in self._step_seqs:
-                    if not seq.is_finished and seq not in self._retired:
+                    seen = policy.plain_confirmations - self._confirmations_at_start.get(seq, policy.plain_confirmations)
+                    if not seq.is_finished and seq not in self._retired and seen >= policy.retire_after:
                         self._retired.add(seq)
                         self.stats.retired += 1
-            self.policy.step_finished()
+            policy.step_finished()
         self._step_seqs = []
 
     def _count_decision(self, drafts: bool) -> None:

@@ -431,7 +431,7 @@ def test_retired_sequences_skip_the_heads_rows_and_keep_their_tokens(checkpoint)
     llm = engine(path, 2, speculative_config={"method": "mtp", "num_speculative_tokens": 2, "disable_when_slower": True})
     spec = llm.engine.spec
     policy, clock = spec.policy, types.SimpleNamespace(now=0.0, plain=1.0, verify=50.0)  # seconds a step
-    policy.clock, policy.probe_interval, policy.max_probe_interval, policy.retire_interval = (lambda: clock.now), 4, 16, 8
+    policy.clock, policy.probe_interval, policy.max_probe_interval, policy.retire_after = (lambda: clock.now), 4, 16, 1
     started, right_after, request = policy.step_started, spec.head_right_after, spec.mtp_request
     head_rows = []  # per head call: (retired so far, rows it ran)
 
