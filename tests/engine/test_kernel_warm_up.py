@@ -109,7 +109,7 @@ def test_startup_steps_leave_serving_unchanged():
     runner = executor.runner
     batches = warm_up_batches(runner.max_model_len, executor.num_kv_blocks, runner.kv_spec.block_size,
                               runner.config.token_budget, runner.config.max_num_seqs)
-    assert [len(b.query_lens) for b in batches] == [1, 1, 4, 1, 2, 4, 19, 20, 20]
+    assert [len(b.query_lens) for b in batches] == [1, 1, 4, 1, 2, 3, 4, 19, 20, 20]
     for batch in batches:
         assert torch.isfinite(runner._execute_eager(batch)).all()
     assert all(layer.warm_up(torch.float32) == 0 for layer in runner.attention_layers)  # CPU: no kernels to build

@@ -35,7 +35,9 @@ def test_warm_up_runs_one_chunked_call_per_l2norm_bucket(monkeypatch):
     monkeypatch.setattr(delta_rule, "gated_delta_rule",
                         lambda q, k, v, g, beta, state, cu, single_token, lengths: calls.append(
                             (q.shape, v.shape, state.shape, cu.tolist(), single_token, lengths)))
+    monkeypatch.setattr(delta_rule, "_WARMED", set())
     assert delta_rule.warm_up_chunked(16, 32, 128, 64, torch.float32, torch.device("cpu"), 10000) == 3
+    assert delta_rule.warm_up_chunked(16, 32, 128, 64, torch.float32, torch.device("cpu"), 10000) == 0  # once a shape
     assert [c[3][1] for c in calls] == [1, 4097, 8193]  # 16 x 4,097 rows: bucket 2; 16 x 8,193: bucket 3
     assert calls[1][:3] == ((1, 4097, 16, 128), (1, 4097, 32, 64), (1, 32, 128, 64)) and not calls[1][4]
     calls.clear()

@@ -11,7 +11,8 @@ def warm_up_batches(max_model_len: int, num_blocks: int, block_size: int, token_
     """The startup steps of ModelRunner._warm_up_steps: fresh prompts of 64 and 37 tokens, a
     17-token chunk at the longest context the cache and the step hold beside decode rows at short
     and long contexts, decode batches of 1, 2 (the FP8 GEMVs' rows; their joined forms are built
-    by steps only: they need the pages), 4 (the plain GEMV's most, at narrow projections) and both sides of a multiple of 16 (Triton specializes
+    by steps only: they need the pages), 3 and 4 (the plain GEMV's most at narrow projections; the
+    joined hyper-connection kernel builds per row count) and both sides of a multiple of 16 (Triton specializes
     integer arguments on it) up to max_num_seqs at a short context, and the largest at the
     longest."""
     longest = max(2, min(max_model_len, (num_blocks - 1) * block_size, token_budget))
@@ -20,7 +21,7 @@ def warm_up_batches(max_model_len: int, num_blocks: int, block_size: int, token_
              [(longest, min(17, longest)), (max(1, longest // 2), 1), (min(longest, block_size + 1), 1),
               (min(longest, 5), 1)]]
     steps += [[(min(longest, 64), 1)] * n
-              for n in sorted({1, min(2, decodes), min(4, decodes), max(1, decodes - 1), decodes})]
+              for n in sorted({1, min(2, decodes), min(3, decodes), min(4, decodes), max(1, decodes - 1), decodes})]
     steps.append([(longest, 1)] * decodes)
     return [_warm_up_batch(step, block_size) for step in steps]
 
