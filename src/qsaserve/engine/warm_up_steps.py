@@ -11,10 +11,10 @@ def warm_up_batches(max_model_len: int, num_blocks: int, block_size: int, token_
     """The startup steps of ModelRunner._warm_up_steps: fresh prompts of 64 and 37 tokens, a
     17-token chunk at the longest context the cache and the step hold beside decode rows at short
     and long contexts, decode batches of 1, 2 (the FP8 GEMVs' rows; their joined forms are built
-    by steps only: they need the pages), 3 and 4 (the plain GEMV's most at narrow projections; the
-    joined hyper-connection kernel builds per row count) and both sides of a multiple of 16 (Triton specializes
-    integer arguments on it) up to max_num_seqs at a short context, and the largest at the
-    longest."""
+    by steps only: they need the pages), 3 and 4 (the plain GEMV's most at narrow projections;
+    the joined hyper-connection kernel builds per row count) and both sides of a multiple of 16
+    (Triton specializes integer arguments on it) up to max_num_seqs at a short context, and the
+    largest at the longest."""
     longest = max(2, min(max_model_len, (num_blocks - 1) * block_size, token_budget))
     decodes = min(max_num_seqs, token_budget)
     steps = [[(min(longest, 64), min(longest, 64))], [(min(longest, 37), min(longest, 37))],
