@@ -330,7 +330,7 @@ def test_kernels_compile_for_hopper():
                    V_ASM=asm))
     build(decode_triton._merge_kernel, {"out_ptr": "*fp32", "lse_ptr": "*fp32", "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32",
                              "key_lens_ptr": "*i32", "cu_q_ptr": "*i32", "seq_ids_ptr": "*i32"},
-          dict(S_POW2=128, S_BLOCK=16, D=128, D_POW2=128, HAS_SEQ_IDS=False, WRITE_LSE=True))
+          dict(S_POW2=128, S_BLOCK=16, D=128, BLOCK_D=64, HAS_SEQ_IDS=False, WRITE_LSE=True))
     build(prefill_triton._prefill_kernel, {**page_args, "q_ptr": "*bf16", "cache_ptr": "*fp8e4nv", "tiles_ptr": "*i32",
                                "out_ptr": "*fp32"},
           dict(G=4, BLOCK_M=128, BLOCK_N=64, D=80, D_POW2=128, PAGE=16, IS_FP8=True, WRITE_LSE=True, DCP_SIZE=2, DCP_I=1))
