@@ -164,10 +164,11 @@ class SpecDecoder:
 
     # ---- the step's timing (the automatic fallback, draft_policy.py) ----
     def begin_step(self, chunks: list[ScheduledChunk]) -> None:
-        self._step_seqs = [c.seq for c in chunks]
         if self.policy is not None:
-            for seq in self._step_seqs:
-                self._confirmations_at_start.setdefault(seq, self.policy.plain_confirmations)
+            if self.policy.retire_after is not None:  # what retirement needs at end_step
+                self._step_seqs = [c.seq for c in chunks]
+                for seq in self._step_seqs:
+                    self._confirmations_at_start.setdefault(seq, self.policy.plain_confirmations)
             self.policy.step_started(len(chunks), all(c.num_new_tokens == c.num_drafts + 1 for c in chunks),
                                      any(c.num_drafts for c in chunks))
 
@@ -178,7 +179,7 @@ class SpecDecoder:
         if policy is not None:
             if policy.retires():
                 for seq in self._step_seqs:
-                    seen = policy.plain_confirmations - self._confirmations_at_start.get(seq, policy.plain_confirmations)
+                    seen = policy.plain_confirmations - self._confirmations_at_start[seq]
                     if not seq.is_finished and seq not in self._retired and seen >= policy.retire_after:
                         self._retired.add(seq)
                         self.stats.retired += 1

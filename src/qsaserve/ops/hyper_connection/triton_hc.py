@@ -146,7 +146,7 @@ def _up_mix_kernel(src_ptr, w_ptr, xn_ptr, mixed_ptr, inj_ptr, H, K, n_i, hc_f,
             tl.store(inj_ptr + r * stride_i + j, (2.0 * sig).to(dt), mask=j_ok)
 
 
-UP_MIX_ROWS = 4  # rows the joined up + mix kernel serves (the GEMV's rows, ops.gemv.takes_gemv, up to these)
+UP_MIX_ROWS = 4  # decode rows the joined up + mix kernel serves (ops.gemv.MAX_ROWS)
 UP_MIX_MAX_K = 1024  # hc_lowrank it holds in one tile (the real model's 320)
 # block-input columns and warps a program: 1,024 programs at H = 2,048, each HC x 2 weight rows
 # (benchmarks/bench_hc.py on an H200, bench_hc_h200_2026-12-06_829651f.json: qwen4exp-small's
@@ -223,7 +223,8 @@ def hc_step_triton(hyper: torch.Tensor, block_out: torch.Tensor | None, inject: 
             num_warps=8 if block >= 4096 else 4)
     stacked = _stacked(down_weight, inject_weight)
     n_d = down_weight.shape[0]
-    if t and _joins_up_mix(xn, up_weight) and (stacked is not None or inject_weight is None):
+    joins = bool(t) and _joins_up_mix(xn, up_weight)
+    if joins and (stacked is not None or inject_weight is None):
         # decode rows: the activations join the up + mix kernel, which reads the GEMM's output (or
         # its split-K partials) raw
         raw = gemv.linear_partials(xn, stacked if stacked is not None else down_weight)
@@ -247,7 +248,7 @@ def hc_step_triton(hyper: torch.Tensor, block_out: torch.Tensor | None, inject: 
                                 src.stride(0) if split else 0, HAS_INJECT=i is not None,
                                 BLOCK=triton.next_power_of_2(n_d), BLOCK_I=triton.next_power_of_2(hc_count),
                                 SPLIT=split, num_warps=4)
-    if t and _joins_up_mix(xn, up_weight) and d.stride(-1) == 1:
+    if joins and d.stride(-1) == 1:  # separate down and inject weights: d activated above
         return new, up_mix_joined(d, up_weight, xn, hc_count), i
     u = gemv.linear(d, up_weight)
     mixed = torch.empty((t, h), dtype=hyper.dtype, device=hyper.device)
